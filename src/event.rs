@@ -1,0 +1,1 @@
+//! Event timelines (placeholder, being written).

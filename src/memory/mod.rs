@@ -1,0 +1,1 @@
+//! Slab pools (placeholder, being written).

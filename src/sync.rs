@@ -1,0 +1,1 @@
+//! Synchronisation shim (placeholder, being written).
