@@ -158,7 +158,9 @@ pub enum Error {
         writer: StreamId,
     },
     /// A device's memory limit would be exceeded.
-    #[error("pool exhausted on {device}: {requested} bytes requested, {available} of {limit} available")]
+    #[error(
+        "pool exhausted on {device}: {requested} bytes requested, {available} of {limit} available"
+    )]
     PoolExhausted {
         /// The device.
         device: DeviceId,

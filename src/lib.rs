@@ -22,7 +22,9 @@ pub mod error;
 pub mod event;
 pub mod ids;
 pub mod memory;
+pub mod node;
 pub mod sync;
 
 pub use error::{DeviceError, Error, Failure, Result};
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
+pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};

@@ -1,0 +1,753 @@
+//! The tensor-node model: element types, shapes and the memory-mode lattice.
+//!
+//! A [`TensorNode`] is a cheap, clonable handle (an `Arc`) to an immutable description
+//! (id, label, dtype, shape) plus a memory mode that may only be *refined*: every update
+//! moves down the lattice of DESIGN.md §2, and a contradiction is an [`Error::ModeConflict`]
+//! that leaves the mode as it was.
+//!
+//! The lattice is represented by the set of *final* modes a node may still end up in
+//! (eight of them, see [`MemoryMode::possible`]); refinement is set intersection, and
+//! every set reachable by intersection is itself one of the named modes, so refinement is
+//! total and order-independent (refining by `a` then `b` equals `b` then `a`).
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    error::{Error, Result},
+    ids::NodeId,
+};
+
+/// Element types a tensor node can hold.
+///
+/// `F16` and `BF16` are storage types: they can be filled, copied, transferred and merged
+/// bitwise, and arithmetic kernels convert them through `f32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 64-bit IEEE float.
+    F64,
+    /// 16-bit IEEE float (storage).
+    F16,
+    /// bfloat16 (storage).
+    BF16,
+    /// 32-bit signed integer.
+    I32,
+    /// Unsigned byte.
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Lower-case name, as in error messages and traces.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::U8 => "u8",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// IEEE half-precision float, stored as its bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+/// bfloat16, stored as its bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// Rounds an `f32` to the nearest bfloat16 (ties to even; NaN stays NaN).
+    pub fn from_f32(x: f32) -> Bf16 {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            return Bf16(((bits >> 16) as u16) | 0x40);
+        }
+        let round = 0x7fff + ((bits >> 16) & 1);
+        Bf16((bits.wrapping_add(round) >> 16) as u16)
+    }
+
+    /// Widens to `f32` (exact).
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+impl F16 {
+    /// Converts an `f32` to half precision (round to nearest even; overflow to infinity).
+    pub fn from_f32(x: f32) -> F16 {
+        let bits = x.to_bits();
+        let sign = ((bits >> 16) & 0x8000) as u16;
+        let exp = ((bits >> 23) & 0xff) as i32;
+        let man = bits & 0x007f_ffff;
+        if exp == 0xff {
+            // Inf or NaN.
+            let nan = if man != 0 { 0x0200 } else { 0 };
+            return F16(sign | 0x7c00 | nan);
+        }
+        let e = exp - 127 + 15;
+        if e >= 0x1f {
+            return F16(sign | 0x7c00);
+        }
+        if e <= 0 {
+            if e < -10 {
+                return F16(sign);
+            }
+            // Subnormal: shift the mantissa with the implicit bit.
+            let m = man | 0x0080_0000;
+            let shift = (14 - e) as u32;
+            let half = 1u32 << (shift - 1);
+            let rem = m & ((1u32 << shift) - 1);
+            let mut out = m >> shift;
+            if rem > half || (rem == half && out & 1 == 1) {
+                out += 1;
+            }
+            return F16(sign | out as u16);
+        }
+        let mut out = ((e as u32) << 10) | (man >> 13);
+        let rem = man & 0x1fff;
+        if rem > 0x1000 || (rem == 0x1000 && out & 1 == 1) {
+            out += 1; // may carry into the exponent, which is correct rounding
+        }
+        F16(sign | out as u16)
+    }
+
+    /// Widens to `f32` (exact).
+    pub fn to_f32(self) -> f32 {
+        let h = self.0 as u32;
+        let sign = (h & 0x8000) << 16;
+        let exp = (h >> 10) & 0x1f;
+        let man = h & 0x3ff;
+        let bits = if exp == 0 {
+            if man == 0 {
+                sign
+            } else {
+                // Subnormal: normalise.
+                let mut e = 127 - 15 + 1;
+                let mut m = man;
+                while m & 0x400 == 0 {
+                    m <<= 1;
+                    e -= 1;
+                }
+                sign | ((e as u32) << 23) | ((m & 0x3ff) << 13)
+            }
+        } else if exp == 0x1f {
+            sign | 0x7f80_0000 | (man << 13)
+        } else {
+            sign | ((exp + 127 - 15) << 23) | (man << 13)
+        };
+        f32::from_bits(bits)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that is the element of some [`DType`]; used for typed views of buffers.
+///
+/// Sealed: every implementor is plain old data with no padding and no invalid bit
+/// patterns, which is what makes reinterpreting buffer bytes as `[T]` sound.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
+    /// The dtype this Rust type represents.
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+    )*};
+}
+element!(f32 => F32, f64 => F64, F16 => F16, Bf16 => BF16, i32 => I32, u8 => U8);
+
+/// The shape of a tensor: its dimensions, outermost first.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shape(pub Vec<usize>);
+
+impl Shape {
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+
+    /// Number of elements, or `None` if it overflows `usize`.
+    pub fn numel(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(d: [usize; N]) -> Shape {
+        Shape(d.to_vec())
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(d: Vec<usize>) -> Shape {
+        Shape(d)
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(d: &[usize]) -> Shape {
+        Shape(d.to_vec())
+    }
+}
+
+/// How the buffers of a node are shared among the streams of one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Sharing {
+    /// Not decided yet; the first link on a device decides (read-only: shared).
+    Unset,
+    /// Every stream (context) has its own buffer.
+    PerStream,
+    /// One buffer per device, read by every stream, written by at most one owner stream.
+    SharedCrossStreams,
+}
+
+/// What kind of hosted node this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum HostedKind {
+    /// Not decided yet.
+    Unset,
+    /// Not constant: `Volatile` or `ChangedOnDevices`.
+    Nonconstant,
+    /// Never changes after initialisation.
+    Constant,
+    /// Changes only on the host; devices receive it through `from_host`.
+    Volatile,
+    /// Devices write it; the host sees it after a transfer.
+    ChangedOnDevices(Sharing),
+}
+
+/// The memory mode of a tensor node (DESIGN.md §2): where it lives and who may change it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MemoryMode {
+    /// Nothing decided.
+    Unset,
+    /// Becomes `Hosted(Constant)` or `Virtual`.
+    EffectivelyConstant,
+    /// Anything but `Virtual`.
+    NeverVirtual,
+    /// `Local` or `OnDevice`.
+    DeviceOnly,
+    /// `OnDevice` or `Hosted`: has persistent storage.
+    Materialized,
+    /// Inlined: no storage at all.
+    Virtual,
+    /// Scratch inside one routine: no buffer in contexts.
+    Local,
+    /// Persistent device storage, invisible to the host.
+    OnDevice(Sharing),
+    /// A host array plus device copies.
+    Hosted(HostedKind),
+}
+
+// The eight final modes, as bits of a set.
+const V: u8 = 1 << 0; // Virtual
+const L: u8 = 1 << 1; // Local
+const OP: u8 = 1 << 2; // OnDevice(PerStream)
+const OS: u8 = 1 << 3; // OnDevice(SharedCrossStreams)
+const HC: u8 = 1 << 4; // Hosted(Constant)
+const HV: u8 = 1 << 5; // Hosted(Volatile)
+const HP: u8 = 1 << 6; // Hosted(ChangedOnDevices(PerStream))
+const HS: u8 = 1 << 7; // Hosted(ChangedOnDevices(SharedCrossStreams))
+
+/// Every named mode, used to map a set of final modes back to its name.
+const ALL_MODES: [MemoryMode; 17] = [
+    MemoryMode::Unset,
+    MemoryMode::EffectivelyConstant,
+    MemoryMode::NeverVirtual,
+    MemoryMode::DeviceOnly,
+    MemoryMode::Materialized,
+    MemoryMode::Virtual,
+    MemoryMode::Local,
+    MemoryMode::OnDevice(Sharing::Unset),
+    MemoryMode::OnDevice(Sharing::PerStream),
+    MemoryMode::OnDevice(Sharing::SharedCrossStreams),
+    MemoryMode::Hosted(HostedKind::Unset),
+    MemoryMode::Hosted(HostedKind::Nonconstant),
+    MemoryMode::Hosted(HostedKind::Constant),
+    MemoryMode::Hosted(HostedKind::Volatile),
+    MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::Unset)),
+    MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::PerStream)),
+    MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::SharedCrossStreams)),
+];
+
+impl MemoryMode {
+    /// Hosted, changed on devices, sharing decided by linking (the usual mode for weights).
+    pub const fn hosted_changed_on_devices() -> MemoryMode {
+        MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::Unset))
+    }
+
+    /// Device-only storage, sharing decided by linking (the usual mode for gradients).
+    pub const fn on_device() -> MemoryMode {
+        MemoryMode::OnDevice(Sharing::Unset)
+    }
+
+    /// The set of final modes this mode may still become (a bit set over eight finals).
+    pub const fn possible(self) -> u8 {
+        use HostedKind as H;
+        use MemoryMode as M;
+        match self {
+            M::Unset => 0xff,
+            M::EffectivelyConstant => V | HC,
+            M::NeverVirtual => !V,
+            M::DeviceOnly => L | OP | OS,
+            M::Materialized => OP | OS | HC | HV | HP | HS,
+            M::Virtual => V,
+            M::Local => L,
+            M::OnDevice(Sharing::Unset) => OP | OS,
+            M::OnDevice(Sharing::PerStream) => OP,
+            M::OnDevice(Sharing::SharedCrossStreams) => OS,
+            M::Hosted(H::Unset) => HC | HV | HP | HS,
+            M::Hosted(H::Nonconstant) => HV | HP | HS,
+            M::Hosted(H::Constant) => HC,
+            M::Hosted(H::Volatile) => HV,
+            M::Hosted(H::ChangedOnDevices(Sharing::Unset)) => HP | HS,
+            M::Hosted(H::ChangedOnDevices(Sharing::PerStream)) => HP,
+            M::Hosted(H::ChangedOnDevices(Sharing::SharedCrossStreams)) => HS,
+        }
+    }
+
+    fn from_set(set: u8) -> Option<MemoryMode> {
+        ALL_MODES.iter().copied().find(|m| m.possible() == set)
+    }
+
+    /// Refines `self` by `other`: the mode allowing exactly the final modes both allow.
+    ///
+    /// Fails when they have nothing in common, or when the common set has no name (a
+    /// combination the lattice does not describe, e.g. "local or hosted constant").
+    pub fn refine(self, other: MemoryMode) -> Option<MemoryMode> {
+        Self::from_set(self.possible() & other.possible())
+    }
+
+    /// Refines the sharing of a materialized mode.
+    ///
+    /// The mode must already say whether the node is hosted (`OnDevice(..)` or `Hosted(..)`),
+    /// otherwise the result would have no name and this returns `None`.
+    ///
+    /// `SharedCrossStreams` keeps hosted constants and volatiles (always shared);
+    /// `PerStream` excludes them ("hosted nodes not changed on devices must be shared").
+    pub fn refine_sharing(self, sharing: Sharing) -> Option<MemoryMode> {
+        let mask = match sharing {
+            Sharing::Unset => OP | OS | HC | HV | HP | HS,
+            Sharing::PerStream => OP | HP,
+            Sharing::SharedCrossStreams => OS | HC | HV | HS,
+        };
+        Self::from_set(self.possible() & mask)
+    }
+
+    /// Whether the node has a host array.
+    pub fn is_hosted(self) -> bool {
+        matches!(self, MemoryMode::Hosted(_))
+    }
+
+    /// The sharing this mode fixes, if any.
+    pub fn sharing(self) -> Sharing {
+        let p = self.possible();
+        if p != 0 && p & !(OP | HP) == 0 {
+            Sharing::PerStream
+        } else if p != 0 && p & !(OS | HC | HV | HS) == 0 {
+            Sharing::SharedCrossStreams
+        } else {
+            Sharing::Unset
+        }
+    }
+
+    /// Decides, at link time, the storage of a node that a routine uses.
+    ///
+    /// Undecided modes default to device storage (`OnDevice(Unset)`), except
+    /// `EffectivelyConstant`, which becomes a hosted constant. `Virtual` and `Local` have no
+    /// buffer in contexts and are refused.
+    pub fn materialize(self) -> Option<MemoryMode> {
+        match self {
+            MemoryMode::Virtual | MemoryMode::Local => None,
+            MemoryMode::EffectivelyConstant => Some(MemoryMode::Hosted(HostedKind::Constant)),
+            m => m.refine(MemoryMode::Materialized).and_then(|m| match m {
+                // Prefer device storage when both device and host storage are possible.
+                MemoryMode::Materialized => Some(MemoryMode::OnDevice(Sharing::Unset)),
+                other => Some(other),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for MemoryMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+static NEXT_NODE_ID: AtomicU32 = AtomicU32::new(1);
+
+struct NodeInner {
+    id: NodeId,
+    label: String,
+    dtype: DType,
+    shape: Shape,
+    mode: Mutex<MemoryMode>,
+}
+
+/// A tensor node: a clonable handle to its description and memory mode.
+#[derive(Clone)]
+pub struct TensorNode(Arc<NodeInner>);
+
+impl TensorNode {
+    /// Creates a node with a fresh id and memory mode `Unset`.
+    pub fn new(label: impl Into<String>, dtype: DType, shape: impl Into<Shape>) -> TensorNode {
+        // Relaxed: the counter only needs uniqueness, not ordering with other memory.
+        let id = NodeId(NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed));
+        TensorNode(Arc::new(NodeInner {
+            id,
+            label: label.into(),
+            dtype,
+            shape: shape.into(),
+            mode: Mutex::new(MemoryMode::Unset),
+        }))
+    }
+
+    /// Builder-style refinement of the memory mode (see [`TensorNode::refine_mode`]).
+    pub fn with_mode(self, mode: MemoryMode) -> Result<TensorNode> {
+        self.refine_mode(mode)?;
+        Ok(self)
+    }
+
+    /// The node's id.
+    pub fn id(&self) -> NodeId {
+        self.0.id
+    }
+
+    /// The node's label.
+    pub fn label(&self) -> &str {
+        &self.0.label
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+
+    /// Number of elements (saturating at `usize::MAX` on overflow; see [`TensorNode::size_in_bytes`]).
+    pub fn numel(&self) -> usize {
+        self.0.shape.numel().unwrap_or(usize::MAX)
+    }
+
+    /// Size of the node's buffer in bytes; `InvalidSize` when zero or overflowing.
+    pub fn size_in_bytes(&self) -> Result<u64> {
+        let bytes = self
+            .0
+            .shape
+            .numel()
+            .and_then(|n| n.checked_mul(self.0.dtype.size_in_bytes()))
+            .ok_or_else(|| Error::InvalidSize {
+                node: self.to_string(),
+                reason: format!("{} elements of {} overflow", self.0.shape, self.0.dtype),
+            })?;
+        if bytes == 0 {
+            return Err(Error::InvalidSize {
+                node: self.to_string(),
+                reason: format!("shape {} has no elements", self.0.shape),
+            });
+        }
+        Ok(bytes as u64)
+    }
+
+    /// The current memory mode.
+    pub fn mode(&self) -> MemoryMode {
+        *self.0.mode.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Refines the memory mode; a contradiction is an error and changes nothing.
+    pub fn refine_mode(&self, mode: MemoryMode) -> Result<MemoryMode> {
+        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
+        let next = current.refine(mode).ok_or_else(|| Error::ModeConflict {
+            node: self.to_string(),
+            current: current.to_string(),
+            requested: mode.to_string(),
+        })?;
+        *current = next;
+        Ok(next)
+    }
+
+    /// Refines the sharing of the memory mode; a contradiction is an error and changes nothing.
+    pub fn refine_sharing(&self, sharing: Sharing) -> Result<MemoryMode> {
+        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
+        let next = current
+            .refine_sharing(sharing)
+            .ok_or_else(|| Error::ModeConflict {
+                node: self.to_string(),
+                current: current.to_string(),
+                requested: format!("sharing {sharing:?}"),
+            })?;
+        *current = next;
+        Ok(next)
+    }
+
+    /// Fixes the mode for linking: see [`MemoryMode::materialize`]. Refines the stored mode.
+    pub fn materialize(&self) -> Result<MemoryMode> {
+        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
+        let next = current
+            .materialize()
+            .ok_or_else(|| Error::NotMaterialized {
+                node: self.to_string(),
+                mode: current.to_string(),
+            })?;
+        *current = next;
+        Ok(next)
+    }
+
+    /// Checks that `len` elements of `dtype` match this node.
+    pub fn check_data(&self, dtype: DType, len: usize) -> Result<()> {
+        if dtype != self.0.dtype {
+            return Err(Error::DTypeMismatch {
+                node: self.to_string(),
+                expected: self.0.dtype.to_string(),
+                found: dtype.to_string(),
+            });
+        }
+        if Some(len) != self.0.shape.numel() {
+            return Err(Error::SizeMismatch {
+                node: self.to_string(),
+                expected: format!("{} elements (shape {})", self.numel(), self.0.shape),
+                found: format!("{len} elements"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl PartialEq for TensorNode {
+    fn eq(&self, other: &TensorNode) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for TensorNode {}
+
+impl std::hash::Hash for TensorNode {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state)
+    }
+}
+
+impl fmt::Display for TensorNode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.0.label, self.0.id.0)
+    }
+}
+
+impl fmt::Debug for TensorNode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "TensorNode({}#{}: {} {} {})",
+            self.0.label,
+            self.0.id.0,
+            self.0.dtype,
+            self.0.shape,
+            self.mode()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_meet_of_named_modes_is_named_or_empty() {
+        for a in ALL_MODES {
+            for b in ALL_MODES {
+                let set = a.possible() & b.possible();
+                match a.refine(b) {
+                    Some(m) => assert_eq!(m.possible(), set, "{a:?} & {b:?}"),
+                    None => assert_eq!(set, 0, "{a:?} & {b:?} has an unnamed meet {set:#010b}"),
+                }
+                assert_eq!(a.refine(b), b.refine(a), "refinement must commute");
+            }
+            assert_eq!(a.refine(a), Some(a));
+            assert_eq!(MemoryMode::Unset.refine(a), Some(a));
+        }
+    }
+
+    #[test]
+    fn refinement_only_moves_down() {
+        use HostedKind as H;
+        let m = MemoryMode::Materialized;
+        let h = m.refine(MemoryMode::Hosted(H::Unset)).unwrap();
+        assert_eq!(h, MemoryMode::Hosted(H::Unset));
+        let c = h.refine(MemoryMode::hosted_changed_on_devices()).unwrap();
+        assert_eq!(c, MemoryMode::Hosted(H::ChangedOnDevices(Sharing::Unset)));
+        // Going back up is a no-op (the meet), never a widening.
+        assert_eq!(c.refine(MemoryMode::Materialized), Some(c));
+        // Contradictions.
+        assert_eq!(MemoryMode::Virtual.refine(MemoryMode::NeverVirtual), None);
+        assert_eq!(
+            MemoryMode::EffectivelyConstant.refine(MemoryMode::DeviceOnly),
+            None
+        );
+        assert_eq!(
+            MemoryMode::NeverVirtual.refine(MemoryMode::EffectivelyConstant),
+            Some(MemoryMode::Hosted(H::Constant))
+        );
+        assert_eq!(
+            MemoryMode::DeviceOnly.refine(MemoryMode::Materialized),
+            Some(MemoryMode::on_device())
+        );
+    }
+
+    #[test]
+    fn sharing_refinement() {
+        use HostedKind as H;
+        assert_eq!(
+            MemoryMode::on_device().refine_sharing(Sharing::PerStream),
+            Some(MemoryMode::OnDevice(Sharing::PerStream))
+        );
+        // Hosted constants are always shared across streams.
+        assert_eq!(
+            MemoryMode::Hosted(H::Constant).refine_sharing(Sharing::PerStream),
+            None
+        );
+        assert_eq!(
+            MemoryMode::Hosted(H::Constant).refine_sharing(Sharing::SharedCrossStreams),
+            Some(MemoryMode::Hosted(H::Constant))
+        );
+        // Shared cannot go back to per-stream.
+        let shared = MemoryMode::OnDevice(Sharing::SharedCrossStreams);
+        assert_eq!(shared.refine_sharing(Sharing::PerStream), None);
+        assert_eq!(shared.sharing(), Sharing::SharedCrossStreams);
+        assert_eq!(
+            MemoryMode::Hosted(H::Volatile).sharing(),
+            Sharing::SharedCrossStreams
+        );
+        assert_eq!(MemoryMode::on_device().sharing(), Sharing::Unset);
+    }
+
+    #[test]
+    fn materialize_defaults() {
+        assert_eq!(
+            MemoryMode::Unset.materialize(),
+            Some(MemoryMode::on_device())
+        );
+        assert_eq!(
+            MemoryMode::DeviceOnly.materialize(),
+            Some(MemoryMode::on_device())
+        );
+        assert_eq!(MemoryMode::Virtual.materialize(), None);
+        assert_eq!(MemoryMode::Local.materialize(), None);
+        assert_eq!(
+            MemoryMode::EffectivelyConstant.materialize(),
+            Some(MemoryMode::Hosted(HostedKind::Constant))
+        );
+        let h = MemoryMode::hosted_changed_on_devices();
+        assert_eq!(h.materialize(), Some(h));
+    }
+
+    #[test]
+    fn node_refine_errors_leave_mode_unchanged() {
+        let n = TensorNode::new("w", DType::F32, [4, 4]);
+        n.refine_mode(MemoryMode::Virtual).unwrap();
+        let err = n.refine_mode(MemoryMode::NeverVirtual).unwrap_err();
+        assert!(matches!(err, Error::ModeConflict { .. }), "{err}");
+        assert_eq!(n.mode(), MemoryMode::Virtual);
+        assert!(matches!(
+            n.materialize(),
+            Err(Error::NotMaterialized { .. })
+        ));
+        assert_eq!(n.mode(), MemoryMode::Virtual);
+    }
+
+    #[test]
+    fn sizes_and_data_checks() {
+        let n = TensorNode::new("x", DType::F64, [3, 5]);
+        assert_eq!(n.size_in_bytes().unwrap(), 120);
+        assert!(n.check_data(DType::F64, 15).is_ok());
+        assert!(matches!(
+            n.check_data(DType::F32, 15),
+            Err(Error::DTypeMismatch { .. })
+        ));
+        assert!(matches!(
+            n.check_data(DType::F64, 14),
+            Err(Error::SizeMismatch { .. })
+        ));
+        let z = TensorNode::new("z", DType::U8, [0, 5]);
+        assert!(matches!(z.size_in_bytes(), Err(Error::InvalidSize { .. })));
+        let huge = TensorNode::new("h", DType::F64, [usize::MAX, 2]);
+        assert!(matches!(
+            huge.size_in_bytes(),
+            Err(Error::InvalidSize { .. })
+        ));
+    }
+
+    #[test]
+    fn half_conversions_round_trip() {
+        for x in [
+            0.0f32,
+            1.0,
+            -2.5,
+            65504.0,
+            6.1035156e-5,
+            5.9604645e-8,
+            0.333_333_34,
+        ] {
+            let h = F16::from_f32(x);
+            let back = h.to_f32();
+            assert!((back - x).abs() <= x.abs() * 1e-3 + 6e-8, "{x} -> {back}");
+            let b = Bf16::from_f32(x);
+            assert!((b.to_f32() - x).abs() <= x.abs() * 1e-2 + 1e-38, "{x}");
+        }
+        assert!(F16::from_f32(1e6).to_f32().is_infinite());
+        assert!(F16::from_f32(f32::NAN).to_f32().is_nan());
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        // Exhaustive: every finite half converts to f32 and back unchanged.
+        for bits in 0u16..=u16::MAX {
+            let h = F16(bits);
+            let f = h.to_f32();
+            if f.is_finite() {
+                assert_eq!(F16::from_f32(f).0, bits, "bits {bits:#06x}");
+            }
+        }
+    }
+}
