@@ -18,13 +18,18 @@
 //! - **All synchronisation primitives come from [`sync`]**, which swaps `std` for `loom`
 //!   under `--cfg tributary_loom`, so the real engine code is model-checked.
 
+pub mod backend;
+pub mod engine;
 pub mod error;
 pub mod event;
 pub mod ids;
 pub mod memory;
 pub mod node;
+pub mod protocol;
 pub mod sync;
 
+pub use engine::{Engine, EngineConfig, MergeBufferUse};
 pub use error::{DeviceError, Error, Failure, Result};
+pub use event::{Event, EventStatus, Timeline};
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
 pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};

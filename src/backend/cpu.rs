@@ -1,0 +1,428 @@
+//! The CPU backend: virtual devices whose streams are worker threads.
+//!
+//! Memory is one [`AlignedBuffer`] per pool, kept in a per-device map behind a mutex and
+//! handed to work as `Arc`s when a plan is submitted (bindings are resolved at schedule
+//! time; an in-flight job keeps its pools alive even if the pool is released meanwhile).
+//! Each stream is a dedicated thread fed by an unbounded crossbeam channel, so `submit`
+//! never blocks. A worker waits for cross-stream dependencies by blocking on their
+//! timelines: it is a dedicated thread, so this blocks nobody else, and waits only refer to
+//! earlier events, so it cannot deadlock. Kernels run under `catch_unwind`: a panicking
+//! kernel fails its event and the worker keeps serving (rule 6). All CPU devices share the
+//! host's memory, so any device can stream any other device's buffer in place.
+
+use std::{
+    collections::HashMap,
+    panic::{catch_unwind, AssertUnwindSafe},
+    sync::Mutex,
+    thread::JoinHandle,
+};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::{
+    backend::{Backend, StreamQueue},
+    error::{DeviceError, Error, Failure, Result},
+    event::Timeline,
+    ids::{DeviceId, PoolId, StreamId},
+    kernels::{run_cpu, ArgView, KernelArgs},
+    memory::AlignedBuffer,
+    protocol::{ArgBinding, DepKind, GlobalLoc, Plan, Work},
+    sync::Arc,
+};
+
+type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>>;
+
+struct Shared {
+    devices: Vec<DeviceId>,
+    pools: Vec<Mutex<PoolMap>>,
+}
+
+impl Shared {
+    fn pools_of(&self, device: DeviceId) -> Option<&Mutex<PoolMap>> {
+        let i = self.devices.iter().position(|&d| d == device)?;
+        self.pools.get(i)
+    }
+
+    /// Resolves a location to its pool memory and checks the byte range.
+    fn resolve(&self, g: GlobalLoc, bytes: u64) -> std::result::Result<Region, String> {
+        let pools = self
+            .pools_of(g.device)
+            .ok_or_else(|| format!("unknown device {}", g.device))?;
+        let map = pools.lock().unwrap_or_else(|p| p.into_inner());
+        let buf = map
+            .get(&g.loc.pool)
+            .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?
+            .clone();
+        let end = g.loc.offset.checked_add(bytes);
+        if end.is_none_or(|e| e > buf.len() as u64) {
+            return Err(format!(
+                "range {}+{} outside pool of {} bytes",
+                g.loc,
+                bytes,
+                buf.len()
+            ));
+        }
+        Ok(Region {
+            buf,
+            offset: g.loc.offset as usize,
+            bytes: bytes as usize,
+        })
+    }
+}
+
+/// A byte range of a pool (or host array), resolved at submission.
+struct Region {
+    buf: Arc<AlignedBuffer>,
+    offset: usize,
+    bytes: usize,
+}
+
+impl Region {
+    fn host(buf: Arc<AlignedBuffer>, bytes: u64) -> std::result::Result<Region, String> {
+        if bytes as usize > buf.len() {
+            return Err(format!("host array of {} bytes, {} requested", buf.len(), bytes));
+        }
+        Ok(Region {
+            buf,
+            offset: 0,
+            bytes: bytes as usize,
+        })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: `resolve`/`host` checked offset + bytes <= len, so the offset stays
+        // inside (or one past the end of) the allocation.
+        unsafe { self.buf.as_ptr().add(self.offset) }
+    }
+}
+
+struct ResolvedArg {
+    region: Region,
+    binding: ArgBinding,
+}
+
+enum Job {
+    Run {
+        name: Arc<str>,
+        kernel: crate::kernels::Kernel,
+        args: Vec<ResolvedArg>,
+        merge: Option<ResolvedArg>,
+    },
+    Copy {
+        src: Region,
+        dst: Region,
+    },
+    Memset {
+        dst: Region,
+    },
+    Marker,
+}
+
+struct Submitted {
+    plan_label: String,
+    seq: u64,
+    deps: Vec<crate::protocol::Dep>,
+    job: std::result::Result<Job, String>,
+}
+
+/// The CPU backend: `n` virtual devices sharing the host's memory.
+#[derive(Clone)]
+pub struct CpuBackend {
+    shared: Arc<Shared>,
+}
+
+impl CpuBackend {
+    /// A backend with `devices` virtual devices numbered from `first`.
+    pub fn new(first: DeviceId, devices: usize) -> CpuBackend {
+        CpuBackend {
+            shared: Arc::new(Shared {
+                devices: (0..devices as u32).map(|i| DeviceId(first.0 + i)).collect(),
+                pools: (0..devices).map(|_| Mutex::new(HashMap::new())).collect(),
+            }),
+        }
+    }
+
+    fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
+        Ok(ResolvedArg {
+            region: self.shared.resolve(b.loc, b.bytes)?,
+            binding: b.clone(),
+        })
+    }
+
+    fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
+        let s = &self.shared;
+        Ok(match work {
+            Work::Run {
+                name,
+                kernel,
+                args,
+                merge,
+            } => Job::Run {
+                name: name.clone(),
+                kernel: kernel.clone(),
+                args: args
+                    .iter()
+                    .map(|b| self.resolve_arg(b))
+                    .collect::<std::result::Result<_, _>>()?,
+                merge: merge.as_ref().map(|b| self.resolve_arg(b)).transpose()?,
+            },
+            Work::Copy { src, dst, bytes } => Job::Copy {
+                src: s.resolve(*src, *bytes)?,
+                dst: s.resolve(*dst, *bytes)?,
+            },
+            Work::FromHost { host, dst, bytes } => Job::Copy {
+                src: Region::host(host.clone(), *bytes)?,
+                dst: s.resolve(*dst, *bytes)?,
+            },
+            Work::ToHost { src, host, bytes } => Job::Copy {
+                src: s.resolve(*src, *bytes)?,
+                dst: Region::host(host.clone(), *bytes)?,
+            },
+            Work::Memset { dst, bytes } => Job::Memset {
+                dst: s.resolve(*dst, *bytes)?,
+            },
+            Work::Marker => Job::Marker,
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn devices(&self) -> Vec<DeviceId> {
+        self.shared.devices.clone()
+    }
+
+    fn create_pool(
+        &self,
+        device: DeviceId,
+        pool: PoolId,
+        bytes: u64,
+        align: u64,
+    ) -> Result<(), DeviceError> {
+        let pools = self
+            .shared
+            .pools_of(device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
+        let len = usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
+        let buf = AlignedBuffer::new(len, align.max(1) as usize)?;
+        pools
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pool, Arc::new(buf));
+        Ok(())
+    }
+
+    fn release_pool(&self, device: DeviceId, pool: PoolId) {
+        if let Some(pools) = self.shared.pools_of(device) {
+            pools.lock().unwrap_or_else(|p| p.into_inner()).remove(&pool);
+        }
+    }
+
+    fn start_stream(
+        &self,
+        stream: StreamId,
+        timeline: Arc<Timeline>,
+    ) -> Result<Box<dyn StreamQueue>, DeviceError> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
+        let tl = timeline.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("tributary-{stream}"))
+            .spawn(move || worker_loop(stream, tl, rx))
+            .map_err(|e| DeviceError::Unexpected(format!("cannot spawn worker: {e}")))?;
+        Ok(Box::new(CpuStream {
+            backend: self.clone(),
+            stream,
+            timeline,
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+        }))
+    }
+
+    fn can_stream(&self, src: DeviceId, dst: DeviceId) -> bool {
+        self.shared.devices.contains(&src) && self.shared.devices.contains(&dst)
+    }
+}
+
+/// One CPU stream: a worker thread and the sending side of its queue.
+pub struct CpuStream {
+    backend: CpuBackend,
+    stream: StreamId,
+    timeline: Arc<Timeline>,
+    tx: Mutex<Option<Sender<Submitted>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl StreamQueue for CpuStream {
+    fn submit(&self, plan: Plan) -> Result<()> {
+        let seq = plan.event.seq();
+        let label = plan.work.label();
+        let job = self.backend.resolve(&plan.work);
+        let item = Submitted {
+            plan_label: label.clone(),
+            seq,
+            deps: plan.deps,
+            job,
+        };
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let sent = match tx.as_ref() {
+            Some(tx) => tx.send(item).is_ok(),
+            None => false,
+        };
+        if !sent {
+            let failure = Arc::new(Failure {
+                stream: self.stream,
+                seq,
+                operation: label,
+                message: "stream is shut down".into(),
+            });
+            self.timeline.fail(seq, failure);
+            return Err(Error::ShutDown(format!("stream {}", self.stream)));
+        }
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        // Closing the channel lets the worker drain what is queued and exit.
+        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                self.timeline.poison(Arc::new(Failure {
+                    stream: self.stream,
+                    seq: self.timeline.completed() + 1,
+                    operation: "worker".into(),
+                    message: "stream worker panicked".into(),
+                }));
+            }
+        }
+    }
+}
+
+impl Drop for CpuStream {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Poisons the timeline if the worker thread unwinds or exits with work pending.
+struct PoisonOnExit {
+    stream: StreamId,
+    timeline: Arc<Timeline>,
+}
+
+impl Drop for PoisonOnExit {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.timeline.poison(Arc::new(Failure {
+                stream: self.stream,
+                seq: self.timeline.completed() + 1,
+                operation: "worker".into(),
+                message: "stream worker died".into(),
+            }));
+        }
+    }
+}
+
+fn worker_loop(stream: StreamId, timeline: Arc<Timeline>, rx: Receiver<Submitted>) {
+    let _guard = PoisonOnExit {
+        stream,
+        timeline: timeline.clone(),
+    };
+    while let Ok(item) = rx.recv() {
+        let span = tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
+        let _enter = span.enter();
+        run_item(stream, &timeline, item);
+    }
+}
+
+fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted) {
+    // Wait for every dependency, even after one failed: completing only after all
+    // dependencies completed is what lets the protocol prune superseded uses.
+    let mut failed: Option<Arc<Failure>> = None;
+    for dep in &item.deps {
+        let r = dep.event.wait();
+        if let (Err(Error::Failed(f)), DepKind::Data) = (r, dep.kind) {
+            failed.get_or_insert(f);
+        }
+    }
+    if let Some(root) = failed {
+        tracing::debug!(stream = %stream, seq = item.seq, cause = %root, "dependency failed");
+        timeline.fail(item.seq, root);
+        return;
+    }
+    let fail = |message: String| {
+        Arc::new(Failure {
+            stream,
+            seq: item.seq,
+            operation: item.plan_label.clone(),
+            message,
+        })
+    };
+    let job = match item.job {
+        Ok(job) => job,
+        Err(message) => {
+            timeline.fail(item.seq, fail(message));
+            return;
+        }
+    };
+    match catch_unwind(AssertUnwindSafe(|| execute(job))) {
+        Ok(Ok(())) => timeline.signal(item.seq),
+        Ok(Err(message)) => timeline.fail(item.seq, fail(message)),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic payload".into());
+            timeline.fail(item.seq, fail(format!("kernel panicked: {message}")));
+        }
+    }
+}
+
+fn view(arg: &ResolvedArg) -> ArgView {
+    ArgView {
+        ptr: arg.region.ptr(),
+        bytes: arg.region.bytes,
+        dtype: arg.binding.dtype,
+        shape: arg.binding.shape.clone(),
+        access: arg.binding.access,
+    }
+}
+
+fn execute(job: Job) -> std::result::Result<(), String> {
+    match job {
+        Job::Run {
+            name: _,
+            kernel,
+            args,
+            merge,
+        } => {
+            let views = args.iter().map(view).collect();
+            let merge = merge.as_ref().map(view);
+            // SAFETY: every view points into a live pool (`args` holds the `Arc`s for the
+            // duration of the call), ranges were bounds-checked at resolution, pools are
+            // aligned to at least the element size, distinct nodes have disjoint buffers,
+            // and the protocol made this job wait for every other use of the buffers it
+            // writes and for every writer of the buffers it reads.
+            let kargs = unsafe { KernelArgs::new(views, merge) };
+            run_cpu(&kernel, &kargs)
+        }
+        Job::Copy { src, dst } => {
+            let n = src.bytes.min(dst.bytes);
+            // SAFETY: both ranges are in bounds of live allocations (checked at
+            // resolution); `ptr::copy` tolerates overlap; the protocol orders this copy
+            // after the writers of `src` and after every use of `dst`.
+            unsafe { std::ptr::copy(src.ptr(), dst.ptr(), n) };
+            Ok(())
+        }
+        Job::Memset { dst } => {
+            // SAFETY: in-bounds range of a live allocation, no concurrent use (protocol).
+            unsafe { std::ptr::write_bytes(dst.ptr(), 0, dst.bytes) };
+            Ok(())
+        }
+        Job::Marker => Ok(()),
+    }
+}

@@ -1,0 +1,125 @@
+//! Contexts and linked routines: immutable values handed to the caller.
+//!
+//! A [`Context`] is a stream plus the map node → buffer of every array it or an ancestor
+//! uses. Linking returns a child context with the new arrays added; the parent stays valid.
+//! The device state keeps a record of every context (children count, finalized flag) and
+//! checks it on every use, so a stale or finalized context is an error, never a dangling
+//! buffer.
+
+use std::{collections::HashMap, fmt, sync::Arc};
+
+use crate::{
+    ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
+    kernels::RoutineSpec,
+    node::TensorNode,
+};
+
+/// A buffer of a node in a context.
+#[derive(Clone, Debug)]
+pub struct ArrayEntry {
+    /// The node.
+    pub node: TensorNode,
+    /// Where its buffer is on the context's device.
+    pub loc: BufferLoc,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Whether the buffer is the device-wide one shared by all streams.
+    pub shared: bool,
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) id: ContextId,
+    pub(crate) stream: StreamId,
+    pub(crate) parent: Option<Context>,
+    pub(crate) arrays: HashMap<NodeId, ArrayEntry>,
+}
+
+/// An immutable context: a stream and the buffers of the nodes it (or an ancestor) holds.
+#[derive(Clone)]
+pub struct Context(pub(crate) Arc<ContextInner>);
+
+impl Context {
+    /// The context's id (unique on its device).
+    pub fn id(&self) -> ContextId {
+        self.0.id
+    }
+
+    /// The stream it runs on.
+    pub fn stream(&self) -> StreamId {
+        self.0.stream
+    }
+
+    /// The device it belongs to.
+    pub fn device(&self) -> DeviceId {
+        self.0.stream.device
+    }
+
+    /// The parent context, if any.
+    pub fn parent(&self) -> Option<&Context> {
+        self.0.parent.as_ref()
+    }
+
+    /// The buffer of `node` in this context, if it has one.
+    pub fn array(&self, node: NodeId) -> Option<&ArrayEntry> {
+        self.0.arrays.get(&node)
+    }
+
+    /// Whether `node` has a buffer in this context.
+    pub fn contains(&self, node: &TensorNode) -> bool {
+        self.0.arrays.contains_key(&node.id())
+    }
+
+    /// Every node with a buffer in this context.
+    pub fn nodes(&self) -> impl Iterator<Item = &TensorNode> {
+        self.0.arrays.values().map(|a| &a.node)
+    }
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Context({} on {}, {} arrays)",
+            self.0.id,
+            self.0.stream,
+            self.0.arrays.len()
+        )
+    }
+}
+
+/// A routine linked into a context: ready to be scheduled any number of times.
+#[derive(Clone)]
+pub struct Routine(pub(crate) Arc<RoutineInner>);
+
+pub(crate) struct RoutineInner {
+    pub(crate) spec: RoutineSpec,
+    pub(crate) context: Context,
+}
+
+impl Routine {
+    /// The context the routine was linked into (the child returned by linking).
+    pub fn context(&self) -> &Context {
+        &self.0.context
+    }
+
+    /// The routine's name.
+    pub fn name(&self) -> &str {
+        &self.0.spec.name
+    }
+
+    /// What the routine runs and touches.
+    pub fn spec(&self) -> &RoutineSpec {
+        &self.0.spec
+    }
+
+    /// The node the routine expects in its stream's merge buffer, if any.
+    pub fn merge_node(&self) -> Option<&TensorNode> {
+        self.0.spec.merge.as_ref()
+    }
+}
+
+impl fmt::Debug for Routine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Routine({} in {:?})", self.0.spec.name, self.0.context)
+    }
+}

@@ -1,0 +1,1017 @@
+//! The per-device protocol state machine (DESIGN.md §3).
+//!
+//! [`DeviceState`] owns one device's tables and pools and turns every operation into
+//! [`Plan`]s. It does no I/O: it neither waits nor runs anything. All table lookups and
+//! updates happen here, at schedule time, in the order operations arrive; since a plan only
+//! ever waits for events issued before it, the wait graph is acyclic and cannot deadlock.
+//!
+//! Rules, with where they are enforced:
+//! 1. routine waits for RAW/WAR/WAW and host transfers: [`DeviceState::schedule`] through
+//!    [`BufferUses::read_deps`] / [`BufferUses::write_deps`];
+//! 2. host transfers: [`DeviceState::from_host`], [`DeviceState::to_host`] and the
+//!    [`HostTable`] (host writes and reads are driven by the engine);
+//! 3. device-to-device: [`DeviceState::source`] + [`DeviceState::copy_in`] +
+//!    [`DeviceState::record_remote_read`];
+//! 4. merge buffer: the per-stream slot checked in `schedule`, its uses in `copy_in`;
+//! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
+//! 6. failure: [`DepKind::Data`] dependencies carry failures to dependents (executors).
+
+use std::collections::HashMap;
+
+use crate::{
+    error::{Error, Result},
+    event::{Event, Timeline},
+    ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
+    kernels::{Access, RoutineSpec},
+    memory::{Allocation, DevicePools, PoolConfig, PoolOp, PoolStats},
+    node::{MemoryMode, Sharing, TensorNode},
+    protocol::{
+        context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
+        host::{DeviceCopy, HostTable},
+        plan::{ArgBinding, Dep, GlobalLoc, Plan, Work},
+        tables::BufferUses,
+    },
+    sync::Arc,
+};
+
+/// How often (in issued operations) the whole table is swept for completed events.
+const SWEEP_EVERY: u32 = 1024;
+
+/// A buffer read by a device-to-device operation, as seen by its source device.
+#[derive(Clone, Debug)]
+pub struct Source {
+    /// The node.
+    pub node: TensorNode,
+    /// Where the source buffer is.
+    pub loc: GlobalLoc,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// What a reader of it must wait for (its last write).
+    pub deps: Vec<Dep>,
+    /// The host version its content corresponds to (see [`HostTable`]).
+    pub host_version: Option<u64>,
+}
+
+/// Sizes of the protocol tables, to check that they stay bounded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TableSizes {
+    /// Live buffers with a use record.
+    pub buffers: usize,
+    /// Events held in all use records (buffers and merge buffers).
+    pub events: usize,
+    /// Live (not finalized) contexts.
+    pub contexts: usize,
+    /// Nodes with a device-local sharing decision.
+    pub sharing_decisions: usize,
+}
+
+#[derive(Default)]
+struct MergeSlot {
+    node: Option<TensorNode>,
+    alloc: Option<Allocation>,
+    uses: BufferUses,
+}
+
+struct StreamState {
+    id: StreamId,
+    timeline: Arc<Timeline>,
+    issued: u64,
+    merge: MergeSlot,
+}
+
+struct BufferRecord {
+    node: TensorNode,
+    alloc: Allocation,
+    uses: BufferUses,
+    /// Host version the content corresponds to; `None` when unknown (must be uploaded).
+    host_version: Option<u64>,
+    stream: StreamId,
+}
+
+struct ContextRecord {
+    parent: Option<ContextId>,
+    children: usize,
+    /// Buffers this context allocated and frees when finalized.
+    delta: Vec<BufferLoc>,
+}
+
+enum MergeFrom<'a> {
+    Slot,
+    Source(&'a Source),
+}
+
+enum Placement {
+    Existing,
+    Fresh,
+    Candidate,
+}
+
+struct Decision {
+    node: TensorNode,
+    mode: MemoryMode,
+    placement: Placement,
+    sharing: Option<Sharing>,
+    take_ownership: bool,
+}
+
+/// The protocol state of one device: pools, tables, streams and contexts.
+pub struct DeviceState {
+    device: DeviceId,
+    streams: Vec<StreamState>,
+    pools: DevicePools<Event>,
+    pool_ops: Vec<PoolOp>,
+    contexts: HashMap<ContextId, ContextRecord>,
+    next_context: u64,
+    buffers: HashMap<BufferLoc, BufferRecord>,
+    sharing: HashMap<NodeId, Sharing>,
+    owner_stream: HashMap<NodeId, StreamId>,
+    cross_stream_candidates: HashMap<NodeId, BufferLoc>,
+    since_sweep: u32,
+}
+
+impl DeviceState {
+    /// A device with one stream per timeline (timeline `i` is stream `i` of `device`).
+    pub fn new(device: DeviceId, timelines: Vec<Arc<Timeline>>, pools: PoolConfig) -> Self {
+        let streams = timelines
+            .into_iter()
+            .enumerate()
+            .map(|(i, timeline)| StreamState {
+                id: StreamId {
+                    device,
+                    index: i as u32,
+                },
+                timeline,
+                issued: 0,
+                merge: MergeSlot::default(),
+            })
+            .collect();
+        DeviceState {
+            device,
+            streams,
+            pools: DevicePools::new(device, pools),
+            pool_ops: Vec::new(),
+            contexts: HashMap::new(),
+            next_context: 0,
+            buffers: HashMap::new(),
+            sharing: HashMap::new(),
+            owner_stream: HashMap::new(),
+            cross_stream_candidates: HashMap::new(),
+            since_sweep: 0,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// Number of streams.
+    pub fn stream_count(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// The timeline of stream `index`.
+    pub fn timeline(&self, index: usize) -> Option<&Arc<Timeline>> {
+        self.streams.get(index).map(|s| &s.timeline)
+    }
+
+    /// Pool operations the backend must carry out before the plans issued since the last call.
+    pub fn take_pool_ops(&mut self) -> Vec<PoolOp> {
+        std::mem::take(&mut self.pool_ops)
+    }
+
+    /// Memory statistics of the device's pools.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pools.stats()
+    }
+
+    /// Sizes of the tables.
+    pub fn table_sizes(&self) -> TableSizes {
+        TableSizes {
+            buffers: self.buffers.len(),
+            events: self.buffers.values().map(|b| b.uses.len()).sum::<usize>()
+                + self.streams.iter().map(|s| s.merge.uses.len()).sum::<usize>(),
+            contexts: self.contexts.len(),
+            sharing_decisions: self.sharing.len(),
+        }
+    }
+
+    /// A new root context on stream `index`, holding no arrays.
+    pub fn root_context(&mut self, index: usize) -> Result<Context> {
+        let stream = self.stream_index(index)?;
+        let id = self.new_context_record(None);
+        Ok(Context(Arc::new(ContextInner {
+            id,
+            stream,
+            parent: None,
+            arrays: HashMap::new(),
+        })))
+    }
+
+    fn stream_index(&self, index: usize) -> Result<StreamId> {
+        self.streams.get(index).map(|s| s.id).ok_or_else(|| Error::Unknown {
+            what: format!("stream {index} on {}", self.device),
+        })
+    }
+
+    fn new_context_record(&mut self, parent: Option<ContextId>) -> ContextId {
+        let id = ContextId(self.next_context);
+        self.next_context += 1;
+        if let Some(p) = parent.and_then(|p| self.contexts.get_mut(&p)) {
+            p.children += 1;
+        }
+        self.contexts.insert(
+            id,
+            ContextRecord {
+                parent,
+                children: 0,
+                delta: Vec::new(),
+            },
+        );
+        id
+    }
+
+    /// Checks that `ctx` belongs to this device and is live.
+    pub fn check_context(&self, ctx: &Context) -> Result<()> {
+        if ctx.device() != self.device || ctx.stream().index as usize >= self.streams.len() {
+            return Err(Error::Unknown {
+                what: format!("context {} on {}", ctx.id(), self.device),
+            });
+        }
+        if !self.contexts.contains_key(&ctx.id()) {
+            return Err(Error::ContextFinalized { context: ctx.id() });
+        }
+        Ok(())
+    }
+
+    fn issue(&mut self, stream: StreamId) -> Event {
+        let s = &mut self.streams[stream.index as usize];
+        s.issued += 1;
+        let event = Event::new(s.timeline.clone(), s.issued);
+        self.since_sweep += 1;
+        if self.since_sweep >= SWEEP_EVERY {
+            self.sweep();
+        }
+        event
+    }
+
+    /// The last event issued on every stream (what a device-wide sync waits for).
+    pub fn last_events(&self) -> Vec<Event> {
+        self.streams
+            .iter()
+            .filter(|s| s.issued > 0)
+            .map(|s| Event::new(s.timeline.clone(), s.issued))
+            .collect()
+    }
+
+    /// Drops completed events from every table and returns reusable memory to the pools.
+    pub fn sweep(&mut self) {
+        self.since_sweep = 0;
+        for b in self.buffers.values_mut() {
+            b.uses.prune();
+        }
+        for s in &mut self.streams {
+            s.merge.uses.prune();
+        }
+        self.pools.reclaim(&mut self.pool_ops);
+    }
+
+    fn global(&self, loc: BufferLoc) -> GlobalLoc {
+        GlobalLoc {
+            device: self.device,
+            loc,
+        }
+    }
+
+    fn entry<'c>(&self, ctx: &'c Context, node: &TensorNode) -> Result<&'c ArrayEntry> {
+        ctx.array(node.id()).ok_or_else(|| Error::NodeNotInContext {
+            node: node.to_string(),
+            context: ctx.id(),
+        })
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Linking: allocation decisions (DESIGN.md §3, "link-time allocation decisions").
+    // ----------------------------------------------------------------------------------
+
+    fn owner_check(
+        &self,
+        node: &TensorNode,
+        stream: StreamId,
+        pending_owner: &[NodeId],
+    ) -> Result<bool> {
+        match self.owner_stream.get(&node.id()) {
+            Some(&owner) if owner != stream => Err(Error::SecondWriter {
+                node: node.to_string(),
+                owner,
+                writer: stream,
+            }),
+            Some(_) => Ok(false),
+            None => Ok(!pending_owner.contains(&node.id())),
+        }
+    }
+
+    fn decide(&self, ctx: &Context, node: &TensorNode, writable: bool, owners: &[NodeId]) -> Result<Decision> {
+        let stream = ctx.stream();
+        let mode = node.mode().materialize().ok_or_else(|| Error::NotMaterialized {
+            node: node.to_string(),
+            mode: node.mode().to_string(),
+        })?;
+        if let Some(entry) = ctx.array(node.id()) {
+            let take_ownership = writable && entry.shared && self.owner_check(node, stream, owners)?;
+            return Ok(Decision {
+                node: node.clone(),
+                mode,
+                placement: Placement::Existing,
+                sharing: None,
+                take_ownership,
+            });
+        }
+        let declared = mode.sharing();
+        let local = self.sharing.get(&node.id()).copied().unwrap_or(Sharing::Unset);
+        let effective = if declared != Sharing::Unset { declared } else { local };
+        let (placement, sharing, take_ownership) = match (writable, effective) {
+            // Read-only data is shared by every stream of the device unless known per-stream.
+            (false, Sharing::PerStream) => (Placement::Fresh, None, false),
+            (false, _) => (Placement::Candidate, Some(Sharing::SharedCrossStreams), false),
+            // A written shared node has one owner stream.
+            (true, Sharing::SharedCrossStreams) => (
+                Placement::Candidate,
+                None,
+                self.owner_check(node, stream, owners)?,
+            ),
+            (true, _) => (Placement::Fresh, Some(Sharing::PerStream), false),
+        };
+        Ok(Decision {
+            node: node.clone(),
+            mode,
+            placement,
+            sharing,
+            take_ownership,
+        })
+    }
+
+    /// Links a routine into `ctx`: allocates what it needs and returns the routine, whose
+    /// context is a new child of `ctx`, plus plans that zero the new buffers.
+    ///
+    /// On error nothing changes (no allocation, no table or mode update).
+    pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<(Routine, Vec<Plan>)> {
+        self.check_context(ctx)?;
+        let mut decisions = Vec::with_capacity(spec.params.len());
+        let mut owners = Vec::new();
+        for p in &spec.params {
+            let writable = !matches!(p.access, Access::Read);
+            let d = self.decide(ctx, &p.node, writable, &owners)?;
+            if d.take_ownership {
+                owners.push(d.node.id());
+            }
+            decisions.push(d);
+        }
+        if let Some(m) = &spec.merge {
+            m.mode().materialize().ok_or_else(|| Error::NotMaterialized {
+                node: m.to_string(),
+                mode: m.mode().to_string(),
+            })?;
+            m.size_in_bytes()?;
+        }
+        let (arrays, plans) = self.place(ctx, decisions)?;
+        let child = self.child_context(ctx, arrays);
+        let routine = Routine(Arc::new(RoutineInner {
+            spec,
+            context: child,
+        }));
+        Ok((routine, plans))
+    }
+
+    /// Allocates and records the buffers decided for a link; rolls back on failure.
+    fn place(
+        &mut self,
+        ctx: &Context,
+        decisions: Vec<Decision>,
+    ) -> Result<(Vec<(ArrayEntry, bool)>, Vec<Plan>)> {
+        let stream = ctx.stream();
+        // Allocate first, so that a failure leaves every table untouched.
+        let mut fresh: Vec<Option<Allocation>> = Vec::with_capacity(decisions.len());
+        let mut made = Vec::new();
+        for d in &decisions {
+            let need = match d.placement {
+                Placement::Existing => false,
+                Placement::Fresh => true,
+                Placement::Candidate => !self.cross_stream_candidates.contains_key(&d.node.id()),
+            };
+            if !need {
+                fresh.push(None);
+                continue;
+            }
+            let r = d.node.size_in_bytes().and_then(|bytes| {
+                let align = d.node.dtype().size_in_bytes() as u64;
+                self.pools.alloc(bytes, align, stream, &mut self.pool_ops)
+            });
+            match r {
+                Ok(a) => {
+                    made.push(a);
+                    fresh.push(Some(a));
+                }
+                Err(e) => {
+                    for a in made {
+                        // Never used: no event to wait for.
+                        let _ = self.pools.free(a, Vec::new(), stream);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        // Commit.
+        let mut arrays = Vec::new();
+        let mut plans = Vec::new();
+        for (d, alloc) in decisions.into_iter().zip(fresh) {
+            // Cannot fail: `decide` checked that the mode materializes.
+            let _ = d.node.materialize();
+            let _ = d.mode;
+            if let Some(s) = d.sharing {
+                self.sharing.insert(d.node.id(), s);
+            }
+            if d.take_ownership {
+                self.owner_stream.insert(d.node.id(), stream);
+            }
+            let shared = matches!(d.placement, Placement::Candidate);
+            if let Some(alloc) = alloc {
+                let event = self.issue(stream);
+                let mut uses = BufferUses::default();
+                uses.record_write(event.clone());
+                plans.push(Plan {
+                    stream,
+                    event,
+                    deps: Vec::new(),
+                    work: Work::Memset {
+                        dst: self.global(alloc.loc),
+                        bytes: alloc.bytes,
+                    },
+                });
+                self.buffers.insert(
+                    alloc.loc,
+                    BufferRecord {
+                        node: d.node.clone(),
+                        alloc,
+                        uses,
+                        // Zeroed memory equals the initial (zero) host array.
+                        host_version: Some(0),
+                        stream,
+                    },
+                );
+                if shared {
+                    self.cross_stream_candidates.insert(d.node.id(), alloc.loc);
+                }
+                arrays.push((
+                    ArrayEntry {
+                        node: d.node.clone(),
+                        loc: alloc.loc,
+                        bytes: alloc.bytes,
+                        shared,
+                    },
+                    !shared,
+                ));
+            } else if let Placement::Candidate = d.placement {
+                if let Some(&loc) = self.cross_stream_candidates.get(&d.node.id()) {
+                    if ctx.array(d.node.id()).is_none() {
+                        let bytes = self.buffers.get(&loc).map_or(0, |b| b.alloc.bytes);
+                        arrays.push((
+                            ArrayEntry {
+                                node: d.node.clone(),
+                                loc,
+                                bytes,
+                                shared: true,
+                            },
+                            false,
+                        ));
+                    }
+                }
+            }
+        }
+        Ok((arrays, plans))
+    }
+
+    fn child_context(&mut self, parent: &Context, arrays: Vec<(ArrayEntry, bool)>) -> Context {
+        let id = self.new_context_record(Some(parent.id()));
+        let mut map = parent.0.arrays.clone();
+        let mut delta = Vec::new();
+        for (entry, owned) in arrays {
+            if owned {
+                delta.push(entry.loc);
+            }
+            map.insert(entry.node.id(), entry);
+        }
+        if let Some(r) = self.contexts.get_mut(&id) {
+            r.delta = delta;
+        }
+        Context(Arc::new(ContextInner {
+            id,
+            stream: parent.stream(),
+            parent: Some(parent.clone()),
+            arrays: map,
+        }))
+    }
+
+    /// Adds a buffer for `node` to a child of `ctx` without a routine (for `init_from_host`).
+    ///
+    /// The node must not be in `ctx` yet. Sharing follows the node's mode: shared nodes
+    /// (hosted constants and volatiles, nodes declared or decided shared) get the device-wide
+    /// buffer, others a fresh per-stream buffer. Returns the child and the plans to run.
+    pub fn add_array(&mut self, ctx: &Context, node: &TensorNode) -> Result<(Context, Vec<Plan>)> {
+        self.check_context(ctx)?;
+        if ctx.contains(node) {
+            return Err(Error::AlreadyInContext {
+                node: node.to_string(),
+                context: ctx.id(),
+            });
+        }
+        let mode = node.mode().materialize().ok_or_else(|| Error::NotMaterialized {
+            node: node.to_string(),
+            mode: node.mode().to_string(),
+        })?;
+        let declared = mode.sharing();
+        let local = self.sharing.get(&node.id()).copied().unwrap_or(Sharing::Unset);
+        let effective = if declared != Sharing::Unset { declared } else { local };
+        let (placement, sharing) = match effective {
+            Sharing::SharedCrossStreams => (Placement::Candidate, None),
+            _ => (Placement::Fresh, Some(Sharing::PerStream)),
+        };
+        let d = Decision {
+            node: node.clone(),
+            mode,
+            placement,
+            sharing,
+            take_ownership: false,
+        };
+        let (arrays, plans) = self.place(ctx, vec![d])?;
+        Ok((self.child_context(ctx, arrays), plans))
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Scheduling (rule 1) and the merge buffer (rule 4).
+    // ----------------------------------------------------------------------------------
+
+    /// Schedules a linked routine: auto-uploads of lagging hosted inputs, then the routine.
+    pub fn schedule(&mut self, routine: &Routine, host: &mut HostTable) -> Result<Vec<Plan>> {
+        self.schedule_inner(routine, MergeFrom::Slot, host)
+    }
+
+    /// Schedules `routine` reading `source` in place as its merge buffer (`StreamingFor`).
+    ///
+    /// The caller must record the routine's event (the last plan's) as a reader of the
+    /// source on the source device ([`DeviceState::record_remote_read`]).
+    pub fn schedule_streaming(
+        &mut self,
+        routine: &Routine,
+        source: &Source,
+        host: &mut HostTable,
+    ) -> Result<Vec<Plan>> {
+        self.schedule_inner(routine, MergeFrom::Source(source), host)
+    }
+
+    fn schedule_inner(
+        &mut self,
+        routine: &Routine,
+        merge_from: MergeFrom<'_>,
+        host: &mut HostTable,
+    ) -> Result<Vec<Plan>> {
+        let ctx = routine.context().clone();
+        self.check_context(&ctx)?;
+        let stream = ctx.stream();
+        let spec = &routine.0.spec;
+
+        // Resolve every binding before touching any table.
+        let mut bindings = Vec::with_capacity(spec.params.len());
+        for p in &spec.params {
+            let e = self.entry(&ctx, &p.node)?;
+            if !self.buffers.contains_key(&e.loc) {
+                return Err(Error::Unknown {
+                    what: format!("buffer {} of {}", e.loc, p.node),
+                });
+            }
+            bindings.push(ArgBinding {
+                loc: self.global(e.loc),
+                bytes: e.bytes,
+                dtype: p.node.dtype(),
+                shape: p.node.shape().clone(),
+                access: p.access,
+            });
+        }
+        let merge = match (&spec.merge, &merge_from) {
+            (None, _) => None,
+            (Some(expected), MergeFrom::Slot) => {
+                let slot = &self.streams[stream.index as usize].merge;
+                match (&slot.node, slot.alloc) {
+                    (Some(n), Some(a)) if n == expected => Some(ArgBinding {
+                        loc: self.global(a.loc),
+                        bytes: expected.size_in_bytes()?,
+                        dtype: expected.dtype(),
+                        shape: expected.shape().clone(),
+                        access: Access::Read,
+                    }),
+                    (found, _) => {
+                        return Err(Error::MergeBufferMismatch {
+                            stream,
+                            expected: expected.to_string(),
+                            found: found.as_ref().map_or("nothing".into(), |n| n.to_string()),
+                        })
+                    }
+                }
+            }
+            (Some(expected), MergeFrom::Source(src)) => {
+                if &src.node != expected {
+                    return Err(Error::MergeBufferMismatch {
+                        stream,
+                        expected: expected.to_string(),
+                        found: src.node.to_string(),
+                    });
+                }
+                Some(ArgBinding {
+                    loc: src.loc,
+                    bytes: src.bytes,
+                    dtype: expected.dtype(),
+                    shape: expected.shape().clone(),
+                    access: Access::Read,
+                })
+            }
+        };
+
+        // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
+        let mut plans = Vec::new();
+        for (p, b) in spec.params.iter().zip(&bindings) {
+            if p.node.mode().is_hosted() && !matches!(p.access, Access::Write) {
+                let version = host.version(p.node.id());
+                let lagging = self
+                    .buffers
+                    .get(&b.loc.loc)
+                    .is_some_and(|r| r.host_version != Some(version));
+                if lagging {
+                    plans.push(self.plan_from_host(stream, &p.node, b.loc.loc, host)?);
+                }
+            }
+        }
+
+        // Rule 1: RAW on inputs, WAR and WAW on outputs (any stream, any device).
+        let mut deps = Vec::new();
+        for (p, b) in spec.params.iter().zip(&bindings) {
+            if let Some(rec) = self.buffers.get_mut(&b.loc.loc) {
+                if !matches!(p.access, Access::Write) {
+                    rec.uses.read_deps(&mut deps);
+                }
+                if !matches!(p.access, Access::Read) {
+                    rec.uses.write_deps(&mut deps);
+                }
+            }
+        }
+        match &merge_from {
+            MergeFrom::Slot if merge.is_some() => {
+                self.streams[stream.index as usize]
+                    .merge
+                    .uses
+                    .read_deps(&mut deps);
+            }
+            MergeFrom::Source(src) => deps.extend(src.deps.iter().cloned()),
+            MergeFrom::Slot => {}
+        }
+
+        let event = self.issue(stream);
+        for (p, b) in spec.params.iter().zip(&bindings) {
+            let Some(rec) = self.buffers.get_mut(&b.loc.loc) else {
+                continue;
+            };
+            if matches!(p.access, Access::Read) {
+                rec.uses.record_read(event.clone());
+            } else {
+                rec.uses.record_write(event.clone());
+                rec.host_version = Some(host.version(p.node.id()));
+                if p.node.mode().is_hosted() {
+                    host.record(&p.node)?.newer_on_device = Some(DeviceCopy {
+                        stream,
+                        loc: b.loc,
+                    });
+                }
+            }
+        }
+        if let (MergeFrom::Slot, Some(_)) = (&merge_from, &merge) {
+            self.streams[stream.index as usize]
+                .merge
+                .uses
+                .record_read(event.clone());
+        }
+        plans.push(Plan {
+            stream,
+            event,
+            deps,
+            work: Work::Run {
+                name: spec.name.as_str().into(),
+                kernel: spec.kernel.clone(),
+                args: bindings,
+                merge,
+            },
+        });
+        Ok(plans)
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Host transfers (rule 2).
+    // ----------------------------------------------------------------------------------
+
+    fn plan_from_host(
+        &mut self,
+        stream: StreamId,
+        node: &TensorNode,
+        loc: BufferLoc,
+        host: &mut HostTable,
+    ) -> Result<Plan> {
+        let hrec = host.record(node)?;
+        let mut deps = Vec::new();
+        // RAW on the host array (a pending to_host writes it).
+        hrec.uses.read_deps(&mut deps);
+        let Some(rec) = self.buffers.get_mut(&loc) else {
+            return Err(Error::Unknown {
+                what: format!("buffer {loc} of {node}"),
+            });
+        };
+        rec.uses.write_deps(&mut deps);
+        let bytes = rec.alloc.bytes;
+        let event = self.issue(stream);
+        let (hrec, rec) = (host.record(node)?, self.buffers.get_mut(&loc));
+        hrec.uses.record_read(event.clone());
+        if let Some(rec) = rec {
+            rec.uses.record_write(event.clone());
+            rec.host_version = Some(hrec.version);
+        }
+        let global = self.global(loc);
+        if hrec.newer_on_device.is_some_and(|c| c.loc == global) {
+            // The device copy now equals the host array again.
+            hrec.newer_on_device = None;
+        }
+        Ok(Plan {
+            stream,
+            event,
+            deps,
+            work: Work::FromHost {
+                host: hrec.array.clone(),
+                dst: global,
+                bytes,
+            },
+        })
+    }
+
+    fn hosted_entry<'c>(&self, ctx: &'c Context, node: &TensorNode) -> Result<&'c ArrayEntry> {
+        self.check_context(ctx)?;
+        if !node.mode().is_hosted() {
+            return Err(Error::NotHosted {
+                node: node.to_string(),
+            });
+        }
+        self.entry(ctx, node)
+    }
+
+    /// Copies the host array of `node` into its buffer in `ctx`.
+    pub fn from_host(&mut self, ctx: &Context, node: &TensorNode, host: &mut HostTable) -> Result<Plan> {
+        let loc = self.hosted_entry(ctx, node)?.loc;
+        self.plan_from_host(ctx.stream(), node, loc, host)
+    }
+
+    /// Copies the buffer of `node` in `ctx` into its host array.
+    pub fn to_host(&mut self, ctx: &Context, node: &TensorNode, host: &mut HostTable) -> Result<Plan> {
+        let loc = self.hosted_entry(ctx, node)?.loc;
+        self.plan_to_host(ctx.stream(), node, loc, host)
+    }
+
+    /// Copies the buffer at `loc` (written last on `stream`) into `node`'s host array.
+    pub fn plan_to_host(
+        &mut self,
+        stream: StreamId,
+        node: &TensorNode,
+        loc: BufferLoc,
+        host: &mut HostTable,
+    ) -> Result<Plan> {
+        let Some(rec) = self.buffers.get_mut(&loc) else {
+            return Err(Error::Unknown {
+                what: format!("buffer {loc} of {node}"),
+            });
+        };
+        let mut deps = Vec::new();
+        rec.uses.read_deps(&mut deps);
+        let bytes = rec.alloc.bytes;
+        let hrec = host.record(node)?;
+        // WAR and WAW on the host array.
+        hrec.uses.write_deps(&mut deps);
+        let event = self.issue(stream);
+        if let Some(rec) = self.buffers.get_mut(&loc) {
+            rec.uses.record_read(event.clone());
+        }
+        let hrec = host.record(node)?;
+        hrec.uses.record_write(event.clone());
+        hrec.newer_on_device = None;
+        Ok(Plan {
+            stream,
+            event,
+            deps,
+            work: Work::ToHost {
+                src: self.global(loc),
+                host: hrec.array.clone(),
+                bytes,
+            },
+        })
+    }
+
+    /// Copies the buffer of `node` in `ctx` into `into` (a caller-owned host buffer of the
+    /// node's size): a read of the buffer that does not touch the node's host array.
+    pub fn read_into(
+        &mut self,
+        ctx: &Context,
+        node: &TensorNode,
+        into: Arc<crate::memory::AlignedBuffer>,
+    ) -> Result<Plan> {
+        self.check_context(ctx)?;
+        let loc = self.entry(ctx, node)?.loc;
+        let Some(rec) = self.buffers.get_mut(&loc) else {
+            return Err(Error::Unknown {
+                what: format!("buffer {loc} of {node}"),
+            });
+        };
+        let mut deps = Vec::new();
+        rec.uses.read_deps(&mut deps);
+        let bytes = rec.alloc.bytes;
+        let event = self.issue(ctx.stream());
+        if let Some(rec) = self.buffers.get_mut(&loc) {
+            rec.uses.record_read(event.clone());
+        }
+        Ok(Plan {
+            stream: ctx.stream(),
+            event,
+            deps,
+            work: Work::ToHost {
+                src: self.global(loc),
+                host: into,
+                bytes,
+            },
+        })
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Device to device (rule 3) and the merge buffer (rule 4).
+    // ----------------------------------------------------------------------------------
+
+    /// Describes `node`'s buffer in `ctx` as the source of a device-to-device operation.
+    pub fn source(&mut self, ctx: &Context, node: &TensorNode) -> Result<Source> {
+        self.check_context(ctx)?;
+        let loc = self.entry(ctx, node)?.loc;
+        let Some(rec) = self.buffers.get_mut(&loc) else {
+            return Err(Error::Unknown {
+                what: format!("buffer {loc} of {node}"),
+            });
+        };
+        let mut deps = Vec::new();
+        rec.uses.read_deps(&mut deps);
+        Ok(Source {
+            node: node.clone(),
+            loc: GlobalLoc {
+                device: self.device,
+                loc,
+            },
+            bytes: rec.alloc.bytes,
+            deps,
+            host_version: rec.host_version,
+        })
+    }
+
+    /// Records that `event` (on any stream, any device) reads the buffer at `loc`.
+    pub fn record_remote_read(&mut self, loc: BufferLoc, event: Event) {
+        if let Some(rec) = self.buffers.get_mut(&loc) {
+            rec.uses.record_read(event);
+        }
+    }
+
+    /// Copies `source` into `dst_ctx`: into the node's own buffer (`into_merge == false`,
+    /// mode `No`) or into the stream's merge buffer (mode `Copy`).
+    ///
+    /// Returns `None` when there is nothing to do (the source *is* the destination buffer).
+    /// The caller must record the returned plan's event as a reader of the source.
+    pub fn copy_in(
+        &mut self,
+        dst_ctx: &Context,
+        source: &Source,
+        into_merge: bool,
+        host: &mut HostTable,
+    ) -> Result<Option<Plan>> {
+        self.check_context(dst_ctx)?;
+        let stream = dst_ctx.stream();
+        let node = &source.node;
+        if !into_merge {
+            let loc = self.entry(dst_ctx, node)?.loc;
+            let dst = self.global(loc);
+            if dst == source.loc {
+                return Ok(None);
+            }
+            let Some(rec) = self.buffers.get_mut(&loc) else {
+                return Err(Error::Unknown {
+                    what: format!("buffer {loc} of {node}"),
+                });
+            };
+            let mut deps = source.deps.clone();
+            rec.uses.write_deps(&mut deps);
+            let event = self.issue(stream);
+            if let Some(rec) = self.buffers.get_mut(&loc) {
+                rec.uses.record_write(event.clone());
+                rec.host_version = source.host_version;
+            }
+            if node.mode().is_hosted() {
+                host.record(node)?.newer_on_device = Some(DeviceCopy { stream, loc: dst });
+            }
+            return Ok(Some(Plan {
+                stream,
+                event,
+                deps,
+                work: Work::Copy {
+                    src: source.loc,
+                    dst,
+                    bytes: source.bytes,
+                },
+            }));
+        }
+        // Merge buffer: grows when a larger node arrives; the old one is retired after
+        // its pending uses (rule 5), and reuse waits for the previous consumer (rule 4).
+        let idx = stream.index as usize;
+        let retire = self.streams[idx].merge.uses.all_events();
+        let alloc = self
+            .pools
+            .merge_buffer(stream, source.bytes, retire, &mut self.pool_ops)?;
+        let slot = &mut self.streams[idx].merge;
+        if slot.alloc.map(|a| a.loc) != Some(alloc.loc) {
+            slot.uses = BufferUses::default();
+        }
+        let mut deps = source.deps.clone();
+        slot.uses.write_deps(&mut deps);
+        let event = self.issue(stream);
+        let slot = &mut self.streams[idx].merge;
+        slot.uses.record_write(event.clone());
+        slot.alloc = Some(alloc);
+        slot.node = Some(node.clone());
+        Ok(Some(Plan {
+            stream,
+            event,
+            deps,
+            work: Work::Copy {
+                src: source.loc,
+                dst: GlobalLoc {
+                    device: self.device,
+                    loc: alloc.loc,
+                },
+                bytes: source.bytes,
+            },
+        }))
+    }
+
+    // ----------------------------------------------------------------------------------
+    // Finalization (rule 5) and device sync.
+    // ----------------------------------------------------------------------------------
+
+    /// Finalizes `ctx`: frees the buffers it allocated once every pending use of them has
+    /// completed. Hosted nodes whose newest value lives only in a freed buffer are first
+    /// transferred to their host array (the returned plans).
+    pub fn finalize(&mut self, ctx: &Context, host: &mut HostTable) -> Result<Vec<Plan>> {
+        self.check_context(ctx)?;
+        let Some(record) = self.contexts.get(&ctx.id()) else {
+            return Err(Error::ContextFinalized { context: ctx.id() });
+        };
+        if record.children > 0 {
+            return Err(Error::ContextInUse {
+                context: ctx.id(),
+                children: record.children,
+            });
+        }
+        let Some(record) = self.contexts.remove(&ctx.id()) else {
+            return Err(Error::ContextFinalized { context: ctx.id() });
+        };
+        if let Some(p) = record.parent.and_then(|p| self.contexts.get_mut(&p)) {
+            p.children -= 1;
+        }
+        let mut plans = Vec::new();
+        for loc in record.delta {
+            let global = self.global(loc);
+            let write_back = self.buffers.get(&loc).and_then(|rec| {
+                let node = rec.node.clone();
+                let newer = host.get(node.id()).and_then(|h| h.newer_on_device);
+                newer.filter(|c| c.loc == global).map(|c| (node, c.stream))
+            });
+            if let Some((node, stream)) = write_back {
+                plans.push(self.plan_to_host(stream, &node, loc, host)?);
+            }
+            if let Some(mut rec) = self.buffers.remove(&loc) {
+                let events = rec.uses.all_events();
+                let _ = self.pools.free(rec.alloc, events, rec.stream);
+            }
+        }
+        self.pools.reclaim(&mut self.pool_ops);
+        Ok(plans)
+    }
+
+    /// Whether `ctx` is live (not finalized).
+    pub fn is_live(&self, ctx: &Context) -> bool {
+        self.contexts.contains_key(&ctx.id())
+    }
+}

@@ -1,0 +1,18 @@
+//! The synchronisation protocol as a sans-IO state machine (DESIGN.md §3).
+//!
+//! [`DeviceState`] owns one device's tables and pools; every operation becomes one or more
+//! [`Plan`]s that say which events to wait for, what to run and which event to complete.
+//! The engine ([`crate::engine`]) or the actor layer executes plans on backends; loom
+//! models execute them on model threads. Nothing here waits or performs I/O.
+
+mod context;
+mod device;
+mod host;
+mod plan;
+mod tables;
+
+pub use context::{ArrayEntry, Context, Routine};
+pub use device::{DeviceState, Source, TableSizes};
+pub use host::{DeviceCopy, HostRecord, HostTable};
+pub use plan::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work};
+pub use tables::{BufferUses, Uses};

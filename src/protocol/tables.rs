@@ -1,0 +1,150 @@
+//! The bookkeeping tables of the protocol (DESIGN.md §3).
+//!
+//! The design lists per-node tables (`shared_writers`, `updating_for`, `reader_streams`,
+//! ...). tributary keys them by **buffer location** instead: every buffer has one
+//! [`BufferUses`] record with its pending writer and its pending readers. A per-stream
+//! buffer and a cross-stream-shared buffer are then the same case, the merge buffer is just
+//! another buffer, and rule 5 (free only after every use) reads the same record. Host arrays
+//! have the same record per node ([`crate::protocol::HostTable`]).
+//!
+//! Bounds: a write waits for every pending use of the buffer, so after it is recorded it
+//! supersedes them (the writer list has at most one entry and the reader list is emptied);
+//! readers keep the latest read per stream. A record therefore holds at most one event per
+//! stream of the system plus one, whatever the length of the program.
+
+use crate::{
+    event::{Event, EventStatus},
+    ids::StreamId,
+    protocol::plan::{Dep, DepKind},
+};
+
+/// Pending events of one kind (readers or writers), at most one per stream.
+#[derive(Clone, Debug, Default)]
+pub struct Uses {
+    events: Vec<Event>,
+}
+
+impl Uses {
+    /// Records a use; an earlier use on the same stream is superseded (FIFO order).
+    pub fn record(&mut self, event: Event) {
+        match self.events.iter_mut().find(|e| e.stream() == event.stream()) {
+            Some(slot) => *slot = event,
+            None => self.events.push(event),
+        }
+    }
+
+    /// Replaces every use by `event` (a write that waited for all of them).
+    pub fn supersede(&mut self, event: Event) {
+        self.events.clear();
+        self.events.push(event);
+    }
+
+    /// Forgets every use.
+    pub fn clear(&mut self) {
+        self.events.clear();
+    }
+
+    /// Drops uses that completed successfully. Failed ones stay: a later reader must still
+    /// learn that the data it would read was never produced.
+    pub fn prune(&mut self) {
+        self.events
+            .retain(|e| !matches!(e.status(), EventStatus::Done));
+    }
+
+    /// Whether no use is pending.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Number of recorded uses.
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// The pending uses.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Pending uses as dependencies of the given kind, after pruning.
+    pub fn deps(&mut self, kind: DepKind, out: &mut Vec<Dep>) {
+        self.prune();
+        out.extend(self.events.iter().map(|e| Dep {
+            event: e.clone(),
+            kind,
+        }));
+    }
+
+    /// Pending uses on streams other than `stream`, after pruning.
+    pub fn others(&mut self, stream: StreamId) -> impl Iterator<Item = &Event> {
+        self.prune();
+        self.events.iter().filter(move |e| e.stream() != stream)
+    }
+}
+
+/// Who uses one buffer: its pending writer and readers.
+#[derive(Clone, Debug, Default)]
+pub struct BufferUses {
+    /// The last write (at most one after pruning; see the module docs).
+    pub writers: Uses,
+    /// The latest read per stream since the last write.
+    pub readers: Uses,
+}
+
+impl BufferUses {
+    /// Dependencies of an operation that reads the buffer (RAW on the last write).
+    pub fn read_deps(&mut self, out: &mut Vec<Dep>) {
+        self.writers.deps(DepKind::Data, out);
+    }
+
+    /// Dependencies of an operation that overwrites the buffer (WAR and WAW).
+    pub fn write_deps(&mut self, out: &mut Vec<Dep>) {
+        self.readers.deps(DepKind::Order, out);
+        self.writers.deps(DepKind::Order, out);
+    }
+
+    /// Records a read.
+    pub fn record_read(&mut self, event: Event) {
+        self.readers.record(event);
+    }
+
+    /// Records a write: it supersedes every earlier use, which it waited for.
+    pub fn record_write(&mut self, event: Event) {
+        self.readers.clear();
+        self.writers.supersede(event);
+    }
+
+    /// Forgets every use (after the caller waited for all of them).
+    pub fn clear_all(&mut self) {
+        self.writers.clear();
+        self.readers.clear();
+    }
+
+    /// Every pending use (for deferred frees).
+    pub fn all_events(&mut self) -> Vec<Event> {
+        self.writers.prune();
+        self.readers.prune();
+        self.writers
+            .events()
+            .iter()
+            .chain(self.readers.events())
+            .cloned()
+            .collect()
+    }
+
+    /// Drops completed uses.
+    pub fn prune(&mut self) {
+        self.writers.prune();
+        self.readers.prune();
+    }
+
+    /// Number of events held (for boundedness checks).
+    pub fn len(&self) -> usize {
+        self.writers.len() + self.readers.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.writers.is_empty() && self.readers.is_empty()
+    }
+}

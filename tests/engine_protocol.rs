@@ -1,0 +1,473 @@
+//! Engine tests: every rule of DESIGN.md §3 on the CPU backend with 2 devices x 2 streams.
+//!
+//! Each race test makes the "wrong" interleaving likely by delaying one side with a slow
+//! kernel, so removing the rule under test makes the test fail (the mutation check in
+//! `loom_tests/` proves the same on the loom models, exhaustively).
+
+use std::{thread::sleep, time::Duration};
+
+use tributary::{
+    kernels::{self, Access, RoutineSpec},
+    DType, Engine, EngineConfig, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
+    TensorNode,
+};
+
+const DELAY: Duration = Duration::from_millis(60);
+const N: usize = 256;
+
+fn engine() -> Engine {
+    Engine::cpu(EngineConfig::default()).expect("cpu engine")
+}
+
+fn node(label: &str, mode: MemoryMode) -> TensorNode {
+    TensorNode::new(label, DType::F32, [N])
+        .with_mode(mode)
+        .expect("mode")
+}
+
+fn shared() -> MemoryMode {
+    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
+}
+
+/// dst = src, after sleeping (a slow reader of src).
+fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
+    RoutineSpec::custom(
+        "slow_copy",
+        vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)],
+        None,
+        |args| {
+            sleep(DELAY);
+            let src = args.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
+            args.output::<f32>(0)
+                .map_err(|e| e.to_string())?
+                .copy_from_slice(&src);
+            Ok(())
+        },
+    )
+    .expect("spec")
+}
+
+/// dst = value, after sleeping (a slow writer of dst).
+fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
+    RoutineSpec::custom(
+        "slow_fill",
+        vec![(dst.clone(), Access::Write)],
+        None,
+        move |args| {
+            sleep(DELAY);
+            args.output::<f32>(0)
+                .map_err(|e| e.to_string())?
+                .fill(value);
+            Ok(())
+        },
+    )
+    .expect("spec")
+}
+
+fn all(v: &[f32], x: f32) -> bool {
+    v.iter().all(|&y| y == x)
+}
+
+#[test]
+fn raw_across_streams_waits_for_the_writer() {
+    let mut e = engine();
+    let x = node("x", shared());
+    let y = node("y", MemoryMode::on_device());
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    let w = e.link(&a, slow_fill(&x, 7.0)).unwrap();
+    let r = e.link(&b, kernels::copy(&y, &x).unwrap()).unwrap();
+    assert_eq!(
+        w.context().array(x.id()).unwrap().loc,
+        r.context().array(x.id()).unwrap().loc,
+        "a shared node has one buffer per device"
+    );
+    e.schedule(&w).unwrap();
+    e.schedule(&r).unwrap();
+    let got: Vec<f32> = e.read(r.context(), &y).unwrap();
+    assert!(all(&got, 7.0), "reader on stream 1 saw {:?}", &got[..4]);
+}
+
+#[test]
+fn war_across_streams_waits_for_the_reader() {
+    let mut e = engine();
+    let x = node("x", shared());
+    let y = node("y", MemoryMode::on_device());
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    let init = e.link(&a, kernels::fill(&x, 1.0).unwrap()).unwrap();
+    let overwrite = e.link(init.context(), kernels::fill(&x, 2.0).unwrap()).unwrap();
+    let read = e.link(&b, slow_copy(&y, &x)).unwrap();
+    e.schedule(&init).unwrap();
+    e.schedule(&read).unwrap();
+    e.schedule(&overwrite).unwrap();
+    let got: Vec<f32> = e.read(read.context(), &y).unwrap();
+    assert!(all(&got, 1.0), "the slow reader saw the later write: {:?}", &got[..4]);
+    let x_now: Vec<f32> = e.read(overwrite.context(), &x).unwrap();
+    assert!(all(&x_now, 2.0));
+}
+
+#[test]
+fn waw_across_streams_keeps_program_order() {
+    let mut e = engine();
+    let x = node(
+        "x",
+        MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::SharedCrossStreams)),
+    );
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    // Stream 0 owns x and writes it slowly; then stream 1 uploads the host value into
+    // the same buffer. Program order says the upload wins.
+    let w = e.link(&a, slow_fill(&x, 5.0)).unwrap();
+    let b = e.init_from_host(&b, &x, &vec![9.0f32; N]).unwrap();
+    e.sync_all().unwrap();
+    e.schedule(&w).unwrap();
+    e.from_host(&b, &x).unwrap();
+    e.sync_all().unwrap();
+    let got: Vec<f32> = e.read(&b, &x).unwrap();
+    assert!(all(&got, 9.0), "the earlier slow write landed last: {:?}", &got[..4]);
+}
+
+#[test]
+fn device_to_device_copy_then_overwrite_source() {
+    let mut e = engine();
+    let x = node("x", MemoryMode::on_device());
+    let z = node("z", MemoryMode::on_device());
+    let src = e.context(0, 0).unwrap();
+    let dst = e.context(1, 0).unwrap();
+    let set3 = e.link(&src, kernels::fill(&x, 3.0).unwrap()).unwrap();
+    let set4 = e.link(set3.context(), kernels::fill(&x, 4.0).unwrap()).unwrap();
+    let busy = e.link(&dst, slow_fill(&z, 1.0)).unwrap();
+    let dst = e.link(busy.context(), kernels::fill(&x, 0.0).unwrap()).unwrap();
+    e.schedule(&set3).unwrap();
+    e.schedule(&busy).unwrap(); // delays the copy on the destination stream
+    e.device_to_device(&x, set3.context(), dst.context(), MergeBufferUse::No)
+        .unwrap()
+        .expect("a real copy");
+    e.schedule(&set4).unwrap(); // must wait for the copy to read x
+    let got: Vec<f32> = e.read(dst.context(), &x).unwrap();
+    assert!(all(&got, 3.0), "the copy read the overwritten source: {:?}", &got[..4]);
+}
+
+#[test]
+fn merge_buffer_copy_and_reuse_by_two_producers() {
+    let mut e = engine();
+    let g = node("g", MemoryMode::on_device());
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(1, 0).unwrap();
+    let c2 = e.context(1, 1).unwrap();
+    let p1 = e.link(&c1, slow_fill(&g, 2.0)).unwrap();
+    let p2 = e.link(&c2, kernels::fill(&g, 3.0).unwrap()).unwrap();
+    let base = e.link(&c0, kernels::fill(&g, 1.0).unwrap()).unwrap();
+    let merge = e
+        .link(base.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    e.schedule(&base).unwrap();
+    e.schedule(&p1).unwrap();
+    e.schedule(&p2).unwrap();
+    e.device_to_device(&g, p1.context(), merge.context(), MergeBufferUse::Copy)
+        .unwrap();
+    e.schedule(&merge).unwrap(); // g = 1 + 2
+    e.device_to_device(&g, p2.context(), merge.context(), MergeBufferUse::Copy)
+        .unwrap();
+    e.schedule(&merge).unwrap(); // g = 3 + 3
+    let got: Vec<f32> = e.read(merge.context(), &g).unwrap();
+    assert!(all(&got, 6.0), "got {:?}", &got[..4]);
+}
+
+#[test]
+fn merge_buffer_mismatch_is_refused_at_schedule() {
+    let mut e = engine();
+    let g = node("g", MemoryMode::on_device());
+    let h = node("h", MemoryMode::on_device());
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(1, 0).unwrap();
+    let ph = e.link(&c1, kernels::fill(&h, 1.0).unwrap()).unwrap();
+    let base = e.link(&c0, kernels::fill(&g, 1.0).unwrap()).unwrap();
+    let merge = e
+        .link(base.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    // Nothing in the merge buffer yet.
+    assert!(matches!(e.schedule(&merge), Err(Error::MergeBufferMismatch { .. })));
+    e.schedule(&ph).unwrap();
+    let hb = e.link(base.context(), kernels::fill(&h, 0.0).unwrap()).unwrap();
+    let _ = hb;
+    e.device_to_device(&h, ph.context(), base.context(), MergeBufferUse::Copy)
+        .unwrap();
+    let err = e.schedule(&merge).unwrap_err();
+    assert!(matches!(err, Error::MergeBufferMismatch { .. }), "{err}");
+}
+
+#[test]
+fn streaming_for_reads_source_in_place_before_it_is_overwritten() {
+    let mut e = engine();
+    let g = node("g", MemoryMode::on_device());
+    let z = node("z", MemoryMode::on_device());
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(1, 0).unwrap();
+    let src = e.link(&c1, kernels::fill(&g, 5.0).unwrap()).unwrap();
+    let src_over = e.link(src.context(), kernels::fill(&g, 100.0).unwrap()).unwrap();
+    let busy = e.link(&c0, slow_fill(&z, 1.0)).unwrap();
+    let base = e
+        .link(busy.context(), kernels::fill(&g, 1.0).unwrap())
+        .unwrap();
+    let merge = e
+        .link(base.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    e.schedule(&src).unwrap();
+    e.schedule(&busy).unwrap();
+    e.schedule(&base).unwrap();
+    e.device_to_device(
+        &g,
+        src.context(),
+        merge.context(),
+        MergeBufferUse::StreamingFor(merge.clone()),
+    )
+    .unwrap();
+    e.schedule(&src_over).unwrap(); // must wait for the streaming consumer
+    let got: Vec<f32> = e.read(merge.context(), &g).unwrap();
+    assert!(all(&got, 6.0), "consumer saw {:?}", &got[..4]);
+}
+
+#[test]
+fn lazy_host_transfers() {
+    let mut e = engine();
+    let w = node("w", MemoryMode::hosted_changed_on_devices());
+    let c = e.context(0, 1).unwrap();
+    let c = e.init_from_host(&c, &w, &vec![1.0f32; N]).unwrap();
+    let double = e
+        .link(&c, kernels::scale(&w, &w, 2.0).unwrap_or_else(|_| kernels::axpy(&w, &w, 1.0).unwrap()))
+        .unwrap();
+    e.schedule(&double).unwrap();
+    // Host read after a device write transfers the device value first.
+    let host: Vec<f32> = e.host_read(&w).unwrap();
+    assert!(all(&host, 2.0), "host read saw {:?}", &host[..4]);
+    // Host write, then a device read: the device re-uploads before reading.
+    e.host_write(&w, &vec![10.0f32; N]).unwrap();
+    e.schedule(&double).unwrap();
+    let host: Vec<f32> = e.host_read(&w).unwrap();
+    assert!(all(&host, 20.0), "device did not see the host write: {:?}", &host[..4]);
+}
+
+#[test]
+fn constants_are_shared_by_all_streams_of_a_device() {
+    let mut e = engine();
+    let k = node("k", MemoryMode::Hosted(HostedKind::Constant));
+    let y0 = node("y0", MemoryMode::on_device());
+    let y1 = node("y1", MemoryMode::on_device());
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(0, 1).unwrap();
+    let c0 = e.init_from_host(&c0, &k, &vec![4.0f32; N]).unwrap();
+    let r0 = e.link(&c0, kernels::copy(&y0, &k).unwrap()).unwrap();
+    let r1 = e.link(&c1, kernels::copy(&y1, &k).unwrap()).unwrap();
+    assert_eq!(
+        r0.context().array(k.id()).unwrap().loc,
+        r1.context().array(k.id()).unwrap().loc
+    );
+    e.schedule(&r0).unwrap();
+    e.schedule(&r1).unwrap();
+    assert!(all(&e.read::<f32>(r0.context(), &y0).unwrap(), 4.0));
+    assert!(all(&e.read::<f32>(r1.context(), &y1).unwrap(), 4.0));
+}
+
+#[test]
+fn finalize_frees_only_after_in_flight_readers() {
+    let mut e = engine();
+    let x = node("x", MemoryMode::on_device());
+    let z = node("z", MemoryMode::on_device());
+    let q = node("q", MemoryMode::on_device());
+    let owner = e.context(0, 0).unwrap();
+    let dst = e.context(1, 0).unwrap();
+    let set = e.link(&owner, kernels::fill(&x, 3.0).unwrap()).unwrap();
+    let busy = e.link(&dst, slow_fill(&z, 1.0)).unwrap();
+    let dst = e.link(busy.context(), kernels::fill(&x, 0.0).unwrap()).unwrap();
+    e.schedule(&set).unwrap();
+    e.schedule(&busy).unwrap();
+    e.device_to_device(&x, set.context(), dst.context(), MergeBufferUse::No)
+        .unwrap();
+    let live_before = e.memory_stats()[0].live_bytes;
+    e.finalize(set.context()).unwrap();
+    // A new allocation on the same device must not reuse x's range while the copy is pending.
+    let reuse = e.link(&owner, kernels::fill(&q, 9.0).unwrap()).unwrap();
+    e.schedule(&reuse).unwrap();
+    let got: Vec<f32> = e.read(dst.context(), &x).unwrap();
+    assert!(all(&got, 3.0), "freed memory was reused under a reader: {:?}", &got[..4]);
+    e.sync_all().unwrap();
+    let live_after = e.memory_stats()[0].live_bytes;
+    assert!(live_after <= live_before, "{live_after} > {live_before}");
+    // The finalized context is gone for good.
+    assert!(matches!(
+        e.schedule(&set),
+        Err(Error::ContextFinalized { .. })
+    ));
+}
+
+#[test]
+fn finalize_refuses_a_context_with_live_children() {
+    let mut e = engine();
+    let x = node("x", MemoryMode::on_device());
+    let c = e.context(0, 0).unwrap();
+    let r = e.link(&c, kernels::fill(&x, 1.0).unwrap()).unwrap();
+    let child = e.link(r.context(), kernels::fill(&x, 2.0).unwrap()).unwrap();
+    assert!(matches!(
+        e.finalize(r.context()),
+        Err(Error::ContextInUse { children: 1, .. })
+    ));
+    e.finalize(child.context()).unwrap();
+    e.finalize(r.context()).unwrap();
+    assert!(matches!(
+        e.finalize(r.context()),
+        Err(Error::ContextFinalized { .. })
+    ));
+}
+
+#[test]
+fn panicking_kernel_fails_its_dependents_but_not_the_system() {
+    let mut e = engine();
+    let x = node("x", shared());
+    let y = node("y", MemoryMode::on_device());
+    let u = node("u", MemoryMode::on_device());
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    let boom = RoutineSpec::custom("boom", vec![(x.clone(), Access::Write)], None, |_| {
+        panic!("kernel exploded")
+    })
+    .unwrap();
+    let boom = e.link(&a, boom).unwrap();
+    let dependent = e.link(&b, kernels::copy(&y, &x).unwrap()).unwrap();
+    let unrelated = e.link(&b, kernels::fill(&u, 8.0).unwrap()).unwrap();
+    let ev_boom = e.schedule(&boom).unwrap();
+    let ev_dep = e.schedule(&dependent).unwrap();
+    let ev_unrel = e.schedule(&unrelated).unwrap();
+    let err = ev_boom.wait_timeout(Duration::from_secs(10)).unwrap_err();
+    let root = err.root_cause().expect("a root cause").clone();
+    assert!(root.message.contains("kernel exploded"), "{root}");
+    let dep_err = ev_dep.wait_timeout(Duration::from_secs(10)).unwrap_err();
+    assert_eq!(dep_err.root_cause(), Some(&root), "dependent names the root cause");
+    ev_unrel.wait_timeout(Duration::from_secs(10)).unwrap();
+    assert!(all(&e.read::<f32>(unrelated.context(), &u).unwrap(), 8.0));
+    // Overwriting x heals it: later readers succeed.
+    let heal = e.link(boom.context(), kernels::fill(&x, 3.0).unwrap()).unwrap();
+    e.schedule(&heal).unwrap();
+    e.schedule(&dependent)
+        .unwrap()
+        .wait_timeout(Duration::from_secs(10))
+        .unwrap();
+    assert!(all(&e.read::<f32>(dependent.context(), &y).unwrap(), 3.0));
+}
+
+#[test]
+fn second_writer_of_a_shared_node_is_refused() {
+    let mut e = engine();
+    let x = node("x", shared());
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    e.link(&a, kernels::fill(&x, 1.0).unwrap()).unwrap();
+    let stats = e.memory_stats();
+    let err = e.link(&b, kernels::fill(&x, 2.0).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::SecondWriter { .. }), "{err}");
+    assert_eq!(e.memory_stats()[0].live_bytes, stats[0].live_bytes);
+}
+
+#[test]
+fn bad_input_gets_typed_errors_and_changes_nothing() {
+    let mut e = Engine::cpu(EngineConfig {
+        pools: tributary::memory::PoolConfig {
+            limit_bytes: Some(1 << 20),
+            pool_bytes: 1 << 16,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let x = node("x", MemoryMode::on_device());
+    let h = node("h", MemoryMode::hosted_changed_on_devices());
+    let c = e.context(0, 0).unwrap();
+    let before = e.memory_stats();
+    // Node not in context.
+    assert!(matches!(e.read::<f32>(&c, &x), Err(Error::NodeNotInContext { .. })));
+    // Wrong dtype and size.
+    assert!(matches!(e.read::<f64>(&c, &x), Err(Error::DTypeMismatch { .. })));
+    assert!(matches!(
+        e.init_from_host(&c, &h, &[1.0f32; 3]),
+        Err(Error::SizeMismatch { .. })
+    ));
+    // Not hosted.
+    assert!(matches!(e.host_write(&x, &[0.0f32; N]), Err(Error::NotHosted { .. })));
+    // Pool exhausted: a node larger than the device limit.
+    let huge = TensorNode::new("huge", DType::F32, [1 << 20]);
+    let err = e.link(&c, kernels::fill(&huge, 0.0).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::PoolExhausted { .. }), "{err}");
+    // Zero-size node.
+    let empty = TensorNode::new("empty", DType::F32, [0]);
+    assert!(matches!(
+        e.link(&c, kernels::fill(&empty, 0.0).unwrap()),
+        Err(Error::InvalidSize { .. })
+    ));
+    // Virtual node.
+    let v = node("v", MemoryMode::Virtual);
+    assert!(matches!(
+        e.link(&c, kernels::fill(&v, 0.0).unwrap()),
+        Err(Error::NotMaterialized { .. })
+    ));
+    // Unknown stream.
+    assert!(matches!(e.context(0, 9), Err(Error::Unknown { .. })));
+    let after = e.memory_stats();
+    assert_eq!(before[0].live_bytes, after[0].live_bytes);
+    assert_eq!(before[0].reserved_bytes, after[0].reserved_bytes);
+    // The engine still works.
+    let r = e.link(&c, kernels::fill(&x, 1.5).unwrap()).unwrap();
+    e.schedule(&r).unwrap();
+    assert!(all(&e.read::<f32>(r.context(), &x).unwrap(), 1.5));
+}
+
+#[test]
+fn tables_stay_bounded_under_endless_work() {
+    let mut e = engine();
+    let x = node("x", shared());
+    let y = node("y", MemoryMode::on_device());
+    let a = e.context(0, 0).unwrap();
+    let b = e.context(0, 1).unwrap();
+    let w = e.link(&a, kernels::fill(&x, 1.0).unwrap()).unwrap();
+    let r = e.link(&b, kernels::add_into(&y, &x).unwrap()).unwrap();
+    let mut max_events = 0;
+    for i in 0..20_000 {
+        e.schedule(&w).unwrap();
+        e.schedule(&r).unwrap();
+        if i % 1000 == 0 {
+            let (sizes, host) = e.table_sizes();
+            max_events = max_events.max(sizes[0].events + host);
+        }
+    }
+    e.sync_all().unwrap();
+    let got: Vec<f32> = e.read(r.context(), &y).unwrap();
+    assert!(all(&got, 20_000.0), "{:?}", &got[..4]);
+    // One writer and at most one reader per stream per buffer.
+    assert!(max_events <= 8, "tables grew to {max_events} events");
+    let (sizes, _) = e.table_sizes();
+    assert!(sizes[0].events <= 4, "{sizes:?}");
+}
+
+#[test]
+fn two_devices_two_streams_pipeline() {
+    let mut e = engine();
+    let w = node("w", MemoryMode::hosted_changed_on_devices());
+    let g = node("g", MemoryMode::on_device());
+    let ctx0 = e.context(0, 0).unwrap();
+    let ctx1 = e.context(1, 1).unwrap();
+    let ctx0 = e.init_from_host(&ctx0, &w, &vec![1.0f32; N]).unwrap();
+    let ctx1 = e.init_from_host(&ctx1, &w, &vec![1.0f32; N]).unwrap();
+    let grad0 = e.link(&ctx0, kernels::scale(&g, &w, 0.5).unwrap()).unwrap();
+    let grad1 = e.link(&ctx1, kernels::scale(&g, &w, 0.25).unwrap()).unwrap();
+    let merge = e
+        .link(grad0.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    e.schedule(&grad0).unwrap();
+    e.schedule(&grad1).unwrap();
+    e.device_to_device(&g, grad1.context(), merge.context(), MergeBufferUse::Copy)
+        .unwrap();
+    let done = e.schedule(&merge).unwrap();
+    done.wait().unwrap();
+    let g_host: Vec<f32> = e.read(merge.context(), &g).unwrap();
+    assert!(all(&g_host, 0.75), "{:?}", &g_host[..4]);
+}
