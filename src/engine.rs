@@ -336,7 +336,7 @@ impl Engine {
         // SAFETY: every pending device write of the host array was waited for above and
         // no new one can be issued while we hold `&mut self`; reads by devices may run
         // concurrently, which is fine for a shared read.
-        let data = unsafe { array.bytes(0, bytes) };
+        let data = unsafe { array.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
         Ok(from_bytes(data))
     }
 
@@ -359,7 +359,9 @@ impl Engine {
         let src = as_bytes(data);
         // SAFETY: no device operation uses the host array any more (all were waited for,
         // and new ones are only issued through `&mut self`).
-        unsafe { record.array.bytes_mut(0, src.len()) }.copy_from_slice(src);
+        unsafe { record.array.bytes_mut(0, src.len()) }
+            .map_err(crate::DeviceError::from)?
+            .copy_from_slice(src);
         record.version += 1;
         record.newer_on_device = None;
         Ok(())
@@ -375,7 +377,8 @@ impl Engine {
         let event = self.submit_one(plan)?;
         event.wait()?;
         // SAFETY: the copy into `into` completed (waited above) and nothing else refers to it.
-        Ok(from_bytes(unsafe { into.bytes(0, bytes) }))
+        let data = unsafe { into.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
+        Ok(from_bytes(data))
     }
 
     /// Finalizes `ctx`: its buffers are freed once every pending use completed.
