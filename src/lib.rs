@@ -21,6 +21,7 @@
 pub mod error;
 pub mod event;
 pub mod ids;
+pub mod kernels;
 pub mod memory;
 pub mod node;
 pub mod sync;
