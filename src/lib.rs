@@ -23,6 +23,7 @@ pub mod engine;
 pub mod error;
 pub mod event;
 pub mod ids;
+pub mod kernels;
 pub mod memory;
 pub mod node;
 pub mod protocol;

@@ -1,0 +1,39 @@
+//! Kernels: what a routine runs, before it is linked into a context.
+//!
+//! A [`RoutineSpec`] is a kernel together with the tensor nodes it touches, in argument
+//! order, each with its [`Access`] (read, write or both), plus the node expected in the
+//! stream's merge buffer, if any (DESIGN.md §2, "Routine" and "Merge buffer"). Linking a
+//! spec into a context gives a routine.
+//!
+//! Kernels come in two kinds ([`Kernel`]):
+//!
+//! - [`Builtin`]: the portable built-ins every backend implements (DESIGN.md §5). They are
+//!   plain data (serialisable), built by the constructor functions of this module
+//!   ([`fill`], [`copy`], [`add_into`], [`add_merge`], [`scale`], [`axpy`], [`sgd_step`],
+//!   [`matmul`], [`matmul_tn`], [`matmul_nt`], [`add_row_bias`], [`relu`],
+//!   [`relu_backward`], [`sum_rows`], [`softmax_xent`], [`mul`]), which check dtypes and
+//!   shapes and return typed errors ([`Error::DTypeMismatch`](crate::Error::DTypeMismatch),
+//!   [`Error::SizeMismatch`](crate::Error::SizeMismatch),
+//!   [`Error::InvalidRoutine`](crate::Error::InvalidRoutine)).
+//! - [`CpuKernel`]: a Rust closure over typed views ([`KernelArgs`]), for the CPU backend
+//!   ([`RoutineSpec::custom`]).
+//!
+//! [`run_cpu`] runs either kind over [`KernelArgs`]; [`run_on_host`] runs a spec on plain
+//! byte vectors (tests, the engine's sequential reference interpreter).
+//!
+//! **Determinism.** Every CPU built-in runs sequentially, with a fixed order of
+//! floating-point operations (documented per built-in), no fused multiply-add and no
+//! threads, so results are bitwise reproducible. `f16` and `bf16` arithmetic converts each
+//! element to `f32`, computes in `f32` and rounds the result back (ties to even).
+
+mod args;
+mod cpu;
+mod spec;
+
+pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
+pub use cpu::{run_cpu, run_on_host};
+pub use spec::{
+    add_into, add_merge, add_row_bias, axpy, copy, fill, matmul, matmul_nt, matmul_tn, mul, relu,
+    relu_backward, scale, sgd_step, softmax_xent, sum_rows, Access, Builtin, CpuKernel,
+    CpuKernelFn, Kernel, Param, RoutineSpec,
+};
