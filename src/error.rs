@@ -9,7 +9,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{ContextId, DeviceId, NodeId, StreamId};
+use crate::ids::{ContextId, DeviceId, StreamId};
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

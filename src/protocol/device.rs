@@ -602,7 +602,7 @@ impl DeviceState {
             (Some(expected), MergeFrom::Slot) => {
                 let slot = &self.streams[stream.index as usize].merge;
                 match (&slot.node, slot.alloc) {
-                    (Some(n), Some(a)) if n == expected => Some(ArgBinding {
+                    (Some(n), Some(a)) if n == expected || mutant!("merge_check") => Some(ArgBinding {
                         loc: self.global(a.loc),
                         bytes: expected.size_in_bytes()?,
                         dtype: expected.dtype(),
@@ -644,7 +644,8 @@ impl DeviceState {
                 let lagging = self
                     .buffers
                     .get(&b.loc.loc)
-                    .is_some_and(|r| r.host_version != Some(version));
+                    .is_some_and(|r| r.host_version != Some(version))
+                    && !mutant!("host_upload");
                 if lagging {
                     plans.push(self.plan_from_host(stream, &p.node, b.loc.loc, host)?);
                 }
@@ -881,6 +882,9 @@ impl DeviceState {
 
     /// Records that `event` (on any stream, any device) reads the buffer at `loc`.
     pub fn record_remote_read(&mut self, loc: BufferLoc, event: Event) {
+        if mutant!("d2d_reader") {
+            return;
+        }
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event);
         }
@@ -1002,7 +1006,10 @@ impl DeviceState {
                 plans.push(self.plan_to_host(stream, &node, loc, host)?);
             }
             if let Some(mut rec) = self.buffers.remove(&loc) {
-                let events = rec.uses.all_events();
+                let mut events = rec.uses.all_events();
+                if mutant!("deferred_free") {
+                    events.clear();
+                }
                 let _ = self.pools.free(rec.alloc, events, rec.stream);
             }
         }

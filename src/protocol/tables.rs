@@ -94,13 +94,20 @@ pub struct BufferUses {
 impl BufferUses {
     /// Dependencies of an operation that reads the buffer (RAW on the last write).
     pub fn read_deps(&mut self, out: &mut Vec<Dep>) {
+        if mutant!("raw") {
+            return;
+        }
         self.writers.deps(DepKind::Data, out);
     }
 
     /// Dependencies of an operation that overwrites the buffer (WAR and WAW).
     pub fn write_deps(&mut self, out: &mut Vec<Dep>) {
-        self.readers.deps(DepKind::Order, out);
-        self.writers.deps(DepKind::Order, out);
+        if !mutant!("war") {
+            self.readers.deps(DepKind::Order, out);
+        }
+        if !mutant!("waw") {
+            self.writers.deps(DepKind::Order, out);
+        }
     }
 
     /// Records a read.
@@ -146,5 +153,16 @@ impl BufferUses {
     /// Whether nothing is pending.
     pub fn is_empty(&self) -> bool {
         self.writers.is_empty() && self.readers.is_empty()
+    }
+}
+
+/// Pools defer frees on protocol events.
+impl crate::memory::UseEvent for Event {
+    fn is_done(&self) -> bool {
+        Event::is_done(self)
+    }
+
+    fn stream(&self) -> StreamId {
+        Event::stream(self)
     }
 }
