@@ -9,7 +9,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{ContextId, DeviceId, NodeId, StreamId};
+use crate::ids::{ContextId, DeviceId, StreamId};
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -158,7 +158,9 @@ pub enum Error {
         writer: StreamId,
     },
     /// A device's memory limit would be exceeded.
-    #[error("pool exhausted on {device}: {requested} bytes requested, {available} of {limit} available")]
+    #[error(
+        "pool exhausted on {device}: {requested} bytes requested, {available} of {limit} available"
+    )]
     PoolExhausted {
         /// The device.
         device: DeviceId,
