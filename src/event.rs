@@ -1,1 +1,988 @@
-//! Event timelines (placeholder, being written).
+//! Per-stream event timelines (DESIGN.md §2, "Event").
+//!
+//! Every stream owns one [`Timeline`]: a monotonically increasing counter of completed
+//! operations. Operations on a stream are numbered from 1 in issue order (sequence number 0
+//! means "nothing" and is always done). An [`Event`] `(stream, n)` is done when the stream
+//! has completed every operation up to `n`. Operations complete in FIFO order, but each one
+//! may fail on its own: the backend reports [`Timeline::fail`] with the root cause, the
+//! timeline still advances and the stream keeps serving. A stream can also die
+//! ([`Timeline::poison`]): every operation it has not completed yet fails with the cause,
+//! now and in the future.
+//!
+//! Waiting comes in three forms: polling ([`Timeline::is_done`], [`Timeline::status`]),
+//! blocking ([`Timeline::wait`] and its timed variants) and async ([`Event::wait_async`]).
+//! A successful wait is also a memory synchronisation point: everything the backend did
+//! before signalling an operation complete (writing its outputs) *happens before* the
+//! return of a wait that observes it.
+//!
+//! # How lost wake-ups are excluded
+//!
+//! The state a waiter must never miss lives in **one atomic word**:
+//!
+//! ```text
+//!   bits 63..3: completed sequence number    bit 2: POISONED
+//!   bit 1: FAILED (some op ever failed)      bit 0: WAITERS (someone may be blocked or registered)
+//! ```
+//!
+//! Waiters (blocking threads and async wakers) register under the mutex and set `WAITERS`
+//! with an atomic read-modify-write *before* checking whether their event is done.
+//! [`Timeline::signal`] advances the counter with a compare-and-swap and takes the lock
+//! only if the word it replaced had `WAITERS` set. Read-modify-writes of one location are
+//! totally ordered (its modification order), whatever the memory orderings, so for a
+//! waiter `W` and a signal `S` either:
+//!
+//! - `S` comes after `W`'s `fetch_or(WAITERS)`: `S` sees `WAITERS` (the bit is cleared only
+//!   under the lock when nobody is registered), takes the lock, and therefore runs after
+//!   `W`'s critical section, i.e. after `W` is asleep in the condition variable or has
+//!   stored its waker; `S` notifies it; or
+//! - `S` comes before: `W`'s check, which reads the word after its own `fetch_or`, sees the
+//!   new counter and does not sleep.
+//!
+//! This is the classic "store flag, load counter / store counter, load flag" handshake, but
+//! on a single location, so it needs no `SeqCst` at all (and loom, which models `SeqCst`
+//! accesses only as `AcqRel`, checks it exactly). The `FAILED` and `POISONED` bits live in
+//! the same word for the same reason: a reader that sees the counter past `n` without
+//! `FAILED` knows, without the lock, that no operation up to `n` failed, because a failure
+//! sets the bit in the same compare-and-swap that advances the counter past it. Sequence
+//! numbers are therefore limited to [`MAX_SEQ`] (2^61 - 1).
+//!
+//! The other orderings are about data, not wake-ups: `signal` publishes with `Release`,
+//! and every load that may conclude "done" uses `Acquire`, so the operation's effects are
+//! visible to whoever observes its completion.
+//!
+//! # Failures
+//!
+//! Failures are kept in a map from sequence number to root cause that holds **only failed
+//! operations** (successful ones leave no trace), so it stays small: failures are rare and
+//! a failing stream is usually poisoned, which records one cause for all later operations.
+//! A poisoned timeline stores the cause and the boundary (the counter when it was
+//! poisoned); every sequence number past the boundary reports the poison cause.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::pin::Pin;
+use std::sync::Arc as StdArc; // immutable failure data shared with `Error::Failed`, not a lock
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Failure, Result};
+use crate::ids::StreamId;
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{Arc, Condvar, Mutex};
+
+/// The largest sequence number a timeline can represent (2^61 - 1).
+///
+/// Larger values given to [`Timeline::signal`] or [`Timeline::fail`] are clamped to it
+/// (and trip a debug assertion); a wait on a larger value never completes.
+pub const MAX_SEQ: u64 = u64::MAX >> SHIFT;
+
+/// Someone is blocked in a wait or has a registered waker: `signal` must take the lock.
+const WAITERS: u64 = 1;
+/// Some operation of this timeline failed: look its sequence number up in the map.
+const FAILED: u64 = 1 << 1;
+/// The stream died: sequence numbers past the recorded boundary fail.
+const POISONED: u64 = 1 << 2;
+/// The completed counter starts at this bit.
+const SHIFT: u32 = 3;
+const FLAGS: u64 = (1 << SHIFT) - 1;
+
+/// The completed counter held in a word.
+#[inline]
+fn counter(word: u64) -> u64 {
+    word >> SHIFT
+}
+
+/// `word` with its counter replaced by `seq` (flags kept).
+#[inline]
+fn with_counter(word: u64, seq: u64) -> u64 {
+    (seq << SHIFT) | (word & FLAGS)
+}
+
+/// The state of an event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventStatus {
+    /// The operation has not completed yet.
+    Pending,
+    /// The operation completed successfully.
+    Done,
+    /// The operation failed (or its stream died before it completed); the root cause.
+    Failed(StdArc<Failure>),
+}
+
+impl EventStatus {
+    /// Whether the operation is still pending.
+    pub fn is_pending(&self) -> bool {
+        matches!(self, EventStatus::Pending)
+    }
+
+    /// `None` while pending; otherwise the result a wait returns.
+    fn into_result(self) -> Option<Result<()>> {
+        match self {
+            EventStatus::Pending => None,
+            EventStatus::Done => Some(Ok(())),
+            EventStatus::Failed(cause) => Some(Err(Error::Failed(cause))),
+        }
+    }
+}
+
+/// State behind the timeline's mutex.
+#[derive(Debug, Default)]
+struct Inner {
+    /// Root causes of failed operations, by sequence number. Holds only failed operations.
+    failures: BTreeMap<u64, StdArc<Failure>>,
+    /// Set once, when the stream dies: the counter at that moment and the cause.
+    poison: Option<(u64, StdArc<Failure>)>,
+    /// Threads blocked in a wait.
+    blocked: usize,
+    /// Registered async waiters, by (sequence number, registration id).
+    wakers: BTreeMap<(u64, u64), Waker>,
+    /// Next registration id for `wakers`.
+    next_waker_id: u64,
+}
+
+/// The completion timeline of one stream. `Send + Sync`; shared as `Arc<Timeline>`.
+///
+/// See the [module documentation](self) for the semantics and the wake-up protocol.
+pub struct Timeline {
+    stream: StreamId,
+    /// Completed counter and flags; see the module documentation for the layout.
+    word: AtomicU64,
+    inner: Mutex<Inner>,
+    cond: Condvar,
+}
+
+impl Timeline {
+    /// A fresh timeline for `stream`: nothing completed yet (only sequence number 0 is done).
+    pub fn new(stream: StreamId) -> Arc<Timeline> {
+        Arc::new(Timeline {
+            stream,
+            word: AtomicU64::new(0),
+            inner: Mutex::new(Inner::default()),
+            cond: Condvar::new(),
+        })
+    }
+
+    /// The stream this timeline belongs to.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The highest `n` such that every operation up to `n` has finished (successfully or
+    /// not). Operations that failed only because the stream was poisoned do not count as
+    /// finished.
+    pub fn completed(&self) -> u64 {
+        // Acquire: a caller that sees `n` also sees the effects of operations up to `n`.
+        counter(self.word.load(Ordering::Acquire))
+    }
+
+    /// Whether every operation up to `seq` has finished (`completed() >= seq`).
+    ///
+    /// One atomic load, no lock. This says nothing about success: use [`status`] for that.
+    /// Operations that failed only because the stream was poisoned never become done
+    /// (their work may still be in flight on the device), so a poller that must also notice
+    /// a dead stream should use [`status`].
+    ///
+    /// [`status`]: Timeline::status
+    pub fn is_done(&self, seq: u64) -> bool {
+        // Acquire: pairs with the Release of `signal`, so `true` makes the operation's
+        // effects (its outputs) visible to the caller.
+        counter(self.word.load(Ordering::Acquire)) >= seq
+    }
+
+    /// The backend reports that every operation up to `seq` has finished.
+    ///
+    /// Monotonic: a value not above [`completed`](Timeline::completed) is ignored. Cheap:
+    /// when nobody waits, one compare-and-swap and no lock. Operations in the range that
+    /// were not reported with [`fail`](Timeline::fail) first count as successful.
+    pub fn signal(&self, seq: u64) {
+        let seq = clamp(seq);
+        // Relaxed: only the first guess for the compare-and-swap below, which re-reads.
+        let mut cur = self.word.load(Ordering::Relaxed);
+        loop {
+            if counter(cur) >= seq {
+                return;
+            }
+            // Success Release: publishes the operations' effects (and whatever was done
+            // before this call) to every Acquire load that sees the new counter; the
+            // read-modify-writes of waiters continue the release sequence. No Acquire is
+            // needed: the old value is only inspected for the WAITERS bit, and the wake-up
+            // below synchronises through the mutex. Failure Relaxed: we just retry.
+            match self.word.compare_exchange_weak(
+                cur,
+                with_counter(cur, seq),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(actual) => cur = actual,
+            }
+        }
+        if cur & WAITERS == 0 {
+            // Fast path: nobody had registered when the counter moved, and anyone who
+            // registers later sees the new counter (module documentation).
+            return;
+        }
+        let mut inner = self.inner.lock();
+        let ready = self.wake_locked(&mut inner);
+        drop(inner);
+        wake_all(ready);
+    }
+
+    /// The backend reports that operation `seq` failed with the root `cause`: the failure is
+    /// recorded, then the timeline advances to `seq` as with [`signal`](Timeline::signal)
+    /// (operations before `seq` not reported as failed count as successful).
+    ///
+    /// A failure reported for an operation that is already complete (`seq <= completed()`)
+    /// is ignored, with a warning: waiters may already have been told it succeeded. Report
+    /// the failure instead of (or before) the signal that covers it. If the stream was
+    /// poisoned before `seq` completed, the poison cause stays the failure of `seq`.
+    /// `seq == 0` is ignored (nothing to fail).
+    pub fn fail(&self, seq: u64, cause: StdArc<Failure>) {
+        if seq == 0 {
+            tracing::warn!(stream = %self.stream, "failure reported for sequence number 0, ignored");
+            return;
+        }
+        let seq = clamp(seq);
+        let mut inner = self.inner.lock();
+        // Under poison the poison cause wins for every seq past the boundary.
+        let poisoned = matches!(inner.poison, Some((boundary, _)) if seq > boundary);
+        let flag = if poisoned { 0 } else { FAILED };
+        // Relaxed: only the first guess for the compare-and-swap below.
+        let mut cur = self.word.load(Ordering::Relaxed);
+        loop {
+            if counter(cur) >= seq {
+                drop(inner);
+                tracing::warn!(
+                    stream = %self.stream,
+                    seq,
+                    %cause,
+                    "failure reported for an operation already complete, ignored"
+                );
+                return;
+            }
+            // Success Release: as in `signal`; the FAILED bit is set in the same step as
+            // the counter passes `seq`, so no reader can see `seq` complete without it.
+            // Failure Relaxed: we just retry.
+            match self.word.compare_exchange_weak(
+                cur,
+                with_counter(cur, seq) | flag,
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(actual) => cur = actual,
+            }
+        }
+        // Inserting after the compare-and-swap is fine: the map is only read under the
+        // lock, which we hold, and readers that see FAILED go to the map.
+        if !poisoned {
+            inner.failures.insert(seq, cause);
+        }
+        // The lock is held, so `inner` says exactly who is registered.
+        if inner.blocked > 0 || !inner.wakers.is_empty() {
+            let ready = self.wake_locked(&mut inner);
+            drop(inner);
+            wake_all(ready);
+        }
+    }
+
+    /// The stream died with `cause`: every operation not completed now (`seq >
+    /// completed()`) fails with `cause`, now and in the future; all waiters are woken.
+    ///
+    /// Only the first poisoning counts; later calls are ignored. Later signals still
+    /// advance [`completed`](Timeline::completed) (the device did finish that work, which
+    /// matters for reusing memory), but the operations past the boundary stay failed.
+    pub fn poison(&self, cause: StdArc<Failure>) {
+        let mut inner = self.inner.lock();
+        if inner.poison.is_some() {
+            return;
+        }
+        // Release: a reader that sees POISONED without the lock then takes the lock to
+        // read the cause; it can only get the lock after this critical section (it read a
+        // value written inside it), and the Release/Acquire pair also orders anything done
+        // before the poisoning. The returned counter is the boundary: the read-modify-write
+        // makes it exact even against a concurrent lock-free `signal`.
+        let prev = self.word.fetch_or(POISONED, Ordering::Release);
+        inner.poison = Some((counter(prev), cause));
+        let ready = self.wake_locked(&mut inner);
+        drop(inner);
+        wake_all(ready);
+    }
+
+    /// The recorded failure of operation `seq`: its own root cause if it failed, or the
+    /// poison cause if the stream died before it completed. `None` if it succeeded or is
+    /// still pending.
+    pub fn failure_of(&self, seq: u64) -> Option<StdArc<Failure>> {
+        match self.status(seq) {
+            EventStatus::Failed(cause) => Some(cause),
+            EventStatus::Pending | EventStatus::Done => None,
+        }
+    }
+
+    /// The state of operation `seq`. Lock-free unless some operation failed or the stream
+    /// was poisoned.
+    pub fn status(&self, seq: u64) -> EventStatus {
+        match self.status_fast(seq) {
+            Some(status) => status,
+            None => self.status_locked(seq, &self.inner.lock()),
+        }
+    }
+
+    /// Blocks until operation `seq` has completed.
+    ///
+    /// `Ok(())` when it completed successfully; `Err(Error::Failed(cause))` when it failed
+    /// or the stream was poisoned before it completed (the cause is the recorded root cause,
+    /// the same `Arc`).
+    pub fn wait(&self, seq: u64) -> Result<()> {
+        self.wait_until(seq, None, Duration::MAX)
+    }
+
+    /// Like [`wait`](Timeline::wait), but gives up after `timeout` with
+    /// `Err(Error::Timeout { what: "event d0s1#5", after: timeout })`.
+    ///
+    /// Under `tributary_loom` the clock is still the real one, but the condition variable
+    /// has no timeout: a timed wait wakes up only when notified (see [`crate::sync`]).
+    pub fn wait_timeout(&self, seq: u64, timeout: Duration) -> Result<()> {
+        // An unrepresentable deadline is as good as none.
+        let deadline = Instant::now().checked_add(timeout);
+        self.wait_until(seq, deadline, timeout)
+    }
+
+    /// Like [`wait`](Timeline::wait), but gives up at `deadline` with `Error::Timeout`
+    /// (its `after` is the time from the call to the deadline).
+    pub fn wait_deadline(&self, seq: u64, deadline: Instant) -> Result<()> {
+        let after = deadline.saturating_duration_since(Instant::now());
+        self.wait_until(seq, Some(deadline), after)
+    }
+
+    /// The status without the lock, when the word alone decides it.
+    fn status_fast(&self, seq: u64) -> Option<EventStatus> {
+        if seq == 0 {
+            return Some(EventStatus::Done);
+        }
+        // Acquire: pairs with the Release of `signal`/`fail`/`poison`; a `Done` answer makes
+        // the operation's effects visible to the caller.
+        let word = self.word.load(Ordering::Acquire);
+        if word & POISONED != 0 {
+            return None;
+        }
+        if counter(word) < seq {
+            Some(EventStatus::Pending)
+        } else if word & FAILED == 0 {
+            // No failure was ever recorded up to the counter (module documentation).
+            Some(EventStatus::Done)
+        } else {
+            None
+        }
+    }
+
+    /// The status, with the lock held (so the word, the failure map and the poison agree).
+    fn status_locked(&self, seq: u64, inner: &Inner) -> EventStatus {
+        if seq == 0 {
+            return EventStatus::Done;
+        }
+        if let Some((boundary, cause)) = &inner.poison {
+            if seq > *boundary {
+                return EventStatus::Failed(StdArc::clone(cause));
+            }
+        }
+        // Acquire: as in `status_fast` (a lock-free `signal` may have moved the counter
+        // since we locked; its effects must be visible if we report `Done`).
+        let word = self.word.load(Ordering::Acquire);
+        if counter(word) < seq {
+            return EventStatus::Pending;
+        }
+        match inner.failures.get(&seq) {
+            Some(cause) => EventStatus::Failed(StdArc::clone(cause)),
+            None => EventStatus::Done,
+        }
+    }
+
+    /// Sets WAITERS before the caller checks the status (module documentation).
+    fn announce_waiter(&self) {
+        // Relaxed: what matters is that this read-modify-write is ordered with the `signal`
+        // compare-and-swaps in the word's modification order, which holds for any ordering;
+        // the status check that follows makes its own Acquire load, which cannot read an
+        // older value than this one (coherence).
+        self.word.fetch_or(WAITERS, Ordering::Relaxed);
+    }
+
+    /// Clears WAITERS if nobody is registered any more. Called with the lock held.
+    fn clear_waiters_if_idle(&self, inner: &Inner) {
+        if inner.blocked == 0 && inner.wakers.is_empty() {
+            // Relaxed: the bit is only a hint for `signal` to take the lock; registrations
+            // happen under the lock we hold, so no waiter can be lost by clearing it, and a
+            // `signal` that still sees the old bit merely takes the lock for nothing.
+            self.word.fetch_and(!WAITERS, Ordering::Relaxed);
+        }
+    }
+
+    /// Wakes the blocked threads and takes out the wakers whose event is decided, to be
+    /// woken once the lock is released. Called with the lock held.
+    fn wake_locked(&self, inner: &mut Inner) -> Vec<Waker> {
+        // Relaxed: only decides which wakers to take out; a woken future re-checks with an
+        // Acquire load. Reads at least the value this thread just wrote (coherence).
+        let word = self.word.load(Ordering::Relaxed);
+        let ready = if inner.poison.is_some() {
+            // Every pending sequence number is decided now (failed).
+            std::mem::take(&mut inner.wakers)
+        } else {
+            let pending = inner.wakers.split_off(&(counter(word) + 1, 0));
+            std::mem::replace(&mut inner.wakers, pending)
+        };
+        if inner.blocked > 0 {
+            self.cond.notify_all();
+        }
+        self.clear_waiters_if_idle(inner);
+        ready.into_values().collect()
+    }
+
+    fn wait_until(&self, seq: u64, deadline: Option<Instant>, after: Duration) -> Result<()> {
+        if let Some(result) = self.status_fast(seq).and_then(EventStatus::into_result) {
+            return result;
+        }
+        let mut inner = self.inner.lock();
+        inner.blocked += 1;
+        self.announce_waiter();
+        let result = loop {
+            if let Some(result) = self.status_locked(seq, &inner).into_result() {
+                break result;
+            }
+            inner = match deadline {
+                None => self.cond.wait(inner),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break Err(Error::Timeout {
+                            what: format!("event {}#{}", self.stream, seq),
+                            after,
+                        });
+                    }
+                    self.cond.wait_timeout(inner, deadline - now).0
+                }
+            };
+        };
+        inner.blocked -= 1;
+        self.clear_waiters_if_idle(&inner);
+        result
+    }
+}
+
+/// Clamps a sequence number to [`MAX_SEQ`].
+fn clamp(seq: u64) -> u64 {
+    debug_assert!(seq <= MAX_SEQ, "sequence number {seq} exceeds MAX_SEQ");
+    seq.min(MAX_SEQ)
+}
+
+/// Wakes wakers taken out under the lock, after it was released (a waker may run code that
+/// takes the lock again).
+fn wake_all(wakers: Vec<Waker>) {
+    for waker in wakers {
+        waker.wake();
+    }
+}
+
+impl fmt::Debug for Timeline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Acquire: like `completed`; only for display.
+        let word = self.word.load(Ordering::Acquire);
+        f.debug_struct("Timeline")
+            .field("stream", &self.stream)
+            .field("completed", &counter(word))
+            .field("failed", &(word & FAILED != 0))
+            .field("poisoned", &(word & POISONED != 0))
+            .finish_non_exhaustive()
+    }
+}
+
+/// "Stream `S` has completed everything up to sequence number `n`": a cheap handle on one
+/// point of a [`Timeline`].
+///
+/// Equality and hashing are by `(stream, seq)`, not by timeline identity. Debug and Display
+/// show `d0s1#5` (device 0, stream 1, sequence number 5).
+#[derive(Clone)]
+pub struct Event {
+    timeline: Arc<Timeline>,
+    seq: u64,
+}
+
+impl Event {
+    /// The event `seq` of `timeline`.
+    pub fn new(timeline: Arc<Timeline>, seq: u64) -> Event {
+        Event { timeline, seq }
+    }
+
+    /// The stream of the event.
+    pub fn stream(&self) -> StreamId {
+        self.timeline.stream()
+    }
+
+    /// The sequence number of the event on its stream.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The timeline the event belongs to.
+    pub fn timeline(&self) -> &Arc<Timeline> {
+        &self.timeline
+    }
+
+    /// Whether the operation has finished; see [`Timeline::is_done`].
+    pub fn is_done(&self) -> bool {
+        self.timeline.is_done(self.seq)
+    }
+
+    /// The state of the operation; see [`Timeline::status`].
+    pub fn status(&self) -> EventStatus {
+        self.timeline.status(self.seq)
+    }
+
+    /// Blocks until the operation has completed; see [`Timeline::wait`].
+    pub fn wait(&self) -> Result<()> {
+        self.timeline.wait(self.seq)
+    }
+
+    /// Blocks until the operation has completed or `timeout` has passed; see
+    /// [`Timeline::wait_timeout`].
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        self.timeline.wait_timeout(self.seq, timeout)
+    }
+
+    /// A future that resolves like [`wait`](Event::wait), without blocking a thread: its
+    /// waker is registered in the timeline and woken by `signal`, `fail` or `poison`.
+    pub fn wait_async(&self) -> EventFuture {
+        EventFuture {
+            event: self.clone(),
+            registration: None,
+        }
+    }
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.stream(), self.seq)
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Event) -> bool {
+        (self.stream(), self.seq) == (other.stream(), other.seq)
+    }
+}
+
+impl Eq for Event {}
+
+impl Hash for Event {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (self.stream(), self.seq).hash(state);
+    }
+}
+
+/// The future of [`Event::wait_async`]: resolves to `Ok(())` when the operation completed
+/// successfully, `Err(Error::Failed(cause))` when it failed or its stream died.
+///
+/// Dropping it before completion removes its waker from the timeline.
+#[must_use = "futures do nothing unless polled"]
+#[derive(Debug)]
+pub struct EventFuture {
+    event: Event,
+    /// Registration id of our waker in the timeline, once registered.
+    registration: Option<u64>,
+}
+
+impl EventFuture {
+    /// The event this future waits for.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+}
+
+impl Future for EventFuture {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        let seq = this.event.seq;
+        let timeline = &*this.event.timeline;
+        if this.registration.is_none() {
+            if let Some(result) = timeline.status_fast(seq).and_then(EventStatus::into_result) {
+                return Poll::Ready(result);
+            }
+        }
+        let mut inner = timeline.inner.lock();
+        // Announce before checking, exactly like a blocking waiter (module documentation):
+        // a `signal` racing with this registration either is seen by the check below or
+        // sees WAITERS and wakes the waker stored below.
+        timeline.announce_waiter();
+        if let Some(result) = timeline.status_locked(seq, &inner).into_result() {
+            if let Some(id) = this.registration.take() {
+                inner.wakers.remove(&(seq, id));
+            }
+            timeline.clear_waiters_if_idle(&inner);
+            return Poll::Ready(result);
+        }
+        let id = match this.registration {
+            Some(id) => id,
+            None => {
+                let id = inner.next_waker_id;
+                inner.next_waker_id += 1;
+                this.registration = Some(id);
+                id
+            }
+        };
+        // Store (or refresh) the waker; it may have been taken out by a wake-up already.
+        match inner.wakers.entry((seq, id)) {
+            std::collections::btree_map::Entry::Occupied(mut entry) => {
+                if !entry.get().will_wake(cx.waker()) {
+                    entry.insert(cx.waker().clone());
+                }
+            }
+            std::collections::btree_map::Entry::Vacant(entry) => {
+                entry.insert(cx.waker().clone());
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for EventFuture {
+    fn drop(&mut self) {
+        if let Some(id) = self.registration.take() {
+            let timeline = &*self.event.timeline;
+            let mut inner = timeline.inner.lock();
+            inner.wakers.remove(&(self.event.seq, id));
+            timeline.clear_waiters_if_idle(&inner);
+        }
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests {
+    use super::*;
+    use crate::ids::DeviceId;
+    use std::collections::HashSet;
+    use std::sync::atomic::AtomicBool;
+    use std::task::Wake;
+
+    fn sid(device: u32, index: u32) -> StreamId {
+        StreamId {
+            device: DeviceId(device),
+            index,
+        }
+    }
+
+    fn cause(stream: StreamId, seq: u64, message: &str) -> StdArc<Failure> {
+        StdArc::new(Failure {
+            stream,
+            seq,
+            operation: "kernel".to_owned(),
+            message: message.to_owned(),
+        })
+    }
+
+    fn failed_with(result: Result<()>) -> StdArc<Failure> {
+        match result {
+            Err(Error::Failed(cause)) => cause,
+            other => panic!("expected Error::Failed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn timeline_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Timeline>();
+        check::<Event>();
+        check::<EventFuture>();
+    }
+
+    #[test]
+    fn seq_zero_is_always_done() {
+        let t = Timeline::new(sid(0, 0));
+        assert_eq!(t.completed(), 0);
+        assert!(t.is_done(0));
+        assert_eq!(t.status(0), EventStatus::Done);
+        assert_eq!(t.wait(0), Ok(()));
+        t.poison(cause(sid(0, 0), 1, "dead"));
+        assert!(t.is_done(0));
+        assert_eq!(t.wait(0), Ok(()));
+        assert_eq!(t.failure_of(0), None);
+    }
+
+    #[test]
+    fn signal_then_wait() {
+        let t = Timeline::new(sid(0, 1));
+        assert!(!t.is_done(1));
+        assert_eq!(t.status(1), EventStatus::Pending);
+        t.signal(1);
+        assert!(t.is_done(1));
+        assert_eq!(t.completed(), 1);
+        assert_eq!(t.status(1), EventStatus::Done);
+        assert_eq!(t.wait(1), Ok(()));
+        assert_eq!(t.wait_timeout(1, Duration::ZERO), Ok(()));
+        assert!(!t.is_done(2));
+    }
+
+    #[test]
+    fn signal_reaches_or_passes() {
+        let t = Timeline::new(sid(0, 0));
+        t.signal(10);
+        for seq in 1..=10 {
+            assert!(t.is_done(seq));
+            assert_eq!(t.wait(seq), Ok(()));
+        }
+        assert!(!t.is_done(11));
+    }
+
+    #[test]
+    fn lower_signal_is_ignored() {
+        let t = Timeline::new(sid(0, 0));
+        t.signal(7);
+        t.signal(3);
+        t.signal(7);
+        assert_eq!(t.completed(), 7);
+        t.signal(8);
+        assert_eq!(t.completed(), 8);
+    }
+
+    #[test]
+    fn fail_records_cause_and_advances() {
+        let s = sid(1, 0);
+        let t = Timeline::new(s);
+        let c = cause(s, 2, "boom");
+        t.signal(1);
+        t.fail(2, StdArc::clone(&c));
+        assert_eq!(t.completed(), 2);
+        assert!(t.is_done(2));
+        assert_eq!(t.wait(1), Ok(()));
+        let got = failed_with(t.wait(2));
+        assert!(StdArc::ptr_eq(&got, &c));
+        assert!(StdArc::ptr_eq(&t.failure_of(2).expect("failure"), &c));
+        assert_eq!(t.failure_of(1), None);
+        assert_eq!(t.status(2), EventStatus::Failed(StdArc::clone(&c)));
+        // The stream keeps serving.
+        t.signal(3);
+        assert_eq!(t.wait(3), Ok(()));
+        assert_eq!(t.failure_of(3), None);
+        // Failing past a gap: ops in between succeeded.
+        let c5 = cause(s, 5, "again");
+        t.fail(5, StdArc::clone(&c5));
+        assert_eq!(t.wait(4), Ok(()));
+        assert!(StdArc::ptr_eq(&failed_with(t.wait(5)), &c5));
+    }
+
+    #[test]
+    fn late_failure_is_ignored() {
+        let s = sid(0, 0);
+        let t = Timeline::new(s);
+        t.signal(4);
+        t.fail(3, cause(s, 3, "too late"));
+        t.fail(0, cause(s, 0, "nothing"));
+        assert_eq!(t.wait(3), Ok(()));
+        assert_eq!(t.failure_of(3), None);
+        assert_eq!(t.completed(), 4);
+    }
+
+    #[test]
+    fn poison_fails_everything_not_completed() {
+        let s = sid(0, 2);
+        let t = Timeline::new(s);
+        let c2 = cause(s, 2, "op failed");
+        t.signal(1);
+        t.fail(2, StdArc::clone(&c2));
+        t.signal(3);
+        let dead = cause(s, 4, "worker died");
+        t.poison(StdArc::clone(&dead));
+        // A second poison does not replace the cause.
+        t.poison(cause(s, 9, "other"));
+        assert_eq!(t.wait(1), Ok(()));
+        assert!(StdArc::ptr_eq(&failed_with(t.wait(2)), &c2));
+        assert_eq!(t.wait(3), Ok(()));
+        for seq in [4, 5, 1000] {
+            assert!(StdArc::ptr_eq(&failed_with(t.wait(seq)), &dead));
+            assert!(StdArc::ptr_eq(&t.failure_of(seq).expect("poisoned"), &dead));
+            assert!(!t.is_done(seq));
+        }
+        // Later signals advance the counter but cannot revive the failed ops.
+        t.signal(5);
+        t.fail(6, cause(s, 6, "ignored, poison wins"));
+        assert_eq!(t.completed(), 6);
+        assert!(t.is_done(5));
+        assert!(StdArc::ptr_eq(&failed_with(t.wait(5)), &dead));
+        assert!(StdArc::ptr_eq(&failed_with(t.wait(6)), &dead));
+        assert_eq!(t.wait(3), Ok(()));
+    }
+
+    #[test]
+    fn timeout_reports_the_event() {
+        let t = Timeline::new(sid(0, 1));
+        t.signal(4);
+        let start = Instant::now();
+        let err = t
+            .wait_timeout(5, Duration::from_millis(40))
+            .expect_err("must time out");
+        let elapsed = start.elapsed();
+        assert_eq!(
+            err,
+            Error::Timeout {
+                what: "event d0s1#5".to_owned(),
+                after: Duration::from_millis(40),
+            }
+        );
+        assert!(elapsed >= Duration::from_millis(40), "{elapsed:?}");
+        assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+        // A deadline in the past: immediate timeout with `after` zero.
+        let err = t
+            .wait_deadline(5, Instant::now())
+            .expect_err("must time out");
+        assert!(matches!(err, Error::Timeout { after, .. } if after == Duration::ZERO));
+        // A huge timeout does not overflow.
+        assert_eq!(t.wait_timeout(4, Duration::MAX), Ok(()));
+    }
+
+    #[test]
+    fn waiter_flag_is_cleared_after_waits() {
+        let t = Timeline::new(sid(0, 0));
+        let _ = t.wait_timeout(1, Duration::from_millis(1));
+        // Relaxed: single-threaded test.
+        assert_eq!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
+        let fut = Event::new(Arc::clone(&t), 1).wait_async();
+        let mut fut = Box::pin(fut);
+        let waker = Waker::from(StdArc::new(Flag::default()));
+        let mut cx = Context::from_waker(&waker);
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        // Relaxed: single-threaded test.
+        assert_ne!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
+        drop(fut);
+        // Relaxed: single-threaded test.
+        assert_eq!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
+        assert!(t.inner.lock().wakers.is_empty());
+    }
+
+    #[derive(Default)]
+    struct Flag(AtomicBool);
+
+    impl Wake for Flag {
+        fn wake(self: StdArc<Self>) {
+            // SeqCst: test code, keep it simple.
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn future_is_woken_by_signal_fail_and_poison() {
+        let s = sid(2, 0);
+        let t = Timeline::new(s);
+        let flags: Vec<StdArc<Flag>> = (0..3).map(|_| StdArc::new(Flag::default())).collect();
+        let mut futs: Vec<Pin<Box<EventFuture>>> = (1..=3)
+            .map(|seq| Box::pin(Event::new(Arc::clone(&t), seq).wait_async()))
+            .collect();
+        for (fut, flag) in futs.iter_mut().zip(&flags) {
+            let waker = Waker::from(StdArc::clone(flag));
+            assert!(fut
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+        }
+        let woken = |i: usize| flags[i].0.load(std::sync::atomic::Ordering::SeqCst);
+        t.signal(1);
+        assert!(woken(0) && !woken(1) && !woken(2));
+        let c = cause(s, 2, "bad");
+        t.fail(2, StdArc::clone(&c));
+        assert!(woken(1) && !woken(2));
+        let dead = cause(s, 3, "dead");
+        t.poison(StdArc::clone(&dead));
+        assert!(woken(2));
+        let waker = Waker::from(StdArc::new(Flag::default()));
+        let mut cx = Context::from_waker(&waker);
+        assert_eq!(futs[0].as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        assert_eq!(
+            futs[1].as_mut().poll(&mut cx),
+            Poll::Ready(Err(Error::Failed(c)))
+        );
+        assert_eq!(
+            futs[2].as_mut().poll(&mut cx),
+            Poll::Ready(Err(Error::Failed(dead)))
+        );
+        assert!(t.inner.lock().wakers.is_empty());
+    }
+
+    #[test]
+    fn future_ready_at_once_and_repolled() {
+        let t = Timeline::new(sid(0, 0));
+        t.signal(2);
+        let mut fut = Box::pin(Event::new(Arc::clone(&t), 2).wait_async());
+        let waker = Waker::from(StdArc::new(Flag::default()));
+        let mut cx = Context::from_waker(&waker);
+        assert_eq!(fut.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        // Polling again after completion keeps answering.
+        assert_eq!(fut.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        assert_eq!(fut.event().seq(), 2);
+    }
+
+    #[test]
+    fn event_identity_and_formatting() {
+        let t1 = Timeline::new(sid(0, 1));
+        let t1b = Timeline::new(sid(0, 1));
+        let t2 = Timeline::new(sid(3, 0));
+        let a = Event::new(Arc::clone(&t1), 5);
+        assert_eq!(format!("{a:?}"), "d0s1#5");
+        assert_eq!(a.to_string(), "d0s1#5");
+        assert_eq!(a.stream(), sid(0, 1));
+        assert_eq!(a.seq(), 5);
+        assert!(Arc::ptr_eq(a.timeline(), &t1));
+        // Equality is by (stream, seq).
+        assert_eq!(a, Event::new(Arc::clone(&t1b), 5));
+        assert_ne!(a, Event::new(Arc::clone(&t1), 6));
+        assert_ne!(a, Event::new(Arc::clone(&t2), 5));
+        // `Event` holds an `Arc<Timeline>` (interior mutability) but hashes only the
+        // immutable (stream, seq): a safe key.
+        #[allow(clippy::mutable_key_type)]
+        let set: HashSet<Event> = [
+            a.clone(),
+            Event::new(t1b, 5),
+            Event::new(Arc::clone(&t1), 6),
+            Event::new(t2, 5),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(set.len(), 3);
+        assert!(!a.is_done());
+        assert_eq!(a.status(), EventStatus::Pending);
+        t1.signal(5);
+        assert!(a.is_done());
+        assert_eq!(a.wait(), Ok(()));
+        assert_eq!(a.wait_timeout(Duration::ZERO), Ok(()));
+        let dbg = format!("{:?}", *t1);
+        assert!(dbg.contains("completed: 5"), "{dbg}");
+    }
+
+    #[test]
+    fn blocked_waiter_woken_from_other_thread() {
+        let t = Timeline::new(sid(0, 0));
+        let t2 = Arc::clone(&t);
+        let h = std::thread::spawn(move || t2.wait_timeout(3, Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        t.signal(1);
+        t.signal(3);
+        assert_eq!(h.join().expect("waiter"), Ok(()));
+        // Relaxed: the waiter was joined.
+        assert_eq!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
+    }
+
+    #[test]
+    fn max_seq_is_representable() {
+        let t = Timeline::new(sid(0, 0));
+        t.signal(MAX_SEQ);
+        assert_eq!(t.completed(), MAX_SEQ);
+        assert!(t.is_done(MAX_SEQ));
+        assert!(!t.is_done(MAX_SEQ + 1));
+    }
+}
