@@ -11,7 +11,8 @@ fn main() -> Result<()> {
     const N: usize = 1024;
     let mut sys = Engine::cpu(EngineConfig::default())?; // 2 CPU devices x 2 streams
 
-    let w = TensorNode::new("w", DType::F32, [N]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    let w =
+        TensorNode::new("w", DType::F32, [N]).with_mode(MemoryMode::hosted_changed_on_devices())?;
     let g = TensorNode::new("g", DType::F32, [N]).with_mode(MemoryMode::on_device())?;
 
     // Each device gets the weights from the host.
@@ -44,7 +45,11 @@ fn main() -> Result<()> {
     for stats in sys.memory_stats() {
         println!(
             "{}: live {} B, reserved {} B, peak {} B, {} pool(s)",
-            stats.device, stats.live_bytes, stats.reserved_bytes, stats.peak_live_bytes, stats.pools
+            stats.device,
+            stats.live_bytes,
+            stats.reserved_bytes,
+            stats.peak_live_bytes,
+            stats.pools
         );
     }
     Ok(())

@@ -76,7 +76,11 @@ fn from_bytes<T: Element>(bytes: &[u8]) -> Vec<T> {
     // SAFETY: `out` has capacity for `n` elements; we copy exactly n * size_of::<T>()
     // bytes into it, and every bit pattern is a valid `T` (sealed POD `Element`).
     unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * std::mem::size_of::<T>());
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            out.as_mut_ptr().cast::<u8>(),
+            n * std::mem::size_of::<T>(),
+        );
         out.set_len(n);
     }
     out
@@ -323,21 +327,14 @@ impl Engine {
         let newer = self.host.record(node)?.newer_on_device;
         if let Some(copy) = newer {
             let i = self.device_index(copy.loc.device)?;
-            let plan = self.devices[i].plan_to_host(copy.stream, node, copy.loc.loc, &mut self.host)?;
+            let plan =
+                self.devices[i].plan_to_host(copy.stream, node, copy.loc.loc, &mut self.host)?;
             self.submit(vec![plan])?;
         }
-        let record = self.host.record(node)?;
-        record.uses.prune();
-        for e in record.uses.writers.events() {
+        for e in self.host.pending_writes(node)? {
             e.wait()?;
         }
-        let bytes = node.size_in_bytes()? as usize;
-        let array = record.array.clone();
-        // SAFETY: every pending device write of the host array was waited for above and
-        // no new one can be issued while we hold `&mut self`; reads by devices may run
-        // concurrently, which is fine for a shared read.
-        let data = unsafe { array.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
-        Ok(from_bytes(data))
+        Ok(from_bytes(&self.host.read_bytes(node)?))
     }
 
     /// Writes the host array of hosted `node` after every pending device read or write of
@@ -349,25 +346,11 @@ impl Engine {
                 node: node.to_string(),
             });
         }
-        let record = self.host.record(node)?;
-        record.uses.prune();
-        for e in record.uses.all_events() {
-            if mutant!("host_war") {
-                break;
-            }
+        for e in self.host.begin_write(node)? {
             // Order only: a failed transfer still must not overlap our write.
             let _ = e.wait();
         }
-        record.uses.clear_all();
-        let src = as_bytes(data);
-        // SAFETY: no device operation uses the host array any more (all were waited for,
-        // and new ones are only issued through `&mut self`).
-        unsafe { record.array.bytes_mut(0, src.len()) }
-            .map_err(crate::DeviceError::from)?
-            .copy_from_slice(src);
-        record.version += 1;
-        record.newer_on_device = None;
-        Ok(())
+        self.host.commit_write(node, as_bytes(data))
     }
 
     /// Reads the buffer of `node` in `ctx` (any memory mode), waiting for its last write.
@@ -454,7 +437,9 @@ impl Engine {
 
     /// Whether `ctx` is live.
     pub fn is_live(&self, ctx: &Context) -> bool {
-        self.devices.iter().any(|d| d.device() == ctx.device() && d.is_live(ctx))
+        self.devices
+            .iter()
+            .any(|d| d.device() == ctx.device() && d.is_live(ctx))
     }
 }
 

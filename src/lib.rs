@@ -18,6 +18,8 @@
 //! - **All synchronisation primitives come from [`sync`]**, which swaps `std` for `loom`
 //!   under `--cfg tributary_loom`, so the real engine code is model-checked.
 
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+
 /// `mutant!("rule")` is true when the engine is compiled with
 /// `--cfg tributary_mutant="rule"`: the protocol rule of that name is then switched off, so
 /// the loom models and engine tests can prove they notice its absence.

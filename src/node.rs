@@ -400,10 +400,10 @@ impl MemoryMode {
         match self {
             MemoryMode::Virtual | MemoryMode::Local => None,
             MemoryMode::EffectivelyConstant => Some(MemoryMode::Hosted(HostedKind::Constant)),
-            m => m.refine(MemoryMode::Materialized).and_then(|m| match m {
+            m => m.refine(MemoryMode::Materialized).map(|m| match m {
                 // Prefer device storage when both device and host storage are possible.
-                MemoryMode::Materialized => Some(MemoryMode::OnDevice(Sharing::Unset)),
-                other => Some(other),
+                MemoryMode::Materialized => MemoryMode::OnDevice(Sharing::Unset),
+                other => other,
             }),
         }
     }

@@ -96,13 +96,19 @@ fn war_across_streams_waits_for_the_reader() {
     let a = e.context(0, 0).unwrap();
     let b = e.context(0, 1).unwrap();
     let init = e.link(&a, kernels::fill(&x, 1.0).unwrap()).unwrap();
-    let overwrite = e.link(init.context(), kernels::fill(&x, 2.0).unwrap()).unwrap();
+    let overwrite = e
+        .link(init.context(), kernels::fill(&x, 2.0).unwrap())
+        .unwrap();
     let read = e.link(&b, slow_copy(&y, &x)).unwrap();
     e.schedule(&init).unwrap();
     e.schedule(&read).unwrap();
     e.schedule(&overwrite).unwrap();
     let got: Vec<f32> = e.read(read.context(), &y).unwrap();
-    assert!(all(&got, 1.0), "the slow reader saw the later write: {:?}", &got[..4]);
+    assert!(
+        all(&got, 1.0),
+        "the slow reader saw the later write: {:?}",
+        &got[..4]
+    );
     let x_now: Vec<f32> = e.read(overwrite.context(), &x).unwrap();
     assert!(all(&x_now, 2.0));
 }
@@ -125,7 +131,11 @@ fn waw_across_streams_keeps_program_order() {
     e.from_host(&b, &x).unwrap();
     e.sync_all().unwrap();
     let got: Vec<f32> = e.read(&b, &x).unwrap();
-    assert!(all(&got, 9.0), "the earlier slow write landed last: {:?}", &got[..4]);
+    assert!(
+        all(&got, 9.0),
+        "the earlier slow write landed last: {:?}",
+        &got[..4]
+    );
 }
 
 #[test]
@@ -136,9 +146,13 @@ fn device_to_device_copy_then_overwrite_source() {
     let src = e.context(0, 0).unwrap();
     let dst = e.context(1, 0).unwrap();
     let set3 = e.link(&src, kernels::fill(&x, 3.0).unwrap()).unwrap();
-    let set4 = e.link(set3.context(), kernels::fill(&x, 4.0).unwrap()).unwrap();
+    let set4 = e
+        .link(set3.context(), kernels::fill(&x, 4.0).unwrap())
+        .unwrap();
     let busy = e.link(&dst, slow_fill(&z, 1.0)).unwrap();
-    let dst = e.link(busy.context(), kernels::fill(&x, 0.0).unwrap()).unwrap();
+    let dst = e
+        .link(busy.context(), kernels::fill(&x, 0.0).unwrap())
+        .unwrap();
     e.schedule(&set3).unwrap();
     e.schedule(&busy).unwrap(); // delays the copy on the destination stream
     e.device_to_device(&x, set3.context(), dst.context(), MergeBufferUse::No)
@@ -146,7 +160,11 @@ fn device_to_device_copy_then_overwrite_source() {
         .expect("a real copy");
     e.schedule(&set4).unwrap(); // must wait for the copy to read x
     let got: Vec<f32> = e.read(dst.context(), &x).unwrap();
-    assert!(all(&got, 3.0), "the copy read the overwritten source: {:?}", &got[..4]);
+    assert!(
+        all(&got, 3.0),
+        "the copy read the overwritten source: {:?}",
+        &got[..4]
+    );
 }
 
 #[test]
@@ -188,9 +206,14 @@ fn merge_buffer_mismatch_is_refused_at_schedule() {
         .link(base.context(), kernels::add_merge(&g).unwrap())
         .unwrap();
     // Nothing in the merge buffer yet.
-    assert!(matches!(e.schedule(&merge), Err(Error::MergeBufferMismatch { .. })));
+    assert!(matches!(
+        e.schedule(&merge),
+        Err(Error::MergeBufferMismatch { .. })
+    ));
     e.schedule(&ph).unwrap();
-    let hb = e.link(base.context(), kernels::fill(&h, 0.0).unwrap()).unwrap();
+    let hb = e
+        .link(base.context(), kernels::fill(&h, 0.0).unwrap())
+        .unwrap();
     let _ = hb;
     e.device_to_device(&h, ph.context(), base.context(), MergeBufferUse::Copy)
         .unwrap();
@@ -206,7 +229,9 @@ fn streaming_for_reads_source_in_place_before_it_is_overwritten() {
     let c0 = e.context(0, 0).unwrap();
     let c1 = e.context(1, 0).unwrap();
     let src = e.link(&c1, kernels::fill(&g, 5.0).unwrap()).unwrap();
-    let src_over = e.link(src.context(), kernels::fill(&g, 100.0).unwrap()).unwrap();
+    let src_over = e
+        .link(src.context(), kernels::fill(&g, 100.0).unwrap())
+        .unwrap();
     let busy = e.link(&c0, slow_fill(&z, 1.0)).unwrap();
     let base = e
         .link(busy.context(), kernels::fill(&g, 1.0).unwrap())
@@ -252,7 +277,11 @@ fn lazy_host_transfers() {
     e.host_write(&w, &vec![10.0f32; N]).unwrap();
     e.schedule(&double).unwrap();
     let host: Vec<f32> = e.host_read(&w).unwrap();
-    assert!(all(&host, 20.0), "device did not see the host write: {:?}", &host[..4]);
+    assert!(
+        all(&host, 20.0),
+        "device did not see the host write: {:?}",
+        &host[..4]
+    );
 }
 
 #[test]
@@ -286,7 +315,9 @@ fn finalize_frees_only_after_in_flight_readers() {
     let dst = e.context(1, 0).unwrap();
     let set = e.link(&owner, kernels::fill(&x, 3.0).unwrap()).unwrap();
     let busy = e.link(&dst, slow_fill(&z, 1.0)).unwrap();
-    let dst = e.link(busy.context(), kernels::fill(&x, 0.0).unwrap()).unwrap();
+    let dst = e
+        .link(busy.context(), kernels::fill(&x, 0.0).unwrap())
+        .unwrap();
     e.schedule(&set).unwrap();
     e.schedule(&busy).unwrap();
     e.device_to_device(&x, set.context(), dst.context(), MergeBufferUse::No)
@@ -297,7 +328,11 @@ fn finalize_frees_only_after_in_flight_readers() {
     let reuse = e.link(&owner, kernels::fill(&q, 9.0).unwrap()).unwrap();
     e.schedule(&reuse).unwrap();
     let got: Vec<f32> = e.read(dst.context(), &x).unwrap();
-    assert!(all(&got, 3.0), "freed memory was reused under a reader: {:?}", &got[..4]);
+    assert!(
+        all(&got, 3.0),
+        "freed memory was reused under a reader: {:?}",
+        &got[..4]
+    );
     e.sync_all().unwrap();
     let live_after = e.memory_stats()[0].live_bytes;
     assert!(live_after <= live_before, "{live_after} > {live_before}");
@@ -314,7 +349,9 @@ fn finalize_refuses_a_context_with_live_children() {
     let x = node("x", MemoryMode::on_device());
     let c = e.context(0, 0).unwrap();
     let r = e.link(&c, kernels::fill(&x, 1.0).unwrap()).unwrap();
-    let child = e.link(r.context(), kernels::fill(&x, 2.0).unwrap()).unwrap();
+    let child = e
+        .link(r.context(), kernels::fill(&x, 2.0).unwrap())
+        .unwrap();
     assert!(matches!(
         e.finalize(r.context()),
         Err(Error::ContextInUse { children: 1, .. })
@@ -349,11 +386,17 @@ fn panicking_kernel_fails_its_dependents_but_not_the_system() {
     let root = err.root_cause().expect("a root cause").clone();
     assert!(root.message.contains("kernel exploded"), "{root}");
     let dep_err = ev_dep.wait_timeout(Duration::from_secs(10)).unwrap_err();
-    assert_eq!(dep_err.root_cause(), Some(&root), "dependent names the root cause");
+    assert_eq!(
+        dep_err.root_cause(),
+        Some(&root),
+        "dependent names the root cause"
+    );
     ev_unrel.wait_timeout(Duration::from_secs(10)).unwrap();
     assert!(all(&e.read::<f32>(unrelated.context(), &u).unwrap(), 8.0));
     // Overwriting x heals it: later readers succeed.
-    let heal = e.link(boom.context(), kernels::fill(&x, 3.0).unwrap()).unwrap();
+    let heal = e
+        .link(boom.context(), kernels::fill(&x, 3.0).unwrap())
+        .unwrap();
     e.schedule(&heal).unwrap();
     e.schedule(&dependent)
         .unwrap()
@@ -391,15 +434,24 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     let c = e.context(0, 0).unwrap();
     let before = e.memory_stats();
     // Node not in context.
-    assert!(matches!(e.read::<f32>(&c, &x), Err(Error::NodeNotInContext { .. })));
+    assert!(matches!(
+        e.read::<f32>(&c, &x),
+        Err(Error::NodeNotInContext { .. })
+    ));
     // Wrong dtype and size.
-    assert!(matches!(e.read::<f64>(&c, &x), Err(Error::DTypeMismatch { .. })));
+    assert!(matches!(
+        e.read::<f64>(&c, &x),
+        Err(Error::DTypeMismatch { .. })
+    ));
     assert!(matches!(
         e.init_from_host(&c, &h, &[1.0f32; 3]),
         Err(Error::SizeMismatch { .. })
     ));
     // Not hosted.
-    assert!(matches!(e.host_write(&x, &[0.0f32; N]), Err(Error::NotHosted { .. })));
+    assert!(matches!(
+        e.host_write(&x, &[0.0f32; N]),
+        Err(Error::NotHosted { .. })
+    ));
     // Pool exhausted: a node larger than the device limit.
     let huge = TensorNode::new("huge", DType::F32, [1 << 20]);
     let err = e.link(&c, kernels::fill(&huge, 0.0).unwrap()).unwrap_err();
@@ -464,7 +516,9 @@ fn two_devices_two_streams_pipeline() {
     let ctx0 = e.init_from_host(&ctx0, &w, &vec![1.0f32; N]).unwrap();
     let ctx1 = e.init_from_host(&ctx1, &w, &vec![1.0f32; N]).unwrap();
     let grad0 = e.link(&ctx0, kernels::scale(&g, &w, 0.5).unwrap()).unwrap();
-    let grad1 = e.link(&ctx1, kernels::scale(&g, &w, 0.25).unwrap()).unwrap();
+    let grad1 = e
+        .link(&ctx1, kernels::scale(&g, &w, 0.25).unwrap())
+        .unwrap();
     let merge = e
         .link(grad0.context(), kernels::add_merge(&g).unwrap())
         .unwrap();
@@ -476,4 +530,24 @@ fn two_devices_two_streams_pipeline() {
     done.wait().unwrap();
     let g_host: Vec<f32> = e.read(merge.context(), &g).unwrap();
     assert!(all(&g_host, 0.75), "{:?}", &g_host[..4]);
+}
+
+#[test]
+fn host_write_waits_for_pending_uploads() {
+    let mut e = engine();
+    let h = node("h", MemoryMode::Hosted(HostedKind::Volatile));
+    let z = node("z", MemoryMode::on_device());
+    let c = e.context(0, 0).unwrap();
+    let c = e.init_from_host(&c, &h, &vec![1.0f32; N]).unwrap();
+    let busy = e.link(&c, slow_fill(&z, 1.0)).unwrap();
+    e.schedule(&busy).unwrap(); // the upload below queues behind this
+    e.from_host(busy.context(), &h).unwrap();
+    // Program order: the upload read the host array before this write.
+    e.host_write(&h, &vec![2.0f32; N]).unwrap();
+    let got: Vec<f32> = e.read(busy.context(), &h).unwrap();
+    assert!(
+        all(&got, 1.0),
+        "the pending upload read the later host write: {:?}",
+        &got[..4]
+    );
 }

@@ -26,7 +26,7 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, KernelArgs},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, DepKind, GlobalLoc, Plan, Work},
+    protocol::{await_deps, ArgBinding, GlobalLoc, Plan, Work},
     sync::Arc,
 };
 
@@ -80,7 +80,11 @@ struct Region {
 impl Region {
     fn host(buf: Arc<AlignedBuffer>, bytes: u64) -> std::result::Result<Region, String> {
         if bytes as usize > buf.len() {
-            return Err(format!("host array of {} bytes, {} requested", buf.len(), bytes));
+            return Err(format!(
+                "host array of {} bytes, {} requested",
+                buf.len(),
+                bytes
+            ));
         }
         Ok(Region {
             buf,
@@ -204,7 +208,8 @@ impl Backend for CpuBackend {
             .shared
             .pools_of(device)
             .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
-        let len = usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
+        let len =
+            usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
         let buf = AlignedBuffer::new(len, align.max(1) as usize)?;
         pools
             .lock()
@@ -215,7 +220,10 @@ impl Backend for CpuBackend {
 
     fn release_pool(&self, device: DeviceId, pool: PoolId) {
         if let Some(pools) = self.shared.pools_of(device) {
-            pools.lock().unwrap_or_else(|p| p.into_inner()).remove(&pool);
+            pools
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&pool);
         }
     }
 
@@ -330,25 +338,15 @@ fn worker_loop(stream: StreamId, timeline: Arc<Timeline>, rx: Receiver<Submitted
         timeline: timeline.clone(),
     };
     while let Ok(item) = rx.recv() {
-        let span = tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
+        let span =
+            tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
         let _enter = span.enter();
         run_item(stream, &timeline, item);
     }
 }
 
 fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted) {
-    // Wait for every dependency, even after one failed: completing only after all
-    // dependencies completed is what lets the protocol prune superseded uses.
-    let mut failed: Option<Arc<Failure>> = None;
-    for dep in &item.deps {
-        let r = dep.event.wait();
-        if let (Err(Error::Failed(f)), DepKind::Data) = (r, dep.kind) {
-            if !mutant!("failure") {
-                failed.get_or_insert(f);
-            }
-        }
-    }
-    if let Some(root) = failed {
+    if let Err(root) = await_deps(&item.deps) {
         tracing::debug!(stream = %stream, seq = item.seq, cause = %root, "dependency failed");
         timeline.fail(item.seq, root);
         return;

@@ -42,8 +42,13 @@ pub trait Backend: Send + Sync + 'static {
     fn devices(&self) -> Vec<DeviceId>;
 
     /// Creates the memory of a pool.
-    fn create_pool(&self, device: DeviceId, pool: PoolId, bytes: u64, align: u64)
-        -> Result<(), DeviceError>;
+    fn create_pool(
+        &self,
+        device: DeviceId,
+        pool: PoolId,
+        bytes: u64,
+        align: u64,
+    ) -> Result<(), DeviceError>;
 
     /// Releases the memory of a pool (no plan refers to it any more).
     fn release_pool(&self, device: DeviceId, pool: PoolId);

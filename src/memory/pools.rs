@@ -617,7 +617,7 @@ impl<E: UseEvent> DevicePools<E> {
             let end = p.offset + p.bytes;
             if start.checked_add(size).is_some_and(|e| e <= end) {
                 let waste = p.bytes - size;
-                if best.map_or(true, |(_, _, w)| waste < w) {
+                if best.is_none_or(|(_, _, w)| waste < w) {
                     best = Some((i, start, waste));
                 }
             }

@@ -95,6 +95,9 @@ struct ContextRecord {
     delta: Vec<BufferLoc>,
 }
 
+/// An array added by linking, and whether the new context owns (and later frees) it.
+type NewArray = (ArrayEntry, bool);
+
 enum MergeFrom<'a> {
     Slot,
     Source(&'a Source),
@@ -190,7 +193,11 @@ impl DeviceState {
         TableSizes {
             buffers: self.buffers.len(),
             events: self.buffers.values().map(|b| b.uses.len()).sum::<usize>()
-                + self.streams.iter().map(|s| s.merge.uses.len()).sum::<usize>(),
+                + self
+                    .streams
+                    .iter()
+                    .map(|s| s.merge.uses.len())
+                    .sum::<usize>(),
             contexts: self.contexts.len(),
             sharing_decisions: self.sharing.len(),
         }
@@ -209,9 +216,12 @@ impl DeviceState {
     }
 
     fn stream_index(&self, index: usize) -> Result<StreamId> {
-        self.streams.get(index).map(|s| s.id).ok_or_else(|| Error::Unknown {
-            what: format!("stream {index} on {}", self.device),
-        })
+        self.streams
+            .get(index)
+            .map(|s| s.id)
+            .ok_or_else(|| Error::Unknown {
+                what: format!("stream {index} on {}", self.device),
+            })
     }
 
     fn new_context_record(&mut self, parent: Option<ContextId>) -> ContextId {
@@ -311,14 +321,24 @@ impl DeviceState {
         }
     }
 
-    fn decide(&self, ctx: &Context, node: &TensorNode, writable: bool, owners: &[NodeId]) -> Result<Decision> {
+    fn decide(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        writable: bool,
+        owners: &[NodeId],
+    ) -> Result<Decision> {
         let stream = ctx.stream();
-        let mode = node.mode().materialize().ok_or_else(|| Error::NotMaterialized {
-            node: node.to_string(),
-            mode: node.mode().to_string(),
-        })?;
+        let mode = node
+            .mode()
+            .materialize()
+            .ok_or_else(|| Error::NotMaterialized {
+                node: node.to_string(),
+                mode: node.mode().to_string(),
+            })?;
         if let Some(entry) = ctx.array(node.id()) {
-            let take_ownership = writable && entry.shared && self.owner_check(node, stream, owners)?;
+            let take_ownership =
+                writable && entry.shared && self.owner_check(node, stream, owners)?;
             return Ok(Decision {
                 node: node.clone(),
                 mode,
@@ -328,12 +348,24 @@ impl DeviceState {
             });
         }
         let declared = mode.sharing();
-        let local = self.sharing.get(&node.id()).copied().unwrap_or(Sharing::Unset);
-        let effective = if declared != Sharing::Unset { declared } else { local };
+        let local = self
+            .sharing
+            .get(&node.id())
+            .copied()
+            .unwrap_or(Sharing::Unset);
+        let effective = if declared != Sharing::Unset {
+            declared
+        } else {
+            local
+        };
         let (placement, sharing, take_ownership) = match (writable, effective) {
             // Read-only data is shared by every stream of the device unless known per-stream.
             (false, Sharing::PerStream) => (Placement::Fresh, None, false),
-            (false, _) => (Placement::Candidate, Some(Sharing::SharedCrossStreams), false),
+            (false, _) => (
+                Placement::Candidate,
+                Some(Sharing::SharedCrossStreams),
+                false,
+            ),
             // A written shared node has one owner stream.
             (true, Sharing::SharedCrossStreams) => (
                 Placement::Candidate,
@@ -368,10 +400,12 @@ impl DeviceState {
             decisions.push(d);
         }
         if let Some(m) = &spec.merge {
-            m.mode().materialize().ok_or_else(|| Error::NotMaterialized {
-                node: m.to_string(),
-                mode: m.mode().to_string(),
-            })?;
+            m.mode()
+                .materialize()
+                .ok_or_else(|| Error::NotMaterialized {
+                    node: m.to_string(),
+                    mode: m.mode().to_string(),
+                })?;
             m.size_in_bytes()?;
         }
         let (arrays, plans) = self.place(ctx, decisions)?;
@@ -388,7 +422,7 @@ impl DeviceState {
         &mut self,
         ctx: &Context,
         decisions: Vec<Decision>,
-    ) -> Result<(Vec<(ArrayEntry, bool)>, Vec<Plan>)> {
+    ) -> Result<(Vec<NewArray>, Vec<Plan>)> {
         let stream = ctx.stream();
         // Allocate first, so that a failure leaves every table untouched.
         let mut fresh: Vec<Option<Allocation>> = Vec::with_capacity(decisions.len());
@@ -491,7 +525,7 @@ impl DeviceState {
         Ok((arrays, plans))
     }
 
-    fn child_context(&mut self, parent: &Context, arrays: Vec<(ArrayEntry, bool)>) -> Context {
+    fn child_context(&mut self, parent: &Context, arrays: Vec<NewArray>) -> Context {
         let id = self.new_context_record(Some(parent.id()));
         let mut map = parent.0.arrays.clone();
         let mut delta = Vec::new();
@@ -525,13 +559,24 @@ impl DeviceState {
                 context: ctx.id(),
             });
         }
-        let mode = node.mode().materialize().ok_or_else(|| Error::NotMaterialized {
-            node: node.to_string(),
-            mode: node.mode().to_string(),
-        })?;
+        let mode = node
+            .mode()
+            .materialize()
+            .ok_or_else(|| Error::NotMaterialized {
+                node: node.to_string(),
+                mode: node.mode().to_string(),
+            })?;
         let declared = mode.sharing();
-        let local = self.sharing.get(&node.id()).copied().unwrap_or(Sharing::Unset);
-        let effective = if declared != Sharing::Unset { declared } else { local };
+        let local = self
+            .sharing
+            .get(&node.id())
+            .copied()
+            .unwrap_or(Sharing::Unset);
+        let effective = if declared != Sharing::Unset {
+            declared
+        } else {
+            local
+        };
         let (placement, sharing) = match effective {
             Sharing::SharedCrossStreams => (Placement::Candidate, None),
             _ => (Placement::Fresh, Some(Sharing::PerStream)),
@@ -602,13 +647,15 @@ impl DeviceState {
             (Some(expected), MergeFrom::Slot) => {
                 let slot = &self.streams[stream.index as usize].merge;
                 match (&slot.node, slot.alloc) {
-                    (Some(n), Some(a)) if n == expected || mutant!("merge_check") => Some(ArgBinding {
-                        loc: self.global(a.loc),
-                        bytes: expected.size_in_bytes()?,
-                        dtype: expected.dtype(),
-                        shape: expected.shape().clone(),
-                        access: Access::Read,
-                    }),
+                    (Some(n), Some(a)) if n == expected || mutant!("merge_check") => {
+                        Some(ArgBinding {
+                            loc: self.global(a.loc),
+                            bytes: expected.size_in_bytes()?,
+                            dtype: expected.dtype(),
+                            shape: expected.shape().clone(),
+                            access: Access::Read,
+                        })
+                    }
                     (found, _) => {
                         return Err(Error::MergeBufferMismatch {
                             stream,
@@ -686,10 +733,7 @@ impl DeviceState {
                 rec.uses.record_write(event.clone());
                 rec.host_version = Some(host.version(p.node.id()));
                 if p.node.mode().is_hosted() {
-                    host.record(&p.node)?.newer_on_device = Some(DeviceCopy {
-                        stream,
-                        loc: b.loc,
-                    });
+                    host.record(&p.node)?.newer_on_device = Some(DeviceCopy { stream, loc: b.loc });
                 }
             }
         }
@@ -770,13 +814,23 @@ impl DeviceState {
     }
 
     /// Copies the host array of `node` into its buffer in `ctx`.
-    pub fn from_host(&mut self, ctx: &Context, node: &TensorNode, host: &mut HostTable) -> Result<Plan> {
+    pub fn from_host(
+        &mut self,
+        ctx: &Context,
+        node: &TensorNode,
+        host: &mut HostTable,
+    ) -> Result<Plan> {
         let loc = self.hosted_entry(ctx, node)?.loc;
         self.plan_from_host(ctx.stream(), node, loc, host)
     }
 
     /// Copies the buffer of `node` in `ctx` into its host array.
-    pub fn to_host(&mut self, ctx: &Context, node: &TensorNode, host: &mut HostTable) -> Result<Plan> {
+    pub fn to_host(
+        &mut self,
+        ctx: &Context,
+        node: &TensorNode,
+        host: &mut HostTable,
+    ) -> Result<Plan> {
         let loc = self.hosted_entry(ctx, node)?.loc;
         self.plan_to_host(ctx.stream(), node, loc, host)
     }

@@ -9,7 +9,8 @@
 use std::{collections::HashMap, sync::Arc};
 
 use crate::{
-    error::Result,
+    error::{DeviceError, Result},
+    event::Event,
     ids::{NodeId, StreamId},
     memory::AlignedBuffer,
     node::TensorNode,
@@ -61,6 +62,49 @@ impl HostTable {
                 }))
             }
         }
+    }
+
+    /// Starts a host write of `node`: the events to wait for (every pending device read or
+    /// write of its host array) before calling [`HostTable::commit_write`].
+    pub fn begin_write(&mut self, node: &TensorNode) -> Result<Vec<Event>> {
+        let record = self.record(node)?;
+        if mutant!("host_war") {
+            return Ok(Vec::new());
+        }
+        Ok(record.uses.all_events())
+    }
+
+    /// Finishes a host write after the events of [`HostTable::begin_write`] completed:
+    /// copies `data` into the host array and makes every device copy lag.
+    pub fn commit_write(&mut self, node: &TensorNode, data: &[u8]) -> Result<()> {
+        let record = self.record(node)?;
+        record.uses.clear_all();
+        // SAFETY: the caller waited for every pending device use of the host array
+        // (`begin_write`), and new uses are only issued through `&mut self`.
+        unsafe { record.array.bytes_mut(0, data.len()) }
+            .map_err(DeviceError::from)?
+            .copy_from_slice(data);
+        record.version += 1;
+        record.newer_on_device = None;
+        Ok(())
+    }
+
+    /// The pending device writes (`to_host`) of `node`'s host array, which a host read
+    /// must wait for. Failed ones are included: the read then fails with their cause.
+    pub fn pending_writes(&mut self, node: &TensorNode) -> Result<Vec<Event>> {
+        let record = self.record(node)?;
+        record.uses.prune();
+        Ok(record.uses.writers.events().to_vec())
+    }
+
+    /// Copies the host array of `node` out, after [`HostTable::pending_writes`] completed.
+    pub fn read_bytes(&mut self, node: &TensorNode) -> Result<Vec<u8>> {
+        let bytes = node.size_in_bytes()? as usize;
+        let record = self.record(node)?;
+        // SAFETY: the caller waited for every pending device write of the host array;
+        // concurrent device reads are fine for a shared read.
+        let data = unsafe { record.array.bytes(0, bytes) }.map_err(DeviceError::from)?;
+        Ok(data.to_vec())
     }
 
     /// The record of `node`, if it exists.

@@ -9,6 +9,7 @@
 use std::{fmt, sync::Arc};
 
 use crate::{
+    error::{Error, Failure},
     event::Event,
     ids::{BufferLoc, DeviceId, StreamId},
     kernels::{Access, Kernel},
@@ -163,4 +164,25 @@ pub struct Plan {
     pub deps: Vec<Dep>,
     /// The work.
     pub work: Work,
+}
+
+/// Waits for every dependency of a plan, as every executor must before running its work.
+///
+/// Returns the root cause of the first failed [`DepKind::Data`] dependency, if any: the
+/// plan must then fail with it instead of running. Every dependency is waited for even
+/// after one failed, so that a plan completes only after all its dependencies completed.
+pub fn await_deps(deps: &[Dep]) -> Result<(), Arc<Failure>> {
+    let mut failed: Option<Arc<Failure>> = None;
+    for dep in deps {
+        let r = dep.event.wait();
+        if let (Err(Error::Failed(f)), DepKind::Data) = (r, dep.kind) {
+            if !mutant!("failure") {
+                failed.get_or_insert(f);
+            }
+        }
+    }
+    match failed {
+        Some(f) => Err(f),
+        None => Ok(()),
+    }
 }

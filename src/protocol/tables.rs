@@ -27,7 +27,11 @@ pub struct Uses {
 impl Uses {
     /// Records a use; an earlier use on the same stream is superseded (FIFO order).
     pub fn record(&mut self, event: Event) {
-        match self.events.iter_mut().find(|e| e.stream() == event.stream()) {
+        match self
+            .events
+            .iter_mut()
+            .find(|e| e.stream() == event.stream())
+        {
             Some(slot) => *slot = event,
             None => self.events.push(event),
         }
