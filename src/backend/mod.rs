@@ -14,6 +14,7 @@
 //! - `submit` never blocks on the work itself.
 
 pub mod cpu;
+pub mod fault;
 
 use crate::{
     error::{DeviceError, Result},

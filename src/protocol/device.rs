@@ -44,7 +44,7 @@ pub struct Source {
     pub node: TensorNode,
     /// Where the source buffer is.
     pub loc: GlobalLoc,
-    /// Its size in bytes.
+    /// The node's size in bytes (what is copied; the buffer may be larger).
     pub bytes: u64,
     /// What a reader of it must wait for (its last write).
     pub deps: Vec<Dep>,
@@ -488,8 +488,11 @@ impl DeviceState {
                         node: d.node.clone(),
                         alloc,
                         uses,
-                        // Zeroed memory equals the initial (zero) host array.
-                        host_version: Some(0),
+                        // Unknown to the host protocol: zeroed memory equals the host
+                        // array only until a transfer to the host changes the array
+                        // without a version change, so a hosted node is uploaded before
+                        // its first read here.
+                        host_version: None,
                         stream,
                     },
                 );
@@ -634,9 +637,10 @@ impl DeviceState {
                     what: format!("buffer {} of {}", e.loc, p.node),
                 });
             }
+            // The node's exact size: the allocation may be rounded up to its alignment.
             bindings.push(ArgBinding {
                 loc: self.global(e.loc),
-                bytes: e.bytes,
+                bytes: p.node.size_in_bytes()?,
                 dtype: p.node.dtype(),
                 shape: p.node.shape().clone(),
                 access: p.access,
@@ -675,7 +679,7 @@ impl DeviceState {
                 }
                 Some(ArgBinding {
                     loc: src.loc,
-                    bytes: src.bytes,
+                    bytes: expected.size_in_bytes()?,
                     dtype: expected.dtype(),
                     shape: expected.shape().clone(),
                     access: Access::Read,
@@ -768,6 +772,8 @@ impl DeviceState {
         loc: BufferLoc,
         host: &mut HostTable,
     ) -> Result<Plan> {
+        // Host arrays have the node's exact size; the buffer may be rounded up.
+        let bytes = node.size_in_bytes()?;
         let hrec = host.record(node)?;
         let mut deps = Vec::new();
         // RAW on the host array (a pending to_host writes it).
@@ -778,7 +784,6 @@ impl DeviceState {
             });
         };
         rec.uses.write_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
         let event = self.issue(stream);
         let (hrec, rec) = (host.record(node)?, self.buffers.get_mut(&loc));
         hrec.uses.record_read(event.clone());
@@ -843,6 +848,7 @@ impl DeviceState {
         loc: BufferLoc,
         host: &mut HostTable,
     ) -> Result<Plan> {
+        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -850,7 +856,6 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
         let hrec = host.record(node)?;
         // WAR and WAW on the host array.
         hrec.uses.write_deps(&mut deps);
@@ -883,6 +888,7 @@ impl DeviceState {
     ) -> Result<Plan> {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
+        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -890,7 +896,6 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
         let event = self.issue(ctx.stream());
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event.clone());
@@ -915,6 +920,7 @@ impl DeviceState {
     pub fn source(&mut self, ctx: &Context, node: &TensorNode) -> Result<Source> {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
+        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -928,7 +934,7 @@ impl DeviceState {
                 device: self.device,
                 loc,
             },
-            bytes: rec.alloc.bytes,
+            bytes,
             deps,
             host_version: rec.host_version,
         })
