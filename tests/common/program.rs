@@ -650,3 +650,81 @@ pub trait ProgramRunner {
         }
     }
 }
+
+/// Writes programs by hand: each method appends an operation and returns the handles it
+/// creates.
+#[derive(Clone, Debug)]
+pub struct Builder {
+    /// The program so far.
+    pub program: Program,
+    contexts: usize,
+    routines: usize,
+}
+
+impl Builder {
+    /// An empty program on `devices` x `streams` with `nodes`.
+    pub fn new(devices: usize, streams: usize, nodes: Vec<NodeDecl>) -> Builder {
+        Builder {
+            program: Program {
+                setup: Setup {
+                    devices,
+                    streams,
+                    nodes,
+                    pool_bytes: 1 << 20,
+                },
+                ops: Vec::new(),
+            },
+            contexts: 0,
+            routines: 0,
+        }
+    }
+
+    /// Appends an operation that creates nothing.
+    pub fn op(&mut self, op: Op) -> &mut Self {
+        self.program.ops.push(op);
+        self
+    }
+
+    fn new_context(&mut self, op: Op) -> C {
+        self.program.ops.push(op);
+        self.contexts += 1;
+        C(self.contexts - 1)
+    }
+
+    /// `root(device, stream)`.
+    pub fn root(&mut self, device: usize, stream: usize) -> C {
+        self.new_context(Op::Root { device, stream })
+    }
+
+    /// `link(ctx, kernel)`: the routine and its context.
+    pub fn link(&mut self, ctx: C, kernel: Kernel) -> (R, C) {
+        let c = self.new_context(Op::Link { ctx, kernel });
+        self.routines += 1;
+        (R(self.routines - 1), c)
+    }
+
+    /// `init_from_host(ctx, node, data)`.
+    pub fn init(&mut self, ctx: C, node: N, data: Data) -> C {
+        self.new_context(Op::InitFromHost { ctx, node, data })
+    }
+
+    /// `schedule(routine)`.
+    pub fn schedule(&mut self, routine: R) -> &mut Self {
+        self.op(Op::Schedule { routine })
+    }
+
+    /// `device_to_device(node, src, dst, mode)`.
+    pub fn d2d(&mut self, node: N, src: C, dst: C, mode: D2d) -> &mut Self {
+        self.op(Op::DeviceToDevice {
+            node,
+            src,
+            dst,
+            mode,
+        })
+    }
+
+    /// The program.
+    pub fn build(&self) -> Program {
+        self.program.clone()
+    }
+}
