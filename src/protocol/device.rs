@@ -646,6 +646,32 @@ impl DeviceState {
                 access: p.access,
             });
         }
+        if let MergeFrom::Source(src) = &merge_from {
+            if spec.merge.is_none() {
+                return Err(Error::InvalidRoutine {
+                    routine: spec.name.clone(),
+                    reason: format!(
+                        "it reads no merge buffer, so it cannot consume {}",
+                        src.node
+                    ),
+                });
+            }
+            // Read in place while the kernel writes the same buffer: the kernel would get
+            // overlapping shared and mutable views.
+            if bindings
+                .iter()
+                .any(|b| b.loc == src.loc && b.access.writes())
+            {
+                return Err(Error::StreamingUnsupported {
+                    src: src.loc.device,
+                    dst: self.device,
+                    reason: format!(
+                        "the source buffer of {} is written by the consumer {}",
+                        src.node, spec.name
+                    ),
+                });
+            }
+        }
         let merge = match (&spec.merge, &merge_from) {
             (None, _) => None,
             (Some(expected), MergeFrom::Slot) => {
