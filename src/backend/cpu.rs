@@ -290,6 +290,10 @@ impl StreamQueue for CpuStream {
         Ok(())
     }
 
+    fn shutdown_within(&self, timeout: std::time::Duration) -> bool {
+        self.shutdown_bounded(timeout)
+    }
+
     fn shutdown(&self) {
         // Closing the channel lets the worker drain what is queued and exit.
         drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
@@ -304,6 +308,27 @@ impl StreamQueue for CpuStream {
                 }));
             }
         }
+    }
+}
+
+impl CpuStream {
+    fn shutdown_bounded(&self, timeout: std::time::Duration) -> bool {
+        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let deadline = std::time::Instant::now() + timeout;
+        let mut guard = self.worker.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(handle) = guard.take() else {
+            return true;
+        };
+        while !handle.is_finished() {
+            if std::time::Instant::now() >= deadline {
+                // Detach: the worker finishes (or not) on its own; dropping the handle
+                // does not stop it, and every job it holds keeps its memory alive.
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = handle.join();
+        true
     }
 }
 

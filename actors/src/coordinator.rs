@@ -1,0 +1,120 @@
+//! The coordinator: routes work that spans devices.
+//!
+//! It knows every device actor. A device-to-device operation is three steps on two device
+//! actors: the source describes its buffer and what a reader must wait for, the
+//! destination plans the copy (or the streaming consumer) and assigns its event, and the
+//! source records that event as a reader of its buffer, so that a later write of the source
+//! waits for it (DESIGN.md §3, rule 3).
+//!
+//! Program order: the coordinator replies only after it has sent the last step to the
+//! source, and the host call blocks on that reply, so every later host message to either
+//! device enters its mailbox after these steps (DESIGN.md §4, "Program order across
+//! actors"). A failure in a step reaches the caller as the step's typed error; nothing is
+//! recorded for a copy that was never planned.
+
+use actix::{Actor, Addr, Context as ActorContext, Handler, ResponseFuture};
+use tributary::{DeviceId, Error, Event, MergeBufferUse, Result};
+
+use crate::{device::DeviceActor, messages::*};
+
+/// The actor that routes cross-device work.
+pub struct Coordinator {
+    devices: Vec<(DeviceId, Addr<DeviceActor>)>,
+    can_stream: std::sync::Arc<dyn Fn(DeviceId, DeviceId) -> bool + Send + Sync>,
+}
+
+impl Coordinator {
+    /// A coordinator over these device actors; `can_stream(src, dst)` says whether `dst`
+    /// can read `src`'s memory in place.
+    pub fn new(
+        devices: Vec<(DeviceId, Addr<DeviceActor>)>,
+        can_stream: std::sync::Arc<dyn Fn(DeviceId, DeviceId) -> bool + Send + Sync>,
+    ) -> Self {
+        Coordinator {
+            devices,
+            can_stream,
+        }
+    }
+
+    fn device(&self, id: DeviceId) -> Result<Addr<DeviceActor>> {
+        self.devices
+            .iter()
+            .find(|(d, _)| *d == id)
+            .map(|(_, a)| a.clone())
+            .ok_or_else(|| Error::Unknown {
+                what: format!("device {id}"),
+            })
+    }
+}
+
+impl Actor for Coordinator {
+    type Context = ActorContext<Self>;
+}
+
+fn mailbox(e: actix::MailboxError) -> Error {
+    Error::ShutDown(format!("device actor unreachable: {e}"))
+}
+
+impl Handler<DeviceToDevice> for Coordinator {
+    type Result = ResponseFuture<Result<Option<Event>>>;
+
+    fn handle(&mut self, msg: DeviceToDevice, _: &mut Self::Context) -> Self::Result {
+        let span = tracing::trace_span!("device_to_device", node = %msg.node, src = %msg.src.stream(), dst = %msg.dst.stream());
+        let _e = span.enter();
+        let src = self.device(msg.src.device());
+        let dst = self.device(msg.dst.device());
+        let can_stream = (self.can_stream)(msg.src.device(), msg.dst.device());
+        Box::pin(async move {
+            let (src, dst) = (src?, dst?);
+            if let MergeBufferUse::StreamingFor(r) = &msg.mode {
+                if r.context().stream() != msg.dst.stream() {
+                    return Err(Error::InvalidRoutine {
+                        routine: r.name().into(),
+                        reason: format!(
+                            "streaming consumer runs on {}, destination is {}",
+                            r.context().stream(),
+                            msg.dst.stream()
+                        ),
+                    });
+                }
+                if !can_stream {
+                    return Err(Error::StreamingUnsupported {
+                        src: msg.src.device(),
+                        dst: msg.dst.device(),
+                        reason: "the backend cannot read that memory in place".into(),
+                    });
+                }
+            }
+            let source = src
+                .send(GetSource {
+                    ctx: msg.src.clone(),
+                    node: msg.node.clone(),
+                })
+                .await
+                .map_err(mailbox)??;
+            let loc = source.loc.loc;
+            let event = match msg.mode {
+                MergeBufferUse::No | MergeBufferUse::Copy => dst
+                    .send(CopyIn {
+                        dst: msg.dst.clone(),
+                        source,
+                        into_merge: matches!(msg.mode, MergeBufferUse::Copy),
+                    })
+                    .await
+                    .map_err(mailbox)??,
+                MergeBufferUse::StreamingFor(routine) => Some(
+                    dst.send(ScheduleStreaming { routine, source })
+                        .await
+                        .map_err(mailbox)??,
+                ),
+            };
+            if let Some(e) = &event {
+                src.do_send(RecordRead {
+                    loc,
+                    event: e.clone(),
+                });
+            }
+            Ok(event)
+        })
+    }
+}
