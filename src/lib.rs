@@ -30,6 +30,7 @@ macro_rules! mutant {
 }
 
 pub mod backend;
+pub mod collective;
 pub mod engine;
 pub mod error;
 pub mod event;

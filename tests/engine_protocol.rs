@@ -551,3 +551,29 @@ fn host_write_waits_for_pending_uploads() {
         &got[..4]
     );
 }
+
+#[test]
+fn odd_sized_nodes_transfer_and_compute_exactly_their_elements() {
+    let mut e = engine();
+    let w = TensorNode::new("w", DType::F32, [3])
+        .with_mode(MemoryMode::hosted_changed_on_devices())
+        .unwrap();
+    let g = TensorNode::new("g", DType::F32, [3])
+        .with_mode(MemoryMode::on_device())
+        .unwrap();
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(1, 1).unwrap();
+    let c0 = e.init_from_host(&c0, &w, &[1.0f32, 2.0, 3.0]).unwrap();
+    let r0 = e.link(&c0, kernels::scale(&g, &w, 2.0).unwrap()).unwrap();
+    let r1 = e.link(&c1, kernels::fill(&g, 1.0).unwrap()).unwrap();
+    let m = e
+        .link(r0.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    e.schedule(&r0).unwrap();
+    e.schedule(&r1).unwrap();
+    e.device_to_device(&g, r1.context(), m.context(), MergeBufferUse::Copy)
+        .unwrap();
+    e.schedule(&m).unwrap();
+    assert_eq!(e.read::<f32>(m.context(), &g).unwrap(), vec![3.0, 5.0, 7.0]);
+    assert_eq!(e.host_read::<f32>(&w).unwrap(), vec![1.0, 2.0, 3.0]);
+}

@@ -118,3 +118,141 @@ impl Handler<DeviceToDevice> for Coordinator {
         })
     }
 }
+
+impl Handler<AllReduce> for Coordinator {
+    type Result = ResponseFuture<Result<Vec<Event>>>;
+
+    fn handle(&mut self, msg: AllReduce, _: &mut Self::Context) -> Self::Result {
+        use tributary::collective::{Step, Transfer};
+        let span = tracing::debug_span!(
+            "all_reduce",
+            contexts = msg.contexts.len(),
+            chunks = msg.nodes.len(),
+            steps = msg.steps.len()
+        );
+        let _e = span.enter();
+        let addrs: Result<Vec<_>> = msg
+            .contexts
+            .iter()
+            .map(|c| self.device(c.device()))
+            .collect();
+        let can_stream: Vec<Vec<bool>> = msg
+            .contexts
+            .iter()
+            .map(|s| {
+                msg.contexts
+                    .iter()
+                    .map(|d| (self.can_stream)(s.device(), d.device()))
+                    .collect()
+            })
+            .collect();
+        Box::pin(async move {
+            let addrs = addrs?;
+            let chunks = msg.nodes.len();
+            let mut last: Vec<Option<LastWrite>> = vec![None; msg.contexts.len() * chunks];
+            for step in &msg.steps {
+                match *step {
+                    Step::Reduce { chunk, src, dst } => {
+                        let streaming = match msg.transfer {
+                            Transfer::Copy => false,
+                            Transfer::Streaming => true,
+                            Transfer::Auto => can_stream[src][dst],
+                        };
+                        let source = addrs[src]
+                            .send(GetSource {
+                                ctx: msg.contexts[src].clone(),
+                                node: msg.nodes[chunk].clone(),
+                            })
+                            .await
+                            .map_err(mailbox)??;
+                        let loc = source.loc.loc;
+                        let routine = msg.merge[dst][chunk].clone();
+                        let reader = if streaming {
+                            let e = addrs[dst]
+                                .send(ScheduleStreaming { routine, source })
+                                .await
+                                .map_err(mailbox)??;
+                            last[dst * chunks + chunk] = Some(LastWrite::Event(e.clone()));
+                            e
+                        } else {
+                            let copy = addrs[dst]
+                                .send(CopyIn {
+                                    dst: msg.contexts[dst].clone(),
+                                    source,
+                                    into_merge: true,
+                                })
+                                .await
+                                .map_err(mailbox)??
+                                .ok_or_else(|| Error::Unknown {
+                                    what: "merge copy planned nothing".into(),
+                                })?;
+                            let (ticket, sender) = crate::ticket::Ticket::new();
+                            addrs[dst].do_send(Schedule {
+                                routine,
+                                ticket: sender,
+                            });
+                            last[dst * chunks + chunk] = Some(LastWrite::Ticket(ticket));
+                            copy
+                        };
+                        addrs[src].do_send(RecordRead { loc, event: reader });
+                    }
+                    Step::Broadcast { chunk, src, dst } => {
+                        let source = addrs[src]
+                            .send(GetSource {
+                                ctx: msg.contexts[src].clone(),
+                                node: msg.nodes[chunk].clone(),
+                            })
+                            .await
+                            .map_err(mailbox)??;
+                        let loc = source.loc.loc;
+                        if let Some(e) = addrs[dst]
+                            .send(CopyIn {
+                                dst: msg.contexts[dst].clone(),
+                                source,
+                                into_merge: false,
+                            })
+                            .await
+                            .map_err(mailbox)??
+                        {
+                            addrs[src].do_send(RecordRead {
+                                loc,
+                                event: e.clone(),
+                            });
+                            last[dst * chunks + chunk] = Some(LastWrite::Event(e));
+                        }
+                    }
+                    Step::Scale { chunk, ctx } => {
+                        let routine = msg
+                            .scale
+                            .get(ctx)
+                            .and_then(|r| r.get(chunk))
+                            .cloned()
+                            .ok_or_else(|| Error::Unknown {
+                                what: format!("scale routine for context {ctx}, chunk {chunk}"),
+                            })?;
+                        let (ticket, sender) = crate::ticket::Ticket::new();
+                        addrs[ctx].do_send(Schedule {
+                            routine,
+                            ticket: sender,
+                        });
+                        last[ctx * chunks + chunk] = Some(LastWrite::Ticket(ticket));
+                    }
+                }
+            }
+            let mut events = Vec::new();
+            for l in last.into_iter().flatten() {
+                events.push(match l {
+                    LastWrite::Event(e) => e,
+                    LastWrite::Ticket(t) => t.event_async().await?,
+                });
+            }
+            Ok(events)
+        })
+    }
+}
+
+#[derive(Clone)]
+enum LastWrite {
+    Event(Event),
+    Ticket(crate::ticket::Ticket),
+}

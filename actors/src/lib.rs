@@ -22,6 +22,7 @@
 //! event. Every failure reaches the caller as a typed error on the ticket, the event or the
 //! reply; a stopped actor resolves its pending tickets with `Error::ShutDown`.
 
+mod collective;
 mod coordinator;
 mod device;
 pub mod messages;
@@ -29,6 +30,7 @@ mod stream;
 mod system;
 mod ticket;
 
+pub use collective::{AllReducePlan, BucketedAllReduce};
 pub use coordinator::Coordinator;
 pub use device::DeviceActor;
 pub use stream::{StopStream, StreamActor};

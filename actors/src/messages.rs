@@ -242,3 +242,22 @@ pub struct DeviceToDevice {
     /// How the destination receives it.
     pub mode: MergeBufferUse,
 }
+
+/// Carry out an all-reduce plan (see `tributary::collective`), routed by the coordinator.
+/// Replies with the final event of every (context, chunk) once every step was issued.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<Vec<Event>>")]
+pub struct AllReduce {
+    /// The steps, in issue order.
+    pub steps: Vec<tributary::collective::Step>,
+    /// The chunks (one node each).
+    pub nodes: Vec<TensorNode>,
+    /// The contexts, by index.
+    pub contexts: Vec<Context>,
+    /// `merge[ctx][chunk]`: `add_merge(node)` linked in that context.
+    pub merge: Vec<Vec<Routine>>,
+    /// `scale[ctx][chunk]`: `scale_in_place(node, 1/n)`, for a mean.
+    pub scale: Vec<Vec<Routine>>,
+    /// How reduce steps move data.
+    pub transfer: tributary::collective::Transfer,
+}

@@ -168,8 +168,13 @@ impl Ticket {
 
     /// Waits asynchronously for the event's assignment and completion.
     pub async fn wait_async(&self) -> Result<()> {
-        let event = TicketFuture { slot: &self.slot }.await?;
+        let event = self.event_async().await?;
         event.wait_async().await
+    }
+
+    /// Waits asynchronously for the event's assignment only.
+    pub async fn event_async(&self) -> Result<Event> {
+        TicketFuture { slot: &self.slot }.await
     }
 }
 

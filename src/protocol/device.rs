@@ -81,6 +81,8 @@ struct StreamState {
 
 struct BufferRecord {
     node: TensorNode,
+    /// The node's size: what transfers and kernels touch (the allocation may be larger).
+    bytes: u64,
     alloc: Allocation,
     uses: BufferUses,
     /// Host version the content corresponds to; `None` when unknown (must be uploaded).
@@ -482,10 +484,12 @@ impl DeviceState {
                         bytes: alloc.bytes,
                     },
                 });
+                let bytes = d.node.size_in_bytes()?;
                 self.buffers.insert(
                     alloc.loc,
                     BufferRecord {
                         node: d.node.clone(),
+                        bytes,
                         alloc,
                         uses,
                         // Zeroed memory equals the initial (zero) host array.
@@ -500,7 +504,7 @@ impl DeviceState {
                     ArrayEntry {
                         node: d.node.clone(),
                         loc: alloc.loc,
-                        bytes: alloc.bytes,
+                        bytes,
                         shared,
                     },
                     !shared,
@@ -508,7 +512,7 @@ impl DeviceState {
             } else if let Placement::Candidate = d.placement {
                 if let Some(&loc) = self.cross_stream_candidates.get(&d.node.id()) {
                     if ctx.array(d.node.id()).is_none() {
-                        let bytes = self.buffers.get(&loc).map_or(0, |b| b.alloc.bytes);
+                        let bytes = self.buffers.get(&loc).map_or(0, |b| b.bytes);
                         arrays.push((
                             ArrayEntry {
                                 node: d.node.clone(),
@@ -778,7 +782,7 @@ impl DeviceState {
             });
         };
         rec.uses.write_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
+        let bytes = rec.bytes;
         let event = self.issue(stream);
         let (hrec, rec) = (host.record(node)?, self.buffers.get_mut(&loc));
         hrec.uses.record_read(event.clone());
@@ -850,7 +854,7 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
+        let bytes = rec.bytes;
         let hrec = host.record(node)?;
         // WAR and WAW on the host array.
         hrec.uses.write_deps(&mut deps);
@@ -890,7 +894,7 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
-        let bytes = rec.alloc.bytes;
+        let bytes = rec.bytes;
         let event = self.issue(ctx.stream());
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event.clone());
@@ -928,7 +932,7 @@ impl DeviceState {
                 device: self.device,
                 loc,
             },
-            bytes: rec.alloc.bytes,
+            bytes: rec.bytes,
             deps,
             host_version: rec.host_version,
         })
