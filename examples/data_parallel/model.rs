@@ -100,8 +100,8 @@ pub fn make_data(cfg: &ModelConfig) -> Data {
         let c = (rng.next_u64() % cfg.classes as u64) as usize;
         labels.push(c);
         y[i * cfg.classes + c] = 1.0;
-        for d in 0..cfg.dim {
-            x.push(centres[c][d] + 0.6 * rng.normal());
+        for &centre in &centres[c] {
+            x.push(centre + 0.6 * rng.normal());
         }
     }
     Data { x, y, labels }
