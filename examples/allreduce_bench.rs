@@ -90,11 +90,17 @@ fn threaded_tree_busbw(bytes: usize, n: usize) -> f64 {
 
 /// The strategy's bus bandwidth: `n` devices, one context each, the data split into `n`
 /// chunk nodes (so the ring is balanced; star and tree move the same chunks).
-fn strategy_busbw(sys: &System, n: usize, bytes: usize, strategy: Strategy) -> tributary::Result<f64> {
+fn strategy_busbw(
+    sys: &System,
+    n: usize,
+    bytes: usize,
+    strategy: Strategy,
+) -> tributary::Result<f64> {
     let chunk = (bytes / 4).div_ceil(n);
     let nodes: Vec<TensorNode> = (0..n)
         .map(|c| {
-            TensorNode::new(format!("chunk{c}"), DType::F32, [chunk]).with_mode(MemoryMode::on_device())
+            TensorNode::new(format!("chunk{c}"), DType::F32, [chunk])
+                .with_mode(MemoryMode::on_device())
         })
         .collect::<tributary::Result<_>>()?;
     let mut contexts: Vec<Context> = Vec::new();
@@ -111,7 +117,14 @@ fn strategy_busbw(sys: &System, n: usize, bytes: usize, strategy: Strategy) -> t
     for f in &fills {
         f.schedule()?;
     }
-    let plan = AllReducePlan::new(sys, &nodes, &contexts, ReduceOp::Sum, strategy, Transfer::Auto)?;
+    let plan = AllReducePlan::new(
+        sys,
+        &nodes,
+        &contexts,
+        ReduceOp::Sum,
+        strategy,
+        Transfer::Auto,
+    )?;
     // Warm-up (first touch of the pages), then timed runs.
     for e in plan.run()? {
         e.wait()?;
@@ -138,7 +151,11 @@ fn main() -> tributary::Result<()> {
     } else {
         vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     };
-    let ns: Vec<usize> = if quick { vec![2, 4] } else { vec![2, 3, 4, 6, 8] };
+    let ns: Vec<usize> = if quick {
+        vec![2, 4]
+    } else {
+        vec![2, 3, 4, 6, 8]
+    };
     println!(
         "| n | size | memcpy GB/s | threaded tree busbw | star busbw | tree busbw | ring busbw | best / threaded tree |"
     );

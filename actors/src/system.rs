@@ -20,6 +20,7 @@ use std::{
 
 use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
+use tributary::trace::Recorder;
 use tributary::{
     backend::{cpu::CpuBackend, Backend},
     kernels::RoutineSpec,
@@ -73,6 +74,8 @@ pub struct SystemConfig {
     pub mailbox_capacity: usize,
     /// How long `shutdown` lets in-flight work finish, in milliseconds.
     pub shutdown_timeout_ms: u64,
+    /// Record a timeline of every operation and wait (see [`System::timeline`]).
+    pub record_timeline: bool,
 }
 
 impl Default for SystemConfig {
@@ -83,6 +86,7 @@ impl Default for SystemConfig {
             pools: PoolConfig::default(),
             mailbox_capacity: 4096,
             shutdown_timeout_ms: 10_000,
+            record_timeline: false,
         }
     }
 }
@@ -146,6 +150,12 @@ impl SystemBuilder {
         self
     }
 
+    /// Records a timeline of every operation and wait, for [`System::timeline`].
+    pub fn record_timeline(mut self, on: bool) -> Self {
+        self.config.record_timeline = on;
+        self
+    }
+
     /// The whole configuration.
     pub fn config(mut self, config: SystemConfig) -> Self {
         self.config = config;
@@ -169,6 +179,7 @@ struct Shared {
     arbiters: Mutex<Vec<Arbiter>>,
     shut_down: std::sync::atomic::AtomicBool,
     config: SystemConfig,
+    recorder: Option<Arc<Recorder>>,
 }
 
 /// The host application's handle on a running device system. Cheap to clone.
@@ -237,7 +248,12 @@ impl System {
                 what: "configuration with zero devices".into(),
             });
         }
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(DeviceId(0), config.cpu_devices));
+        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
+        let mut cpu = CpuBackend::new(DeviceId(0), config.cpu_devices);
+        if let Some(r) = &recorder {
+            cpu = cpu.with_recorder(r.clone());
+        }
+        let backend: Arc<dyn Backend> = Arc::new(cpu);
         let streams = config.streams.streams_per_device();
         let host = Arc::new(Mutex::new(HostTable::default()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -273,8 +289,15 @@ impl System {
                 arbiters: Mutex::new(arbiters),
                 shut_down: std::sync::atomic::AtomicBool::new(false),
                 config,
+                recorder,
             }),
         })
+    }
+
+    /// The timeline recorder, when the system records one
+    /// ([`SystemBuilder::record_timeline`]); export it with `write_chrome_trace`.
+    pub fn timeline(&self) -> Option<Arc<Recorder>> {
+        self.shared.recorder.clone()
     }
 
     /// The configuration the system runs with.
