@@ -403,3 +403,40 @@ fn misuse_gets_typed_errors_and_the_system_keeps_serving() {
     assert!(all(&w.context().read::<f32>(&x).unwrap(), 1.0));
     sys.shutdown().unwrap();
 }
+
+#[test]
+fn node_messages_and_awaiting_a_stream() {
+    use tributary_actors::messages::{CreateNode, RefineNode};
+    let sys = system();
+    let coordinator = sys.coordinator();
+    let x = block_on(coordinator.send(CreateNode {
+        label: "x".into(),
+        dtype: DType::F32,
+        shape: [N].into(),
+        mode: MemoryMode::Materialized,
+    }))
+    .unwrap()
+    .unwrap();
+    let refined = block_on(coordinator.send(RefineNode {
+        node: x.clone(),
+        mode: MemoryMode::on_device(),
+    }))
+    .unwrap()
+    .unwrap();
+    assert_eq!(refined, MemoryMode::on_device());
+    let err = block_on(coordinator.send(RefineNode {
+        node: x.clone(),
+        mode: MemoryMode::Virtual,
+    }))
+    .unwrap()
+    .unwrap_err();
+    assert!(matches!(err, Error::ModeConflict { .. }));
+    let c = sys.context(1, 1).unwrap();
+    let r = c.link(slow_fill(&x, 4.0)).unwrap();
+    let t = r.schedule().unwrap();
+    sys.await_stream(1, 1).unwrap();
+    assert!(t.is_done());
+    assert!(all(&r.context().read::<f32>(&x).unwrap(), 4.0));
+    assert!(matches!(sys.await_stream(1, 7), Err(Error::Unknown { .. })));
+    sys.shutdown().unwrap();
+}

@@ -256,3 +256,17 @@ enum LastWrite {
     Event(Event),
     Ticket(crate::ticket::Ticket),
 }
+
+impl Handler<CreateNode> for Coordinator {
+    type Result = Result<tributary::TensorNode>;
+    fn handle(&mut self, msg: CreateNode, _: &mut Self::Context) -> Self::Result {
+        tributary::TensorNode::new(msg.label, msg.dtype, msg.shape).with_mode(msg.mode)
+    }
+}
+
+impl Handler<RefineNode> for Coordinator {
+    type Result = Result<tributary::MemoryMode>;
+    fn handle(&mut self, msg: RefineNode, _: &mut Self::Context) -> Self::Result {
+        msg.node.refine_mode(msg.mode)
+    }
+}

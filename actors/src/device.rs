@@ -366,6 +366,24 @@ impl Handler<LastEvents> for DeviceActor {
     }
 }
 
+impl Handler<StreamLastEvent> for DeviceActor {
+    type Result = Result<Option<Event>>;
+    fn handle(&mut self, msg: StreamLastEvent, _: &mut Self::Context) -> Self::Result {
+        let stream = self
+            .state
+            .timeline(msg.stream)
+            .ok_or_else(|| tributary::Error::Unknown {
+                what: format!("stream {} on {}", msg.stream, self.state.device()),
+            })?
+            .stream();
+        Ok(self
+            .state
+            .last_events()
+            .into_iter()
+            .find(|e| e.stream() == stream))
+    }
+}
+
 impl Handler<Sweep> for DeviceActor {
     type Result = ();
     fn handle(&mut self, _: Sweep, _: &mut Self::Context) {

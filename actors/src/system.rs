@@ -711,6 +711,23 @@ impl System {
         first
     }
 
+    /// Waits for all work issued so far on one stream (`await` of the design).
+    pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
+        block_on(async {
+            let addr = self
+                .shared
+                .devices
+                .get(device)
+                .ok_or_else(|| Error::Unknown {
+                    what: format!("device index {device}"),
+                })?;
+            match self.request(addr, StreamLastEvent { stream }).await?? {
+                Some(e) => e.wait_async().await,
+                None => Ok(()),
+            }
+        })
+    }
+
     /// Waits for all work of every device.
     pub fn sync(&self) -> Result<()> {
         block_on(self.sync_async())
