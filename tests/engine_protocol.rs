@@ -4,68 +4,19 @@
 //! kernel, so removing the rule under test makes the test fail (the mutation check in
 //! `loom_tests/` proves the same on the loom models, exhaustively).
 
-use std::{thread::sleep, time::Duration};
+use std::time::Duration;
 
+mod support;
+
+use support::{all, double, node, shared, slow_copy, slow_fill, N};
 use tributary::{
     kernels::{self, Access, RoutineSpec},
     DType, Engine, EngineConfig, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
     TensorNode,
 };
 
-const DELAY: Duration = Duration::from_millis(60);
-const N: usize = 256;
-
 fn engine() -> Engine {
     Engine::cpu(EngineConfig::default()).expect("cpu engine")
-}
-
-fn node(label: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(label, DType::F32, [N])
-        .with_mode(mode)
-        .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
-}
-
-/// dst = src, after sleeping (a slow reader of src).
-fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_copy",
-        vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)],
-        None,
-        |args| {
-            sleep(DELAY);
-            let src = args.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&src);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-/// dst = value, after sleeping (a slow writer of dst).
-fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_fill",
-        vec![(dst.clone(), Access::Write)],
-        None,
-        move |args| {
-            sleep(DELAY);
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .fill(value);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
 }
 
 #[test]
@@ -260,15 +211,7 @@ fn lazy_host_transfers() {
     let w = node("w", MemoryMode::hosted_changed_on_devices());
     let c = e.context(0, 1).unwrap();
     let c = e.init_from_host(&c, &w, &vec![1.0f32; N]).unwrap();
-    let double = RoutineSpec::custom("double", vec![(w.clone(), Access::ReadWrite)], None, |a| {
-        a.output::<f32>(0)
-            .map_err(|e| e.to_string())?
-            .iter_mut()
-            .for_each(|v| *v *= 2.0);
-        Ok(())
-    })
-    .unwrap();
-    let double = e.link(&c, double).unwrap();
+    let double = e.link(&c, double(&w)).unwrap();
     e.schedule(&double).unwrap();
     // Host read after a device write transfers the device value first.
     let host: Vec<f32> = e.host_read(&w).unwrap();

@@ -6,14 +6,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod support;
+
+use support::{all, double, node, shared, slow_copy, slow_fill, N};
 use tributary::{
     kernels::{self, Access, RoutineSpec},
-    DType, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode,
+    DType, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
 };
 use tributary_actors::{block_on, StreamConfig, System, SystemConfig};
 
-const DELAY: Duration = Duration::from_millis(60);
-const N: usize = 256;
 const T: Duration = Duration::from_secs(20);
 
 fn system() -> System {
@@ -22,51 +23,6 @@ fn system() -> System {
         .streams(StreamConfig::MostParallelStreams(2))
         .spawn()
         .expect("spawn")
-}
-
-fn node(label: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(label, DType::F32, [N])
-        .with_mode(mode)
-        .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
-}
-
-fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_copy",
-        vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)],
-        None,
-        |a| {
-            sleep(DELAY);
-            let s = a.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            a.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&s);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_fill",
-        vec![(dst.clone(), Access::Write)],
-        None,
-        move |a| {
-            sleep(DELAY);
-            a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
 }
 
 #[test]
@@ -161,15 +117,7 @@ fn lazy_host_transfers_of_hosted_nodes() {
     let w = node("w", MemoryMode::hosted_changed_on_devices());
     let c = sys.context(1, 1).unwrap();
     let c = c.init_from_host(&w, &vec![1.0f32; N]).unwrap();
-    let double = RoutineSpec::custom("double", vec![(w.clone(), Access::ReadWrite)], None, |a| {
-        a.output::<f32>(0)
-            .map_err(|e| e.to_string())?
-            .iter_mut()
-            .for_each(|v| *v *= 2.0);
-        Ok(())
-    })
-    .unwrap();
-    let double = c.link(double).unwrap();
+    let double = c.link(double(&w)).unwrap();
     double.schedule().unwrap();
     // Host read right after scheduling (no wait): sees the device write.
     assert!(all(&sys.host_read::<f32>(&w).unwrap(), 2.0));

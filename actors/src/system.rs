@@ -35,7 +35,7 @@ use crate::{
     device::DeviceActor,
     messages::*,
     stream::StreamActor,
-    ticket::{block_on, Ticket},
+    ticket::{block_on, Ticket, TicketSender},
 };
 
 /// How many streams each device gets (OCANNL's `config`).
@@ -440,48 +440,47 @@ impl System {
         })
     }
 
+    /// Posts a message carrying a ticket to `ctx`'s device; returns the ticket at once.
+    fn post_ticketed<M>(
+        &self,
+        ctx: &Context,
+        make: impl FnOnce(TicketSender) -> M,
+    ) -> Result<Ticket>
+    where
+        DeviceActor: actix::Handler<M>,
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+    {
+        let addr = self.device_addr(ctx.device())?;
+        let (ticket, sender) = Ticket::new();
+        self.post(addr, make(sender))?;
+        Ok(ticket)
+    }
+
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
-        let addr = self.device_addr(routine.context().device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            Schedule {
-                routine: routine.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(routine.context(), |ticket| Schedule {
+            routine: routine.clone(),
+            ticket,
+        })
     }
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.
     pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        let addr = self.device_addr(ctx.device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            FromHost {
-                ctx: ctx.clone(),
-                node: node.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(ctx, |ticket| FromHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
     }
 
     /// Downloads the buffer of hosted `node` in `ctx` into its host array.
     pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        let addr = self.device_addr(ctx.device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            ToHost {
-                ctx: ctx.clone(),
-                node: node.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(ctx, |ticket| ToHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
     }
 
     /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
