@@ -1,56 +1,61 @@
-//! Quickstart: two CPU devices with two streams each, dependent routines across streams
-//! and devices, a gradient merged through a merge buffer, and the result read on the host.
+//! Quickstart: a host application spawns 2 CPU devices with 2 streams each, links built-in
+//! kernels, runs dependent routines across streams and devices, merges a gradient through
+//! a merge buffer, and reads the results on the host. No barrier is written by hand.
 //!
 //! Run with `cargo run --release --example quickstart`.
 
-use tributary::{
-    kernels, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, TensorNode,
-};
+use tributary::{kernels, DType, MemoryMode, MergeBufferUse, Result};
+use tributary_actors::{StreamConfig, System};
 
 fn main() -> Result<()> {
     const N: usize = 1024;
-    let mut sys = Engine::cpu(EngineConfig::default())?; // 2 CPU devices x 2 streams
+    // Spawn the device system from plain synchronous code: 2 CPU devices x 2 streams.
+    let sys = System::builder()
+        .cpu_devices(2)
+        .streams(StreamConfig::MostParallelStreams(2))
+        .spawn()?;
 
-    let w =
-        TensorNode::new("w", DType::F32, [N]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    let g = TensorNode::new("g", DType::F32, [N]).with_mode(MemoryMode::on_device())?;
+    let w = sys
+        .node("w", DType::F32, [N])
+        .with_mode(MemoryMode::hosted_changed_on_devices())?;
+    let g = sys
+        .node("g", DType::F32, [N])
+        .with_mode(MemoryMode::on_device())?;
 
-    // Each device gets the weights from the host.
-    let ctx0 = sys.context(0, 0)?;
-    let ctx1 = sys.context(1, 1)?;
-    let ctx0 = sys.init_from_host(&ctx0, &w, &vec![1.0f32; N])?;
-    let ctx1 = sys.init_from_host(&ctx1, &w, &vec![1.0f32; N])?;
+    let (d0, d1) = (sys.device(0), sys.device(1));
+    let ctx0 = d0
+        .stream(0)
+        .context()?
+        .init_from_host(&w, &vec![1.0f32; N])?;
+    let ctx1 = d1
+        .stream(1)
+        .context()?
+        .init_from_host(&w, &vec![1.0f32; N])?;
 
-    // Link built-in kernels; each link returns a routine in a child context.
-    let grad0 = sys.link(&ctx0, kernels::scale(&g, &w, 0.5)?)?; // g = 0.5 * w on device 0
-    let grad1 = sys.link(&ctx1, kernels::scale(&g, &w, 0.25)?)?; // g = 0.25 * w on device 1
-    let merge = sys.link(grad0.context(), kernels::add_merge(&g)?)?; // g += merge buffer
-    let step = sys.link(merge.context(), kernels::sgd_step(&w, &g, 0.1)?)?; // w -= 0.1 * g
+    // Link built-in kernels into contexts; each link returns a routine in a child context.
+    let grad0 = ctx0.link(kernels::scale(&g, &w, 0.5)?)?; // g = 0.5 * w on device 0
+    let grad1 = ctx1.link(kernels::scale(&g, &w, 0.25)?)?; // g = 0.25 * w on device 1
+    let merge = grad0.context().link(kernels::add_merge(&g)?)?; // g += merge buffer
+    let step = merge.context().link(kernels::sgd_step(&w, &g, 0.1)?)?; // w -= 0.1 * g
 
-    // No barrier anywhere: every wait below is inserted by the protocol.
-    sys.schedule(&grad0)?;
-    sys.schedule(&grad1)?;
-    sys.device_to_device(&g, grad1.context(), merge.context(), MergeBufferUse::Copy)?;
-    sys.schedule(&merge)?; // waits for the copy, which waited for grad1
-    let done = sys.schedule(&step)?;
-    done.wait()?;
+    grad0.schedule()?; // returns a ticket at once
+    grad1.schedule()?;
+    sys.device_to_device(&g, &grad1.context(), &merge.context(), MergeBufferUse::Copy)?;
+    merge.schedule()?; // waits for the copy by itself, which waited for grad1
+    let done = step.schedule()?;
+    done.wait()?; // or `.wait_async().await` in async code
 
-    let g_host: Vec<f32> = sys.read(merge.context(), &g)?;
-    let w_host: Vec<f32> = sys.host_read(&w)?; // lazily transfers device 0's newer value
+    let g_host: Vec<f32> = merge.context().read(&g)?; // 0.75 everywhere
+    let w_host: Vec<f32> = sys.host_read(&w)?; // lazily transferred from device 0
     println!("g = {:?} ...", &g_host[..4]);
     println!("w = {:?} ...", &w_host[..4]);
     assert!(g_host.iter().all(|&x| x == 0.75));
     assert!(w_host.iter().all(|&x| (x - 0.925).abs() < 1e-6));
-
-    for stats in sys.memory_stats() {
-        println!(
-            "{}: live {} B, reserved {} B, peak {} B, {} pool(s)",
-            stats.device,
-            stats.live_bytes,
-            stats.reserved_bytes,
-            stats.peak_live_bytes,
-            stats.pools
-        );
-    }
+    print!("{}", sys.memory_report()?);
+    let report = sys.shutdown()?;
+    println!(
+        "shut down in {:?}, abandoned: {:?}",
+        report.took, report.abandoned
+    );
     Ok(())
 }

@@ -4,68 +4,19 @@
 //! kernel, so removing the rule under test makes the test fail (the mutation check in
 //! `loom_tests/` proves the same on the loom models, exhaustively).
 
-use std::{thread::sleep, time::Duration};
+use std::time::Duration;
 
+mod support;
+
+use support::{all, double, node, shared, slow_copy, slow_fill, N};
 use tributary::{
     kernels::{self, Access, RoutineSpec},
     DType, Engine, EngineConfig, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
     TensorNode,
 };
 
-const DELAY: Duration = Duration::from_millis(60);
-const N: usize = 256;
-
 fn engine() -> Engine {
     Engine::cpu(EngineConfig::default()).expect("cpu engine")
-}
-
-fn node(label: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(label, DType::F32, [N])
-        .with_mode(mode)
-        .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
-}
-
-/// dst = src, after sleeping (a slow reader of src).
-fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_copy",
-        vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)],
-        None,
-        |args| {
-            sleep(DELAY);
-            let src = args.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&src);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-/// dst = value, after sleeping (a slow writer of dst).
-fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_fill",
-        vec![(dst.clone(), Access::Write)],
-        None,
-        move |args| {
-            sleep(DELAY);
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .fill(value);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
 }
 
 #[test]
@@ -260,15 +211,7 @@ fn lazy_host_transfers() {
     let w = node("w", MemoryMode::hosted_changed_on_devices());
     let c = e.context(0, 1).unwrap();
     let c = e.init_from_host(&c, &w, &vec![1.0f32; N]).unwrap();
-    let double = RoutineSpec::custom("double", vec![(w.clone(), Access::ReadWrite)], None, |a| {
-        a.output::<f32>(0)
-            .map_err(|e| e.to_string())?
-            .iter_mut()
-            .for_each(|v| *v *= 2.0);
-        Ok(())
-    })
-    .unwrap();
-    let double = e.link(&c, double).unwrap();
+    let double = e.link(&c, double(&w)).unwrap();
     e.schedule(&double).unwrap();
     // Host read after a device write transfers the device value first.
     let host: Vec<f32> = e.host_read(&w).unwrap();
@@ -550,4 +493,30 @@ fn host_write_waits_for_pending_uploads() {
         "the pending upload read the later host write: {:?}",
         &got[..4]
     );
+}
+
+#[test]
+fn odd_sized_nodes_transfer_and_compute_exactly_their_elements() {
+    let mut e = engine();
+    let w = TensorNode::new("w", DType::F32, [3])
+        .with_mode(MemoryMode::hosted_changed_on_devices())
+        .unwrap();
+    let g = TensorNode::new("g", DType::F32, [3])
+        .with_mode(MemoryMode::on_device())
+        .unwrap();
+    let c0 = e.context(0, 0).unwrap();
+    let c1 = e.context(1, 1).unwrap();
+    let c0 = e.init_from_host(&c0, &w, &[1.0f32, 2.0, 3.0]).unwrap();
+    let r0 = e.link(&c0, kernels::scale(&g, &w, 2.0).unwrap()).unwrap();
+    let r1 = e.link(&c1, kernels::fill(&g, 1.0).unwrap()).unwrap();
+    let m = e
+        .link(r0.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    e.schedule(&r0).unwrap();
+    e.schedule(&r1).unwrap();
+    e.device_to_device(&g, r1.context(), m.context(), MergeBufferUse::Copy)
+        .unwrap();
+    e.schedule(&m).unwrap();
+    assert_eq!(e.read::<f32>(m.context(), &g).unwrap(), vec![3.0, 5.0, 7.0]);
+    assert_eq!(e.host_read::<f32>(&w).unwrap(), vec![1.0, 2.0, 3.0]);
 }

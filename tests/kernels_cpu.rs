@@ -895,3 +895,34 @@ fn custom_kernel_runs_and_borrow_flags_refuse_aliasing() {
         "merge buffer missing"
     );
 }
+
+#[test]
+fn scale_in_place_and_copy_range() {
+    use tributary::{kernels, DType, TensorNode};
+    let x = TensorNode::new("x", DType::F32, [4]);
+    let spec = kernels::scale_in_place(&x, 0.5).unwrap();
+    let mut bufs = vec![kernels::to_bytes(&[2.0f32, 4.0, -6.0, 1.0])];
+    kernels::run_on_host(&spec, &mut bufs, None).unwrap();
+    assert_eq!(
+        kernels::from_bytes::<f32>(&bufs[0]).unwrap(),
+        vec![1.0, 2.0, -3.0, 0.5]
+    );
+
+    let dst = TensorNode::new("dst", DType::I32, [6]);
+    let src = TensorNode::new("src", DType::I32, [3]);
+    let spec = kernels::copy_range(&dst, 2, &src, 1, 2).unwrap();
+    let mut bufs = vec![
+        kernels::to_bytes(&[0i32; 6]),
+        kernels::to_bytes(&[7i32, 8, 9]),
+    ];
+    kernels::run_on_host(&spec, &mut bufs, None).unwrap();
+    assert_eq!(
+        kernels::from_bytes::<i32>(&bufs[0]).unwrap(),
+        vec![0, 0, 8, 9, 0, 0]
+    );
+    // Out-of-bounds ranges and dtype mismatches are refused at construction.
+    assert!(kernels::copy_range(&dst, 5, &src, 0, 2).is_err());
+    assert!(kernels::copy_range(&dst, 0, &src, 2, 2).is_err());
+    let f = TensorNode::new("f", DType::F32, [3]);
+    assert!(kernels::copy_range(&dst, 0, &f, 0, 1).is_err());
+}

@@ -1,7 +1,43 @@
-//! The actor layer of tributary (see `DESIGN.md` §4).
+//! # tributary-actors: the actor system
 //!
-//! This crate will host `DeviceActor`, `StreamActor`, `Coordinator` and the host-side
-//! `System` handle on top of the engine crate [`tributary`]. It is intentionally empty until
-//! the actor issue lands; the workspace builds it so the layering is checked from day one.
+//! The host-facing layer of tributary (DESIGN.md §4), on actix:
+//!
+//! ```text
+//!                  ┌── device-local work ──▶ DeviceActor (pools, tables) ──▶ StreamActor ──▶ backend queue
+//! host (System) ───┤                                ▲                            │
+//!                  └── cross-device work ─▶ Coordinator ─▶ (source and destination DeviceActors)
+//!    ▲                                                                           │
+//!    └────────── tickets / events (wait, poll, future) ◀── completion events ────┘
+//! ```
+//!
+//! - [`DeviceActor`] owns one device's protocol state (the engine's sans-IO
+//!   `DeviceState`) and makes every scheduling decision in arrival order.
+//! - [`StreamActor`] owns one stream's backend queue and publishes completions.
+//! - [`Coordinator`] routes device-to-device operations between device actors.
+//! - [`System`] spawns all of it from plain synchronous code and offers blocking and
+//!   async methods; the message types in [`messages`] are public for hosts already
+//!   running actix.
+//!
+//! Scheduling returns a [`Ticket`] at once (no round trip); the device actor fills in the
+//! event. Every failure reaches the caller as a typed error on the ticket, the event or the
+//! reply; a stopped actor resolves its pending tickets with `Error::ShutDown`.
 
+mod collective;
+mod coordinator;
+mod device;
+pub mod messages;
+mod stream;
+mod system;
+mod ticket;
+
+pub use collective::{AllReducePlan, BucketedAllReduce};
+pub use coordinator::Coordinator;
+pub use device::DeviceActor;
+pub use stream::{StopStream, StreamActor};
+pub use system::{
+    ContextHandle, DeviceHandle, MemoryReport, RoutineHandle, ShutdownReport, StreamConfig,
+    StreamHandle, System, SystemBuilder, SystemConfig,
+};
+pub use ticket::{block_on, Ticket, TicketSender};
 pub use tributary;
+pub use tributary::MergeBufferUse;

@@ -349,6 +349,10 @@ impl StreamQueue for FaultQueue {
     fn shutdown(&self) {
         self.inner.shutdown()
     }
+
+    fn shutdown_within(&self, timeout: Duration) -> bool {
+        self.inner.shutdown_within(timeout)
+    }
 }
 
 /// Replaces the work of `plan` by a CPU kernel with the same label, or delays it.

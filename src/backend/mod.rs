@@ -32,6 +32,14 @@ pub trait StreamQueue: Send + Sync {
 
     /// Stops accepting work, lets queued work finish, and joins the worker.
     fn shutdown(&self);
+
+    /// Like [`StreamQueue::shutdown`], but gives up after `timeout`: returns `false` if
+    /// work was still running then (the worker is detached; the caller fails what is left).
+    fn shutdown_within(&self, timeout: std::time::Duration) -> bool {
+        let _ = timeout;
+        self.shutdown();
+        true
+    }
 }
 
 /// A family of devices of one kind (CPU, Vulkan, CUDA).

@@ -358,6 +358,12 @@ fn run_builtin(b: &Builtin, args: &KernelArgs<'_>) -> KResult {
             floats!(b, dtype, softmax_xent(args, m, c, grad_scale))
         }
         Builtin::Mul => floats!(b, dtype, mul(args)),
+        Builtin::ScaleInPlace { alpha } => floats!(b, dtype, scale_in_place(args, alpha)),
+        Builtin::CopyRange {
+            dst_offset,
+            src_offset,
+            len,
+        } => copy_range(args, dtype, dst_offset, src_offset, len),
     }
 }
 
@@ -449,6 +455,43 @@ fn map2<T: Real>(args: &KernelArgs<'_>, f: impl Fn(T::C, T::C) -> T::C) -> KResu
     for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
         *d = T::store(f(x.load(), y.load()));
     }
+    Ok(())
+}
+
+fn scale_in_place<T: Real>(args: &KernelArgs<'_>, alpha: f64) -> KResult {
+    let alpha = T::C::from_f64(alpha);
+    for x in args.output::<T>(0)?.iter_mut() {
+        *x = T::store(alpha * x.load());
+    }
+    Ok(())
+}
+
+fn copy_range(
+    args: &KernelArgs<'_>,
+    dtype: DType,
+    dst_offset: usize,
+    src_offset: usize,
+    len: usize,
+) -> KResult {
+    if args.dtype(1) != Some(dtype) {
+        return Err(format!("dtypes differ: {dtype:?} and {:?}", args.dtype(1)));
+    }
+    let size = dtype.size_in_bytes();
+    let bytes = |off: usize| -> Result<std::ops::Range<usize>, String> {
+        let start = off.checked_mul(size).ok_or("offset overflows")?;
+        let end = len
+            .checked_mul(size)
+            .and_then(|l| l.checked_add(start))
+            .ok_or("range overflows")?;
+        Ok(start..end)
+    };
+    let (d, s) = (bytes(dst_offset)?, bytes(src_offset)?);
+    let dst = args.output_bytes(0)?;
+    let src = args.input_bytes(1)?;
+    let (Some(dst), Some(src)) = (dst.get_mut(d), src.get(s)) else {
+        return Err("range outside the buffers".to_string());
+    };
+    dst.copy_from_slice(src);
     Ok(())
 }
 

@@ -33,7 +33,7 @@ mod spec;
 pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
 pub use cpu::{run_cpu, run_on_host};
 pub use spec::{
-    add_into, add_merge, add_row_bias, axpy, copy, fill, matmul, matmul_nt, matmul_tn, mul, relu,
-    relu_backward, scale, sgd_step, softmax_xent, sum_rows, Access, Builtin, CpuKernel,
-    CpuKernelFn, Kernel, Param, RoutineSpec,
+    add_into, add_merge, add_row_bias, axpy, copy, copy_range, fill, matmul, matmul_nt, matmul_tn,
+    mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows, Access,
+    Builtin, CpuKernel, CpuKernelFn, Kernel, Param, RoutineSpec,
 };

@@ -203,6 +203,23 @@ pub enum Builtin {
     },
     /// `mul(dst: Write, a: Read, b: Read)`: `dst[i] = a[i] * b[i]`. Floats.
     Mul,
+    /// `scale_in_place(x: ReadWrite)`: `x[i] = alpha * x[i]`. Floats. (The mean of an
+    /// all-reduce.)
+    ScaleInPlace {
+        /// The factor.
+        alpha: f64,
+    },
+    /// `copy_range(dst: ReadWrite, src: Read)`: `dst[dst_offset + i] = src[src_offset + i]`
+    /// for `i < len` (elements), bitwise; the rest of `dst` is unchanged. Every dtype.
+    /// (Packing gradients into buckets and unpacking them.)
+    CopyRange {
+        /// First element written in `dst`.
+        dst_offset: usize,
+        /// First element read in `src`.
+        src_offset: usize,
+        /// Elements copied.
+        len: usize,
+    },
 }
 
 const FLOATS: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16];
@@ -237,6 +254,8 @@ impl Builtin {
             Builtin::SumRows { .. } => "sum_rows",
             Builtin::SoftmaxXent { .. } => "softmax_xent",
             Builtin::Mul => "mul",
+            Builtin::ScaleInPlace { .. } => "scale_in_place",
+            Builtin::CopyRange { .. } => "copy_range",
         }
     }
 
@@ -245,14 +264,15 @@ impl Builtin {
         use Access::{Read as R, ReadWrite as RW, Write as W};
         match self {
             Builtin::Fill { .. } => &[W],
-            Builtin::AddMerge => &[RW],
+            Builtin::AddMerge | Builtin::ScaleInPlace { .. } => &[RW],
             Builtin::Copy | Builtin::Scale { .. } | Builtin::Relu | Builtin::SumRows { .. } => {
                 &[W, R]
             }
             Builtin::AddInto
             | Builtin::Axpy { .. }
             | Builtin::SgdStep { .. }
-            | Builtin::AddRowBias { .. } => &[RW, R],
+            | Builtin::AddRowBias { .. }
+            | Builtin::CopyRange { .. } => &[RW, R],
             Builtin::Matmul { .. }
             | Builtin::MatmulTn { .. }
             | Builtin::MatmulNt { .. }
@@ -270,7 +290,7 @@ impl Builtin {
     /// The dtypes it supports (all its parameters have the same dtype).
     pub const fn dtypes(&self) -> &'static [DType] {
         match self {
-            Builtin::Fill { .. } | Builtin::Copy => ALL,
+            Builtin::Fill { .. } | Builtin::Copy | Builtin::CopyRange { .. } => ALL,
             Builtin::AddInto | Builtin::AddMerge => ADDABLE,
             Builtin::Matmul { .. } | Builtin::MatmulTn { .. } | Builtin::MatmulNt { .. } => MATMUL,
             Builtin::Scale { .. }
@@ -281,7 +301,8 @@ impl Builtin {
             | Builtin::ReluBackward
             | Builtin::SumRows { .. }
             | Builtin::SoftmaxXent { .. }
-            | Builtin::Mul => FLOATS,
+            | Builtin::Mul
+            | Builtin::ScaleInPlace { .. } => FLOATS,
         }
     }
 }
@@ -530,6 +551,46 @@ pub fn add_merge(dst: &TensorNode) -> Result<RoutineSpec> {
 /// `dst = alpha * src` ([`Builtin::Scale`]); floats.
 pub fn scale(dst: &TensorNode, src: &TensorNode, alpha: f64) -> Result<RoutineSpec> {
     elementwise(Builtin::Scale { alpha }, dst, &[src])
+}
+
+/// `x *= alpha` in place ([`Builtin::ScaleInPlace`]); floats.
+pub fn scale_in_place(x: &TensorNode, alpha: f64) -> Result<RoutineSpec> {
+    let b = Builtin::ScaleInPlace { alpha };
+    check_supported(&b, x)?;
+    numel(x)?;
+    build(b, &[x], None)
+}
+
+/// `dst[dst_offset..dst_offset + len] = src[src_offset..src_offset + len]` (elements,
+/// bitwise) ([`Builtin::CopyRange`]); same dtype, every dtype; ranges must be in bounds.
+pub fn copy_range(
+    dst: &TensorNode,
+    dst_offset: usize,
+    src: &TensorNode,
+    src_offset: usize,
+    len: usize,
+) -> Result<RoutineSpec> {
+    let b = Builtin::CopyRange {
+        dst_offset,
+        src_offset,
+        len,
+    };
+    check_supported(&b, dst)?;
+    check_same_dtype(src, dst)?;
+    let in_bounds = |off: usize, node: &TensorNode| -> Result<()> {
+        let n = numel(node)?;
+        match off.checked_add(len) {
+            Some(end) if end <= n => Ok(()),
+            _ => Err(Error::SizeMismatch {
+                node: node.to_string(),
+                expected: format!("a range inside its {n} elements"),
+                found: format!("{len} elements from {off}"),
+            }),
+        }
+    };
+    in_bounds(dst_offset, dst)?;
+    in_bounds(src_offset, src)?;
+    build(b, &[dst, src], None)
 }
 
 /// `y += alpha * x` ([`Builtin::Axpy`]); floats.

@@ -44,7 +44,7 @@ pub struct Source {
     pub node: TensorNode,
     /// Where the source buffer is.
     pub loc: GlobalLoc,
-    /// The node's size in bytes (what is copied; the buffer may be larger).
+    /// Its size in bytes.
     pub bytes: u64,
     /// What a reader of it must wait for (its last write).
     pub deps: Vec<Dep>,
@@ -81,6 +81,8 @@ struct StreamState {
 
 struct BufferRecord {
     node: TensorNode,
+    /// The node's size: what transfers and kernels touch (the allocation may be larger).
+    bytes: u64,
     alloc: Allocation,
     uses: BufferUses,
     /// Host version the content corresponds to; `None` when unknown (must be uploaded).
@@ -482,10 +484,12 @@ impl DeviceState {
                         bytes: alloc.bytes,
                     },
                 });
+                let bytes = d.node.size_in_bytes()?;
                 self.buffers.insert(
                     alloc.loc,
                     BufferRecord {
                         node: d.node.clone(),
+                        bytes,
                         alloc,
                         uses,
                         // Unknown to the host protocol: zeroed memory equals the host
@@ -503,7 +507,7 @@ impl DeviceState {
                     ArrayEntry {
                         node: d.node.clone(),
                         loc: alloc.loc,
-                        bytes: alloc.bytes,
+                        bytes,
                         shared,
                     },
                     !shared,
@@ -511,7 +515,7 @@ impl DeviceState {
             } else if let Placement::Candidate = d.placement {
                 if let Some(&loc) = self.cross_stream_candidates.get(&d.node.id()) {
                     if ctx.array(d.node.id()).is_none() {
-                        let bytes = self.buffers.get(&loc).map_or(0, |b| b.alloc.bytes);
+                        let bytes = self.buffers.get(&loc).map_or(0, |b| b.bytes);
                         arrays.push((
                             ArrayEntry {
                                 node: d.node.clone(),
@@ -637,10 +641,9 @@ impl DeviceState {
                     what: format!("buffer {} of {}", e.loc, p.node),
                 });
             }
-            // The node's exact size: the allocation may be rounded up to its alignment.
             bindings.push(ArgBinding {
                 loc: self.global(e.loc),
-                bytes: p.node.size_in_bytes()?,
+                bytes: e.bytes,
                 dtype: p.node.dtype(),
                 shape: p.node.shape().clone(),
                 access: p.access,
@@ -705,7 +708,7 @@ impl DeviceState {
                 }
                 Some(ArgBinding {
                     loc: src.loc,
-                    bytes: expected.size_in_bytes()?,
+                    bytes: src.bytes,
                     dtype: expected.dtype(),
                     shape: expected.shape().clone(),
                     access: Access::Read,
@@ -798,8 +801,6 @@ impl DeviceState {
         loc: BufferLoc,
         host: &mut HostTable,
     ) -> Result<Plan> {
-        // Host arrays have the node's exact size; the buffer may be rounded up.
-        let bytes = node.size_in_bytes()?;
         let hrec = host.record(node)?;
         let mut deps = Vec::new();
         // RAW on the host array (a pending to_host writes it).
@@ -810,6 +811,7 @@ impl DeviceState {
             });
         };
         rec.uses.write_deps(&mut deps);
+        let bytes = rec.bytes;
         let event = self.issue(stream);
         let (hrec, rec) = (host.record(node)?, self.buffers.get_mut(&loc));
         hrec.uses.record_read(event.clone());
@@ -874,7 +876,6 @@ impl DeviceState {
         loc: BufferLoc,
         host: &mut HostTable,
     ) -> Result<Plan> {
-        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -882,6 +883,7 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
+        let bytes = rec.bytes;
         let hrec = host.record(node)?;
         // WAR and WAW on the host array.
         hrec.uses.write_deps(&mut deps);
@@ -914,7 +916,6 @@ impl DeviceState {
     ) -> Result<Plan> {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
-        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -922,6 +923,7 @@ impl DeviceState {
         };
         let mut deps = Vec::new();
         rec.uses.read_deps(&mut deps);
+        let bytes = rec.bytes;
         let event = self.issue(ctx.stream());
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event.clone());
@@ -946,7 +948,6 @@ impl DeviceState {
     pub fn source(&mut self, ctx: &Context, node: &TensorNode) -> Result<Source> {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
-        let bytes = node.size_in_bytes()?;
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::Unknown {
                 what: format!("buffer {loc} of {node}"),
@@ -960,7 +961,7 @@ impl DeviceState {
                 device: self.device,
                 loc,
             },
-            bytes,
+            bytes: rec.bytes,
             deps,
             host_version: rec.host_version,
         })

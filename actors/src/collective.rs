@@ -1,0 +1,274 @@
+//! All-reduce and bucketing on a running system.
+//!
+//! [`AllReducePlan`] links, once, the merge routine (`add_merge`) and, for a mean, the
+//! scaling routine of every chunk in every context, and checks the contexts; each
+//! [`AllReducePlan::run`] then sends the step list of `tributary::collective::plan` to the
+//! coordinator, which issues the steps in program order. A plan is meant to be reused
+//! every training step; [`AllReducePlan::finalize`] releases its routines' contexts.
+//!
+//! [`BucketedAllReduce`] packs many small gradients into a few bucket nodes (of a
+//! configurable size) with `copy_range` routines, all-reduces the buckets, and unpacks
+//! them, so the per-operation cost is paid per bucket instead of per gradient.
+
+use tributary::{
+    collective::{self, ReduceOp, Strategy, Transfer},
+    kernels,
+    protocol::{Context, Routine},
+    DType, Error, Event, MemoryMode, Result, TensorNode,
+};
+
+use crate::{messages::AllReduce, system::System, ticket::block_on};
+
+/// A linked all-reduce of some nodes (chunks) over some contexts, ready to run repeatedly.
+pub struct AllReducePlan {
+    sys: System,
+    nodes: Vec<TensorNode>,
+    contexts: Vec<Context>,
+    merge: Vec<Vec<Routine>>,
+    scale: Vec<Vec<Routine>>,
+    steps: Vec<collective::Step>,
+    transfer: Transfer,
+}
+
+impl AllReducePlan {
+    /// Links the routines of an all-reduce of `nodes` over `contexts`.
+    ///
+    /// Every context must hold every node in a buffer of its own (two contexts sharing one
+    /// buffer would count it twice): a typed error otherwise, with nothing linked.
+    pub fn new(
+        sys: &System,
+        nodes: &[TensorNode],
+        contexts: &[Context],
+        op: ReduceOp,
+        strategy: Strategy,
+        transfer: Transfer,
+    ) -> Result<AllReducePlan> {
+        let invalid = |reason: String| Error::InvalidRoutine {
+            routine: "all_reduce".into(),
+            reason,
+        };
+        if contexts.is_empty() || nodes.is_empty() {
+            return Err(invalid("no contexts or no nodes".into()));
+        }
+        for node in nodes {
+            let mut seen = Vec::new();
+            for ctx in contexts {
+                let entry = ctx
+                    .array(node.id())
+                    .ok_or_else(|| Error::NodeNotInContext {
+                        node: node.to_string(),
+                        context: ctx.id(),
+                    })?;
+                let key = (ctx.device(), entry.loc);
+                if seen.contains(&key) {
+                    return Err(invalid(format!(
+                        "two contexts share the buffer of {node} on {}",
+                        ctx.device()
+                    )));
+                }
+                seen.push(key);
+            }
+        }
+        let n = contexts.len();
+        let mut merge = Vec::with_capacity(n);
+        let mut scale = Vec::with_capacity(n);
+        for ctx in contexts {
+            let mut m = Vec::with_capacity(nodes.len());
+            let mut s = Vec::new();
+            for node in nodes {
+                m.push(sys.link(ctx, kernels::add_merge(node)?)?.routine().clone());
+                if op == ReduceOp::Mean {
+                    let spec = kernels::scale_in_place(node, 1.0 / n as f64)?;
+                    s.push(sys.link(ctx, spec)?.routine().clone());
+                }
+            }
+            merge.push(m);
+            scale.push(s);
+        }
+        Ok(AllReducePlan {
+            sys: sys.clone(),
+            nodes: nodes.to_vec(),
+            contexts: contexts.to_vec(),
+            merge,
+            scale,
+            steps: collective::plan(n, nodes.len(), strategy, op),
+            transfer,
+        })
+    }
+
+    /// The steps this plan issues.
+    pub fn steps(&self) -> &[collective::Step] {
+        &self.steps
+    }
+
+    /// Issues the all-reduce; returns, once every step is issued, the final events (the
+    /// last write of every chunk in every context). Reads of the nodes wait by themselves.
+    pub fn run(&self) -> Result<Vec<Event>> {
+        block_on(self.run_async())
+    }
+
+    /// Async [`AllReducePlan::run`].
+    pub async fn run_async(&self) -> Result<Vec<Event>> {
+        self.sys
+            .coordinator()
+            .send(AllReduce {
+                steps: self.steps.clone(),
+                nodes: self.nodes.clone(),
+                contexts: self.contexts.clone(),
+                merge: self.merge.clone(),
+                scale: self.scale.clone(),
+                transfer: self.transfer,
+            })
+            .await
+            .map_err(|e| Error::ShutDown(format!("coordinator unreachable: {e}")))?
+    }
+
+    /// Finalizes the routines' contexts (their buffers belong to the parents: nothing is freed).
+    pub fn finalize(self) -> Result<()> {
+        for r in self.merge.iter().chain(&self.scale).flatten() {
+            self.sys.finalize(r.context())?;
+        }
+        Ok(())
+    }
+}
+
+impl System {
+    /// All-reduces `nodes` over `contexts` once (see [`AllReducePlan`]); returns the final
+    /// events. Prefer a reusable plan in a training loop.
+    pub fn all_reduce(
+        &self,
+        nodes: &[TensorNode],
+        contexts: &[Context],
+        op: ReduceOp,
+        strategy: Strategy,
+    ) -> Result<Vec<Event>> {
+        let plan = AllReducePlan::new(self, nodes, contexts, op, strategy, Transfer::Auto)?;
+        let events = plan.run()?;
+        plan.finalize()?;
+        Ok(events)
+    }
+}
+
+/// Gradients packed into buckets, all-reduced per bucket, and unpacked.
+pub struct BucketedAllReduce {
+    sys: System,
+    pack: Vec<Vec<Routine>>,
+    unpack: Vec<Vec<Routine>>,
+    reduce: AllReducePlan,
+    /// `contexts()[i]`: a descendant of the i-th given context that holds the buckets.
+    contexts: Vec<Context>,
+    buckets: Vec<TensorNode>,
+}
+
+impl BucketedAllReduce {
+    /// Plans a bucketed all-reduce of `grads` (same dtype) over `contexts`, with buckets of
+    /// at most `bucket_bytes` bytes (a larger gradient gets a bucket of its own).
+    pub fn new(
+        sys: &System,
+        grads: &[TensorNode],
+        contexts: &[Context],
+        op: ReduceOp,
+        strategy: Strategy,
+        bucket_bytes: u64,
+    ) -> Result<BucketedAllReduce> {
+        let dtype: DType =
+            grads
+                .first()
+                .map(|g| g.dtype())
+                .ok_or_else(|| Error::InvalidRoutine {
+                    routine: "bucketed_all_reduce".into(),
+                    reason: "no gradients".into(),
+                })?;
+        let mut sizes = Vec::with_capacity(grads.len());
+        for g in grads {
+            g.check_data(dtype, g.numel())?;
+            sizes.push(g.size_in_bytes()?);
+        }
+        let groups = collective::buckets(&sizes, bucket_bytes);
+        let buckets: Vec<TensorNode> = groups
+            .iter()
+            .enumerate()
+            .map(|(b, group)| {
+                let elems: usize = group.iter().map(|&i| grads[i].numel()).sum();
+                TensorNode::new(format!("bucket{b}"), dtype, [elems])
+                    .with_mode(MemoryMode::on_device())
+            })
+            .collect::<Result<_>>()?;
+        let mut pack = Vec::new();
+        let mut unpack = Vec::new();
+        let mut holders = Vec::new();
+        for ctx in contexts {
+            let mut ctx = ctx.clone();
+            let (mut p, mut u) = (Vec::new(), Vec::new());
+            for (bucket, group) in buckets.iter().zip(&groups) {
+                let mut offset = 0;
+                for &i in group {
+                    let g = &grads[i];
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
+                    ctx = r.routine().context().clone();
+                    p.push(r.routine().clone());
+                    offset += g.numel();
+                }
+            }
+            for (bucket, group) in buckets.iter().zip(&groups) {
+                let mut offset = 0;
+                for &i in group {
+                    let g = &grads[i];
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
+                    u.push(r.routine().clone());
+                    offset += g.numel();
+                }
+            }
+            pack.push(p);
+            unpack.push(u);
+            holders.push(ctx);
+        }
+        let reduce = AllReducePlan::new(sys, &buckets, &holders, op, strategy, Transfer::Auto)?;
+        Ok(BucketedAllReduce {
+            sys: sys.clone(),
+            pack,
+            unpack,
+            reduce,
+            contexts: holders,
+            buckets,
+        })
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// The contexts holding the buckets (descendants of the given ones).
+    pub fn contexts(&self) -> &[Context] {
+        &self.contexts
+    }
+
+    /// Packs, all-reduces and unpacks; returns once everything is issued.
+    pub fn run(&self) -> Result<()> {
+        for p in self.pack.iter().flatten() {
+            self.sys.schedule(p)?;
+        }
+        self.reduce.run()?;
+        for u in self.unpack.iter().flatten() {
+            self.sys.schedule(u)?;
+        }
+        Ok(())
+    }
+
+    /// Finalizes every context the plan linked (innermost first).
+    pub fn finalize(self) -> Result<()> {
+        for u in self.unpack.iter().flatten() {
+            self.sys.finalize(u.context())?;
+        }
+        self.reduce.finalize()?;
+        for p in self.pack.iter().rev() {
+            for r in p.iter().rev() {
+                self.sys.finalize(r.context())?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1018 @@
+//! The host-side handle: spawn the actor system from plain synchronous code and drive it.
+//!
+//! [`System::builder`] (or a [`SystemConfig`] read from TOML or JSON) says how many CPU
+//! devices and streams to create; [`SystemBuilder::spawn`] starts an actix system on its
+//! own thread, one arbiter per device (the device actor and its stream actors share it),
+//! and the coordinator. The caller needs no async runtime: blocking methods wait on their
+//! replies, and `*_async` methods return futures for callers that have one.
+//!
+//! Program order: each call sends its messages from the calling thread, in order, to the
+//! device actors it affects; calls that touch several devices (device-to-device, host
+//! reads and writes) wait for the replies they need before returning, so no later call can
+//! overtake them (DESIGN.md §4).
+
+use std::{
+    path::Path,
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use actix::{Actor, Addr, Arbiter, MailboxError};
+use serde::{Deserialize, Serialize};
+use tributary::trace::Recorder;
+use tributary::{
+    backend::{cpu::CpuBackend, Backend},
+    kernels::RoutineSpec,
+    memory::{AlignedBuffer, PoolConfig, PoolStats},
+    protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
+    DType, DeviceId, Element, Error, HostedKind, MemoryMode, MergeBufferUse, Result, Shape,
+    StreamId, TensorNode, Timeline,
+};
+
+use crate::{
+    coordinator::Coordinator,
+    device::DeviceActor,
+    messages::*,
+    stream::StreamActor,
+    ticket::{block_on, Ticket, TicketSender},
+};
+
+/// How many streams each device gets (OCANNL's `config`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamConfig {
+    /// One stream per device: parallelism only across devices.
+    OnlyDevicesParallel,
+    /// One compute stream plus one for copies.
+    ForParallelCopying,
+    /// This many streams per device.
+    MostParallelStreams(usize),
+}
+
+impl StreamConfig {
+    /// Streams per device on the CPU backend.
+    pub fn streams_per_device(self) -> usize {
+        match self {
+            StreamConfig::OnlyDevicesParallel => 1,
+            StreamConfig::ForParallelCopying => 2,
+            StreamConfig::MostParallelStreams(n) => n.max(1),
+        }
+    }
+}
+
+/// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SystemConfig {
+    /// Number of virtual CPU devices.
+    pub cpu_devices: usize,
+    /// Streams per device.
+    pub streams: StreamConfig,
+    /// Pool configuration of every device.
+    pub pools: PoolConfig,
+    /// Capacity of each device actor's mailbox (back-pressure beyond it).
+    pub mailbox_capacity: usize,
+    /// How long `shutdown` lets in-flight work finish, in milliseconds.
+    pub shutdown_timeout_ms: u64,
+    /// Record a timeline of every operation and wait (see [`System::timeline`]).
+    pub record_timeline: bool,
+}
+
+impl Default for SystemConfig {
+    fn default() -> Self {
+        SystemConfig {
+            cpu_devices: 2,
+            streams: StreamConfig::MostParallelStreams(2),
+            pools: PoolConfig::default(),
+            mailbox_capacity: 4096,
+            shutdown_timeout_ms: 10_000,
+            record_timeline: false,
+        }
+    }
+}
+
+impl SystemConfig {
+    /// Parses a TOML document.
+    pub fn from_toml_str(text: &str) -> Result<SystemConfig> {
+        toml::from_str(text).map_err(|e| Error::Unknown {
+            what: format!("configuration (TOML): {e}"),
+        })
+    }
+
+    /// Parses a JSON document.
+    pub fn from_json_str(text: &str) -> Result<SystemConfig> {
+        serde_json::from_str(text).map_err(|e| Error::Unknown {
+            what: format!("configuration (JSON): {e}"),
+        })
+    }
+
+    /// Reads a `.toml` or `.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<SystemConfig> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Unknown {
+            what: format!("configuration file {}: {e}", path.display()),
+        })?;
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => Self::from_json_str(&text),
+            _ => Self::from_toml_str(&text),
+        }
+    }
+}
+
+/// Builds a [`System`].
+#[derive(Clone, Debug, Default)]
+pub struct SystemBuilder {
+    config: SystemConfig,
+}
+
+impl SystemBuilder {
+    /// Number of CPU devices.
+    pub fn cpu_devices(mut self, n: usize) -> Self {
+        self.config.cpu_devices = n;
+        self
+    }
+
+    /// Streams per device.
+    pub fn streams(mut self, streams: StreamConfig) -> Self {
+        self.config.streams = streams;
+        self
+    }
+
+    /// Pool configuration.
+    pub fn pools(mut self, pools: PoolConfig) -> Self {
+        self.config.pools = pools;
+        self
+    }
+
+    /// Mailbox capacity of each device actor.
+    pub fn mailbox_capacity(mut self, n: usize) -> Self {
+        self.config.mailbox_capacity = n.max(1);
+        self
+    }
+
+    /// Records a timeline of every operation and wait, for [`System::timeline`].
+    pub fn record_timeline(mut self, on: bool) -> Self {
+        self.config.record_timeline = on;
+        self
+    }
+
+    /// The whole configuration.
+    pub fn config(mut self, config: SystemConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Starts the actor system on its own threads.
+    pub fn spawn(self) -> Result<System> {
+        System::spawn(self.config)
+    }
+}
+
+struct Shared {
+    devices: Vec<Addr<DeviceActor>>,
+    device_ids: Vec<DeviceId>,
+    streams: Vec<usize>,
+    coordinator: Addr<Coordinator>,
+    host: Arc<Mutex<HostTable>>,
+    actix: actix::System,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    arbiters: Mutex<Vec<Arbiter>>,
+    shut_down: std::sync::atomic::AtomicBool,
+    config: SystemConfig,
+    recorder: Option<Arc<Recorder>>,
+}
+
+/// The host application's handle on a running device system. Cheap to clone.
+#[derive(Clone)]
+pub struct System {
+    shared: Arc<Shared>,
+}
+
+fn mailbox(e: MailboxError) -> Error {
+    Error::ShutDown(format!("actor unreachable: {e}"))
+}
+
+/// What `shutdown` had to give up on.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ShutdownReport {
+    /// Operations that had not completed by the deadline, per stream.
+    pub abandoned: Vec<Abandoned>,
+    /// How long the shutdown took.
+    pub took: Duration,
+}
+
+/// Memory of every device: a serde value with a short human table as `Display`.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryReport {
+    /// Per device.
+    pub devices: Vec<PoolStats>,
+}
+
+impl std::fmt::Display for MemoryReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{:<6} {:>12} {:>12} {:>12} {:>6} {:>7}",
+            "device", "live", "reserved", "peak", "pools", "frag"
+        )?;
+        for d in &self.devices {
+            writeln!(
+                f,
+                "{:<6} {:>12} {:>12} {:>12} {:>6} {:>6.1}%",
+                d.device.to_string(),
+                d.live_bytes,
+                d.reserved_bytes,
+                d.peak_live_bytes,
+                d.pools,
+                d.fragmentation * 100.0
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl System {
+    /// A builder with the default configuration (2 CPU devices x 2 streams).
+    pub fn builder() -> SystemBuilder {
+        SystemBuilder::default()
+    }
+
+    /// Spawns a system from a configuration.
+    pub fn from_config(config: SystemConfig) -> Result<System> {
+        System::spawn(config)
+    }
+
+    fn spawn(config: SystemConfig) -> Result<System> {
+        if config.cpu_devices == 0 {
+            return Err(Error::Unknown {
+                what: "configuration with zero devices".into(),
+            });
+        }
+        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
+        let mut cpu = CpuBackend::new(DeviceId(0), config.cpu_devices);
+        if let Some(r) = &recorder {
+            cpu = cpu.with_recorder(r.clone());
+        }
+        let backend: Arc<dyn Backend> = Arc::new(cpu);
+        let streams = config.streams.streams_per_device();
+        let host = Arc::new(Mutex::new(HostTable::default()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cfg = config.clone();
+        let host2 = host.clone();
+        let thread = std::thread::Builder::new()
+            .name("tributary-actix".into())
+            .spawn(move || {
+                let sys = actix::System::new();
+                let started = sys.block_on(async move { start_actors(cfg, backend, host2) });
+                let ok = started.is_ok();
+                let _ =
+                    tx.send(started.map(|(d, ids, c, a)| (d, ids, c, a, actix::System::current())));
+                if ok {
+                    let _ = sys.run();
+                }
+            })
+            .map_err(|e| Error::Unknown {
+                what: format!("cannot spawn the actor thread: {e}"),
+            })?;
+        let (devices, device_ids, coordinator, arbiters, actix) = rx
+            .recv()
+            .map_err(|_| Error::ShutDown("actor thread died during start-up".into()))??;
+        Ok(System {
+            shared: Arc::new(Shared {
+                streams: vec![streams; devices.len()],
+                devices,
+                device_ids,
+                coordinator,
+                host,
+                actix,
+                thread: Mutex::new(Some(thread)),
+                arbiters: Mutex::new(arbiters),
+                shut_down: std::sync::atomic::AtomicBool::new(false),
+                config,
+                recorder,
+            }),
+        })
+    }
+
+    /// The timeline recorder, when the system records one
+    /// ([`SystemBuilder::record_timeline`]); export it with `write_chrome_trace`.
+    pub fn timeline(&self) -> Option<Arc<Recorder>> {
+        self.shared.recorder.clone()
+    }
+
+    /// The configuration the system runs with.
+    pub fn config(&self) -> &SystemConfig {
+        &self.shared.config
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.shared.devices.len()
+    }
+
+    /// A handle on device `i`.
+    pub fn device(&self, i: usize) -> DeviceHandle {
+        DeviceHandle {
+            sys: self.clone(),
+            index: i,
+        }
+    }
+
+    /// The device actor of device `i`, for hosts that send messages directly.
+    pub fn device_actor(&self, i: usize) -> Option<Addr<DeviceActor>> {
+        self.shared.devices.get(i).cloned()
+    }
+
+    /// The coordinator actor.
+    pub fn coordinator(&self) -> Addr<Coordinator> {
+        self.shared.coordinator.clone()
+    }
+
+    /// Creates a tensor node (memory mode `Unset`; refine it with [`TensorNode::with_mode`]).
+    pub fn node(&self, label: &str, dtype: DType, shape: impl Into<Shape>) -> TensorNode {
+        TensorNode::new(label, dtype, shape)
+    }
+
+    fn check_live(&self) -> Result<()> {
+        if self
+            .shared
+            .shut_down
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(Error::ShutDown("the system was shut down".into()));
+        }
+        Ok(())
+    }
+
+    fn device_addr(&self, device: DeviceId) -> Result<&Addr<DeviceActor>> {
+        self.shared
+            .device_ids
+            .iter()
+            .position(|&d| d == device)
+            .and_then(|i| self.shared.devices.get(i))
+            .ok_or_else(|| Error::Unknown {
+                what: format!("device {device}"),
+            })
+    }
+
+    async fn request<A, M>(&self, addr: &Addr<A>, msg: M) -> Result<M::Result>
+    where
+        A: Actor + actix::Handler<M>,
+        A::Context: actix::dev::ToEnvelope<A, M>,
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+    {
+        self.check_live()?;
+        addr.send(msg).await.map_err(mailbox)
+    }
+
+    /// Sends a message that has no reply, applying back-pressure when the mailbox is full.
+    fn post<M>(&self, addr: &Addr<DeviceActor>, mut msg: M) -> Result<()>
+    where
+        DeviceActor: actix::Handler<M>,
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+    {
+        self.check_live()?;
+        let mut spins = 0u32;
+        loop {
+            match addr.try_send(msg) {
+                Ok(()) => return Ok(()),
+                Err(actix::dev::SendError::Full(m)) => {
+                    msg = m;
+                    spins += 1;
+                    if spins < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                Err(actix::dev::SendError::Closed(_)) => {
+                    return Err(Error::ShutDown("device actor stopped".into()))
+                }
+            }
+        }
+    }
+
+    // ----- contexts, linking, scheduling --------------------------------------------
+
+    /// A root context on `stream` of device `device`.
+    pub fn context(&self, device: usize, stream: usize) -> Result<ContextHandle> {
+        block_on(self.context_async(device, stream))
+    }
+
+    /// Async [`System::context`].
+    pub async fn context_async(&self, device: usize, stream: usize) -> Result<ContextHandle> {
+        let addr = self
+            .shared
+            .devices
+            .get(device)
+            .ok_or_else(|| Error::Unknown {
+                what: format!("device index {device}"),
+            })?;
+        let ctx = self.request(addr, NewContext { stream }).await??;
+        Ok(ContextHandle {
+            sys: self.clone(),
+            ctx,
+        })
+    }
+
+    /// Links a routine into `ctx`.
+    pub fn link(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
+        block_on(self.link_async(ctx, spec))
+    }
+
+    /// Async [`System::link`].
+    pub async fn link_async(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
+        let addr = self.device_addr(ctx.device())?;
+        let routine = self
+            .request(
+                addr,
+                Link {
+                    ctx: ctx.clone(),
+                    spec,
+                },
+            )
+            .await??;
+        Ok(RoutineHandle {
+            sys: self.clone(),
+            routine,
+        })
+    }
+
+    /// Posts a message carrying a ticket to `ctx`'s device; returns the ticket at once.
+    fn post_ticketed<M>(
+        &self,
+        ctx: &Context,
+        make: impl FnOnce(TicketSender) -> M,
+    ) -> Result<Ticket>
+    where
+        DeviceActor: actix::Handler<M>,
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+    {
+        let addr = self.device_addr(ctx.device())?;
+        let (ticket, sender) = Ticket::new();
+        self.post(addr, make(sender))?;
+        Ok(ticket)
+    }
+
+    /// Schedules a routine. Returns at once, without a round trip to the device actor.
+    pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
+        self.post_ticketed(routine.context(), |ticket| Schedule {
+            routine: routine.clone(),
+            ticket,
+        })
+    }
+
+    /// Uploads the host array of hosted `node` into its buffer in `ctx`.
+    pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
+        self.post_ticketed(ctx, |ticket| FromHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
+    }
+
+    /// Downloads the buffer of hosted `node` in `ctx` into its host array.
+    pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
+        self.post_ticketed(ctx, |ticket| ToHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
+    }
+
+    /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
+    /// child of `ctx` holding a buffer initialised from it.
+    pub fn init_from_host<T: Element>(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        data: &[T],
+    ) -> Result<ContextHandle> {
+        block_on(self.init_from_host_async(ctx, node, data))
+    }
+
+    /// Async [`System::init_from_host`].
+    pub async fn init_from_host_async<T: Element>(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        data: &[T],
+    ) -> Result<ContextHandle> {
+        node.check_data(T::DTYPE, data.len())?;
+        if ctx.contains(node) {
+            return Err(Error::AlreadyInContext {
+                node: node.to_string(),
+                context: ctx.id(),
+            });
+        }
+        if !node.mode().is_hosted() {
+            node.refine_mode(MemoryMode::Hosted(HostedKind::Unset))?;
+        }
+        self.host_write_async(node, data).await?;
+        let addr = self.device_addr(ctx.device())?;
+        let child = self
+            .request(
+                addr,
+                InitFromHost {
+                    ctx: ctx.clone(),
+                    node: node.clone(),
+                },
+            )
+            .await??;
+        Ok(ContextHandle {
+            sys: self.clone(),
+            ctx: child,
+        })
+    }
+
+    /// Moves `node` from `src` to `dst` through the coordinator; `None` when both share
+    /// the buffer. Returns once both devices have recorded the operation.
+    pub fn device_to_device(
+        &self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<tributary::Event>> {
+        block_on(self.device_to_device_async(node, src, dst, mode))
+    }
+
+    /// Async [`System::device_to_device`].
+    pub async fn device_to_device_async(
+        &self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<tributary::Event>> {
+        self.request(
+            &self.shared.coordinator,
+            DeviceToDevice {
+                node: node.clone(),
+                src: src.clone(),
+                dst: dst.clone(),
+                mode,
+            },
+        )
+        .await?
+    }
+
+    // ----- host arrays ----------------------------------------------------------------
+
+    async fn fence_all(&self) -> Result<()> {
+        for addr in &self.shared.devices {
+            self.request(addr, Fence).await?;
+        }
+        Ok(())
+    }
+
+    fn host_table(&self) -> std::sync::MutexGuard<'_, HostTable> {
+        self.shared.host.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the host value of hosted `node` (transferring the newest device value first).
+    pub fn host_read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
+        block_on(self.host_read_async(node))
+    }
+
+    /// Async [`System::host_read`].
+    pub async fn host_read_async<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
+        node.check_data(T::DTYPE, node.numel())?;
+        if !node.mode().is_hosted() {
+            return Err(Error::NotHosted {
+                node: node.to_string(),
+            });
+        }
+        // Every earlier device operation must be in the tables before we look.
+        self.fence_all().await?;
+        let newer = self.host_table().record(node)?.newer_on_device;
+        if let Some(copy) = newer {
+            let addr = self.device_addr(copy.loc.device)?;
+            self.request(
+                addr,
+                TransferToHost {
+                    stream: copy.stream,
+                    node: node.clone(),
+                    loc: copy.loc.loc,
+                },
+            )
+            .await??;
+        }
+        loop {
+            let pending = self.host_table().pending_writes(node)?;
+            if pending.iter().all(|e| e.is_done()) {
+                for e in &pending {
+                    e.wait()?; // reports a failed transfer
+                }
+                // Read under the lock: no new transfer into the array can be planned meanwhile.
+                let bytes = self.host_table().read_bytes(node)?;
+                return tributary::kernels::from_bytes(&bytes).map_err(|e| Error::Unknown {
+                    what: e.to_string(),
+                });
+            }
+            for e in pending {
+                let _ = e.wait_async().await;
+            }
+        }
+    }
+
+    /// Writes the host value of hosted `node`; device copies re-upload before their next use.
+    pub fn host_write<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
+        block_on(self.host_write_async(node, data))
+    }
+
+    /// Async [`System::host_write`].
+    pub async fn host_write_async<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
+        node.check_data(T::DTYPE, data.len())?;
+        if !node.mode().is_hosted() {
+            return Err(Error::NotHosted {
+                node: node.to_string(),
+            });
+        }
+        self.fence_all().await?;
+        let bytes = tributary::kernels::to_bytes(data);
+        loop {
+            let pending = {
+                let mut host = self.host_table();
+                let pending = host.begin_write(node)?;
+                if pending.iter().all(|e| e.is_done()) {
+                    return host.commit_write(node, &bytes);
+                }
+                pending
+            };
+            for e in pending {
+                let _ = e.wait_async().await;
+            }
+        }
+    }
+
+    /// Reads the buffer of `node` in `ctx` (any memory mode), after its last write.
+    pub fn read<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
+        block_on(self.read_async(ctx, node))
+    }
+
+    /// Async [`System::read`].
+    pub async fn read_async<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
+        node.check_data(T::DTYPE, node.numel())?;
+        let bytes = node.size_in_bytes()? as usize;
+        let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
+        let addr = self.device_addr(ctx.device())?;
+        let event = self
+            .request(
+                addr,
+                ReadInto {
+                    ctx: ctx.clone(),
+                    node: node.clone(),
+                    into: into.clone(),
+                },
+            )
+            .await??;
+        event.wait_async().await?;
+        // SAFETY: the copy into `into` completed (awaited above); nothing else refers to it.
+        let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
+        tributary::kernels::from_bytes(data).map_err(|e| Error::Unknown {
+            what: e.to_string(),
+        })
+    }
+
+    /// Finalizes `ctx`: its buffers are freed after their pending uses.
+    pub fn finalize(&self, ctx: &Context) -> Result<()> {
+        let addr = self.device_addr(ctx.device())?;
+        block_on(self.request(addr, Finalize { ctx: ctx.clone() }))?
+    }
+
+    // ----- synchronisation and reports ------------------------------------------------
+
+    /// Waits for all work issued so far on device `i`, then prunes its tables. Returns the
+    /// first failure among that work, if any.
+    pub fn sync_device(&self, i: usize) -> Result<()> {
+        block_on(self.sync_device_async(i))
+    }
+
+    /// Async [`System::sync_device`].
+    pub async fn sync_device_async(&self, i: usize) -> Result<()> {
+        let addr = self.shared.devices.get(i).ok_or_else(|| Error::Unknown {
+            what: format!("device index {i}"),
+        })?;
+        let events = self.request(addr, LastEvents).await?;
+        let mut first = Ok(());
+        for e in events {
+            if let Err(err) = e.wait_async().await {
+                if first.is_ok() {
+                    first = Err(err);
+                }
+            }
+        }
+        self.request(addr, Sweep).await?;
+        first
+    }
+
+    /// Waits for all work issued so far on one stream (`await` of the design).
+    pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
+        block_on(async {
+            let addr = self
+                .shared
+                .devices
+                .get(device)
+                .ok_or_else(|| Error::Unknown {
+                    what: format!("device index {device}"),
+                })?;
+            match self.request(addr, StreamLastEvent { stream }).await?? {
+                Some(e) => e.wait_async().await,
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// Waits for all work of every device.
+    pub fn sync(&self) -> Result<()> {
+        block_on(self.sync_async())
+    }
+
+    /// Async [`System::sync`].
+    pub async fn sync_async(&self) -> Result<()> {
+        let mut first = Ok(());
+        for i in 0..self.device_count() {
+            let r = self.sync_device_async(i).await;
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Whether every operation issued so far has completed.
+    pub fn is_idle(&self) -> Result<bool> {
+        block_on(async {
+            let mut idle = true;
+            for addr in &self.shared.devices {
+                idle &= self.request(addr, IsIdle).await?;
+            }
+            Ok(idle)
+        })
+    }
+
+    /// Memory statistics of every device.
+    pub fn memory_stats(&self) -> Result<Vec<PoolStats>> {
+        block_on(async {
+            let mut out = Vec::new();
+            for addr in &self.shared.devices {
+                out.push(self.request(addr, GetMemoryStats).await?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Memory report (serde, and a short table through `Display`).
+    pub fn memory_report(&self) -> Result<MemoryReport> {
+        Ok(MemoryReport {
+            devices: self.memory_stats()?,
+        })
+    }
+
+    /// Sizes of every device's protocol tables.
+    pub fn table_sizes(&self) -> Result<Vec<TableSizes>> {
+        block_on(async {
+            let mut out = Vec::new();
+            for addr in &self.shared.devices {
+                out.push(self.request(addr, GetTableSizes).await?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Debug information as JSON: every device's tables, pools and streams.
+    pub fn debug_info(&self) -> Result<serde_json::Value> {
+        block_on(async {
+            let mut out = Vec::new();
+            for addr in &self.shared.devices {
+                out.push(self.request(addr, DebugInfo).await?);
+            }
+            Ok(serde_json::json!({ "devices": out }))
+        })
+    }
+
+    /// Stops the system: in-flight work may finish within the configured timeout, what is
+    /// left is abandoned (its waiters fail) and reported. Later calls fail with `ShutDown`.
+    pub fn shutdown(&self) -> Result<ShutdownReport> {
+        self.shutdown_within(Duration::from_millis(
+            self.shared.config.shutdown_timeout_ms,
+        ))
+    }
+
+    /// [`System::shutdown`] with an explicit bound.
+    pub fn shutdown_within(&self, timeout: Duration) -> Result<ShutdownReport> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        if self
+            .shared
+            .shut_down
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Err(Error::ShutDown("the system was already shut down".into()));
+        }
+        let mut report = ShutdownReport::default();
+        block_on(async {
+            for addr in &self.shared.devices {
+                if let Ok(a) = addr.send(StopStreams { deadline }).await {
+                    report.abandoned.extend(a);
+                }
+            }
+        });
+        self.shared.actix.stop();
+        for a in self
+            .shared
+            .arbiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            a.stop();
+        }
+        if let Some(t) = self
+            .shared
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
+        report.took = start.elapsed();
+        Ok(report)
+    }
+}
+
+type Started = (
+    Vec<Addr<DeviceActor>>,
+    Vec<DeviceId>,
+    Addr<Coordinator>,
+    Vec<Arbiter>,
+);
+
+fn start_actors(
+    config: SystemConfig,
+    backend: Arc<dyn Backend>,
+    host: Arc<Mutex<HostTable>>,
+) -> Result<Started> {
+    let streams = config.streams.streams_per_device();
+    let mut devices = Vec::new();
+    let mut ids = Vec::new();
+    let mut arbiters = Vec::new();
+    for device in backend.devices() {
+        let arbiter = Arbiter::new();
+        let mut timelines = Vec::new();
+        let mut stream_addrs = Vec::new();
+        for index in 0..streams as u32 {
+            let stream = StreamId { device, index };
+            let timeline = Timeline::new(stream);
+            let queue = backend.start_stream(stream, timeline.clone())?;
+            let t = timeline.clone();
+            stream_addrs.push(StreamActor::start_in_arbiter(
+                &arbiter.handle(),
+                move |_| StreamActor::new(stream, queue, t),
+            ));
+            timelines.push(timeline);
+        }
+        let state = DeviceState::new(device, timelines, config.pools.clone());
+        let (h, b, cap) = (host.clone(), backend.clone(), config.mailbox_capacity);
+        let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
+            DeviceActor::new(state, h, b, stream_addrs, cap)
+        });
+        devices.push(addr);
+        ids.push(device);
+        arbiters.push(arbiter);
+    }
+    let pairs = ids.iter().copied().zip(devices.iter().cloned()).collect();
+    let b = backend.clone();
+    let coordinator = Coordinator::new(pairs, Arc::new(move |s, d| b.can_stream(s, d))).start();
+    Ok((devices, ids, coordinator, arbiters))
+}
+
+/// A device of a running system.
+#[derive(Clone)]
+pub struct DeviceHandle {
+    sys: System,
+    index: usize,
+}
+
+impl DeviceHandle {
+    /// Stream `i` of this device.
+    pub fn stream(&self, i: usize) -> StreamHandle {
+        StreamHandle {
+            sys: self.sys.clone(),
+            device: self.index,
+            index: i,
+        }
+    }
+
+    /// Number of streams.
+    pub fn stream_count(&self) -> usize {
+        self.sys
+            .shared
+            .streams
+            .get(self.index)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// A stream of a running system.
+#[derive(Clone)]
+pub struct StreamHandle {
+    sys: System,
+    device: usize,
+    index: usize,
+}
+
+impl StreamHandle {
+    /// A new root context on this stream.
+    pub fn context(&self) -> Result<ContextHandle> {
+        self.sys.context(self.device, self.index)
+    }
+}
+
+/// A context of a running system, with the operations that start from it.
+#[derive(Clone)]
+pub struct ContextHandle {
+    sys: System,
+    ctx: Context,
+}
+
+impl ContextHandle {
+    /// The engine context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Links a routine; its context is a child of this one.
+    pub fn link(&self, spec: RoutineSpec) -> Result<RoutineHandle> {
+        self.sys.link(&self.ctx, spec)
+    }
+
+    /// See [`System::init_from_host`].
+    pub fn init_from_host<T: Element>(
+        &self,
+        node: &TensorNode,
+        data: &[T],
+    ) -> Result<ContextHandle> {
+        self.sys.init_from_host(&self.ctx, node, data)
+    }
+
+    /// See [`System::from_host`].
+    pub fn from_host(&self, node: &TensorNode) -> Result<Ticket> {
+        self.sys.from_host(&self.ctx, node)
+    }
+
+    /// See [`System::to_host`].
+    pub fn to_host(&self, node: &TensorNode) -> Result<Ticket> {
+        self.sys.to_host(&self.ctx, node)
+    }
+
+    /// Reads `node`'s buffer in this context.
+    pub fn read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
+        self.sys.read(&self.ctx, node)
+    }
+
+    /// Finalizes this context.
+    pub fn finalize(&self) -> Result<()> {
+        self.sys.finalize(&self.ctx)
+    }
+}
+
+impl std::ops::Deref for ContextHandle {
+    type Target = Context;
+    fn deref(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+/// A linked routine of a running system.
+#[derive(Clone)]
+pub struct RoutineHandle {
+    sys: System,
+    routine: Routine,
+}
+
+impl RoutineHandle {
+    /// The engine routine (for `MergeBufferUse::StreamingFor`).
+    pub fn routine(&self) -> &Routine {
+        &self.routine
+    }
+
+    /// The routine's context (a child of the one it was linked into).
+    pub fn context(&self) -> ContextHandle {
+        ContextHandle {
+            sys: self.sys.clone(),
+            ctx: self.routine.context().clone(),
+        }
+    }
+
+    /// Schedules the routine; returns at once with a ticket for its event.
+    pub fn schedule(&self) -> Result<Ticket> {
+        self.sys.schedule(&self.routine)
+    }
+}

@@ -1,0 +1,296 @@
+//! Collectives: all-reduce plans built only from the protocol's primitives.
+//!
+//! An all-reduce over `n` contexts is a list of [`Step`]s: *reduce* (`dst += src`, a
+//! device-to-device transfer into the destination's merge buffer, or a `StreamingFor`
+//! read in place, followed by a merge routine), *broadcast* (`dst = src`, a plain
+//! device-to-device copy) and *scale* (the mean). Correctness comes from the protocol: each
+//! step is issued in program order and waits exactly for what it reads and overwrites, so
+//! independent chunks and parameters overlap and no host barrier is needed.
+//!
+//! Strategies (n contexts, data split into chunks):
+//! - [`Strategy::Star`]: everything into context 0, then broadcast from it (2(n-1)
+//!   transfers of the whole data, all through context 0).
+//! - [`Strategy::Tree`]: pairwise levels: with `m` contexts left, the upper half merges
+//!   into the lower half (an odd one sits out), until one holds the sum; then the same
+//!   levels in reverse broadcast it (2(n-1) transfers, ⌈log2 n⌉ levels deep).
+//! - [`Strategy::Ring`]: reduce-scatter then all-gather around the ring, `n-1` steps each;
+//!   in each step every context sends one chunk group to its successor, so every link
+//!   carries `2(n-1)/n` of the data: bandwidth-optimal when the chunk groups are balanced.
+//!
+//! The planner is pure ([`plan`]); executors ([`crate::Engine::all_reduce`] and the actor
+//! coordinator) carry the steps out.
+
+use serde::{Deserialize, Serialize};
+
+/// How the contributions are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// The sum.
+    Sum,
+    /// The mean (the sum scaled by `1/n`).
+    Mean,
+}
+
+/// The communication pattern of an all-reduce (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Strategy {
+    /// Everything into one owner, then broadcast.
+    Star,
+    /// Pairwise levels, then the reverse levels.
+    Tree,
+    /// Reduce-scatter then all-gather around a ring.
+    Ring,
+}
+
+impl Strategy {
+    /// Every strategy.
+    pub const ALL: [Strategy; 3] = [Strategy::Star, Strategy::Tree, Strategy::Ring];
+}
+
+/// How a reduce step moves the source to the destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Transfer {
+    /// Copy into the destination stream's merge buffer, then merge.
+    Copy,
+    /// The merge routine reads the source in place (`StreamingFor`).
+    Streaming,
+    /// `Streaming` where the backend can read the source in place, `Copy` otherwise.
+    Auto,
+}
+
+/// One step of an all-reduce; contexts and chunks are indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Step {
+    /// `chunk` of context `dst` += `chunk` of context `src`.
+    Reduce {
+        /// Chunk index.
+        chunk: usize,
+        /// Sending context.
+        src: usize,
+        /// Receiving (merging) context.
+        dst: usize,
+    },
+    /// `chunk` of context `dst` = `chunk` of context `src`.
+    Broadcast {
+        /// Chunk index.
+        chunk: usize,
+        /// Sending context.
+        src: usize,
+        /// Receiving context.
+        dst: usize,
+    },
+    /// `chunk` of context `ctx` *= 1/n.
+    Scale {
+        /// Chunk index.
+        chunk: usize,
+        /// The context.
+        ctx: usize,
+    },
+}
+
+/// The steps of an all-reduce of `chunks` chunks over `n` contexts, in issue order.
+///
+/// With `n <= 1` there is nothing to exchange (a mean over one context is the identity).
+pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if n <= 1 || chunks == 0 {
+        return steps;
+    }
+    let mean = op == ReduceOp::Mean;
+    match strategy {
+        Strategy::Star => {
+            for chunk in 0..chunks {
+                for src in 1..n {
+                    steps.push(Step::Reduce { chunk, src, dst: 0 });
+                }
+                if mean {
+                    steps.push(Step::Scale { chunk, ctx: 0 });
+                }
+                for dst in 1..n {
+                    steps.push(Step::Broadcast { chunk, src: 0, dst });
+                }
+            }
+        }
+        Strategy::Tree => {
+            let mut levels = Vec::new();
+            let mut m = n;
+            while m > 1 {
+                let h = m.div_ceil(2);
+                levels.push((h, m));
+                m = h;
+            }
+            for chunk in 0..chunks {
+                for &(h, m) in &levels {
+                    for i in 0..m - h {
+                        steps.push(Step::Reduce {
+                            chunk,
+                            src: i + h,
+                            dst: i,
+                        });
+                    }
+                }
+                if mean {
+                    steps.push(Step::Scale { chunk, ctx: 0 });
+                }
+                for &(h, m) in levels.iter().rev() {
+                    for i in 0..m - h {
+                        steps.push(Step::Broadcast {
+                            chunk,
+                            src: i,
+                            dst: i + h,
+                        });
+                    }
+                }
+            }
+        }
+        Strategy::Ring => {
+            // Chunk group g = chunks c with c % n == g.
+            let group = |g: usize| (0..chunks).filter(move |c| c % n == g);
+            for s in 0..n - 1 {
+                for i in 0..n {
+                    let g = (i + n - s % n) % n;
+                    for chunk in group(g) {
+                        steps.push(Step::Reduce {
+                            chunk,
+                            src: i,
+                            dst: (i + 1) % n,
+                        });
+                    }
+                }
+            }
+            // Context i now holds the full sum of group (i + 1) % n.
+            if mean {
+                for i in 0..n {
+                    for chunk in group((i + 1) % n) {
+                        steps.push(Step::Scale { chunk, ctx: i });
+                    }
+                }
+            }
+            for s in 0..n - 1 {
+                for i in 0..n {
+                    let g = (i + 1 + n - s % n) % n;
+                    for chunk in group(g) {
+                        steps.push(Step::Broadcast {
+                            chunk,
+                            src: i,
+                            dst: (i + 1) % n,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    steps
+}
+
+/// Runs `steps` on plain numbers: `values[ctx][chunk]`. The reference the executors are
+/// tested against, and a check of the planner itself.
+pub fn simulate(steps: &[Step], values: &mut [Vec<f64>], n: usize) {
+    for step in steps {
+        match *step {
+            Step::Reduce { chunk, src, dst } => values[dst][chunk] += values[src][chunk],
+            Step::Broadcast { chunk, src, dst } => values[dst][chunk] = values[src][chunk],
+            Step::Scale { chunk, ctx } => values[ctx][chunk] /= n as f64,
+        }
+    }
+}
+
+/// Splits `sizes` (bytes of each gradient, in order) into buckets of at most
+/// `bucket_bytes` each (a gradient larger than a bucket gets a bucket of its own).
+/// Returns, per bucket, the indices of its gradients.
+pub fn buckets(sizes: &[u64], bucket_bytes: u64) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut fill = 0u64;
+    for (i, &s) in sizes.iter().enumerate() {
+        match out.last_mut() {
+            Some(b) if fill + s <= bucket_bytes => {
+                b.push(i);
+                fill += s;
+            }
+            _ => {
+                out.push(vec![i]);
+                fill = s;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) {
+        let steps = plan(n, chunks, strategy, op);
+        let mut values: Vec<Vec<f64>> = (0..n)
+            .map(|i| (0..chunks).map(|c| ((i + 1) * 10 + c) as f64).collect())
+            .collect();
+        let expected: Vec<f64> = (0..chunks)
+            .map(|c| {
+                let s: f64 = (0..n).map(|i| ((i + 1) * 10 + c) as f64).sum();
+                if op == ReduceOp::Mean {
+                    s / n as f64
+                } else {
+                    s
+                }
+            })
+            .collect();
+        simulate(&steps, &mut values, n);
+        for (i, v) in values.iter().enumerate() {
+            assert_eq!(v, &expected, "{strategy:?} n={n} chunks={chunks} ctx {i}");
+        }
+    }
+
+    #[test]
+    fn every_strategy_reduces_into_every_context() {
+        for strategy in Strategy::ALL {
+            for n in 1..=9 {
+                for chunks in [1, 2, 3, n, 2 * n + 1] {
+                    check(n, chunks, strategy, ReduceOp::Sum);
+                    check(n, chunks, strategy, ReduceOp::Mean);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transfer_counts_match_the_algorithms() {
+        for n in 2..=8 {
+            // Star and tree move every chunk 2(n-1) times.
+            assert_eq!(plan(n, 1, Strategy::Star, ReduceOp::Sum).len(), 2 * (n - 1));
+            assert_eq!(plan(n, 1, Strategy::Tree, ReduceOp::Sum).len(), 2 * (n - 1));
+            // Ring with n chunks: n-1 steps of n transfers each way, each of one chunk.
+            let ring = plan(n, n, Strategy::Ring, ReduceOp::Sum);
+            assert_eq!(ring.len(), 2 * n * (n - 1));
+            // Every context sends exactly 2(n-1) chunks: the bandwidth-optimal amount.
+            for i in 0..n {
+                let sent = ring
+                    .iter()
+                    .filter(|s| matches!(s, Step::Reduce { src, .. } | Step::Broadcast { src, .. } if *src == i))
+                    .count();
+                assert_eq!(sent, 2 * (n - 1));
+            }
+        }
+    }
+
+    #[test]
+    fn tree_depth_is_logarithmic() {
+        // Reduce steps into context 0 for one chunk: one per level.
+        let steps = plan(8, 1, Strategy::Tree, ReduceOp::Sum);
+        let into0 = steps
+            .iter()
+            .filter(|s| matches!(s, Step::Reduce { dst: 0, .. }))
+            .count();
+        assert_eq!(into0, 3);
+    }
+
+    #[test]
+    fn bucketing() {
+        assert_eq!(
+            buckets(&[4, 4, 4, 10, 1], 8),
+            vec![vec![0, 1], vec![2], vec![3], vec![4]]
+        );
+        assert_eq!(buckets(&[], 8), Vec::<Vec<usize>>::new());
+        assert_eq!(buckets(&[1, 1, 1], 100), vec![vec![0, 1, 2]]);
+    }
+}
