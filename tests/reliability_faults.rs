@@ -545,3 +545,39 @@ fn failed_pool_creation_is_an_error_and_hangs_nothing() {
     ok(&e.schedule(&r).unwrap());
     assert!(all(&e.read::<f32>(r.context(), &y).unwrap(), 5.0));
 }
+
+/// A failed pool creation must not complete earlier work of the stream early: failing the
+/// new plans' events out of order would advance the stream's timeline past work still
+/// running, whose waiters would then read unfinished results.
+#[test]
+fn failed_pool_creation_keeps_the_stream_in_order() {
+    let _w = Watchdog::arm(Duration::from_secs(120), || {
+        "pool creation order test".into()
+    });
+    let rules = FaultRules::default();
+    let mut e = engine(1, 1, &rules, small_pools());
+    let busy = node("busy", MemoryMode::on_device());
+    let big = TensorNode::new("big", DType::F32, [1 << 16]); // a dedicated pool
+    let c = e.context(0, 0).unwrap();
+    let slow = e.link(&c, slow_fill(&busy, 1.0)).unwrap();
+    rules.add(FaultRule::once(
+        Target::work().label("slow_fill"),
+        Fault::Delay(Duration::from_millis(300)),
+    ));
+    let ev_slow = e.schedule(&slow).unwrap();
+    rules.add(FaultRule::once(
+        Target::PoolCreate(None),
+        Fault::Error("no memory".into()),
+    ));
+    let err = e.link(&c, kernels::fill(&big, 2.0).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::Device(_)), "{err}");
+    assert!(
+        !ev_slow.is_done(),
+        "the slow routine is still running but its event completed"
+    );
+    ok(&ev_slow);
+    assert!(all(&e.read::<f32>(slow.context(), &busy).unwrap(), 1.0));
+    if let Err(err @ Error::Timeout { .. }) = e.sync_all_timeout(BOUND) {
+        panic!("sync hit its bound: {err}");
+    }
+}

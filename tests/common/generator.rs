@@ -23,6 +23,8 @@ pub struct Profile {
     pub max_nodes: usize,
     /// Abstract operations: 1 to this (the program adds roots, a checkpoint, a teardown).
     pub max_ops: usize,
+    /// Whether nodes may be hosted (otherwise every node is on-device only).
+    pub hosted: bool,
 }
 
 /// A generated program before resolution.
@@ -80,7 +82,15 @@ pub enum Abs {
     Sync,
 }
 
-fn arb_mode() -> impl Strategy<Value = Mode> {
+fn arb_mode(hosted: bool) -> BoxedStrategy<Mode> {
+    if !hosted {
+        return prop_oneof![
+            Just(Mode::OnDevice(Share::Unset)),
+            Just(Mode::OnDevice(Share::PerStream)),
+            Just(Mode::OnDevice(Share::Shared)),
+        ]
+        .boxed();
+    }
     prop_oneof![
         Just(Mode::OnDevice(Share::Unset)),
         Just(Mode::OnDevice(Share::PerStream)),
@@ -91,14 +101,15 @@ fn arb_mode() -> impl Strategy<Value = Mode> {
         Just(Mode::Constant),
         Just(Mode::Volatile),
     ]
+    .boxed()
 }
 
-fn arb_node() -> impl Strategy<Value = NodeDecl> {
+fn arb_node(hosted: bool) -> impl Strategy<Value = NodeDecl> {
     (
         prop_oneof![3 => Just(Dt::F32), 1 => Just(Dt::I32)],
         prop_oneof![3 => Just(4usize), 4 => Just(64), 2 => Just(1000), 1 => Just(1)],
         any::<bool>(),
-        arb_mode(),
+        arb_mode(hosted),
     )
         .prop_map(|(dtype, numel, two_d, mode)| NodeDecl {
             dtype,
@@ -146,7 +157,7 @@ pub fn arb_program(profile: Profile) -> impl Strategy<Value = AbsProgram> {
     (
         1..=profile.max_devices,
         1..=profile.max_streams,
-        prop::collection::vec(arb_node(), 1..=profile.max_nodes),
+        prop::collection::vec(arb_node(profile.hosted), 1..=profile.max_nodes),
         prop_oneof![Just(1u64 << 20), Just(1 << 16), Just(1 << 12)],
         prop::collection::vec(arb_abs(), 1..=profile.max_ops),
     )

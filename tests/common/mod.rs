@@ -8,6 +8,7 @@ pub mod engine_runner;
 pub mod generator;
 pub mod program;
 pub mod reference;
+pub mod system_runner;
 pub mod watchdog;
 
 /// A count from the environment variable `var`, or `default`.
