@@ -8,19 +8,21 @@
 //! work is finalized and synced, memory accounting is back to its baseline.
 
 mod common;
+mod support;
 
 use std::{sync::Arc, time::Duration};
 
 use common::watchdog::Watchdog;
+use support::{all, shared, slow_fill};
 use tributary::{
     backend::{
         cpu::CpuBackend,
         fault::{Fault, FaultBackend, FaultRule, FaultRules, Target, WorkKind},
     },
-    kernels::{self, Access, RoutineSpec},
+    kernels,
     memory::{PoolConfig, PoolKind},
     protocol::Context,
-    DType, DeviceId, Engine, Error, Event, Failure, MemoryMode, MergeBufferUse, Sharing, StreamId,
+    DType, DeviceId, Engine, Error, Event, Failure, MemoryMode, MergeBufferUse, StreamId,
     TensorNode,
 };
 
@@ -44,10 +46,6 @@ fn node(label: &str, mode: MemoryMode) -> TensorNode {
     TensorNode::new(label, DType::F32, [N])
         .with_mode(mode)
         .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
 }
 
 fn stream(device: u32, index: u32) -> StreamId {
@@ -83,10 +81,6 @@ fn root<T: std::fmt::Debug>(r: tributary::Result<T>) -> Failure {
     }
 }
 
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
-}
-
 /// Finalizes `ctxs` (children before parents), waits for everything, and checks that
 /// general pools hold exactly `expected_live[d]` bytes on device `d`, with nothing pending.
 fn teardown(e: &mut Engine, ctxs: &[&Context], expected_live: &[u64]) {
@@ -117,24 +111,6 @@ fn teardown_quarantined(e: &mut Engine, ctxs: &[&Context], expected_live: &[u64]
     }
     let (tables, _) = e.table_sizes();
     assert!(tables.iter().all(|t| t.contexts == 0), "{tables:?}");
-}
-
-/// A routine that sleeps, then fills `dst`: keeps its stream busy so that dependents are
-/// queued before the failure happens.
-fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_fill",
-        vec![(dst.clone(), Access::Write)],
-        None,
-        move |args| {
-            std::thread::sleep(Duration::from_millis(30));
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .fill(value);
-            Ok(())
-        },
-    )
-    .expect("spec")
 }
 
 fn aligned(bytes: u64) -> u64 {

@@ -4,7 +4,8 @@ use std::{collections::HashMap, time::Duration};
 
 use tributary::{
     kernels::{self, RoutineSpec},
-    protocol::{Context, Routine},
+    memory::{PoolKind, PoolStats},
+    protocol::{Context, Routine, TableSizes},
     DType, Engine, EngineConfig, Event, EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
 
@@ -23,6 +24,76 @@ pub fn config(setup: &Setup) -> EngineConfig {
             ..Default::default()
         },
     }
+}
+
+/// The setup's nodes, and each node's handle by id.
+pub fn create_nodes(setup: &Setup) -> Result<(Vec<TensorNode>, HashMap<NodeId, usize>), String> {
+    let mut nodes = Vec::new();
+    let mut index = HashMap::new();
+    for (i, d) in setup.nodes.iter().enumerate() {
+        let dtype = match d.dtype {
+            Dt::F32 => DType::F32,
+            Dt::I32 => DType::I32,
+        };
+        let node = TensorNode::new(format!("n{i}"), dtype, d.dims.clone())
+            .with_mode(d.mode.memory_mode())
+            .map_err(err)?;
+        index.insert(node.id(), i);
+        nodes.push(node);
+    }
+    Ok((nodes, index))
+}
+
+/// The built-in spec of `kernel` over `nodes`.
+pub fn kernel_spec(nodes: &[TensorNode], kernel: &Kernel) -> tributary::Result<RoutineSpec> {
+    let n = |x: N| &nodes[x.0];
+    match *kernel {
+        Kernel::Fill { dst, value } => kernels::fill(n(dst), value),
+        Kernel::Copy { dst, src } => kernels::copy(n(dst), n(src)),
+        Kernel::AddInto { dst, src } => kernels::add_into(n(dst), n(src)),
+        Kernel::AddMerge { dst } => kernels::add_merge(n(dst)),
+        Kernel::Scale { dst, src, alpha } => kernels::scale(n(dst), n(src), alpha),
+        Kernel::Axpy { y, x, alpha } => kernels::axpy(n(y), n(x), alpha),
+        Kernel::Matmul { c, a, b } => kernels::matmul(n(c), n(a), n(b)),
+        Kernel::SumRows { dst, src } => kernels::sum_rows(n(dst), n(src)),
+    }
+}
+
+/// Per device, what a teardown observes: general allocations and their bytes, contexts.
+pub fn device_memory(stats: &[PoolStats], tables: &[TableSizes]) -> Vec<DeviceMemory> {
+    stats
+        .iter()
+        .zip(tables)
+        .map(|(m, t)| DeviceMemory {
+            allocations: m.allocations,
+            live_bytes: m
+                .per_pool
+                .iter()
+                .filter(|p| p.kind == PoolKind::General)
+                .map(|p| p.live_bytes)
+                .sum(),
+            contexts: t.contexts,
+        })
+        .collect()
+}
+
+/// Table and memory sizes summed over devices (`host_events`: events held by host arrays).
+pub fn probe_of(stats: &[PoolStats], tables: &[TableSizes], host_events: usize) -> Probe {
+    let mut p = Probe {
+        events: host_events,
+        ..Probe::default()
+    };
+    for t in tables {
+        p.events += t.events;
+        p.buffers += t.buffers;
+        p.contexts += t.contexts;
+    }
+    for m in stats {
+        p.live_bytes += m.live_bytes;
+        p.reserved_bytes += m.reserved_bytes;
+        p.pending_bytes += m.pending_free_bytes;
+    }
+    p
 }
 
 type MakeEngine = Box<dyn FnMut(&Setup) -> tributary::Result<Engine>>;
@@ -81,19 +152,7 @@ fn err(e: tributary::Error) -> String {
 impl EngineExecutor {
     /// Creates the setup's nodes for `engine`.
     pub fn new(engine: Engine, setup: &Setup) -> Result<EngineExecutor, String> {
-        let mut nodes = Vec::new();
-        let mut index = HashMap::new();
-        for (i, d) in setup.nodes.iter().enumerate() {
-            let dtype = match d.dtype {
-                Dt::F32 => DType::F32,
-                Dt::I32 => DType::I32,
-            };
-            let node = TensorNode::new(format!("n{i}"), dtype, d.dims.clone())
-                .with_mode(d.mode.memory_mode())
-                .map_err(err)?;
-            index.insert(node.id(), i);
-            nodes.push(node);
-        }
+        let (nodes, index) = create_nodes(setup)?;
         Ok(EngineExecutor {
             engine,
             setup: setup.clone(),
@@ -121,20 +180,6 @@ impl EngineExecutor {
         self.routines
             .get(r.0)
             .ok_or_else(|| format!("Unknown: no routine r{}", r.0))
-    }
-
-    fn spec(&self, k: &Kernel) -> tributary::Result<RoutineSpec> {
-        let n = |x: N| &self.nodes[x.0];
-        match *k {
-            Kernel::Fill { dst, value } => kernels::fill(n(dst), value),
-            Kernel::Copy { dst, src } => kernels::copy(n(dst), n(src)),
-            Kernel::AddInto { dst, src } => kernels::add_into(n(dst), n(src)),
-            Kernel::AddMerge { dst } => kernels::add_merge(n(dst)),
-            Kernel::Scale { dst, src, alpha } => kernels::scale(n(dst), n(src), alpha),
-            Kernel::Axpy { y, x, alpha } => kernels::axpy(n(y), n(x), alpha),
-            Kernel::Matmul { c, a, b } => kernels::matmul(n(c), n(a), n(b)),
-            Kernel::SumRows { dst, src } => kernels::sum_rows(n(dst), n(src)),
-        }
     }
 
     fn read(&mut self, c: C, n: N) -> Result<Values, String> {
@@ -207,23 +252,10 @@ impl EngineExecutor {
         }
         self.sync()?;
         let (tables, _) = self.engine.table_sizes();
-        Ok(Obs::Memory(
-            self.engine
-                .memory_stats()
-                .iter()
-                .zip(tables)
-                .map(|(m, t)| DeviceMemory {
-                    allocations: m.allocations,
-                    live_bytes: m
-                        .per_pool
-                        .iter()
-                        .filter(|p| p.kind == tributary::memory::PoolKind::General)
-                        .map(|p| p.live_bytes)
-                        .sum(),
-                    contexts: t.contexts,
-                })
-                .collect(),
-        ))
+        Ok(Obs::Memory(device_memory(
+            &self.engine.memory_stats(),
+            &tables,
+        )))
     }
 }
 
@@ -236,7 +268,7 @@ impl Executor for EngineExecutor {
                 Ok(Obs::Done)
             }
             Op::Link { ctx, kernel } => {
-                let spec = self.spec(kernel).map_err(err)?;
+                let spec = kernel_spec(&self.nodes, kernel).map_err(err)?;
                 let ctx = self.context(*ctx)?.clone();
                 let routine = self.engine.link(&ctx, spec).map_err(err)?;
                 self.ctxs.push(routine.context().clone());
@@ -327,20 +359,6 @@ impl Executor for EngineExecutor {
 
     fn probe(&self) -> Option<Probe> {
         let (tables, host_events) = self.engine.table_sizes();
-        let mut p = Probe {
-            events: host_events,
-            ..Probe::default()
-        };
-        for t in tables {
-            p.events += t.events;
-            p.buffers += t.buffers;
-            p.contexts += t.contexts;
-        }
-        for m in self.engine.memory_stats() {
-            p.live_bytes += m.live_bytes;
-            p.reserved_bytes += m.reserved_bytes;
-            p.pending_bytes += m.pending_free_bytes;
-        }
-        Some(p)
+        Some(probe_of(&self.engine.memory_stats(), &tables, host_events))
     }
 }

@@ -3,13 +3,15 @@
 use std::collections::HashMap;
 
 use tributary::{
-    kernels::{self, RoutineSpec},
     protocol::{Context, Routine},
-    DType, EventStatus, MergeBufferUse, NodeId, TensorNode,
+    EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
 use tributary_actors::{StreamConfig, System, SystemConfig, Ticket};
 
-use super::{engine_runner::config, program::*};
+use super::{
+    engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
+    program::*,
+};
 
 /// Runs programs on fresh actor systems (CPU devices).
 pub struct SystemRunner;
@@ -49,20 +51,7 @@ fn err(e: tributary::Error) -> String {
 
 impl SystemExecutor {
     fn new(sys: System, setup: &Setup) -> Result<SystemExecutor, String> {
-        let mut nodes = Vec::new();
-        let mut index = HashMap::new();
-        for (i, d) in setup.nodes.iter().enumerate() {
-            let dtype = match d.dtype {
-                Dt::F32 => DType::F32,
-                Dt::I32 => DType::I32,
-            };
-            let node = sys
-                .node(&format!("n{i}"), dtype, d.dims.clone())
-                .with_mode(d.mode.memory_mode())
-                .map_err(err)?;
-            index.insert(node.id(), i);
-            nodes.push(node);
-        }
+        let (nodes, index) = create_nodes(setup)?;
         Ok(SystemExecutor {
             sys,
             setup: setup.clone(),
@@ -87,20 +76,6 @@ impl SystemExecutor {
             .get(r.0)
             .cloned()
             .ok_or_else(|| format!("Unknown: no routine r{}", r.0))
-    }
-
-    fn spec(&self, k: &Kernel) -> tributary::Result<RoutineSpec> {
-        let n = |x: N| &self.nodes[x.0];
-        match *k {
-            Kernel::Fill { dst, value } => kernels::fill(n(dst), value),
-            Kernel::Copy { dst, src } => kernels::copy(n(dst), n(src)),
-            Kernel::AddInto { dst, src } => kernels::add_into(n(dst), n(src)),
-            Kernel::AddMerge { dst } => kernels::add_merge(n(dst)),
-            Kernel::Scale { dst, src, alpha } => kernels::scale(n(dst), n(src), alpha),
-            Kernel::Axpy { y, x, alpha } => kernels::axpy(n(y), n(x), alpha),
-            Kernel::Matmul { c, a, b } => kernels::matmul(n(c), n(a), n(b)),
-            Kernel::SumRows { dst, src } => kernels::sum_rows(n(dst), n(src)),
-        }
     }
 
     fn read(&self, c: C, n: N) -> Result<Values, String> {
@@ -172,22 +147,7 @@ impl SystemExecutor {
         self.sync()?;
         let tables = self.sys.table_sizes().map_err(err)?;
         let memory = self.sys.memory_stats().map_err(err)?;
-        Ok(Obs::Memory(
-            memory
-                .iter()
-                .zip(tables)
-                .map(|(m, t)| DeviceMemory {
-                    allocations: m.allocations,
-                    live_bytes: m
-                        .per_pool
-                        .iter()
-                        .filter(|p| p.kind == tributary::memory::PoolKind::General)
-                        .map(|p| p.live_bytes)
-                        .sum(),
-                    contexts: t.contexts,
-                })
-                .collect(),
-        ))
+        Ok(Obs::Memory(device_memory(&memory, &tables)))
     }
 }
 
@@ -200,7 +160,7 @@ impl Executor for SystemExecutor {
                 Ok(Obs::Done)
             }
             Op::Link { ctx, kernel } => {
-                let spec = self.spec(kernel).map_err(err)?;
+                let spec = kernel_spec(&self.nodes, kernel).map_err(err)?;
                 let r = self.sys.link(&self.context(*ctx)?, spec).map_err(err)?;
                 self.ctxs.push((r.routine().context().clone(), true));
                 self.routines.push(r.routine().clone());
@@ -287,18 +247,8 @@ impl Executor for SystemExecutor {
     fn probe(&self) -> Option<Probe> {
         let tables = self.sys.table_sizes().ok()?;
         let memory = self.sys.memory_stats().ok()?;
-        let mut p = Probe::default();
-        for t in tables {
-            p.events += t.events;
-            p.buffers += t.buffers;
-            p.contexts += t.contexts;
-        }
-        for m in memory {
-            p.live_bytes += m.live_bytes;
-            p.reserved_bytes += m.reserved_bytes;
-            p.pending_bytes += m.pending_free_bytes;
-        }
-        Some(p)
+        // The system does not report the events held by host arrays.
+        Some(probe_of(&memory, &tables, 0))
     }
 }
 
