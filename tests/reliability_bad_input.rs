@@ -468,6 +468,19 @@ fn cases() -> Vec<Case> {
                 w.e.link(&w.r00, kernels::fill(&big, 1.0)?).map(drop)
             },
         ),
+        // Another engine's contexts and routines (their ids mean other buffers here).
+        case("a context of another engine", "Unknown", |w| {
+            let mut other = Engine::cpu(EngineConfig::default())?;
+            let c = other.context(0, 0)?;
+            let r = other.link(&c, kernels::fill(&w.g, 1.0)?)?;
+            w.e.read::<f32>(r.context(), &w.g).map(drop)
+        }),
+        case("a routine of another engine", "Unknown", |w| {
+            let mut other = Engine::cpu(EngineConfig::default())?;
+            let c = other.context(0, 0)?;
+            let r = other.link(&c, kernels::fill(&w.s, 1.0)?)?;
+            w.e.schedule(&r).map(drop)
+        }),
         // Unknown devices and streams, malformed routines.
         case("an unknown device", "Unknown", |w| {
             w.e.context(7, 0).map(drop)
