@@ -3,21 +3,22 @@
 //! Memory is one [`AlignedBuffer`] per pool, kept in a per-device map behind a mutex and
 //! handed to work as `Arc`s when a plan is submitted (bindings are resolved at schedule
 //! time; an in-flight job keeps its pools alive even if the pool is released meanwhile).
-//! Each stream is a dedicated thread fed by an unbounded crossbeam channel, so `submit`
-//! never blocks. A worker waits for cross-stream dependencies by blocking on their
+//! Each stream is a dedicated thread fed by an unbounded channel, so `submit` never blocks. A worker waits for cross-stream dependencies by blocking on their
 //! timelines: it is a dedicated thread, so this blocks nobody else, and waits only refer to
 //! earlier events, so it cannot deadlock. Kernels run under `catch_unwind`: a panicking
 //! kernel fails its event and the worker keeps serving (rule 6). All CPU devices share the
 //! host's memory, so any device can stream any other device's buffer in place.
+//!
+//! The queue, its lock and the worker thread come from [`crate::sync`] (crossbeam and std
+//! threads normally, loom under `tributary_loom`), so the submission / shutdown hand-off
+//! is model-checked on this very code (`loom_tests/queue.rs`). Memory (pools and host
+//! arrays) is plain data shared through `std::sync::Arc`.
 
 use std::{
     collections::HashMap,
     panic::{catch_unwind, AssertUnwindSafe},
-    sync::Mutex,
-    thread::JoinHandle,
+    sync::Arc,
 };
-
-use crossbeam_channel::{Receiver, Sender};
 
 use crate::{
     backend::{Backend, StreamQueue},
@@ -27,7 +28,11 @@ use crate::{
     kernels::{run_cpu, ArgView, KernelArgs},
     memory::AlignedBuffer,
     protocol::{await_deps, ArgBinding, GlobalLoc, Plan, Work},
-    sync::Arc,
+    sync::{
+        channel::{self, Receiver, Sender},
+        thread::{self, JoinHandle},
+        Arc as SyncArc, Mutex,
+    },
 };
 
 type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>>;
@@ -48,7 +53,7 @@ impl Shared {
         let pools = self
             .pools_of(g.device)
             .ok_or_else(|| format!("unknown device {}", g.device))?;
-        let map = pools.lock().unwrap_or_else(|p| p.into_inner());
+        let map = pools.lock();
         let buf = map
             .get(&g.loc.pool)
             .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?
@@ -211,30 +216,24 @@ impl Backend for CpuBackend {
         let len =
             usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
         let buf = AlignedBuffer::new(len, align.max(1) as usize)?;
-        pools
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(pool, Arc::new(buf));
+        pools.lock().insert(pool, Arc::new(buf));
         Ok(())
     }
 
     fn release_pool(&self, device: DeviceId, pool: PoolId) {
         if let Some(pools) = self.shared.pools_of(device) {
-            pools
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&pool);
+            pools.lock().remove(&pool);
         }
     }
 
     fn start_stream(
         &self,
         stream: StreamId,
-        timeline: Arc<Timeline>,
+        timeline: SyncArc<Timeline>,
     ) -> Result<Box<dyn StreamQueue>, DeviceError> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
+        let (tx, rx) = channel::unbounded::<Submitted>();
         let tl = timeline.clone();
-        let worker = std::thread::Builder::new()
+        let worker = thread::Builder::new()
             .name(format!("tributary-{stream}"))
             .spawn(move || worker_loop(stream, tl, rx))
             .map_err(|e| DeviceError::Unexpected(format!("cannot spawn worker: {e}")))?;
@@ -256,7 +255,7 @@ impl Backend for CpuBackend {
 pub struct CpuStream {
     backend: CpuBackend,
     stream: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
     tx: Mutex<Option<Sender<Submitted>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -272,11 +271,12 @@ impl StreamQueue for CpuStream {
             deps: plan.deps,
             job,
         };
-        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = self.tx.lock();
         let sent = match tx.as_ref() {
             Some(tx) => tx.send(item).is_ok(),
             None => false,
         };
+        drop(tx);
         if !sent {
             let failure = Arc::new(Failure {
                 stream: self.stream,
@@ -284,7 +284,10 @@ impl StreamQueue for CpuStream {
                 operation: label,
                 message: "stream is shut down".into(),
             });
-            self.timeline.fail(seq, failure);
+            // Nobody will ever run it: fail its event so that no waiter hangs.
+            if !mutant!("dead_submit") {
+                self.timeline.fail(seq, failure);
+            }
             return Err(Error::ShutDown(format!("stream {}", self.stream)));
         }
         Ok(())
@@ -292,8 +295,8 @@ impl StreamQueue for CpuStream {
 
     fn shutdown(&self) {
         // Closing the channel lets the worker drain what is queued and exit.
-        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(self.tx.lock().take());
+        let handle = self.worker.lock().take();
         if let Some(h) = handle {
             if h.join().is_err() {
                 self.timeline.poison(Arc::new(Failure {
@@ -316,12 +319,12 @@ impl Drop for CpuStream {
 /// Poisons the timeline if the worker thread unwinds or exits with work pending.
 struct PoisonOnExit {
     stream: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
 }
 
 impl Drop for PoisonOnExit {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if thread::panicking() {
             self.timeline.poison(Arc::new(Failure {
                 stream: self.stream,
                 seq: self.timeline.completed() + 1,
@@ -332,7 +335,7 @@ impl Drop for PoisonOnExit {
     }
 }
 
-fn worker_loop(stream: StreamId, timeline: Arc<Timeline>, rx: Receiver<Submitted>) {
+fn worker_loop(stream: StreamId, timeline: SyncArc<Timeline>, rx: Receiver<Submitted>) {
     let _guard = PoisonOnExit {
         stream,
         timeline: timeline.clone(),
