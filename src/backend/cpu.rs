@@ -252,6 +252,9 @@ impl Backend for CpuBackend {
 }
 
 /// One CPU stream: a worker thread and the sending side of its queue.
+///
+/// `submit` never waits for the work, except while a concurrent `shutdown` drains the
+/// queue: it then waits for the drain and fails its plan (see `shutdown`).
 pub struct CpuStream {
     backend: CpuBackend,
     stream: StreamId,
@@ -294,8 +297,20 @@ impl StreamQueue for CpuStream {
     }
 
     fn shutdown(&self) {
-        // Closing the channel lets the worker drain what is queued and exit.
-        drop(self.tx.lock().take());
+        // Closing the channel lets the worker drain what is queued and exit. The sender's
+        // lock is held until the worker is joined: a `submit` racing with the shutdown
+        // waits here, then finds the queue closed and fails its event only after every
+        // operation accepted before it has completed. Failing it while earlier operations
+        // are still queued would advance the timeline past them, so they would look
+        // complete before they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
+        let mut tx = self.tx.lock();
+        drop(tx.take());
+        let tx = if mutant!("submit_during_drain") {
+            drop(tx);
+            None
+        } else {
+            Some(tx)
+        };
         let handle = self.worker.lock().take();
         if let Some(h) = handle {
             if h.join().is_err() {
@@ -307,6 +322,7 @@ impl StreamQueue for CpuStream {
                 }));
             }
         }
+        drop(tx);
     }
 }
 
