@@ -29,7 +29,7 @@ fn shared() -> MemoryMode {
 /// stream 0 (and for the memset that created the buffer).
 #[test]
 fn raw_across_streams() {
-    run_model("protocol::raw_across_streams", windowed(Some(2)), || {
+    run_model("protocol::raw_across_streams", windowed(Some(3)), || {
         let mut w = World::new(&[2]);
         let x = node("x", shared());
         let y = node("y", MemoryMode::on_device());
@@ -49,7 +49,7 @@ fn raw_across_streams() {
 /// Rule 1, WAR: an overwrite on stream 0 waits for a pending reader on stream 1.
 #[test]
 fn war_across_streams() {
-    run_model("protocol::war_across_streams", windowed(Some(2)), || {
+    run_model("protocol::war_across_streams", windowed(Some(3)), || {
         let mut w = World::new(&[2]);
         let x = node("x", shared());
         let y = node("y", MemoryMode::on_device());
@@ -74,7 +74,7 @@ fn war_across_streams() {
 /// buffer (twice: at `init_from_host`, and after stream 0's kernel).
 #[test]
 fn waw_across_streams() {
-    run_model("protocol::waw_across_streams", windowed(Some(2)), || {
+    run_model("protocol::waw_across_streams", windowed(Some(3)), || {
         let mut w = World::new(&[2]);
         let x = node(
             "x",
@@ -86,7 +86,7 @@ fn waw_across_streams() {
         let b = w.init_from_host(&b, &x, &[9]);
         w.begin_window();
         w.schedule(&write).unwrap();
-        w.from_host(&b, &x);
+        w.upload(&b, &x);
         w.end_window();
         assert_eq!(w.read(&b, &x).unwrap(), [9]);
         w.shutdown();
@@ -100,7 +100,7 @@ fn waw_across_streams() {
 fn host_write_vs_pending_upload() {
     run_model(
         "protocol::host_write_vs_pending_upload",
-        windowed(None),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[1]);
             let h = node("h", MemoryMode::Hosted(HostedKind::Volatile));
@@ -109,7 +109,7 @@ fn host_write_vs_pending_upload() {
             let c = w.init_from_host(&c, &h, &[1]);
             let r = w.link(&c, copy(&y, &h).unwrap());
             w.begin_window();
-            w.from_host(&c, &h); // an upload of 1, pending
+            w.upload(&c, &h); // an upload of 1, pending
             w.host_write(&h, &[2]); // must wait for that upload
             w.schedule(&r).unwrap(); // h lags: re-uploaded before the copy
             w.end_window();
@@ -126,7 +126,7 @@ fn host_write_vs_pending_upload() {
 fn host_read_vs_device_write() {
     run_model(
         "protocol::host_read_vs_device_write",
-        windowed(None),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[1]);
             let v = node("v", MemoryMode::hosted_changed_on_devices());
@@ -153,7 +153,7 @@ fn host_read_vs_device_write() {
 fn d2d_copy_then_overwrite_source() {
     run_model(
         "protocol::d2d_copy_then_overwrite_source",
-        windowed(Some(2)),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[1, 1]);
             let x = node("x", MemoryMode::on_device());
@@ -220,7 +220,7 @@ fn merge_copy_reuse_two_producers() {
 fn merge_buffer_holds_the_expected_node() {
     run_model(
         "protocol::merge_buffer_holds_the_expected_node",
-        windowed(Some(2)),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[1, 1]);
             let g = node("g", MemoryMode::on_device());
@@ -261,13 +261,14 @@ fn merge_buffer_holds_the_expected_node() {
     );
 }
 
-/// Rule 3 with `StreamingFor`: the consumer reads the source buffer in place (after its
-/// last write), and a later write of the source waits for the consumer.
+/// Rule 3 with `StreamingFor`: the consumer reads the source buffer in place, after its
+/// last write on the other device, and a later write of the source waits for the
+/// consumer.
 #[test]
 fn streaming_for_then_overwrite_source() {
     run_model(
         "protocol::streaming_for_then_overwrite_source",
-        windowed(Some(2)),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[1, 1]);
             let g = node("g", MemoryMode::on_device());
@@ -277,9 +278,9 @@ fn streaming_for_then_overwrite_source() {
             let src_over = w.link(src.context(), fill(&g, 100.0).unwrap());
             let base = w.link(&c0, fill(&g, 1.0).unwrap());
             let merge = w.link(base.context(), add_merge(&g).unwrap());
-            w.schedule(&src).unwrap();
             w.schedule(&base).unwrap();
             w.begin_window();
+            w.schedule(&src).unwrap();
             w.device_to_device(
                 &g,
                 src.context(),
@@ -303,7 +304,7 @@ fn streaming_for_then_overwrite_source() {
 fn free_while_read_then_reuse() {
     run_model(
         "protocol::free_while_read_then_reuse",
-        windowed(Some(2)),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[2]);
             let x = node("x", MemoryMode::on_device());
@@ -335,7 +336,7 @@ fn free_while_read_then_reuse() {
 fn failure_fails_dependents_with_root_cause() {
     run_model(
         "protocol::failure_fails_dependents_with_root_cause",
-        windowed(Some(2)),
+        windowed(Some(3)),
         || {
             let mut w = World::new(&[2]);
             let x = node("x", shared());

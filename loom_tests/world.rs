@@ -67,6 +67,13 @@ struct Words {
     cells: Vec<UnsafeCell<i64>>,
 }
 
+// SAFETY: streams and the main thread share rows; every access goes through loom's
+// `with`/`with_mut`, and ordering them is exactly what the protocol under test must do
+// (loom reports any pair it failed to order). The cells only hold `i64`s.
+unsafe impl Sync for Words {}
+// SAFETY: as above.
+unsafe impl Send for Words {}
+
 impl Words {
     fn zeroed(bytes: u64) -> StdArc<Words> {
         let n = (bytes / WORD).max(1) as usize;
@@ -448,8 +455,9 @@ impl World {
         child
     }
 
-    /// `Engine::from_host`.
-    pub fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Event {
+    /// `Engine::from_host` (named `upload` here: clippy reserves `from_*` for
+    /// constructors).
+    pub fn upload(&mut self, ctx: &Context, node: &TensorNode) -> Event {
         let i = ctx.device().0 as usize;
         let plan = self.devices[i]
             .from_host(ctx, node, &mut self.host)
