@@ -6,7 +6,7 @@
 //! says the host array may be touched. The actor layer does the same work split over
 //! device actors; this API is what engine tests, loom models and benchmarks use.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
@@ -19,7 +19,6 @@ use crate::{
     memory::{AlignedBuffer, PoolConfig, PoolOp, PoolStats},
     node::{Element, HostedKind, MemoryMode, TensorNode},
     protocol::{Context, DeviceState, HostTable, Plan, Routine, TableSizes},
-    sync::Arc,
 };
 
 /// How a device-to-device operation delivers the node (DESIGN.md §2, "Merge buffer").

@@ -209,10 +209,15 @@ impl Timeline {
             // read-modify-writes of waiters continue the release sequence. No Acquire is
             // needed: the old value is only inspected for the WAITERS bit, and the wake-up
             // below synchronises through the mutex. Failure Relaxed: we just retry.
+            let success = if mutant!("relaxed_signal") {
+                Ordering::Relaxed
+            } else {
+                Ordering::Release
+            };
             match self.word.compare_exchange_weak(
                 cur,
                 with_counter(cur, seq),
-                Ordering::Release,
+                success,
                 Ordering::Relaxed,
             ) {
                 Ok(_) => break,
@@ -248,7 +253,11 @@ impl Timeline {
         let mut inner = self.inner.lock();
         // Under poison the poison cause wins for every seq past the boundary.
         let poisoned = matches!(inner.poison, Some((boundary, _)) if seq > boundary);
-        let flag = if poisoned { 0 } else { FAILED };
+        let flag = if poisoned || mutant!("failed_bit") {
+            0
+        } else {
+            FAILED
+        };
         // Relaxed: only the first guess for the compare-and-swap below.
         let mut cur = self.word.load(Ordering::Relaxed);
         loop {
@@ -281,7 +290,7 @@ impl Timeline {
             inner.failures.insert(seq, cause);
         }
         // The lock is held, so `inner` says exactly who is registered.
-        if inner.blocked > 0 || !inner.wakers.is_empty() {
+        if (inner.blocked > 0 || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
             let ready = self.wake_locked(&mut inner);
             drop(inner);
             wake_all(ready);
@@ -402,6 +411,9 @@ impl Timeline {
 
     /// Sets WAITERS before the caller checks the status (module documentation).
     fn announce_waiter(&self) {
+        if mutant!("lost_wakeup") {
+            return;
+        }
         // Relaxed: what matters is that this read-modify-write is ordered with the `signal`
         // compare-and-swaps in the word's modification order, which holds for any ordering;
         // the status check that follows makes its own Acquire load, which cannot read an

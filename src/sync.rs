@@ -44,9 +44,13 @@
 //!   (for example a missing wait before a buffer is reused). Like `std`'s cell it is not
 //!   `Sync`; types that share one across threads wrap it and justify their own
 //!   `unsafe impl Sync`.
-//! - [`thread`]`::{spawn, yield_now, JoinHandle}` and [`hint`]`::spin_loop`. Under loom
-//!   `spin_loop` yields to the model scheduler: a spin loop that does not yield cannot be
-//!   explored (loom would see one thread spinning forever).
+//! - [`thread`]`::{spawn, Builder, yield_now, panicking, JoinHandle}` and
+//!   [`hint`]`::spin_loop`. Under loom `spin_loop` yields to the model scheduler: a spin
+//!   loop that does not yield cannot be explored (loom would see one thread spinning
+//!   forever).
+//! - [`channel`]: an unbounded multi-producer single-consumer queue with disconnection
+//!   (`crossbeam-channel` normally; a [`Mutex`] + [`Condvar`] queue under loom, whose own
+//!   `mpsc` does not model disconnection), so that stream workers can be model-checked.
 //!
 //! # Differences under loom
 //!
@@ -84,11 +88,21 @@ pub mod atomic {
 /// Threads (`std::thread`, or loom's model threads).
 pub mod thread {
     #[cfg(not(tributary_loom))]
-    pub use std::thread::{spawn, yield_now, JoinHandle};
+    pub use std::thread::{panicking, spawn, yield_now, Builder, JoinHandle};
 
     #[cfg(tributary_loom)]
-    pub use loom::thread::{spawn, yield_now, JoinHandle};
+    pub use loom::thread::{spawn, yield_now, Builder, JoinHandle};
+
+    /// Whether the current thread is unwinding because of a panic
+    /// (`std::thread::panicking`; loom threads run on the model's OS thread, whose panic
+    /// state is the one that matters).
+    #[cfg(tributary_loom)]
+    pub fn panicking() -> bool {
+        std::thread::panicking()
+    }
 }
+
+pub mod channel;
 
 /// Busy-wait hints.
 pub mod hint {

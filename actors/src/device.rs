@@ -65,8 +65,13 @@ impl DeviceActor {
 
     /// Applies pool operations, then hands plans to their stream actors (in order).
     fn submit(&mut self, plans: Vec<Plan>) -> Result<()> {
+        // Every pool operation is carried out, also after one failed, and every plan is
+        // still submitted: its event was issued, so it must complete in stream order (a
+        // plan whose pool is missing fails when the backend resolves it). Failing it here
+        // would advance the timeline past earlier work still in flight.
+        let mut first = Ok(());
         for op in self.state.take_pool_ops() {
-            let created = match op {
+            let r = match op {
                 PoolOp::Create { pool, bytes, align } => self
                     .backend
                     .create_pool(self.state.device(), pool, bytes, align)
@@ -76,10 +81,8 @@ impl DeviceActor {
                     Ok(())
                 }
             };
-            if let Err(e) = created {
-                // The plans' events were issued: fail them, or later signals would cover them.
-                plans.iter().for_each(|p| p.fail(&e));
-                return Err(e);
+            if first.is_ok() {
+                first = r;
             }
         }
         let mut batch: Vec<Plan> = Vec::new();
@@ -90,7 +93,7 @@ impl DeviceActor {
             batch.push(plan);
         }
         self.flush(batch);
-        Ok(())
+        first
     }
 
     fn flush(&self, batch: Vec<Plan>) {

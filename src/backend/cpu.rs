@@ -3,22 +3,23 @@
 //! Memory is one [`AlignedBuffer`] per pool, kept in a per-device map behind a mutex and
 //! handed to work as `Arc`s when a plan is submitted (bindings are resolved at schedule
 //! time; an in-flight job keeps its pools alive even if the pool is released meanwhile).
-//! Each stream is a dedicated thread fed by an unbounded crossbeam channel, so `submit`
-//! never blocks. A worker waits for cross-stream dependencies by blocking on their
+//! Each stream is a dedicated thread fed by an unbounded channel, so `submit` never blocks. A worker waits for cross-stream dependencies by blocking on their
 //! timelines: it is a dedicated thread, so this blocks nobody else, and waits only refer to
 //! earlier events, so it cannot deadlock. Kernels run under `catch_unwind`: a panicking
 //! kernel fails its event and the worker keeps serving (rule 6). All CPU devices share the
 //! host's memory, so any device can stream any other device's buffer in place.
+//!
+//! The queue, its lock and the worker thread come from [`crate::sync`] (crossbeam and std
+//! threads normally, loom under `tributary_loom`), so the submission / shutdown hand-off
+//! is model-checked on this very code (`loom_tests/queue.rs`). Memory (pools and host
+//! arrays) is plain data shared through `std::sync::Arc`.
 
 use std::{
     collections::HashMap,
     panic::{catch_unwind, AssertUnwindSafe},
-    sync::Mutex,
-    thread::JoinHandle,
+    sync::Arc,
     time::Instant,
 };
-
-use crossbeam_channel::{Receiver, Sender};
 
 use crate::{
     backend::{Backend, StreamQueue},
@@ -28,7 +29,12 @@ use crate::{
     kernels::{run_cpu, ArgView, KernelArgs},
     memory::AlignedBuffer,
     protocol::{await_deps, await_deps_observed, ArgBinding, GlobalLoc, Plan, Work},
-    sync::Arc,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        channel::{self, Receiver, Sender},
+        thread::{self, JoinHandle},
+        Arc as SyncArc, Mutex,
+    },
     trace::{Recorder, TraceKind, TraceRecord},
 };
 
@@ -50,7 +56,7 @@ impl Shared {
         let pools = self
             .pools_of(g.device)
             .ok_or_else(|| format!("unknown device {}", g.device))?;
-        let map = pools.lock().unwrap_or_else(|p| p.into_inner());
+        let map = pools.lock();
         let buf = map
             .get(&g.loc.pool)
             .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?
@@ -145,7 +151,7 @@ struct Submitted {
 #[derive(Clone)]
 pub struct CpuBackend {
     shared: Arc<Shared>,
-    recorder: Option<std::sync::Arc<Recorder>>,
+    recorder: Option<Arc<Recorder>>,
 }
 
 impl CpuBackend {
@@ -161,7 +167,7 @@ impl CpuBackend {
     }
 
     /// Records every operation and wait of the streams started from now on.
-    pub fn with_recorder(mut self, recorder: std::sync::Arc<Recorder>) -> CpuBackend {
+    pub fn with_recorder(mut self, recorder: Arc<Recorder>) -> CpuBackend {
         self.recorder = Some(recorder);
         self
     }
@@ -232,31 +238,25 @@ impl Backend for CpuBackend {
         let len =
             usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
         let buf = AlignedBuffer::new(len, align.max(1) as usize)?;
-        pools
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(pool, Arc::new(buf));
+        pools.lock().insert(pool, Arc::new(buf));
         Ok(())
     }
 
     fn release_pool(&self, device: DeviceId, pool: PoolId) {
         if let Some(pools) = self.shared.pools_of(device) {
-            pools
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&pool);
+            pools.lock().remove(&pool);
         }
     }
 
     fn start_stream(
         &self,
         stream: StreamId,
-        timeline: Arc<Timeline>,
+        timeline: SyncArc<Timeline>,
     ) -> Result<Box<dyn StreamQueue>, DeviceError> {
-        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
+        let (tx, rx) = channel::unbounded::<Submitted>();
         let tl = timeline.clone();
         let recorder = self.recorder.clone();
-        let worker = std::thread::Builder::new()
+        let worker = thread::Builder::new()
             .name(format!("tributary-{stream}"))
             .spawn(move || worker_loop(stream, tl, rx, recorder))
             .map_err(|e| DeviceError::Unexpected(format!("cannot spawn worker: {e}")))?;
@@ -266,6 +266,7 @@ impl Backend for CpuBackend {
             timeline,
             tx: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
+            last_submitted: AtomicU64::new(0),
         }))
     }
 
@@ -275,12 +276,17 @@ impl Backend for CpuBackend {
 }
 
 /// One CPU stream: a worker thread and the sending side of its queue.
+///
+/// `submit` never waits for the work, except while a concurrent `shutdown` drains the
+/// queue: it then waits for the drain and fails its plan (see `shutdown`).
 pub struct CpuStream {
     backend: CpuBackend,
     stream: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
     tx: Mutex<Option<Sender<Submitted>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// Highest sequence number accepted by the queue (for bounded shutdown).
+    last_submitted: AtomicU64,
 }
 
 impl StreamQueue for CpuStream {
@@ -294,11 +300,16 @@ impl StreamQueue for CpuStream {
             deps: plan.deps,
             job,
         };
-        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = self.tx.lock();
         let sent = match tx.as_ref() {
-            Some(tx) => tx.send(item).is_ok(),
+            Some(tx) => {
+                // Release pairs with the Acquire in `shutdown_bounded`, under the same lock.
+                self.last_submitted.fetch_max(seq, Ordering::Release);
+                tx.send(item).is_ok()
+            }
             None => false,
         };
+        drop(tx);
         if !sent {
             let failure = Arc::new(Failure {
                 stream: self.stream,
@@ -306,7 +317,10 @@ impl StreamQueue for CpuStream {
                 operation: label,
                 message: "stream is shut down".into(),
             });
-            self.timeline.fail(seq, failure);
+            // Nobody will ever run it: fail its event so that no waiter hangs.
+            if !mutant!("dead_submit") {
+                self.timeline.fail(seq, failure);
+            }
             return Err(Error::ShutDown(format!("stream {}", self.stream)));
         }
         Ok(())
@@ -317,9 +331,21 @@ impl StreamQueue for CpuStream {
     }
 
     fn shutdown(&self) {
-        // Closing the channel lets the worker drain what is queued and exit.
-        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // Closing the channel lets the worker drain what is queued and exit. The sender's
+        // lock is held until the worker is joined: a `submit` racing with the shutdown
+        // waits here, then finds the queue closed and fails its event only after every
+        // operation accepted before it has completed. Failing it while earlier operations
+        // are still queued would advance the timeline past them, so they would look
+        // complete before they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
+        let mut tx = self.tx.lock();
+        drop(tx.take());
+        let tx = if mutant!("submit_during_drain") {
+            drop(tx);
+            None
+        } else {
+            Some(tx)
+        };
+        let handle = self.worker.lock().take();
         if let Some(h) = handle {
             if h.join().is_err() {
                 self.timeline.poison(Arc::new(Failure {
@@ -330,27 +356,32 @@ impl StreamQueue for CpuStream {
                 }));
             }
         }
+        drop(tx);
     }
 }
 
 impl CpuStream {
+    /// Closes the queue, waits until `timeout` for the worker to drain it, then joins the
+    /// worker, or detaches it (returns `false`) if work is still running.
     fn shutdown_bounded(&self, timeout: std::time::Duration) -> bool {
-        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let deadline = std::time::Instant::now() + timeout;
-        let mut guard = self.worker.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(handle) = guard.take() else {
-            return true;
-        };
-        while !handle.is_finished() {
-            if std::time::Instant::now() >= deadline {
-                // Detach: the worker finishes (or not) on its own; dropping the handle
-                // does not stop it, and every job it holds keeps its memory alive.
-                return false;
+        // As in `shutdown`, the sender's lock is held until the end, so a racing `submit`
+        // cannot fail its event while earlier operations are still queued.
+        let mut tx = self.tx.lock();
+        drop(tx.take());
+        let last = self.last_submitted.load(Ordering::Acquire);
+        let drained = last == 0
+            || self.timeline.wait_timeout(last, timeout).is_ok()
+            || self.timeline.is_done(last);
+        let handle = self.worker.lock().take();
+        if drained {
+            if let Some(h) = handle {
+                let _ = h.join();
             }
-            std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        let _ = handle.join();
-        true
+        // Otherwise dropping the handle detaches the worker: it finishes (or not) on its
+        // own, and every job it holds keeps its memory alive.
+        drop(tx);
+        drained
     }
 }
 
@@ -363,12 +394,12 @@ impl Drop for CpuStream {
 /// Poisons the timeline if the worker thread unwinds or exits with work pending.
 struct PoisonOnExit {
     stream: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
 }
 
 impl Drop for PoisonOnExit {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if thread::panicking() {
             self.timeline.poison(Arc::new(Failure {
                 stream: self.stream,
                 seq: self.timeline.completed() + 1,
@@ -381,9 +412,9 @@ impl Drop for PoisonOnExit {
 
 fn worker_loop(
     stream: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
     rx: Receiver<Submitted>,
-    recorder: Option<std::sync::Arc<Recorder>>,
+    recorder: Option<Arc<Recorder>>,
 ) {
     let _guard = PoisonOnExit {
         stream,

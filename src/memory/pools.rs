@@ -410,6 +410,9 @@ impl<E: UseEvent> DevicePools<E> {
         let old_capacity = current.map_or(0, |m| m.bytes);
         let mut retire = retire;
         retire.retain(|e| !e.is_done());
+        if mutant!("merge_retire") {
+            retire.clear();
+        }
         let wanted = align_up(old_capacity.saturating_mul(2), align)
             .unwrap_or(size)
             .max(size);

@@ -16,7 +16,7 @@
 //! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
 //! 6. failure: [`DepKind::Data`] dependencies carry failures to dependents (executors).
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use crate::{
     error::{Error, Result},
@@ -31,7 +31,9 @@ use crate::{
         plan::{ArgBinding, Dep, GlobalLoc, Plan, Work},
         tables::BufferUses,
     },
-    sync::Arc,
+    // Timelines are shared with the streams through the sync shim (loom under
+    // `tributary_loom`); contexts, routines and host buffers are plain immutable data.
+    sync::Arc as SyncArc,
 };
 
 /// Source of [`DeviceState`] instance numbers, which contexts carry: a context id alone is
@@ -80,7 +82,7 @@ struct MergeSlot {
 
 struct StreamState {
     id: StreamId,
-    timeline: Arc<Timeline>,
+    timeline: SyncArc<Timeline>,
     issued: u64,
     merge: MergeSlot,
 }
@@ -143,7 +145,7 @@ pub struct DeviceState {
 
 impl DeviceState {
     /// A device with one stream per timeline (timeline `i` is stream `i` of `device`).
-    pub fn new(device: DeviceId, timelines: Vec<Arc<Timeline>>, pools: PoolConfig) -> Self {
+    pub fn new(device: DeviceId, timelines: Vec<SyncArc<Timeline>>, pools: PoolConfig) -> Self {
         let streams = timelines
             .into_iter()
             .enumerate()
@@ -184,7 +186,7 @@ impl DeviceState {
     }
 
     /// The timeline of stream `index`.
-    pub fn timeline(&self, index: usize) -> Option<&Arc<Timeline>> {
+    pub fn timeline(&self, index: usize) -> Option<&SyncArc<Timeline>> {
         self.streams.get(index).map(|s| &s.timeline)
     }
 

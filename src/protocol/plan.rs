@@ -203,19 +203,3 @@ pub fn await_deps_observed(
         None => Ok(()),
     }
 }
-
-impl Plan {
-    /// Fails the plan's event without running it (its work could not be submitted), so that
-    /// nobody waits for it and its dependents fail with `error` as the root cause.
-    pub fn fail(&self, error: &Error) {
-        self.event.timeline().fail(
-            self.event.seq(),
-            Arc::new(Failure {
-                stream: self.stream,
-                seq: self.event.seq(),
-                operation: self.work.label(),
-                message: format!("not submitted: {error}"),
-            }),
-        );
-    }
-}

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# loom model checks and their mutation check (called by .ci/run).
+#
+#   bash loom_tests/run.sh                 # every model, then every mutant
+#   bash loom_tests/run.sh models          # only the models, against the real engine
+#   bash loom_tests/run.sh mutants [rule…] # only the mutation check (all rules, or these)
+#   bash loom_tests/run.sh matrix [rule…]  # run every model against each mutant and print
+#                                          # which ones catch it (to maintain the table)
+#
+# 1. Builds the loom test binary (`--cfg tributary_loom`, release with debug assertions)
+#    and runs every model against the real engine. They must all pass.
+# 2. For each mutant (a protocol or synchronisation rule switched off with
+#    `--cfg tributary_mutant="<rule>"`, see `mutant!` in src/lib.rs), rebuilds the engine
+#    with that rule removed and runs the models listed for it below, each in its own
+#    process (`--exact`): loom must report a failure (an assertion, a causality violation,
+#    or a deadlock, which aborts the process). A model that passes against its mutant
+#    checks nothing. Every `mutant!("…")` in src/ must appear in the table.
+#
+# The mutant cfg is passed through the TRIBUTARY_MUTANT variable, which build.rs turns
+# into exactly `--cfg tributary_mutant="<rule>"` for the engine crate only: RUSTFLAGS stay
+# the same for every mutant, so only the engine and the test binary are rebuilt, not the
+# whole dependency graph. Mutant builds use their own target directory.
+#
+# Environment: LOOM_TARGET_DIR (default target-loom), LOOM_MUTANT_TARGET_DIR (default
+# target-loom-mutant), LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant,
+# default 300). LOOM_MAX_PREEMPTIONS must not be set: each model has its own bound.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# rule -> models that must catch it (space separated, test paths in the loom binary).
+MUTANTS=(
+  # protocol rules (src/protocol)
+  "raw:protocol::raw_across_streams protocol::d2d_copy_then_overwrite_source protocol::streaming_for_then_overwrite_source protocol::failure_fails_dependents_with_root_cause"
+  "war:protocol::war_across_streams protocol::merge_copy_reuse_two_producers"
+  "waw:protocol::waw_across_streams"
+  "d2d_reader:protocol::d2d_copy_then_overwrite_source protocol::merge_copy_reuse_two_producers protocol::streaming_for_then_overwrite_source protocol::free_while_read_then_reuse"
+  "merge_check:protocol::merge_buffer_holds_the_expected_node"
+  "deferred_free:protocol::free_while_read_then_reuse"
+  "host_upload:protocol::host_write_vs_pending_upload protocol::host_read_vs_device_write"
+  "host_war:protocol::host_write_vs_pending_upload"
+  "host_raw:protocol::host_read_vs_device_write"
+  "failure:protocol::failure_fails_dependents_with_root_cause"
+  # memory (src/memory)
+  "merge_retire:protocol::merge_buffer_holds_the_expected_node"
+  # event timeline (src/event.rs)
+  "lost_wakeup:event::wait_vs_signal event::async_vs_signal queue::idle_worker_is_woken"
+  "relaxed_signal:event::completion_publishes_data"
+  "fail_no_wake:event::failure_wakes_and_fails_every_waiter protocol::failure_fails_dependents_with_root_cause"
+  "failed_bit:event::failure_wakes_and_fails_every_waiter queue::shutdown_drains_queued_work"
+  # stream queue (src/sync/channel.rs, src/backend/cpu.rs)
+  "chan_lost_notify:queue::idle_worker_is_woken"
+  "chan_drop_queued:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
+  "dead_submit:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
+  "submit_during_drain:queue::submit_vs_shutdown"
+)
+
+MODE="${1:-all}"
+[ $# -gt 0 ] && shift
+ONLY=("$@")
+
+LOOM_TARGET_DIR="${LOOM_TARGET_DIR:-target-loom}"
+LOOM_MUTANT_TARGET_DIR="${LOOM_MUTANT_TARGET_DIR:-target-loom-mutant}"
+LOOM_MUTANT_TIMEOUT="${LOOM_MUTANT_TIMEOUT:-300}"
+export RUSTFLAGS="--cfg tributary_loom -C debug-assertions=on"
+unset LOOM_MAX_PREEMPTIONS LOOM_CHECKPOINT_FILE TRIBUTARY_MUTANT
+
+now() { date +%s; }
+START=$(now)
+say() { printf '[loom %4ss] %s\n' "$(($(now) - START))" "$*"; }
+
+# Builds the loom test binary into target dir $1 and prints its path.
+build() {
+  local dir="$1" out
+  out=$(CARGO_TARGET_DIR="$dir" cargo test --release --test loom --no-run 2>&1) || {
+    echo "$out" >&2
+    return 1
+  }
+  echo "$out" | sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -n 1
+}
+
+# Every rule named by `mutant!("…")` in src/ must have an entry in MUTANTS.
+check_table() {
+  local missing=0 rule
+  for rule in $(grep -rhE 'mutant!\("[a-z0-9_]+"\)' src | grep -vE '^\s*//' |
+    grep -oE 'mutant!\("[a-z0-9_]+"\)' | sed -E 's/mutant!\("(.*)"\)/\1/' | sort -u); do
+    if ! printf '%s\n' "${MUTANTS[@]}" | grep -q "^$rule:"; then
+      echo "mutant \"$rule\" (in src/) has no model in loom_tests/run.sh" >&2
+      missing=1
+    fi
+  done
+  return $missing
+}
+
+run_models() {
+  say "building the loom models ($LOOM_TARGET_DIR)"
+  local bin
+  bin=$(build "$LOOM_TARGET_DIR")
+  say "running every model against the real engine"
+  "$bin" --nocapture --test-threads 2
+  say "models passed"
+}
+
+selected() {
+  [ ${#ONLY[@]} -eq 0 ] && return 0
+  local r
+  for r in "${ONLY[@]}"; do [ "$r" = "$1" ] && return 0; done
+  return 1
+}
+
+# Runs model $2 of binary $1 in its own process; prints "caught (<reason>)" or
+# "NOT CAUGHT" / "TIMED OUT", returns 0 iff caught.
+run_against() {
+  local bin="$1" model="$2" log rc reason
+  log=$(mktemp)
+  set +e
+  timeout "$LOOM_MUTANT_TIMEOUT" "$bin" --exact "$model" --test-threads 1 >"$log" 2>&1
+  rc=$?
+  set -e
+  # The line after loom's or the test's "panicked at", or loom's deadlock report.
+  reason=$( (grep -m1 -E '^Causality violation|deadlock' "$log" ||
+    grep -m1 -A1 'panicked at' "$log" | tail -n 1) | cut -c1-100 || true)
+  if [ $rc -eq 0 ]; then
+    if grep -q "running 1 test" "$log"; then echo "NOT CAUGHT"; else echo "NO SUCH MODEL"; fi
+    rm -f "$log"; return 1
+  elif [ $rc -eq 124 ]; then
+    echo "TIMED OUT after ${LOOM_MUTANT_TIMEOUT}s"; rm -f "$log"; return 1
+  fi
+  echo "caught (exit $rc: ${reason:-see log})"
+  rm -f "$log"
+  return 0
+}
+
+run_mutants() {
+  check_table
+  say "mutation check ($LOOM_MUTANT_TARGET_DIR)"
+  local failed=0 entry rule models bin model
+  for entry in "${MUTANTS[@]}"; do
+    rule="${entry%%:*}"
+    models="${entry#*:}"
+    selected "$rule" || continue
+    bin=$(TRIBUTARY_MUTANT="$rule" build "$LOOM_MUTANT_TARGET_DIR")
+    for model in $models; do
+      result=$(run_against "$bin" "$model") || failed=1
+      say "mutant $rule / $model: $result"
+    done
+  done
+  if [ $failed -ne 0 ]; then
+    say "MUTATION CHECK FAILED: a model passed against its mutant (or did not run)"
+    return 1
+  fi
+  say "every mutant was caught"
+}
+
+# Every model against each mutant: which ones catch it (informational).
+run_matrix() {
+  local entry rule bin model all
+  for entry in "${MUTANTS[@]}"; do
+    rule="${entry%%:*}"
+    selected "$rule" || continue
+    bin=$(TRIBUTARY_MUTANT="$rule" build "$LOOM_MUTANT_TARGET_DIR")
+    all=$("$bin" --list 2>/dev/null | sed -n 's/: test$//p')
+    for model in $all; do
+      say "mutant $rule / $model: $(run_against "$bin" "$model" || true)"
+    done
+  done
+}
+
+case "$MODE" in
+  all) run_models; run_mutants ;;
+  models) run_models ;;
+  mutants) run_mutants ;;
+  matrix) run_matrix ;;
+  *) echo "usage: $0 [all|models|mutants [rule…]|matrix [rule…]]" >&2; exit 2 ;;
+esac
+say "done"
