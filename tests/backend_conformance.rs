@@ -3,99 +3,27 @@
 //! Mesa's lavapipe), and Vulkan again with host access to pool memory switched off (the
 //! staging path of discrete GPUs).
 //!
-//! Every test body is written once over a [`Kind`]; the `conformance!` macro makes one
-//! `#[test]` per backend kind (`cpu::name`, `vulkan::name`, `vulkan_staging::name`). When
-//! Vulkan is not available the Vulkan tests print `skipping Vulkan: <reason>` on stderr and
-//! pass, unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` after installing lavapipe),
-//! in which case they fail. Each Vulkan test that ran prints one line saying so, past the
-//! test harness's output capture, so the run log shows what ran where.
+//! Every test body is written once over a `Kind`; `for_each_backend!` (in `common/`) makes
+//! one `#[test]` per backend kind (`cpu::name`, `vulkan::name`, `vulkan_staging::name`);
+//! see `common/mod.rs` for skipping and `TRIBUTARY_REQUIRE_VULKAN`.
 //!
 //! Results are compared with the CPU built-ins (`kernels::run_on_host`): bitwise for
 //! everything but `softmax_xent`, whose `exp`/`log` come from the driver (tolerances in
 //! [`tolerance`]).
 
-use std::{
-    io::Write,
-    sync::{Arc, OnceLock},
-    thread::sleep,
-    time::Duration,
-};
+#![cfg(not(tributary_loom))]
+#![allow(clippy::unwrap_used)]
 
+#[macro_use]
+mod common;
+
+use common::{backend, failing, slow_copy, slow_fill, slow_fill_wgsl, Kind};
 use tributary::{
-    backend::{
-        cpu::CpuBackend,
-        vulkan::{VulkanBackend, VulkanConfig},
-        Backend,
-    },
     kernels::{self, from_bytes, to_bytes, Access, RoutineSpec, ShaderKernel},
     memory::PoolConfig,
     protocol::Context,
-    Bf16, DType, DeviceId, Engine, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
-    TensorNode, F16,
+    Bf16, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode, F16,
 };
-
-/// Which backend a test runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Cpu,
-    Vulkan,
-    VulkanStaging,
-}
-
-fn log(line: &str) {
-    // Straight to the process's stderr: the test harness captures `eprintln!`, not this.
-    let _ = writeln!(std::io::stderr(), "{line}");
-}
-
-/// Whether Vulkan is usable here; the reason when it is not (probed once per process).
-fn vulkan_available() -> Result<String, String> {
-    static PROBE: OnceLock<Result<String, String>> = OnceLock::new();
-    PROBE
-        .get_or_init(|| {
-            tributary::backend::vulkan::probe()
-                .map(|info| format!("Vulkan {} on {}", info.api_version, info.devices.join(", ")))
-                .map_err(|e| e.to_string())
-        })
-        .clone()
-}
-
-fn require_vulkan() -> bool {
-    std::env::var("TRIBUTARY_REQUIRE_VULKAN").is_ok_and(|v| v == "1")
-}
-
-/// The backend of `kind` with `devices` devices, or `None` (after saying why) when it is
-/// not available here.
-fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend>> {
-    match kind {
-        Kind::Cpu => Some(Arc::new(CpuBackend::new(DeviceId(0), devices))),
-        Kind::Vulkan | Kind::VulkanStaging => {
-            if let Err(reason) = vulkan_available() {
-                assert!(
-                    !require_vulkan(),
-                    "TRIBUTARY_REQUIRE_VULKAN=1 but Vulkan is unavailable: {reason}"
-                );
-                log(&format!("skipping Vulkan ({test}): {reason}"));
-                return None;
-            }
-            let config = VulkanConfig {
-                devices: Some(devices),
-                force_staging: kind == Kind::VulkanStaging,
-            };
-            let b = VulkanBackend::new(DeviceId(0), config).expect("vulkan backend");
-            log(&format!(
-                "vulkan{}: running {test} on {} logical devices ({})",
-                if kind == Kind::VulkanStaging {
-                    " (staging)"
-                } else {
-                    ""
-                },
-                devices,
-                b.device_names().join(", ")
-            ));
-            Some(Arc::new(b))
-        }
-    }
-}
 
 /// An engine of 2 devices x 2 streams on `kind`.
 fn engine(kind: Kind, test: &str) -> Option<Engine> {
@@ -103,21 +31,7 @@ fn engine(kind: Kind, test: &str) -> Option<Engine> {
     Some(Engine::with_backend(b, 2, PoolConfig::default()).expect("engine"))
 }
 
-macro_rules! conformance {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $( #[test] fn $name() { super::$name(super::Kind::Cpu) } )*
-        }
-        mod vulkan {
-            $( #[test] fn $name() { super::$name(super::Kind::Vulkan) } )*
-        }
-        mod vulkan_staging {
-            $( #[test] fn $name() { super::$name(super::Kind::VulkanStaging) } )*
-        }
-    };
-}
-
-conformance!(
+for_each_backend!(staging:
     builtins_match_cpu,
     large_dispatches_stride_over_the_grid,
     host_transfers_and_memset,
@@ -524,115 +438,7 @@ fn host_transfers_and_memset(kind: Kind) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Slow kernels, to make the wrong interleavings of the race tests likely.
-
-const DELAY: Duration = Duration::from_millis(60);
-/// Iterations of the spinning shader's loop, each of [`UNROLL`] dependent steps (tens of
-/// milliseconds on lavapipe, whose llvmpipe compiler stops any invocation after 65535 loop
-/// iterations in all).
-const SPIN: u32 = 60_000;
-const UNROLL: usize = 200;
-
-/// A shader that spins, then stores `expr` (of `s`, `v`, `z`) into `d[i]` for every `i`.
-fn spin_wgsl(bindings: &str, expr: &str) -> String {
-    let step = "x ^= x << 13u; x ^= x >> 17u; x ^= x << 5u; ".repeat(UNROLL);
-    format!(
-        "struct P {{ n: u32, iters: u32, value: f32, zero: f32 }}
-var<immediate> p: P;
-{bindings}
-@compute @workgroup_size(1)
-fn main() {{
-    var x = 1u;
-    for (var i = 0u; i < p.iters; i++) {{ {step} }}
-    let z = f32(x >> 31u) * p.zero;
-    let v = p.value + z;
-    for (var i = 0u; i < p.n; i++) {{ d[i] = {expr}; }}
-}}"
-    )
-}
-
-fn slow_fill_wgsl() -> String {
-    spin_wgsl(
-        "@group(0) @binding(0) var<storage, read_write> d: array<f32>;",
-        "v",
-    )
-}
-
-fn slow_copy_wgsl() -> String {
-    spin_wgsl(
-        "@group(0) @binding(0) var<storage, read_write> d: array<f32>;
-@group(0) @binding(1) var<storage, read> s: array<f32>;",
-        "s[i] + z",
-    )
-}
-
-fn spin_immediates(n: usize, value: f32) -> Vec<u8> {
-    let mut b = Vec::new();
-    b.extend_from_slice(&(n as u32).to_le_bytes());
-    b.extend_from_slice(&SPIN.to_le_bytes());
-    b.extend_from_slice(&value.to_le_bytes());
-    b.extend_from_slice(&0f32.to_le_bytes());
-    b
-}
-
-/// `dst = value` (f32), slowly.
-fn slow_fill(kind: Kind, dst: &TensorNode, value: f32) -> RoutineSpec {
-    let params = vec![(dst.clone(), Access::Write)];
-    match kind {
-        Kind::Cpu => RoutineSpec::custom("slow_fill", params, None, move |a| {
-            sleep(DELAY);
-            a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
-            Ok(())
-        }),
-        _ => RoutineSpec::shader(
-            "slow_fill",
-            params,
-            None,
-            ShaderKernel::wgsl(slow_fill_wgsl(), [1, 1, 1])
-                .with_immediates(spin_immediates(dst.numel(), value)),
-        ),
-    }
-    .unwrap()
-}
-
-/// `dst = src` (f32), slowly.
-fn slow_copy(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
-    let params = vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)];
-    match kind {
-        Kind::Cpu => RoutineSpec::custom("slow_copy", params, None, |a| {
-            sleep(DELAY);
-            let s = a.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            a.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&s);
-            Ok(())
-        }),
-        _ => RoutineSpec::shader(
-            "slow_copy",
-            params,
-            None,
-            ShaderKernel::wgsl(slow_copy_wgsl(), [1, 1, 1])
-                .with_immediates(spin_immediates(dst.numel(), 0.0)),
-        ),
-    }
-    .unwrap()
-}
-
-/// A kernel that fails when it runs: a panicking closure on the CPU, a shader that does
-/// not compile on Vulkan.
-fn failing(kind: Kind, dst: &TensorNode) -> RoutineSpec {
-    let params = vec![(dst.clone(), Access::Write)];
-    match kind {
-        Kind::Cpu => RoutineSpec::custom("boom", params, None, |_| panic!("boom")),
-        _ => RoutineSpec::shader(
-            "boom",
-            params,
-            None,
-            ShaderKernel::wgsl("this is not WGSL (boom)", [1, 1, 1]),
-        ),
-    }
-    .unwrap()
-}
+// Protocol rules on real queues.
 
 fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
     TensorNode::new(label, DType::F32, [N])
@@ -776,7 +582,7 @@ fn failure_propagates_with_its_root_cause(kind: Kind) {
     let a = e.context(0, 0).unwrap();
     let b = e.context(0, 1).unwrap();
     let c = e.context(1, 0).unwrap();
-    let bad = e.link(&a, failing(kind, &x)).unwrap();
+    let bad = e.link(&a, failing(kind, "boom", &x, "boom")).unwrap();
     let dep_same_stream = e
         .link(bad.context(), kernels::scale_in_place(&x, 2.0).unwrap())
         .unwrap();

@@ -21,7 +21,7 @@ use std::{
 use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
 use tributary::{
-    backend::{cpu::CpuBackend, Backend},
+    backend::{Backend, BackendKind},
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
@@ -73,6 +73,8 @@ pub struct SystemConfig {
     pub mailbox_capacity: usize,
     /// How long `shutdown` lets in-flight work finish, in milliseconds.
     pub shutdown_timeout_ms: u64,
+    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
+    pub backend: BackendKind,
 }
 
 impl Default for SystemConfig {
@@ -83,6 +85,7 @@ impl Default for SystemConfig {
             pools: PoolConfig::default(),
             mailbox_capacity: 4096,
             shutdown_timeout_ms: 10_000,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -143,6 +146,12 @@ impl SystemBuilder {
     /// Mailbox capacity of each device actor.
     pub fn mailbox_capacity(mut self, n: usize) -> Self {
         self.config.mailbox_capacity = n.max(1);
+        self
+    }
+
+    /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
+    pub fn backend(mut self, backend: BackendKind) -> Self {
+        self.config.backend = backend;
         self
     }
 
@@ -232,12 +241,12 @@ impl System {
     }
 
     fn spawn(config: SystemConfig) -> Result<System> {
-        if config.cpu_devices == 0 {
+        let backend: Arc<dyn Backend> = config.backend.create(config.cpu_devices)?;
+        if backend.devices().is_empty() {
             return Err(Error::Unknown {
                 what: "configuration with zero devices".into(),
             });
         }
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(DeviceId(0), config.cpu_devices));
         let streams = config.streams.streams_per_device();
         let host = Arc::new(Mutex::new(HostTable::default()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -838,7 +847,9 @@ fn start_actors(
             ));
             timelines.push(timeline);
         }
-        let state = DeviceState::new(device, timelines, config.pools.clone());
+        let mut pools = config.pools.clone();
+        pools.min_alignment = pools.min_alignment.max(backend.min_alignment(device));
+        let state = DeviceState::new(device, timelines, pools);
         let (h, b, cap) = (host.clone(), backend.clone(), config.mailbox_capacity);
         let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
             DeviceActor::new(state, h, b, stream_addrs, cap)
