@@ -240,7 +240,10 @@ fn finalize_frees_memory_only_after_in_flight_readers(kind: Kind) {
 }
 
 fn panicking_kernel_fails_its_event_and_dependents_not_the_system(kind: Kind) {
-    let Some(sys) = system(kind, "panicking_kernel_fails_its_event_and_dependents_not_the_system") else {
+    let Some(sys) = system(
+        kind,
+        "panicking_kernel_fails_its_event_and_dependents_not_the_system",
+    ) else {
         return;
     };
     let x = node("x", shared());
@@ -274,7 +277,10 @@ fn panicking_kernel_fails_its_event_and_dependents_not_the_system(kind: Kind) {
 }
 
 fn shutdown_with_work_in_flight_is_bounded_and_reports_abandoned_work(kind: Kind) {
-    let Some(sys) = system(kind, "shutdown_with_work_in_flight_is_bounded_and_reports_abandoned_work") else {
+    let Some(sys) = system(
+        kind,
+        "shutdown_with_work_in_flight_is_bounded_and_reports_abandoned_work",
+    ) else {
         return;
     };
     let x = node("x", MemoryMode::on_device());
@@ -365,7 +371,10 @@ fn config_from_toml_and_json_and_async_methods() {
 }
 
 fn misuse_gets_typed_errors_and_the_system_keeps_serving(kind: Kind) {
-    let Some(sys) = system(kind, "misuse_gets_typed_errors_and_the_system_keeps_serving") else {
+    let Some(sys) = system(
+        kind,
+        "misuse_gets_typed_errors_and_the_system_keeps_serving",
+    ) else {
         return;
     };
     let x = node("x", shared());

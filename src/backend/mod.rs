@@ -113,7 +113,9 @@ impl BackendKind {
     /// Creates the backend, its devices numbered from `DeviceId(0)`; `cpu_devices` is the
     /// number of CPU devices (ignored by other kinds). A Vulkan backend that cannot start
     /// (no loader, no driver, no suitable device) is [`DeviceError::Unavailable`].
-    pub fn create(&self, cpu_devices: usize) -> Result<Arc<dyn Backend>, DeviceError> {
+    pub fn create(&self, cpu_devices: usize) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
+        // A plain `std` Arc: loom's cannot hold a trait object.
+        use std::sync::Arc;
         match self {
             BackendKind::Cpu => Ok(Arc::new(cpu::CpuBackend::new(DeviceId(0), cpu_devices))),
             BackendKind::Vulkan(config) => Ok(Arc::new(vulkan::VulkanBackend::new(
