@@ -17,7 +17,7 @@
 //!   in each step every context sends one chunk group to its successor, so every link
 //!   carries `2(n-1)/n` of the data: bandwidth-optimal when the chunk groups are balanced.
 //!
-//! The planner is pure ([`plan`]); executors ([`crate::Engine::all_reduce`] and the actor
+//! The planner is pure ([`plan`]); executors (`Engine::all_reduce` and the actor
 //! coordinator) carry the steps out.
 
 use serde::{Deserialize, Serialize};

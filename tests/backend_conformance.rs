@@ -456,7 +456,7 @@ fn raw_war_waw_across_streams(kind: Kind) {
     };
     let shared = MemoryMode::OnDevice(Sharing::SharedCrossStreams);
     for dev in 0..2 {
-        let x = f32_node("x", shared.clone());
+        let x = f32_node("x", shared);
         let y = f32_node("y", MemoryMode::on_device());
         let a = e.context(dev, 0).unwrap();
         let b = e.context(dev, 1).unwrap();

@@ -181,7 +181,8 @@ fn check_physical(
 
 /// A logical device, its queue and its allocator.
 pub(super) struct DeviceCore {
-    pub(super) instance: Arc<InstanceCore>,
+    /// Keeps the instance alive as long as the device.
+    _instance: Arc<InstanceCore>,
     pub(super) physical: PhysicalInfo,
     pub(super) device: ash::Device,
     pub(super) push_descriptor: ash::khr::push_descriptor::Device,
@@ -226,7 +227,7 @@ impl DeviceCore {
             .map_err(|r| map_init_err("vkCreateDevice", r))?;
         match Self::finish(&instance, &physical, &device) {
             Ok((queue, push_descriptor, allocator, helper)) => Ok(Arc::new(DeviceCore {
-                instance,
+                _instance: instance,
                 physical,
                 device,
                 push_descriptor,

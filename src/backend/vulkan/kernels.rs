@@ -15,7 +15,7 @@ use super::{
     shaders::{self, Op, Ty},
 };
 use crate::{
-    kernels::{Access, Builtin, Kernel, ShaderKernel, ShaderSource},
+    kernels::{Builtin, Kernel, ShaderKernel, ShaderSource},
     node::DType,
     protocol::ArgBinding,
 };
@@ -27,10 +27,13 @@ pub(super) struct Arg {
     pub(super) binding: ArgBinding,
 }
 
+/// A compiled module, or why it does not compile.
+type Compiled = Result<Arc<[u32]>, String>;
+
 /// SPIR-V modules compiled from WGSL, shared by every device of a backend.
 #[derive(Default)]
 pub(super) struct SpirvCache {
-    map: Mutex<HashMap<String, Result<Arc<[u32]>, String>>>,
+    map: Mutex<HashMap<String, Compiled>>,
 }
 
 impl SpirvCache {
@@ -86,7 +89,6 @@ pub(super) struct Pipeline {
     set_layout: vk::DescriptorSetLayout,
     layout: vk::PipelineLayout,
     pipeline: vk::Pipeline,
-    bindings: u32,
     push_size: u32,
 }
 
@@ -120,7 +122,6 @@ impl Pipeline {
             set_layout,
             layout: vk::PipelineLayout::null(),
             pipeline: vk::Pipeline::null(),
-            bindings,
             push_size,
         };
         // From here on, `Drop for Pipeline` destroys what was created if we return early.
@@ -237,14 +238,12 @@ pub(super) struct PipelineCache {
 impl PipelineCache {
     fn get(
         &self,
-        core: &Arc<DeviceCore>,
         key: &str,
         make: impl FnOnce() -> Result<Pipeline, String>,
     ) -> Result<Arc<Pipeline>, String> {
         if let Some(p) = lock(&self.map).get(key) {
             return Ok(p.clone());
         }
-        let _ = core;
         let p = Arc::new(make()?);
         Ok(lock(&self.map).entry(key.to_string()).or_insert(p).clone())
     }
@@ -354,7 +353,7 @@ impl Lowering<'_> {
         }
         let key = shaders::key(op, ty);
         let push = if ty.wide_scalars() { 32 } else { 24 };
-        self.pipelines.get(self.core, &key, || {
+        self.pipelines.get(&key, || {
             let spirv = self
                 .spirv
                 .get(&key, ty.needs_f64(), || shaders::source(op, ty))?;
@@ -418,11 +417,9 @@ impl Lowering<'_> {
             bindings.push(self.bind(&m.region, "the merge buffer")?);
         }
         let n = bindings.len() as u32;
-        let pipeline = self
-            .pipelines
-            .get(self.core, &format!("{key}#{n}#{push_size}"), || {
-                Pipeline::new(self.core, &words, &s.entry_point, n, push_size as u32)
-            })?;
+        let pipeline = self.pipelines.get(&format!("{key}#{n}#{push_size}"), || {
+            Pipeline::new(self.core, &words, &s.entry_point, n, push_size as u32)
+        })?;
         if s.workgroups.contains(&0) {
             return Ok(Lowered::Nothing);
         }
@@ -701,7 +698,7 @@ impl Lowering<'_> {
             0.0,
             0.0,
         )?;
-        let pipeline = self.pipelines.get(self.core, shaders::FILL_KEY, || {
+        let pipeline = self.pipelines.get(shaders::FILL_KEY, || {
             let spirv = self
                 .spirv
                 .get(shaders::FILL_KEY, false, shaders::fill_source)?;
@@ -739,9 +736,3 @@ fn regions(args: &[Arg]) -> Vec<Region> {
 pub(super) const CPU_KERNEL_ON_VULKAN: &str =
     "Rust closure kernels (Kernel::Cpu) run on CPU devices only; a Vulkan device runs \
      built-ins and shader kernels (Kernel::Shader)";
-
-/// Whether an access writes (for documentation of binding modes).
-#[allow(dead_code)]
-fn writes(a: Access) -> bool {
-    a.writes()
-}

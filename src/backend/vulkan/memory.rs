@@ -160,11 +160,6 @@ impl Buffer {
         &self.core
     }
 
-    /// Whether the host may read and write it directly.
-    pub(super) fn is_host_accessible(&self) -> bool {
-        self.host.is_some()
-    }
-
     /// The mapped address of byte `offset` (`None` unless host-accessible and in range).
     fn host_ptr(&self, offset: u64, bytes: u64) -> Option<*mut u8> {
         let host = self.host?;
@@ -214,10 +209,6 @@ impl Region {
                 buffer.size()
             )),
         }
-    }
-
-    fn same_device(&self, other: &Region) -> bool {
-        Arc::ptr_eq(self.buffer.core(), other.buffer.core())
     }
 
     /// Copies `self` into `out` (the first `out.len()` bytes of the region), on the host.
@@ -325,13 +316,8 @@ impl Region {
         }
     }
 
-    /// Whether a copy between `self` and `other` can be a `vkCmdCopyBuffer` on `core`.
+    /// Whether the region lives on the device `core`.
     pub(super) fn on_device(&self, core: &Arc<DeviceCore>) -> bool {
         Arc::ptr_eq(self.buffer.core(), core)
-    }
-
-    /// Whether both regions live on the same device.
-    pub(super) fn shares_device_with(&self, other: &Region) -> bool {
-        self.same_device(other)
     }
 }

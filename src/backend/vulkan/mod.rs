@@ -127,7 +127,7 @@ use crate::{backend::Backend, event::Timeline};
 pub use imp::{probe, VulkanBackend};
 
 /// Configuration of the Vulkan backend.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct VulkanConfig {
     /// Number of logical devices. `None`: one per suitable physical device. `Some(n)`:
@@ -137,15 +137,6 @@ pub struct VulkanConfig {
     /// Never touch pool memory from the host even where it is mapped: host transfers and
     /// cross-device copies go through staging buffers, as on a discrete GPU.
     pub force_staging: bool,
-}
-
-impl Default for VulkanConfig {
-    fn default() -> Self {
-        VulkanConfig {
-            devices: None,
-            force_staging: false,
-        }
-    }
 }
 
 impl VulkanConfig {
