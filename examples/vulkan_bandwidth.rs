@@ -19,8 +19,7 @@ use tributary::{
     backend::vulkan::{VulkanBackend, VulkanConfig},
     kernels,
     memory::PoolConfig,
-    DType, DeviceId, Engine, HostedKind, MemoryMode, MergeBufferUse, Result, Sharing,
-    TensorNode,
+    DType, DeviceId, Engine, HostedKind, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
 };
 
 fn median(mut v: Vec<Duration>) -> Duration {

@@ -40,6 +40,7 @@ for_each_backend!(staging:
     failure_propagates_with_its_root_cause,
     foreign_kernels_are_refused_at_link,
     pools_are_reused_under_endless_work,
+    long_reductions_are_exact_or_refused,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -690,4 +691,34 @@ fn pools_are_reused_under_endless_work(kind: Kind) {
     e.sync_all().unwrap();
     let stats = e.memory_stats();
     assert!(stats[1].pools <= 2, "pools stay bounded: {stats:?}");
+}
+
+/// A column sum over 70 000 rows: exact, or (on lavapipe, whose llvmpipe stops an
+/// invocation after 65 535 loop iterations) a failed event that says why, never a silently
+/// truncated result.
+fn long_reductions_are_exact_or_refused(kind: Kind) {
+    let Some(mut e) = engine(kind, "long_reductions_are_exact_or_refused") else {
+        return;
+    };
+    let (m, n) = (70_000usize, 2usize);
+    let src = node("src", DType::F32, &[m, n]);
+    let dst = node("dst", DType::F32, &[n]);
+    let ctx = e.context(0, 0).unwrap();
+    let ctx = e.init_from_host(&ctx, &src, &vec![1.0f32; m * n]).unwrap();
+    let r = e
+        .link(&ctx, kernels::sum_rows(&dst, &src).unwrap())
+        .unwrap();
+    let ev = e.schedule(&r).unwrap();
+    match ev.wait() {
+        Ok(()) => assert_eq!(e.read::<f32>(r.context(), &dst).unwrap(), vec![m as f32; n]),
+        Err(Error::Failed(f)) => {
+            assert!(kind.is_vulkan(), "{f}");
+            assert!(f.message.contains("loop iterations"), "{f}");
+            common::log(&format!(
+                "vulkan: long reduction refused as expected: {}",
+                f.message
+            ));
+        }
+        Err(other) => panic!("{other}"),
+    }
 }

@@ -57,6 +57,9 @@ pub(super) struct Limits {
     pub(super) max_storage_range: u64,
     pub(super) max_workgroups_x: u32,
     pub(super) max_push_constants: u32,
+    /// Loop iterations one invocation may run in all before the driver stops it silently
+    /// (llvmpipe, i.e. lavapipe: 65535); `None` where there is no such limit.
+    pub(super) max_loop_iterations: Option<u64>,
 }
 
 fn version_string(v: u32) -> String {
@@ -115,6 +118,13 @@ impl InstanceCore {
                 .device_name_as_c_str()
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|_| "unnamed device".into());
+            let mut driver = vk::PhysicalDeviceDriverProperties::default();
+            let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut driver);
+            // SAFETY: `pd` comes from this instance; the driver-properties struct is core in
+            // 1.2 (devices below 1.2 are refused by `check_physical` anyway); both structs
+            // live across the call.
+            unsafe { inst.get_physical_device_properties2(pd, &mut props2) };
+            let llvmpipe = driver.driver_id == vk::DriverId::MESA_LLVMPIPE;
             match check_physical(inst, pd, &props) {
                 Ok((queue_family, float64)) => usable.push(PhysicalInfo {
                     handle: pd,
@@ -129,6 +139,7 @@ impl InstanceCore {
                         max_storage_range: u64::from(props.limits.max_storage_buffer_range),
                         max_workgroups_x: props.limits.max_compute_work_group_count[0].max(1),
                         max_push_constants: props.limits.max_push_constants_size,
+                        max_loop_iterations: llvmpipe.then_some(65_535),
                     },
                 }),
                 Err(why) => refused.push(format!("{name}: {why}")),

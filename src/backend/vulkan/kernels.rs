@@ -310,6 +310,27 @@ impl Lowering<'_> {
         [want.min(max) as u32, 1, 1]
     }
 
+    /// Refuses a dispatch whose invocations would run more loop iterations than the driver
+    /// allows (llvmpipe silently stops an invocation after 65535 iterations in all, which
+    /// would leave results half computed): `items` grid-stride items over `groups`, each
+    /// running `per_item` inner iterations.
+    fn check_loops(&self, items: u64, groups: [u32; 3], per_item: u64) -> Result<(), String> {
+        let Some(limit) = self.core.physical.limits.max_loop_iterations else {
+            return Ok(());
+        };
+        let invocations = u64::from(groups[0]) * u64::from(shaders::WORKGROUP);
+        let rounds = items.div_ceil(invocations.max(1));
+        let total = rounds.saturating_mul(per_item.saturating_add(1));
+        if total > limit {
+            return Err(format!(
+                "one invocation would run {total} loop iterations, more than the {limit} that \
+                 {} runs before stopping it (the problem is too large for this driver)",
+                self.core.physical.name
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks a binding against the device's limits: offset alignment and range.
     fn check_binding(&self, r: &Region, what: &str) -> Result<(), String> {
         let limits = &self.core.physical.limits;
@@ -609,7 +630,7 @@ impl Lowering<'_> {
                 }
                 let ty = Ty::of(dtype).ok_or("unsupported dtype")?;
                 let comp = if ty.wide_scalars() { 8 } else { 4 };
-                let scratch = super::memory::Buffer::pool(self.core, m as u64 * comp, true)
+                let scratch = super::memory::Buffer::scratch(self.core, m as u64 * comp)
                     .map_err(|e| format!("scratch of {m} rows: {e}"))?;
                 let scratch = Region::new(Arc::new(scratch), 0, m as u64 * comp)?;
                 let mut regs = regions(args);
@@ -644,6 +665,15 @@ impl Lowering<'_> {
         scalar: f64,
     ) -> Result<Lowered, String> {
         let ty = Ty::of(dtype).ok_or_else(|| format!("dtype {dtype} is not supported"))?;
+        let [m, k, c] = dims;
+        // Loop iterations of one element's `body` (see `shaders::Op::body`).
+        let inner = match op {
+            Op::SumRows | Op::SoftmaxLoss => m,
+            Op::Matmul | Op::MatmulTn | Op::MatmulNt => k,
+            Op::SoftmaxGrad => 2 * c,
+            Op::SoftmaxRows => 3 * c,
+            _ => 0,
+        };
         if regions.len() != op.writes().len() {
             return Err(format!(
                 "{} buffers for a shader of {}",
@@ -659,15 +689,17 @@ impl Lowering<'_> {
             .enumerate()
             .map(|(i, r)| self.bind(r, &format!("argument {i}")))
             .collect::<Result<Vec<_>, _>>()?;
-        let [m, k, c] = dims;
         let push = push_block(ty, count, m, k, c, scalar, 0.0)?;
         let pipeline = self.pipeline_builtin(op, ty)?;
         let items = shaders::items(ty, count);
+        let groups = self.groups(items);
+        let per_item = if ty.packed() { 2 * inner } else { inner };
+        self.check_loops(items, groups, per_item)?;
         Ok(Lowered::Dispatches(vec![Dispatch {
             pipeline,
             bindings,
             push,
-            groups: self.groups(items),
+            groups,
         }]))
     }
 

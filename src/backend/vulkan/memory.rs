@@ -50,6 +50,18 @@ impl Buffer {
         Ok(if no_host_access { b.without_host() } else { b })
     }
 
+    /// Device memory for a kernel's temporary values (not host-accessible).
+    pub(super) fn scratch(core: &Arc<DeviceCore>, bytes: u64) -> Result<Buffer, DeviceError> {
+        Ok(Buffer::new(
+            core,
+            bytes,
+            MemoryLocation::GpuOnly,
+            "tributary scratch",
+            false,
+        )?
+        .without_host())
+    }
+
     /// A staging buffer in host-visible memory.
     pub(super) fn staging(core: &Arc<DeviceCore>, bytes: u64) -> Result<Buffer, DeviceError> {
         let b = Buffer::new(

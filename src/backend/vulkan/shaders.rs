@@ -77,7 +77,7 @@ impl Ty {
         self == Ty::F64
     }
 
-    fn packed(self) -> bool {
+    pub(super) fn packed(self) -> bool {
         matches!(self, Ty::F16 | Ty::Bf16)
     }
 
