@@ -355,7 +355,9 @@ impl VulkanStream {
         if let Some(deadline) = deadline {
             while threads.iter().any(|h| !h.is_finished()) {
                 if Instant::now() >= deadline {
-                    // Detached: the threads own what they use and finish on their own.
+                    // Detach: the threads own what they use (device, buffers) and finish
+                    // the queued work on their own; dropping the handles does not stop them.
+                    threads.clear();
                     return false;
                 }
                 std::thread::sleep(Duration::from_millis(1));
