@@ -519,15 +519,16 @@ impl Lowering<'_> {
                 .ok_or_else(|| format!("dimensions {a} x {b} overflow"))
         };
         let region = |i: usize| args.get(i).map(|a| &a.region).ok_or("missing argument");
+        let bytes = |i: usize| {
+            args.get(i)
+                .map(|a| a.binding.bytes)
+                .ok_or("missing argument")
+        };
         match *b {
             Builtin::Fill { value } => self.fill(region(0)?, dtype, value),
             Builtin::Copy => {
-                expect(
-                    "the source (bytes)",
-                    args[1].binding.bytes,
-                    args[0].binding.bytes,
-                )?;
-                self.copy(region(1)?, 0, region(0)?, 0, args[0].binding.bytes)
+                expect("the source (bytes)", bytes(1)?, bytes(0)?)?;
+                self.copy(region(1)?, 0, region(0)?, 0, bytes(0)?)
             }
             Builtin::CopyRange {
                 dst_offset,
@@ -544,7 +545,7 @@ impl Lowering<'_> {
                         .ok_or_else(|| "range overflows".to_string())
                 };
                 let ((ds, de), (ss, se)) = (range(dst_offset)?, range(src_offset)?);
-                if de > args[0].binding.bytes || se > args[1].binding.bytes {
+                if de > bytes(0)? || se > bytes(1)? {
                     return Err("range outside the buffers".into());
                 }
                 self.copy(region(1)?, ss, region(0)?, ds, de - ds)
