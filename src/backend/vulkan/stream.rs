@@ -665,6 +665,12 @@ impl Submitter {
                 if *bytes == 0 {
                     return Ok(None);
                 }
+                if dst.offset % 4 != 0 {
+                    return Err(format!(
+                        "memset at offset {}, not a multiple of 4 (pool alignment too small)",
+                        dst.offset
+                    ));
+                }
                 // vkCmdFillBuffer works on whole words: round up (buffers start at offsets
                 // aligned to at least 16, so the padding of the last word is no one else's).
                 let size = bytes
