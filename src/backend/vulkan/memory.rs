@@ -292,11 +292,17 @@ impl Region {
     }
 
     /// Copies `bytes` from `self` to `dst` through the host, for regions on different
-    /// devices: one `memcpy` when both are mapped, otherwise staged legs.
+    /// devices: one `memcpy` when both are mapped, otherwise staged legs through `host`, a
+    /// buffer the caller keeps between calls (so its pages are touched once, not per copy).
     ///
     /// The caller guarantees what [`read_to_host`](Self::read_to_host) and
     /// [`write_from_host`](Self::write_from_host) require.
-    pub(super) fn copy_across(&self, dst: &Region, bytes: u64) -> Result<(), DeviceError> {
+    pub(super) fn copy_across(
+        &self,
+        dst: &Region,
+        bytes: u64,
+        host: &mut Vec<u8>,
+    ) -> Result<(), DeviceError> {
         let n = bytes.min(self.bytes).min(dst.bytes);
         let direct = (
             self.buffer.host_ptr(self.offset, n),
@@ -321,9 +327,12 @@ impl Region {
                 self.read_to_host(out)
             }
             (None, None) => {
-                let mut tmp = vec![0u8; n as usize];
-                self.read_to_host(&mut tmp)?;
-                dst.write_from_host(&tmp)
+                if host.len() < n as usize {
+                    host.resize(n as usize, 0);
+                }
+                let tmp = &mut host[..n as usize];
+                self.read_to_host(tmp)?;
+                dst.write_from_host(tmp)
             }
         }
     }

@@ -255,6 +255,7 @@ impl VulkanStream {
             in_flight: VecDeque::new(),
             last: 0,
             done: done_tx,
+            host_scratch: Vec::new(),
         };
         let id = shared.id;
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -433,6 +434,8 @@ struct Submitter {
     /// The last value this stream signalled (or submitted a signal of).
     last: u64,
     done: Sender<Pending>,
+    /// Host memory for staged cross-device copies, kept between them.
+    host_scratch: Vec<u8>,
 }
 
 /// How the dependencies of one plan are to be waited for.
@@ -703,7 +706,7 @@ impl Submitter {
         }
     }
 
-    fn host_job(&self, job: &Job) -> std::result::Result<(), DeviceError> {
+    fn host_job(&mut self, job: &Job) -> std::result::Result<(), DeviceError> {
         match job {
             Job::FromHost { host, dst, bytes } => {
                 // SAFETY: the protocol made this transfer wait for every writer of the host
@@ -720,7 +723,7 @@ impl Submitter {
                     .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
                 src.read_to_host(out)
             }
-            Job::Copy { src, dst, bytes } => src.copy_across(dst, *bytes),
+            Job::Copy { src, dst, bytes } => src.copy_across(dst, *bytes, &mut self.host_scratch),
             _ => Ok(()),
         }
     }
