@@ -93,10 +93,10 @@ pub enum ShaderSource {
 /// A user compute shader for GPU backends (Vulkan).
 ///
 /// Binding interface: parameter `i` of the routine is the storage buffer at
-/// `@group(0) @binding(i)` (bound exactly over the node's buffer, whose length the shader
-/// can query with `arrayLength`), the merge buffer, if the routine reads one, is binding
-/// `params.len()`; `immediates` are the push constants (WGSL `var<immediate>`), at most
-/// 128 bytes. The backend dispatches `workgroups` once; the shader must bound its own
+/// `@group(0) @binding(i)`, bound over the node's buffer rounded up to whole 4-byte words
+/// (so `arrayLength` of an `array<u32>` over 5 `u8` elements is 2); the merge buffer, if the
+/// routine reads one, is binding `params.len()`; `immediates` are the push constants (WGSL
+/// `var<immediate>`), at most 128 bytes. The backend dispatches `workgroups` once; the shader must bound its own
 /// indices. Like every kernel, it must write every element of its `Write` parameters.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ShaderKernel {

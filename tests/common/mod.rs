@@ -45,9 +45,10 @@ impl Kind {
     }
 }
 
-/// Writes a line to the process's stderr, past the test harness's capture.
+/// Writes a line to the process's stderr, past the test harness's capture (on a line of
+/// its own: the harness may be in the middle of one).
 pub fn log(line: &str) {
-    let _ = writeln!(std::io::stderr(), "{line}");
+    let _ = write!(std::io::stderr(), "\n{line}\n");
 }
 
 /// `Ok(description)` when Vulkan is usable here, `Err(reason)` otherwise (probed once).
