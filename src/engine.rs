@@ -158,7 +158,11 @@ impl Engine {
 
     /// Applies pending pool operations, then submits plans to their streams.
     fn submit(&mut self, plans: Vec<Plan>) -> Result<Option<Event>> {
-        self.apply_pool_ops()?;
+        if let Err(e) = self.apply_pool_ops() {
+            // The plans' events were issued: fail them, or later signals would cover them.
+            plans.iter().for_each(|p| p.fail(&e));
+            return Err(e);
+        }
         let mut last = None;
         for plan in plans {
             let d = self.device_index(plan.stream.device)?;

@@ -40,6 +40,7 @@ pub mod memory;
 pub mod node;
 pub mod protocol;
 pub mod sync;
+pub mod trace;
 
 pub use engine::{Engine, EngineConfig, MergeBufferUse};
 pub use error::{DeviceError, Error, Failure, Result};

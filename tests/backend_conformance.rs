@@ -3,9 +3,9 @@
 //! Mesa's lavapipe), and Vulkan again with host access to pool memory switched off (the
 //! staging path of discrete GPUs).
 //!
-//! Every test body is written once over a `Kind`; `for_each_backend!` (in `common/`) makes
+//! Every test body is written once over a `Kind`; `for_each_backend!` (in `support/`) makes
 //! one `#[test]` per backend kind (`cpu::name`, `vulkan::name`, `vulkan_staging::name`);
-//! see `common/mod.rs` for skipping and `TRIBUTARY_REQUIRE_VULKAN`.
+//! see `support/mod.rs` for skipping and `TRIBUTARY_REQUIRE_VULKAN`.
 //!
 //! Results are compared with the CPU built-ins (`kernels::run_on_host`): bitwise for
 //! everything but `softmax_xent`, whose `exp`/`log` come from the driver (tolerances in
@@ -15,9 +15,9 @@
 #![allow(clippy::unwrap_used)]
 
 #[macro_use]
-mod common;
+mod support;
 
-use common::{backend, failing, slow_copy, slow_fill, slow_fill_wgsl, Kind};
+use support::{all, backend, failing, slow_copy, slow_fill, slow_fill_wgsl, Kind, N};
 use tributary::{
     kernels::{self, from_bytes, to_bytes, Access, RoutineSpec, ShaderKernel},
     memory::PoolConfig,
@@ -45,8 +45,6 @@ for_each_backend!(staging:
 
 // ---------------------------------------------------------------------------------------
 // Data helpers.
-
-const N: usize = 256;
 
 /// Deterministic pseudo-random numbers in [-2, 2), with exact zeros and small integers
 /// mixed in (relu edges, exact sums); never subnormal.
@@ -447,10 +445,6 @@ fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
         .unwrap()
 }
 
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
-}
-
 fn raw_war_waw_across_streams(kind: Kind) {
     let Some(mut e) = engine(kind, "raw_war_waw_across_streams") else {
         return;
@@ -714,7 +708,7 @@ fn long_reductions_are_exact_or_refused(kind: Kind) {
         Err(Error::Failed(f)) => {
             assert!(kind.is_vulkan(), "{f}");
             assert!(f.message.contains("loop iterations"), "{f}");
-            common::log(&format!(
+            support::log(&format!(
                 "vulkan: long reduction refused as expected: {}",
                 f.message
             ));

@@ -5,9 +5,9 @@
 mod model;
 
 #[macro_use]
-mod common;
+mod support;
 
-use common::{backend_kind, Kind};
+use support::{backend_kind, Kind};
 use tributary::{
     collective::{ReduceOp, Strategy, Transfer},
     kernels,

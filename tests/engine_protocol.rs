@@ -1,5 +1,5 @@
 //! Engine tests: every rule of DESIGN.md §3 with 2 devices x 2 streams, on every backend
-//! present (`cpu::*` always, `vulkan::*` where a driver loads; see `common/mod.rs`).
+//! present (`cpu::*` always, `vulkan::*` where a driver loads; see `support/mod.rs`).
 //!
 //! Each race test makes the "wrong" interleaving likely by delaying one side with a slow
 //! kernel, so removing the rule under test makes the test fail (the mutation check in
@@ -8,17 +8,15 @@
 #![cfg(not(tributary_loom))]
 
 #[macro_use]
-mod common;
+mod support;
 
 use std::time::Duration;
 
-use common::{backend, failing, slow_copy, slow_fill, Kind};
+use support::{all, backend, failing, node, shared, slow_copy, slow_fill, Kind, N};
 use tributary::{
     kernels, memory::PoolConfig, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse,
     Sharing, TensorNode,
 };
-
-const N: usize = 256;
 
 /// 2 devices x 2 streams on `kind` with `pools`, or `None` when it is not available here.
 fn engine_with(kind: Kind, test: &str, pools: PoolConfig) -> Option<Engine> {
@@ -50,20 +48,6 @@ for_each_backend!(
     host_write_waits_for_pending_uploads,
     odd_sized_nodes_transfer_and_compute_exactly_their_elements,
 );
-
-fn node(label: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(label, DType::F32, [N])
-        .with_mode(mode)
-        .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
-}
-
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
-}
 
 fn raw_across_streams_waits_for_the_writer(kind: Kind) {
     let Some(mut e) = engine(kind, "raw_across_streams_waits_for_the_writer") else {

@@ -4,18 +4,19 @@
 #![cfg(not(tributary_loom))]
 
 #[macro_use]
-mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{backend_kind, failing, slow_copy, slow_fill, slow_fill_times, Kind};
+use support::{
+    all, backend_kind, failing, node, shared, slow_copy, slow_fill, slow_fill_times, Kind, N,
+};
 use tributary::{
     backend::{vulkan::VulkanConfig, BackendKind},
-    kernels, DType, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode,
+    kernels, DType, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
 };
 use tributary_actors::{block_on, StreamConfig, System, SystemConfig};
 
-const N: usize = 256;
 const T: Duration = Duration::from_secs(20);
 
 /// 2 devices x 2 streams on `kind`, or `None` when that backend is not available here.
@@ -40,21 +41,8 @@ for_each_backend!(
     panicking_kernel_fails_its_event_and_dependents_not_the_system,
     shutdown_with_work_in_flight_is_bounded_and_reports_abandoned_work,
     misuse_gets_typed_errors_and_the_system_keeps_serving,
+    node_messages_and_awaiting_a_stream,
 );
-
-fn node(label: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(label, DType::F32, [N])
-        .with_mode(mode)
-        .expect("mode")
-}
-
-fn shared() -> MemoryMode {
-    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
-}
-
-fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
-}
 
 fn cross_stream_raw_war_waw_on_one_device(kind: Kind) {
     let Some(sys) = system(kind, "cross_stream_raw_war_waw_on_one_device") else {
@@ -406,5 +394,43 @@ fn misuse_gets_typed_errors_and_the_system_keeps_serving(kind: Kind) {
     ));
     w.schedule().unwrap();
     assert!(all(&w.context().read::<f32>(&x).unwrap(), 1.0));
+    sys.shutdown().unwrap();
+}
+
+fn node_messages_and_awaiting_a_stream(kind: Kind) {
+    use tributary_actors::messages::{CreateNode, RefineNode};
+    let Some(sys) = system(kind, "node_messages_and_awaiting_a_stream") else {
+        return;
+    };
+    let coordinator = sys.coordinator();
+    let x = block_on(coordinator.send(CreateNode {
+        label: "x".into(),
+        dtype: DType::F32,
+        shape: [N].into(),
+        mode: MemoryMode::Materialized,
+    }))
+    .unwrap()
+    .unwrap();
+    let refined = block_on(coordinator.send(RefineNode {
+        node: x.clone(),
+        mode: MemoryMode::on_device(),
+    }))
+    .unwrap()
+    .unwrap();
+    assert_eq!(refined, MemoryMode::on_device());
+    let err = block_on(coordinator.send(RefineNode {
+        node: x.clone(),
+        mode: MemoryMode::Virtual,
+    }))
+    .unwrap()
+    .unwrap_err();
+    assert!(matches!(err, Error::ModeConflict { .. }));
+    let c = sys.context(1, 1).unwrap();
+    let r = c.link(slow_fill(kind, &x, 4.0)).unwrap();
+    let t = r.schedule().unwrap();
+    sys.await_stream(1, 1).unwrap();
+    assert!(t.is_done());
+    assert!(all(&r.context().read::<f32>(&x).unwrap(), 4.0));
+    assert!(matches!(sys.await_stream(1, 7), Err(Error::Unknown { .. })));
     sys.shutdown().unwrap();
 }

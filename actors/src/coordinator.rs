@@ -55,6 +55,20 @@ fn mailbox(e: actix::MailboxError) -> Error {
     Error::ShutDown(format!("device actor unreachable: {e}"))
 }
 
+/// Step 1 of a transfer: the source describes its buffer and what a reader waits for.
+async fn source_of(
+    addr: &Addr<DeviceActor>,
+    ctx: &tributary::protocol::Context,
+    node: &tributary::TensorNode,
+) -> Result<tributary::protocol::Source> {
+    addr.send(GetSource {
+        ctx: ctx.clone(),
+        node: node.clone(),
+    })
+    .await
+    .map_err(mailbox)?
+}
+
 impl Handler<DeviceToDevice> for Coordinator {
     type Result = ResponseFuture<Result<Option<Event>>>;
 
@@ -85,13 +99,7 @@ impl Handler<DeviceToDevice> for Coordinator {
                     });
                 }
             }
-            let source = src
-                .send(GetSource {
-                    ctx: msg.src.clone(),
-                    node: msg.node.clone(),
-                })
-                .await
-                .map_err(mailbox)??;
+            let source = source_of(&src, &msg.src, &msg.node).await?;
             let loc = source.loc.loc;
             let event = match msg.mode {
                 MergeBufferUse::No | MergeBufferUse::Copy => dst
@@ -158,13 +166,8 @@ impl Handler<AllReduce> for Coordinator {
                             Transfer::Streaming => true,
                             Transfer::Auto => can_stream[src][dst],
                         };
-                        let source = addrs[src]
-                            .send(GetSource {
-                                ctx: msg.contexts[src].clone(),
-                                node: msg.nodes[chunk].clone(),
-                            })
-                            .await
-                            .map_err(mailbox)??;
+                        let source =
+                            source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
                         let loc = source.loc.loc;
                         let routine = msg.merge[dst][chunk].clone();
                         let reader = if streaming {
@@ -197,13 +200,8 @@ impl Handler<AllReduce> for Coordinator {
                         addrs[src].do_send(RecordRead { loc, event: reader });
                     }
                     Step::Broadcast { chunk, src, dst } => {
-                        let source = addrs[src]
-                            .send(GetSource {
-                                ctx: msg.contexts[src].clone(),
-                                node: msg.nodes[chunk].clone(),
-                            })
-                            .await
-                            .map_err(mailbox)??;
+                        let source =
+                            source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
                         let loc = source.loc.loc;
                         if let Some(e) = addrs[dst]
                             .send(CopyIn {
@@ -255,4 +253,18 @@ impl Handler<AllReduce> for Coordinator {
 enum LastWrite {
     Event(Event),
     Ticket(crate::ticket::Ticket),
+}
+
+impl Handler<CreateNode> for Coordinator {
+    type Result = Result<tributary::TensorNode>;
+    fn handle(&mut self, msg: CreateNode, _: &mut Self::Context) -> Self::Result {
+        tributary::TensorNode::new(msg.label, msg.dtype, msg.shape).with_mode(msg.mode)
+    }
+}
+
+impl Handler<RefineNode> for Coordinator {
+    type Result = Result<tributary::MemoryMode>;
+    fn handle(&mut self, msg: RefineNode, _: &mut Self::Context) -> Self::Result {
+        msg.node.refine_mode(msg.mode)
+    }
 }

@@ -66,12 +66,20 @@ impl DeviceActor {
     /// Applies pool operations, then hands plans to their stream actors (in order).
     fn submit(&mut self, plans: Vec<Plan>) -> Result<()> {
         for op in self.state.take_pool_ops() {
-            match op {
-                PoolOp::Create { pool, bytes, align } => {
-                    self.backend
-                        .create_pool(self.state.device(), pool, bytes, align)?
+            let created = match op {
+                PoolOp::Create { pool, bytes, align } => self
+                    .backend
+                    .create_pool(self.state.device(), pool, bytes, align)
+                    .map_err(tributary::Error::from),
+                PoolOp::Release { pool } => {
+                    self.backend.release_pool(self.state.device(), pool);
+                    Ok(())
                 }
-                PoolOp::Release { pool } => self.backend.release_pool(self.state.device(), pool),
+            };
+            if let Err(e) = created {
+                // The plans' events were issued: fail them, or later signals would cover them.
+                plans.iter().for_each(|p| p.fail(&e));
+                return Err(e);
             }
         }
         let mut batch: Vec<Plan> = Vec::new();
@@ -365,6 +373,24 @@ impl Handler<LastEvents> for DeviceActor {
     type Result = Vec<Event>;
     fn handle(&mut self, _: LastEvents, _: &mut Self::Context) -> Vec<Event> {
         self.state.last_events()
+    }
+}
+
+impl Handler<StreamLastEvent> for DeviceActor {
+    type Result = Result<Option<Event>>;
+    fn handle(&mut self, msg: StreamLastEvent, _: &mut Self::Context) -> Self::Result {
+        let stream = self
+            .state
+            .timeline(msg.stream)
+            .ok_or_else(|| tributary::Error::Unknown {
+                what: format!("stream {} on {}", msg.stream, self.state.device()),
+            })?
+            .stream();
+        Ok(self
+            .state
+            .last_events()
+            .into_iter()
+            .find(|e| e.stream() == stream))
     }
 }
 

@@ -261,3 +261,36 @@ pub struct AllReduce {
     /// How reduce steps move data.
     pub transfer: tributary::collective::Transfer,
 }
+
+/// Create a tensor node (handled by the coordinator; nodes are plain values, so a host may
+/// also create them directly with `TensorNode::new`).
+#[derive(Message, Debug)]
+#[rtype(result = "Result<TensorNode>")]
+pub struct CreateNode {
+    /// Label.
+    pub label: String,
+    /// Element type.
+    pub dtype: tributary::DType,
+    /// Shape.
+    pub shape: tributary::Shape,
+    /// Initial refinement of the memory mode.
+    pub mode: tributary::MemoryMode,
+}
+
+/// Refine a node's memory mode (refinement only; a contradiction is an error).
+#[derive(Message, Debug)]
+#[rtype(result = "Result<tributary::MemoryMode>")]
+pub struct RefineNode {
+    /// The node.
+    pub node: TensorNode,
+    /// The refinement.
+    pub mode: tributary::MemoryMode,
+}
+
+/// The last event issued on one stream of the device (what `await` of a stream waits for).
+#[derive(Message, Debug)]
+#[rtype(result = "Result<Option<Event>>")]
+pub struct StreamLastEvent {
+    /// Stream index.
+    pub stream: usize,
+}

@@ -20,8 +20,9 @@ use std::{
 
 use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
+use tributary::trace::Recorder;
 use tributary::{
-    backend::{Backend, BackendKind},
+    backend::{cpu::CpuBackend, Backend, BackendKind},
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
@@ -34,7 +35,7 @@ use crate::{
     device::DeviceActor,
     messages::*,
     stream::StreamActor,
-    ticket::{block_on, Ticket},
+    ticket::{block_on, Ticket, TicketSender},
 };
 
 /// How many streams each device gets (OCANNL's `config`).
@@ -73,7 +74,10 @@ pub struct SystemConfig {
     pub mailbox_capacity: usize,
     /// How long `shutdown` lets in-flight work finish, in milliseconds.
     pub shutdown_timeout_ms: u64,
-    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
+    /// Record a timeline of every operation and wait (see [`System::timeline`]).
+    pub record_timeline: bool,
+    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices). Only
+    /// the CPU backend records its operations in the timeline (`record_timeline`).
     pub backend: BackendKind,
 }
 
@@ -85,6 +89,7 @@ impl Default for SystemConfig {
             pools: PoolConfig::default(),
             mailbox_capacity: 4096,
             shutdown_timeout_ms: 10_000,
+            record_timeline: false,
             backend: BackendKind::Cpu,
         }
     }
@@ -149,6 +154,12 @@ impl SystemBuilder {
         self
     }
 
+    /// Records a timeline of every operation and wait, for [`System::timeline`].
+    pub fn record_timeline(mut self, on: bool) -> Self {
+        self.config.record_timeline = on;
+        self
+    }
+
     /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
     pub fn backend(mut self, backend: BackendKind) -> Self {
         self.config.backend = backend;
@@ -178,6 +189,7 @@ struct Shared {
     arbiters: Mutex<Vec<Arbiter>>,
     shut_down: std::sync::atomic::AtomicBool,
     config: SystemConfig,
+    recorder: Option<Arc<Recorder>>,
 }
 
 /// The host application's handle on a running device system. Cheap to clone.
@@ -241,7 +253,13 @@ impl System {
     }
 
     fn spawn(config: SystemConfig) -> Result<System> {
-        let backend: Arc<dyn Backend> = config.backend.create(config.cpu_devices)?;
+        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
+        let backend: Arc<dyn Backend> = match (&config.backend, &recorder) {
+            (BackendKind::Cpu, Some(r)) => {
+                Arc::new(CpuBackend::new(DeviceId(0), config.cpu_devices).with_recorder(r.clone()))
+            }
+            (kind, _) => kind.create(config.cpu_devices)?,
+        };
         if backend.devices().is_empty() {
             return Err(Error::Unknown {
                 what: "configuration with zero devices".into(),
@@ -282,8 +300,15 @@ impl System {
                 arbiters: Mutex::new(arbiters),
                 shut_down: std::sync::atomic::AtomicBool::new(false),
                 config,
+                recorder,
             }),
         })
+    }
+
+    /// The timeline recorder, when the system records one
+    /// ([`SystemBuilder::record_timeline`]); export it with `write_chrome_trace`.
+    pub fn timeline(&self) -> Option<Arc<Recorder>> {
+        self.shared.recorder.clone()
     }
 
     /// The configuration the system runs with.
@@ -426,48 +451,47 @@ impl System {
         })
     }
 
+    /// Posts a message carrying a ticket to `ctx`'s device; returns the ticket at once.
+    fn post_ticketed<M>(
+        &self,
+        ctx: &Context,
+        make: impl FnOnce(TicketSender) -> M,
+    ) -> Result<Ticket>
+    where
+        DeviceActor: actix::Handler<M>,
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+    {
+        let addr = self.device_addr(ctx.device())?;
+        let (ticket, sender) = Ticket::new();
+        self.post(addr, make(sender))?;
+        Ok(ticket)
+    }
+
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
-        let addr = self.device_addr(routine.context().device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            Schedule {
-                routine: routine.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(routine.context(), |ticket| Schedule {
+            routine: routine.clone(),
+            ticket,
+        })
     }
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.
     pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        let addr = self.device_addr(ctx.device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            FromHost {
-                ctx: ctx.clone(),
-                node: node.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(ctx, |ticket| FromHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
     }
 
     /// Downloads the buffer of hosted `node` in `ctx` into its host array.
     pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        let addr = self.device_addr(ctx.device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(
-            addr,
-            ToHost {
-                ctx: ctx.clone(),
-                node: node.clone(),
-                ticket: sender,
-            },
-        )?;
-        Ok(ticket)
+        self.post_ticketed(ctx, |ticket| ToHost {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            ticket,
+        })
     }
 
     /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
@@ -695,6 +719,23 @@ impl System {
         }
         self.request(addr, Sweep).await?;
         first
+    }
+
+    /// Waits for all work issued so far on one stream (`await` of the design).
+    pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
+        block_on(async {
+            let addr = self
+                .shared
+                .devices
+                .get(device)
+                .ok_or_else(|| Error::Unknown {
+                    what: format!("device index {device}"),
+                })?;
+            match self.request(addr, StreamLastEvent { stream }).await?? {
+                Some(e) => e.wait_async().await,
+                None => Ok(()),
+            }
+        })
     }
 
     /// Waits for all work of every device.

@@ -6,6 +6,7 @@
 //!
 //! ```sh
 //! cargo run --release --example data_parallel -- --devices 4 --epochs 30 --strategy ring
+//! cargo run --release --example data_parallel -- --epochs 5 --trace dp.trace.json
 //! ```
 
 mod model;
@@ -18,7 +19,7 @@ use tributary_actors::{StreamConfig, System};
 
 fn usage() -> ! {
     eprintln!(
-        "usage: data_parallel [--devices N] [--epochs N] [--strategy star|tree|ring] [--backend cpu]"
+        "usage: data_parallel [--devices N] [--epochs N] [--strategy star|tree|ring] [--backend cpu] [--trace FILE.json]"
     );
     std::process::exit(2)
 }
@@ -27,6 +28,7 @@ fn main() -> tributary::Result<()> {
     let mut devices = 4;
     let mut epochs = 40;
     let mut strategy = Strategy::Ring;
+    let mut trace: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
@@ -41,6 +43,7 @@ fn main() -> tributary::Result<()> {
                     _ => usage(),
                 }
             }
+            "--trace" => trace = Some(value()),
             "--backend" => match value().as_str() {
                 "cpu" => {}
                 other => {
@@ -55,6 +58,7 @@ fn main() -> tributary::Result<()> {
     let sys = System::builder()
         .cpu_devices(devices)
         .streams(StreamConfig::OnlyDevicesParallel)
+        .record_timeline(trace.is_some())
         .spawn()?;
     let data = model::make_data(&cfg);
     let init = model::init_params(&cfg);
@@ -100,6 +104,16 @@ fn main() -> tributary::Result<()> {
         start.elapsed().as_secs_f64() * 1e3 / epochs as f64
     );
     print!("{}", sys.memory_report()?);
+    if let (Some(path), Some(rec)) = (&trace, sys.timeline()) {
+        rec.write_chrome_trace(path)
+            .map_err(|e| tributary::Error::Unknown {
+                what: format!("trace file {path}: {e}"),
+            })?;
+        println!(
+            "wrote a timeline of {} records to {path} (open it in ui.perfetto.dev)",
+            rec.records().len()
+        );
+    }
     sys.shutdown()?;
     Ok(())
 }

@@ -15,6 +15,7 @@ use std::{
     panic::{catch_unwind, AssertUnwindSafe},
     sync::Mutex,
     thread::JoinHandle,
+    time::Instant,
 };
 
 use crossbeam_channel::{Receiver, Sender};
@@ -26,8 +27,9 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, Kernel, KernelArgs},
     memory::AlignedBuffer,
-    protocol::{await_deps, ArgBinding, GlobalLoc, Plan, Work},
+    protocol::{await_deps, await_deps_observed, ArgBinding, GlobalLoc, Plan, Work},
     sync::Arc,
+    trace::{Recorder, TraceKind, TraceRecord},
 };
 
 type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>>;
@@ -105,6 +107,17 @@ struct ResolvedArg {
     binding: ArgBinding,
 }
 
+impl Job {
+    fn bytes(&self) -> u64 {
+        match self {
+            Job::Run { args, .. } => args.iter().map(|a| a.region.bytes as u64).sum(),
+            Job::Copy { src, .. } => src.bytes as u64,
+            Job::Memset { dst } => dst.bytes as u64,
+            Job::Marker => 0,
+        }
+    }
+}
+
 enum Job {
     Run {
         kernel: crate::kernels::Kernel,
@@ -132,6 +145,7 @@ struct Submitted {
 #[derive(Clone)]
 pub struct CpuBackend {
     shared: Arc<Shared>,
+    recorder: Option<std::sync::Arc<Recorder>>,
 }
 
 impl CpuBackend {
@@ -142,7 +156,14 @@ impl CpuBackend {
                 devices: (0..devices as u32).map(|i| DeviceId(first.0 + i)).collect(),
                 pools: (0..devices).map(|_| Mutex::new(HashMap::new())).collect(),
             }),
+            recorder: None,
         }
+    }
+
+    /// Records every operation and wait of the streams started from now on.
+    pub fn with_recorder(mut self, recorder: std::sync::Arc<Recorder>) -> CpuBackend {
+        self.recorder = Some(recorder);
+        self
     }
 
     fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
@@ -234,9 +255,10 @@ impl Backend for CpuBackend {
     ) -> Result<Box<dyn StreamQueue>, DeviceError> {
         let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
         let tl = timeline.clone();
+        let recorder = self.recorder.clone();
         let worker = std::thread::Builder::new()
             .name(format!("tributary-{stream}"))
-            .spawn(move || worker_loop(stream, tl, rx))
+            .spawn(move || worker_loop(stream, tl, rx, recorder))
             .map_err(|e| DeviceError::Unexpected(format!("cannot spawn worker: {e}")))?;
         Ok(Box::new(CpuStream {
             backend: self.clone(),
@@ -369,7 +391,12 @@ impl Drop for PoisonOnExit {
     }
 }
 
-fn worker_loop(stream: StreamId, timeline: Arc<Timeline>, rx: Receiver<Submitted>) {
+fn worker_loop(
+    stream: StreamId,
+    timeline: Arc<Timeline>,
+    rx: Receiver<Submitted>,
+    recorder: Option<std::sync::Arc<Recorder>>,
+) {
     let _guard = PoisonOnExit {
         stream,
         timeline: timeline.clone(),
@@ -378,12 +405,32 @@ fn worker_loop(stream: StreamId, timeline: Arc<Timeline>, rx: Receiver<Submitted
         let span =
             tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
         let _enter = span.enter();
-        run_item(stream, &timeline, item);
+        run_item(stream, &timeline, item, recorder.as_deref());
     }
 }
 
-fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted) {
-    if let Err(root) = await_deps(&item.deps) {
+fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Option<&Recorder>) {
+    let deps = match recorder {
+        None => await_deps(&item.deps),
+        Some(rec) => {
+            let mut since = Instant::now();
+            await_deps_observed(&item.deps, |dep, done| match done {
+                None => since = Instant::now(),
+                Some(ok) => rec.record(TraceRecord {
+                    kind: TraceKind::Wait,
+                    name: item.plan_label.clone(),
+                    stream,
+                    seq: item.seq,
+                    start_ns: rec.ns(since),
+                    end_ns: rec.ns(Instant::now()),
+                    bytes: 0,
+                    waited_for: Some((dep.event.stream(), dep.event.seq())),
+                    ok,
+                }),
+            })
+        }
+    };
+    if let Err(root) = deps {
         tracing::debug!(stream = %stream, seq = item.seq, cause = %root, "dependency failed");
         timeline.fail(item.seq, root);
         return;
@@ -403,7 +450,24 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted) {
             return;
         }
     };
-    match catch_unwind(AssertUnwindSafe(|| execute(job))) {
+    let start = Instant::now();
+    let bytes = job.bytes();
+    let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
+    if let Some(rec) = recorder {
+        // Recorded before the event completes, so waiters always end after it.
+        rec.record(TraceRecord {
+            kind: TraceKind::Work,
+            name: item.plan_label.clone(),
+            stream,
+            seq: item.seq,
+            start_ns: rec.ns(start),
+            end_ns: rec.ns(Instant::now()),
+            bytes,
+            waited_for: None,
+            ok: matches!(outcome, Ok(Ok(()))),
+        });
+    }
+    match outcome {
         Ok(Ok(())) => timeline.signal(item.seq),
         Ok(Err(message)) => timeline.fail(item.seq, fail(message)),
         Err(panic) => {

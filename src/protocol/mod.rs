@@ -14,5 +14,5 @@ mod tables;
 pub use context::{ArrayEntry, Context, Routine};
 pub use device::{DeviceState, Source, TableSizes};
 pub use host::{DeviceCopy, HostRecord, HostTable};
-pub use plan::{await_deps, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work};
+pub use plan::{await_deps, await_deps_observed, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work};
 pub use tables::{BufferUses, Uses};

@@ -172,9 +172,26 @@ pub struct Plan {
 /// plan must then fail with it instead of running. Every dependency is waited for even
 /// after one failed, so that a plan completes only after all its dependencies completed.
 pub fn await_deps(deps: &[Dep]) -> Result<(), Arc<Failure>> {
+    await_deps_observed(deps, |_, _| {})
+}
+
+/// [`await_deps`], calling `observe(dep, result)` around each wait that had to block
+/// (the dependency was not complete when reached): `observe` is called with `None` before
+/// blocking and with `Some(ok)` after. For timelines and profiling.
+pub fn await_deps_observed(
+    deps: &[Dep],
+    mut observe: impl FnMut(&Dep, Option<bool>),
+) -> Result<(), Arc<Failure>> {
     let mut failed: Option<Arc<Failure>> = None;
     for dep in deps {
+        let blocked = !dep.event.is_done();
+        if blocked {
+            observe(dep, None);
+        }
         let r = dep.event.wait();
+        if blocked {
+            observe(dep, Some(r.is_ok()));
+        }
         if let (Err(Error::Failed(f)), DepKind::Data) = (r, dep.kind) {
             if !mutant!("failure") {
                 failed.get_or_insert(f);
@@ -184,5 +201,21 @@ pub fn await_deps(deps: &[Dep]) -> Result<(), Arc<Failure>> {
     match failed {
         Some(f) => Err(f),
         None => Ok(()),
+    }
+}
+
+impl Plan {
+    /// Fails the plan's event without running it (its work could not be submitted), so that
+    /// nobody waits for it and its dependents fail with `error` as the root cause.
+    pub fn fail(&self, error: &Error) {
+        self.event.timeline().fail(
+            self.event.seq(),
+            Arc::new(Failure {
+                stream: self.stream,
+                seq: self.event.seq(),
+                operation: self.work.label(),
+                message: format!("not submitted: {error}"),
+            }),
+        );
     }
 }

@@ -1,5 +1,6 @@
-//! What the backend-parametric tests share: the backend kinds, how to get a backend (or
-//! why not), and kernels that behave alike on every backend (slow ones, failing ones).
+//! Helpers shared by the end-to-end tests: the backend kinds and how to get a backend (or
+//! why not), nodes, and kernels that behave alike on every backend (slow ones that make the
+//! wrong interleaving likely when a synchronisation rule is missing, failing ones).
 //!
 //! "Write the tests once, run them on every backend present": a test body is a function of
 //! a [`Kind`]; [`for_each_backend!`] turns a list of such functions into one `#[test]` per
@@ -10,6 +11,7 @@
 //! to the process's stderr, past the test harness's output capture, so the run log shows
 //! what ran where.
 #![allow(dead_code)] // each test binary uses its own part of this module
+#![allow(unused_macros)]
 
 use std::{
     io::Write,
@@ -25,8 +27,40 @@ use tributary::{
         Backend, BackendKind,
     },
     kernels::{Access, RoutineSpec, ShaderKernel},
-    DeviceId, TensorNode,
+    DType, DeviceId, MemoryMode, Sharing, TensorNode,
 };
+
+/// Elements of the test nodes.
+pub const N: usize = 256;
+
+/// An `N`-element f32 node with a memory mode.
+pub fn node(label: &str, mode: MemoryMode) -> TensorNode {
+    TensorNode::new(label, DType::F32, [N])
+        .with_mode(mode)
+        .expect("mode")
+}
+
+/// On-device, one buffer shared by all streams of a device.
+pub fn shared() -> MemoryMode {
+    MemoryMode::OnDevice(Sharing::SharedCrossStreams)
+}
+
+/// Whether every element equals `x`.
+pub fn all(v: &[f32], x: f32) -> bool {
+    v.iter().all(|&y| y == x)
+}
+
+/// `x *= 2` in place, through a custom kernel (CPU only).
+pub fn double(x: &TensorNode) -> RoutineSpec {
+    RoutineSpec::custom("double", vec![(x.clone(), Access::ReadWrite)], None, |a| {
+        a.output::<f32>(0)
+            .map_err(|e| e.to_string())?
+            .iter_mut()
+            .for_each(|v| *v *= 2.0);
+        Ok(())
+    })
+    .expect("spec")
+}
 
 /// Which backend a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,15 +152,15 @@ macro_rules! for_each_backend {
     (staging: $($name:ident),* $(,)?) => {
         for_each_backend!($($name),*);
         mod vulkan_staging {
-            $( #[test] fn $name() { super::$name($crate::common::Kind::VulkanStaging) } )*
+            $( #[test] fn $name() { super::$name($crate::support::Kind::VulkanStaging) } )*
         }
     };
     ($($name:ident),* $(,)?) => {
         mod cpu {
-            $( #[test] fn $name() { super::$name($crate::common::Kind::Cpu) } )*
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Cpu) } )*
         }
         mod vulkan {
-            $( #[test] fn $name() { super::$name($crate::common::Kind::Vulkan) } )*
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Vulkan) } )*
         }
     };
 }

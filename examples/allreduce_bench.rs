@@ -1,0 +1,198 @@
+//! All-reduce bus bandwidth of each strategy on the CPU backend, beside two baselines
+//! measured in the same run: host memcpy and a hand-written multi-threaded tree reduction
+//! over plain `Vec<f32>`s.
+//!
+//! ```sh
+//! cargo run --release --example allreduce_bench               # 4 KiB .. 256 MiB, n = 2..8
+//! cargo run --release --example allreduce_bench -- --quick    # a few sizes, n = 2, 4
+//! ```
+//!
+//! Bus bandwidth = algbw * 2(n-1)/n with algbw = bytes / time (NCCL's convention), so
+//! figures are comparable across n. Each figure is the median of several runs.
+
+use std::time::{Duration, Instant};
+
+use tributary::{
+    collective::{ReduceOp, Strategy, Transfer},
+    kernels,
+    protocol::Context,
+    DType, MemoryMode, TensorNode,
+};
+use tributary_actors::{AllReducePlan, StreamConfig, System};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn reps_for(bytes: usize) -> usize {
+    match bytes {
+        b if b <= 1 << 20 => 15,
+        b if b <= 16 << 20 => 7,
+        _ => 3,
+    }
+}
+
+fn busbw(bytes: usize, n: usize, secs: f64) -> f64 {
+    bytes as f64 / secs * 2.0 * (n as f64 - 1.0) / n as f64 / 1e9
+}
+
+/// Baseline 1: one memcpy of `bytes` (GB/s).
+fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let times = (0..reps_for(bytes))
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    bytes as f64 / median(times) / 1e9
+}
+
+/// Baseline 2: a tree reduction over `n` vectors with scoped threads (one per pair per
+/// level), then a tree broadcast; reported as bus bandwidth like the strategies.
+fn threaded_tree_busbw(bytes: usize, n: usize) -> f64 {
+    let len = bytes / 4;
+    let mut bufs: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; len]).collect();
+    let mut times = Vec::new();
+    for _ in 0..reps_for(bytes) {
+        let t = Instant::now();
+        let mut m = n;
+        while m > 1 {
+            let h = m.div_ceil(2);
+            let (lo, hi) = bufs.split_at_mut(h);
+            std::thread::scope(|s| {
+                for (dst, src) in lo.iter_mut().zip(hi[..m - h].iter()) {
+                    s.spawn(move || dst.iter_mut().zip(src).for_each(|(d, x)| *d += x));
+                }
+            });
+            m = h;
+        }
+        let mut have = 1;
+        while have < n {
+            let (lo, hi) = bufs.split_at_mut(have);
+            let count = have.min(n - have);
+            std::thread::scope(|s| {
+                for (src, dst) in lo[..count].iter().zip(hi[..count].iter_mut()) {
+                    s.spawn(move || dst.copy_from_slice(src));
+                }
+            });
+            have += count;
+        }
+        times.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(&bufs);
+    }
+    busbw(bytes, n, median(times))
+}
+
+/// The strategy's bus bandwidth: `n` devices, one context each, the data split into `n`
+/// chunk nodes (so the ring is balanced; star and tree move the same chunks).
+fn strategy_busbw(
+    sys: &System,
+    n: usize,
+    bytes: usize,
+    strategy: Strategy,
+) -> tributary::Result<f64> {
+    let chunk = (bytes / 4).div_ceil(n);
+    let nodes: Vec<TensorNode> = (0..n)
+        .map(|c| {
+            TensorNode::new(format!("chunk{c}"), DType::F32, [chunk])
+                .with_mode(MemoryMode::on_device())
+        })
+        .collect::<tributary::Result<_>>()?;
+    let mut contexts: Vec<Context> = Vec::new();
+    let mut fills = Vec::new();
+    for i in 0..n {
+        let mut ctx = sys.context(i, 0)?;
+        for node in &nodes {
+            let r = ctx.link(kernels::fill(node, 1.0)?)?;
+            ctx = r.context();
+            fills.push(r);
+        }
+        contexts.push(ctx.context().clone());
+    }
+    for f in &fills {
+        f.schedule()?;
+    }
+    let plan = AllReducePlan::new(
+        sys,
+        &nodes,
+        &contexts,
+        ReduceOp::Sum,
+        strategy,
+        Transfer::Auto,
+    )?;
+    // Warm-up (first touch of the pages), then timed runs.
+    for e in plan.run()? {
+        e.wait()?;
+    }
+    let mut times = Vec::new();
+    for _ in 0..reps_for(bytes) {
+        let t = Instant::now();
+        for e in plan.run()? {
+            e.wait()?;
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    plan.finalize()?;
+    for f in fills.iter().rev() {
+        sys.finalize(f.context().context())?;
+    }
+    Ok(busbw(chunk * 4 * n, n, median(times)))
+}
+
+fn main() -> tributary::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let sizes: Vec<usize> = if quick {
+        vec![4 << 10, 1 << 20, 16 << 20]
+    } else {
+        vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    };
+    let ns: Vec<usize> = if quick {
+        vec![2, 4]
+    } else {
+        vec![2, 3, 4, 6, 8]
+    };
+    println!(
+        "| n | size | memcpy GB/s | threaded tree busbw | star busbw | tree busbw | ring busbw | best / threaded tree |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let started = Instant::now();
+    for &n in &ns {
+        let sys = System::builder()
+            .cpu_devices(n)
+            .streams(StreamConfig::OnlyDevicesParallel)
+            .spawn()?;
+        for &bytes in &sizes {
+            let mem = memcpy_gbps(bytes);
+            let base = threaded_tree_busbw(bytes, n);
+            let mut row = Vec::new();
+            for s in Strategy::ALL {
+                row.push(strategy_busbw(&sys, n, bytes, s)?);
+            }
+            let best = row.iter().cloned().fold(0.0, f64::max);
+            println!(
+                "| {n} | {} | {mem:.2} | {base:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                human(bytes),
+                row[0],
+                row[1],
+                row[2],
+                best / base
+            );
+        }
+        sys.shutdown_within(Duration::from_secs(30))?;
+    }
+    eprintln!("total {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
