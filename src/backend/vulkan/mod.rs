@@ -22,7 +22,9 @@
 //! mutex around `vkQueueSubmit`). Each stream owns a timeline semaphore whose value is the
 //! tributary event sequence number: the batch of event `n` signals `n` and waits for the
 //! stream's previous value, so a stream is FIFO even though the queue may overlap batches.
-//! Each stream has two threads:
+//! (lavapipe runs a queue's batches one after another, so there every semaphore wait is
+//! already satisfied when its batch starts: the tests exercise the waits, but only a GPU
+//! that overlaps batches can show one missing.) Each stream has two threads:
 //!
 //! - the *submit thread* takes plans in order and turns their dependencies into waits.
 //!   A dependency on another stream of the same device becomes a semaphore wait inside the
