@@ -17,8 +17,8 @@
 //!   in each step every context sends one chunk group to its successor, so every link
 //!   carries `2(n-1)/n` of the data: bandwidth-optimal when the chunk groups are balanced.
 //!
-//! The planner is pure ([`plan`]); executors (`Engine::all_reduce` and the actor
-//! coordinator) carry the steps out.
+//! The planner is pure ([`plan`]); executors (the actor system's `System::all_reduce`
+//! through its coordinator) carry the steps out.
 
 use serde::{Deserialize, Serialize};
 

@@ -157,12 +157,13 @@ impl Engine {
     }
 
     /// Applies pending pool operations, then submits plans to their streams.
+    ///
+    /// The plans are submitted even when a pool operation failed: their events are issued
+    /// and recorded in the tables, so a plan left out would make its waiters wait forever.
+    /// A plan touching a pool that could not be created fails on its stream instead. The
+    /// pool error is returned after submitting.
     fn submit(&mut self, plans: Vec<Plan>) -> Result<Option<Event>> {
-        if let Err(e) = self.apply_pool_ops() {
-            // The plans' events were issued: fail them, or later signals would cover them.
-            plans.iter().for_each(|p| p.fail(&e));
-            return Err(e);
-        }
+        let pools = self.apply_pool_ops();
         let mut last = None;
         for plan in plans {
             let d = self.device_index(plan.stream.device)?;
@@ -181,22 +182,32 @@ impl Engine {
             }
             last = Some(event);
         }
-        Ok(last)
+        pools.map(|()| last)
     }
 
+    /// Carries out every pending pool operation, also after one failed (a release left out
+    /// would leak, a creation left out would fail later plans); returns the first error.
     fn apply_pool_ops(&mut self) -> Result<()> {
+        let mut first = Ok(());
         for state in &mut self.devices {
             let device = state.device();
             for op in state.take_pool_ops() {
-                match op {
-                    PoolOp::Create { pool, bytes, align } => {
-                        self.backend.create_pool(device, pool, bytes, align)?
+                let r = match op {
+                    PoolOp::Create { pool, bytes, align } => self
+                        .backend
+                        .create_pool(device, pool, bytes, align)
+                        .map_err(Error::from),
+                    PoolOp::Release { pool } => {
+                        self.backend.release_pool(device, pool);
+                        Ok(())
                     }
-                    PoolOp::Release { pool } => self.backend.release_pool(device, pool),
+                };
+                if first.is_ok() {
+                    first = r;
                 }
             }
         }
-        Ok(())
+        first
     }
 
     /// A root context (no arrays) on `stream` of `device`.

@@ -17,7 +17,7 @@
 #[macro_use]
 mod support;
 
-use support::{all, backend, failing, slow_copy, slow_fill, slow_fill_wgsl, Kind, N};
+use support::{all, backend, failing, slow_copy_on, slow_fill_on, slow_fill_wgsl, Kind, N};
 use tributary::{
     kernels::{self, from_bytes, to_bytes, Access, RoutineSpec, ShaderKernel},
     memory::PoolConfig,
@@ -456,7 +456,7 @@ fn raw_war_waw_across_streams(kind: Kind) {
         let a = e.context(dev, 0).unwrap();
         let b = e.context(dev, 1).unwrap();
         // RAW: slow writer on stream 0, reader on stream 1.
-        let w = e.link(&a, slow_fill(kind, &x, 7.0)).unwrap();
+        let w = e.link(&a, slow_fill_on(kind, &x, 7.0)).unwrap();
         let r = e.link(&b, kernels::copy(&y, &x).unwrap()).unwrap();
         e.schedule(&w).unwrap();
         e.schedule(&r).unwrap();
@@ -464,7 +464,7 @@ fn raw_war_waw_across_streams(kind: Kind) {
         assert!(all(&got, 7.0), "RAW on d{dev}: {:?}", &got[..4]);
         // WAR: slow reader on stream 1, then an overwrite on stream 0.
         let y2 = f32_node("y2", MemoryMode::on_device());
-        let read = e.link(&b, slow_copy(kind, &y2, &x)).unwrap();
+        let read = e.link(&b, slow_copy_on(kind, &y2, &x)).unwrap();
         let over = e
             .link(w.context(), kernels::fill(&x, 2.0).unwrap())
             .unwrap();
@@ -480,7 +480,7 @@ fn raw_war_waw_across_streams(kind: Kind) {
             "h",
             MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::SharedCrossStreams)),
         );
-        let hw = e.link(&a, slow_fill(kind, &h, 5.0)).unwrap();
+        let hw = e.link(&a, slow_fill_on(kind, &h, 5.0)).unwrap();
         let hb = e.init_from_host(&b, &h, &vec![9.0f32; N]).unwrap();
         e.sync_all().unwrap();
         e.schedule(&hw).unwrap();

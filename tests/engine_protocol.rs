@@ -12,7 +12,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::{all, backend, failing, node, shared, slow_copy, slow_fill, Kind, N};
+use support::{all, backend, failing, node, shared, slow_copy_on, slow_fill_on, Kind, N};
 use tributary::{
     kernels, memory::PoolConfig, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse,
     Sharing, TensorNode,
@@ -57,7 +57,7 @@ fn raw_across_streams_waits_for_the_writer(kind: Kind) {
     let y = node("y", MemoryMode::on_device());
     let a = e.context(0, 0).unwrap();
     let b = e.context(0, 1).unwrap();
-    let w = e.link(&a, slow_fill(kind, &x, 7.0)).unwrap();
+    let w = e.link(&a, slow_fill_on(kind, &x, 7.0)).unwrap();
     let r = e.link(&b, kernels::copy(&y, &x).unwrap()).unwrap();
     assert_eq!(
         w.context().array(x.id()).unwrap().loc,
@@ -82,7 +82,7 @@ fn war_across_streams_waits_for_the_reader(kind: Kind) {
     let overwrite = e
         .link(init.context(), kernels::fill(&x, 2.0).unwrap())
         .unwrap();
-    let read = e.link(&b, slow_copy(kind, &y, &x)).unwrap();
+    let read = e.link(&b, slow_copy_on(kind, &y, &x)).unwrap();
     e.schedule(&init).unwrap();
     e.schedule(&read).unwrap();
     e.schedule(&overwrite).unwrap();
@@ -108,7 +108,7 @@ fn waw_across_streams_keeps_program_order(kind: Kind) {
     let b = e.context(0, 1).unwrap();
     // Stream 0 owns x and writes it slowly; then stream 1 uploads the host value into
     // the same buffer. Program order says the upload wins.
-    let w = e.link(&a, slow_fill(kind, &x, 5.0)).unwrap();
+    let w = e.link(&a, slow_fill_on(kind, &x, 5.0)).unwrap();
     let b = e.init_from_host(&b, &x, &vec![9.0f32; N]).unwrap();
     e.sync_all().unwrap();
     e.schedule(&w).unwrap();
@@ -134,7 +134,7 @@ fn device_to_device_copy_then_overwrite_source(kind: Kind) {
     let set4 = e
         .link(set3.context(), kernels::fill(&x, 4.0).unwrap())
         .unwrap();
-    let busy = e.link(&dst, slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = e.link(&dst, slow_fill_on(kind, &z, 1.0)).unwrap();
     let dst = e
         .link(busy.context(), kernels::fill(&x, 0.0).unwrap())
         .unwrap();
@@ -160,7 +160,7 @@ fn merge_buffer_copy_and_reuse_by_two_producers(kind: Kind) {
     let c0 = e.context(0, 0).unwrap();
     let c1 = e.context(1, 0).unwrap();
     let c2 = e.context(1, 1).unwrap();
-    let p1 = e.link(&c1, slow_fill(kind, &g, 2.0)).unwrap();
+    let p1 = e.link(&c1, slow_fill_on(kind, &g, 2.0)).unwrap();
     let p2 = e.link(&c2, kernels::fill(&g, 3.0).unwrap()).unwrap();
     let base = e.link(&c0, kernels::fill(&g, 1.0).unwrap()).unwrap();
     let merge = e
@@ -228,7 +228,7 @@ fn streaming_for_reads_source_in_place_before_it_is_overwritten(kind: Kind) {
     let src_over = e
         .link(src.context(), kernels::fill(&g, 100.0).unwrap())
         .unwrap();
-    let busy = e.link(&c0, slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = e.link(&c0, slow_fill_on(kind, &z, 1.0)).unwrap();
     let base = e
         .link(busy.context(), kernels::fill(&g, 1.0).unwrap())
         .unwrap();
@@ -306,7 +306,7 @@ fn finalize_frees_only_after_in_flight_readers(kind: Kind) {
     let owner = e.context(0, 0).unwrap();
     let dst = e.context(1, 0).unwrap();
     let set = e.link(&owner, kernels::fill(&x, 3.0).unwrap()).unwrap();
-    let busy = e.link(&dst, slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = e.link(&dst, slow_fill_on(kind, &z, 1.0)).unwrap();
     let dst = e
         .link(busy.context(), kernels::fill(&x, 0.0).unwrap())
         .unwrap();
@@ -539,7 +539,7 @@ fn host_write_waits_for_pending_uploads(kind: Kind) {
     let z = node("z", MemoryMode::on_device());
     let c = e.context(0, 0).unwrap();
     let c = e.init_from_host(&c, &h, &vec![1.0f32; N]).unwrap();
-    let busy = e.link(&c, slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = e.link(&c, slow_fill_on(kind, &z, 1.0)).unwrap();
     e.schedule(&busy).unwrap(); // the upload below queues behind this
     e.from_host(busy.context(), &h).unwrap();
     // Program order: the upload read the host array before this write.

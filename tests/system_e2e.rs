@@ -9,7 +9,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::{
-    all, backend_kind, failing, node, shared, slow_copy, slow_fill, slow_fill_times, Kind, N,
+    all, backend_kind, failing, node, shared, slow_copy_on, slow_fill_on, slow_fill_times, Kind, N,
 };
 use tributary::{
     backend::{vulkan::VulkanConfig, BackendKind},
@@ -53,14 +53,14 @@ fn cross_stream_raw_war_waw_on_one_device(kind: Kind) {
     let a = sys.device(0).stream(0).context().unwrap();
     let b = sys.device(0).stream(1).context().unwrap();
     // RAW: slow writer on stream 0, reader on stream 1.
-    let w = a.link(slow_fill(kind, &x, 7.0)).unwrap();
+    let w = a.link(slow_fill_on(kind, &x, 7.0)).unwrap();
     let r = b.link(kernels::copy(&y, &x).unwrap()).unwrap();
     w.schedule().unwrap();
     r.schedule().unwrap();
     assert!(all(&r.context().read::<f32>(&y).unwrap(), 7.0), "RAW");
     // WAR: slow reader on stream 1, then a write on stream 0.
     let y2 = node("y2", MemoryMode::on_device());
-    let read = b.link(slow_copy(kind, &y2, &x)).unwrap();
+    let read = b.link(slow_copy_on(kind, &y2, &x)).unwrap();
     let over = w.context().link(kernels::fill(&x, 2.0).unwrap()).unwrap();
     read.schedule().unwrap();
     over.schedule().unwrap();
@@ -70,7 +70,7 @@ fn cross_stream_raw_war_waw_on_one_device(kind: Kind) {
         "h",
         MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::SharedCrossStreams)),
     );
-    let hw = a.link(slow_fill(kind, &h, 5.0)).unwrap();
+    let hw = a.link(slow_fill_on(kind, &h, 5.0)).unwrap();
     let hb = b.init_from_host(&h, &vec![9.0f32; N]).unwrap();
     sys.sync().unwrap();
     hw.schedule().unwrap();
@@ -92,7 +92,7 @@ fn cross_device_copies_in_all_three_modes(kind: Kind) {
         .context()
         .link(kernels::fill(&g, 100.0).unwrap())
         .unwrap();
-    let busy = c0.link(slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = c0.link(slow_fill_on(kind, &z, 1.0)).unwrap();
     let base = busy
         .context()
         .link(kernels::fill(&g, 1.0).unwrap())
@@ -200,7 +200,7 @@ fn finalize_frees_memory_only_after_in_flight_readers(kind: Kind) {
     let owner = sys.context(0, 0).unwrap();
     let dst = sys.context(1, 0).unwrap();
     let set = owner.link(kernels::fill(&x, 3.0).unwrap()).unwrap();
-    let busy = dst.link(slow_fill(kind, &z, 1.0)).unwrap();
+    let busy = dst.link(slow_fill_on(kind, &z, 1.0)).unwrap();
     let dst = busy
         .context()
         .link(kernels::fill(&x, 0.0).unwrap())
@@ -426,7 +426,7 @@ fn node_messages_and_awaiting_a_stream(kind: Kind) {
     .unwrap_err();
     assert!(matches!(err, Error::ModeConflict { .. }));
     let c = sys.context(1, 1).unwrap();
-    let r = c.link(slow_fill(kind, &x, 4.0)).unwrap();
+    let r = c.link(slow_fill_on(kind, &x, 4.0)).unwrap();
     let t = r.schedule().unwrap();
     sys.await_stream(1, 1).unwrap();
     assert!(t.is_done());

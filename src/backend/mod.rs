@@ -18,6 +18,7 @@
 //! [`DeviceError::Unavailable`]). [`BackendKind`] picks one from configuration.
 
 pub mod cpu;
+pub mod fault;
 pub mod vulkan;
 
 use serde::{Deserialize, Serialize};

@@ -28,6 +28,8 @@ pub struct ArrayEntry {
 }
 
 pub(crate) struct ContextInner {
+    /// The device state that made it (contexts of another engine or system are refused).
+    pub(crate) owner: u64,
     pub(crate) id: ContextId,
     pub(crate) stream: StreamId,
     pub(crate) parent: Option<Context>,

@@ -34,6 +34,12 @@ use crate::{
     sync::Arc,
 };
 
+/// Source of [`DeviceState`] instance numbers, which contexts carry: a context id alone is
+/// only unique within its device state, and another engine's context must be refused,
+/// not resolved to this one's buffers. An id counter, not synchronisation: `std`, not the
+/// sync shim (as node ids).
+static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// How often (in issued operations) the whole table is swept for completed events.
 const SWEEP_EVERY: u32 = 1024;
 
@@ -121,6 +127,7 @@ struct Decision {
 
 /// The protocol state of one device: pools, tables, streams and contexts.
 pub struct DeviceState {
+    instance: u64,
     device: DeviceId,
     streams: Vec<StreamState>,
     pools: DevicePools<Event>,
@@ -151,6 +158,7 @@ impl DeviceState {
             })
             .collect();
         DeviceState {
+            instance: NEXT_INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             device,
             streams,
             pools: DevicePools::new(device, pools),
@@ -210,6 +218,7 @@ impl DeviceState {
         let stream = self.stream_index(index)?;
         let id = self.new_context_record(None);
         Ok(Context(Arc::new(ContextInner {
+            owner: self.instance,
             id,
             stream,
             parent: None,
@@ -243,9 +252,12 @@ impl DeviceState {
         id
     }
 
-    /// Checks that `ctx` belongs to this device and is live.
+    /// Checks that `ctx` belongs to this device (of this engine or system) and is live.
     pub fn check_context(&self, ctx: &Context) -> Result<()> {
-        if ctx.device() != self.device || ctx.stream().index as usize >= self.streams.len() {
+        if ctx.0.owner != self.instance
+            || ctx.device() != self.device
+            || ctx.stream().index as usize >= self.streams.len()
+        {
             return Err(Error::Unknown {
                 what: format!("context {} on {}", ctx.id(), self.device),
             });
@@ -492,8 +504,11 @@ impl DeviceState {
                         bytes,
                         alloc,
                         uses,
-                        // Zeroed memory equals the initial (zero) host array.
-                        host_version: Some(0),
+                        // Unknown to the host protocol: zeroed memory equals the host
+                        // array only until a transfer to the host changes the array
+                        // without a version change, so a hosted node is uploaded before
+                        // its first read here.
+                        host_version: None,
                         stream,
                     },
                 );
@@ -543,6 +558,7 @@ impl DeviceState {
             r.delta = delta;
         }
         Context(Arc::new(ContextInner {
+            owner: self.instance,
             id,
             stream: parent.stream(),
             parent: Some(parent.clone()),
@@ -645,6 +661,32 @@ impl DeviceState {
                 shape: p.node.shape().clone(),
                 access: p.access,
             });
+        }
+        if let MergeFrom::Source(src) = &merge_from {
+            if spec.merge.is_none() {
+                return Err(Error::InvalidRoutine {
+                    routine: spec.name.clone(),
+                    reason: format!(
+                        "it reads no merge buffer, so it cannot consume {}",
+                        src.node
+                    ),
+                });
+            }
+            // Read in place while the kernel writes the same buffer: the kernel would get
+            // overlapping shared and mutable views.
+            if bindings
+                .iter()
+                .any(|b| b.loc == src.loc && b.access.writes())
+            {
+                return Err(Error::StreamingUnsupported {
+                    src: src.loc.device,
+                    dst: self.device,
+                    reason: format!(
+                        "the source buffer of {} is written by the consumer {}",
+                        src.node, spec.name
+                    ),
+                });
+            }
         }
         let merge = match (&spec.merge, &merge_from) {
             (None, _) => None,
@@ -1077,6 +1119,6 @@ impl DeviceState {
 
     /// Whether `ctx` is live (not finalized).
     pub fn is_live(&self, ctx: &Context) -> bool {
-        self.contexts.contains_key(&ctx.id())
+        ctx.0.owner == self.instance && self.contexts.contains_key(&ctx.id())
     }
 }

@@ -233,12 +233,17 @@ pub fn slow_fill_times(kind: Kind, dst: &TensorNode, value: f32, times: u32) -> 
 }
 
 /// `dst = value` (f32), slowly (tens of milliseconds).
-pub fn slow_fill(kind: Kind, dst: &TensorNode, value: f32) -> RoutineSpec {
+pub fn slow_fill_on(kind: Kind, dst: &TensorNode, value: f32) -> RoutineSpec {
     slow_fill_times(kind, dst, value, 1)
 }
 
+/// `dst = value` (f32), after sleeping (a slow writer of `dst`; CPU only).
+pub fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
+    slow_fill_on(Kind::Cpu, dst, value)
+}
+
 /// `dst = src` (f32), slowly.
-pub fn slow_copy(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
+pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
     let params = vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)];
     match kind {
         Kind::Cpu => RoutineSpec::custom("slow_copy", params, None, |a| {
@@ -282,4 +287,9 @@ pub fn failing(kind: Kind, name: &str, dst: &TensorNode, message: &'static str) 
         ),
     }
     .expect("spec")
+}
+
+/// `dst = src` (f32), after sleeping (a slow reader of `src`; CPU only).
+pub fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
+    slow_copy_on(Kind::Cpu, dst, src)
 }

@@ -1,0 +1,259 @@
+//! Programs on the actor system (`tributary_actors::System`).
+
+use std::collections::HashMap;
+
+use tributary::{
+    protocol::{Context, Routine},
+    EventStatus, MergeBufferUse, NodeId, TensorNode,
+};
+use tributary_actors::{StreamConfig, System, SystemConfig, Ticket};
+
+use super::{
+    engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
+    program::*,
+};
+
+/// Runs programs on fresh actor systems (CPU devices).
+pub struct SystemRunner;
+
+impl ProgramRunner for SystemRunner {
+    fn name(&self) -> String {
+        "system(cpu)".into()
+    }
+
+    fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
+        let sys = System::from_config(SystemConfig {
+            cpu_devices: setup.devices,
+            streams: StreamConfig::MostParallelStreams(setup.streams),
+            pools: config(setup).pools,
+            ..SystemConfig::default()
+        })
+        .map_err(|e| describe(&e))?;
+        Ok(Box::new(SystemExecutor::new(sys, setup)?))
+    }
+}
+
+/// One actor system executing a program's operations.
+pub struct SystemExecutor {
+    sys: System,
+    setup: Setup,
+    nodes: Vec<TensorNode>,
+    index: HashMap<NodeId, usize>,
+    ctxs: Vec<(Context, bool)>,
+    routines: Vec<Routine>,
+    tickets: Vec<Ticket>,
+    events: Vec<tributary::Event>,
+}
+
+fn err(e: tributary::Error) -> String {
+    describe(&e)
+}
+
+impl SystemExecutor {
+    fn new(sys: System, setup: &Setup) -> Result<SystemExecutor, String> {
+        let (nodes, index) = create_nodes(setup)?;
+        Ok(SystemExecutor {
+            sys,
+            setup: setup.clone(),
+            nodes,
+            index,
+            ctxs: Vec::new(),
+            routines: Vec::new(),
+            tickets: Vec::new(),
+            events: Vec::new(),
+        })
+    }
+
+    fn context(&self, c: C) -> Result<Context, String> {
+        self.ctxs
+            .get(c.0)
+            .map(|(ctx, _)| ctx.clone())
+            .ok_or_else(|| format!("Unknown: no context c{}", c.0))
+    }
+
+    fn routine(&self, r: R) -> Result<Routine, String> {
+        self.routines
+            .get(r.0)
+            .cloned()
+            .ok_or_else(|| format!("Unknown: no routine r{}", r.0))
+    }
+
+    fn read(&self, c: C, n: N) -> Result<Values, String> {
+        let ctx = self.context(c)?;
+        let node = &self.nodes[n.0];
+        Ok(match self.setup.nodes[n.0].dtype {
+            Dt::F32 => Values::f32s(&self.sys.read::<f32>(&ctx, node).map_err(err)?),
+            Dt::I32 => Values::I32(self.sys.read::<i32>(&ctx, node).map_err(err)?),
+        })
+    }
+
+    fn host_read(&self, n: N) -> Result<Values, String> {
+        let node = &self.nodes[n.0];
+        Ok(match self.setup.nodes[n.0].dtype {
+            Dt::F32 => Values::f32s(&self.sys.host_read::<f32>(node).map_err(err)?),
+            Dt::I32 => Values::I32(self.sys.host_read::<i32>(node).map_err(err)?),
+        })
+    }
+
+    /// Waits for all work; a refused ticket or a failed operation is an error.
+    fn sync(&mut self) -> Result<(), String> {
+        self.sys.sync().map_err(err)?;
+        for t in self.tickets.drain(..) {
+            self.events.push(t.event().map_err(err)?);
+        }
+        for e in self.events.drain(..) {
+            if let EventStatus::Failed(f) = e.status() {
+                return Err(format!("Failed: event {e}: {f}"));
+            }
+        }
+        Ok(())
+    }
+
+    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.ctxs.len()).filter(|&i| self.ctxs[i].1)
+    }
+
+    fn checkpoint(&mut self) -> OpResult {
+        self.sync()?;
+        let mut buffers = Vec::new();
+        for i in self.live().collect::<Vec<_>>() {
+            let mut ns: Vec<usize> = self.ctxs[i]
+                .0
+                .nodes()
+                .map(|n| self.index.get(&n.id()).copied().unwrap_or(usize::MAX))
+                .collect();
+            ns.sort_unstable();
+            for n in ns {
+                if n == usize::MAX {
+                    return Err("Unknown: a context holds a node of no program".into());
+                }
+                buffers.push((C(i), N(n), self.read(C(i), N(n))?));
+            }
+        }
+        let mut host = Vec::new();
+        for n in 0..self.nodes.len() {
+            if self.setup.nodes[n].mode.is_hosted() {
+                host.push((N(n), self.host_read(N(n))?));
+            }
+        }
+        Ok(Obs::Checkpoint { buffers, host })
+    }
+
+    fn teardown(&mut self) -> OpResult {
+        for i in self.live().collect::<Vec<_>>().into_iter().rev() {
+            self.sys.finalize(&self.ctxs[i].0).map_err(err)?;
+            self.ctxs[i].1 = false;
+        }
+        self.sync()?;
+        let tables = self.sys.table_sizes().map_err(err)?;
+        let memory = self.sys.memory_stats().map_err(err)?;
+        Ok(Obs::Memory(device_memory(&memory, &tables)))
+    }
+}
+
+impl Executor for SystemExecutor {
+    fn apply(&mut self, op: &Op) -> OpResult {
+        match op {
+            Op::Root { device, stream } => {
+                let ctx = self.sys.context(*device, *stream).map_err(err)?;
+                self.ctxs.push((ctx.context().clone(), true));
+                Ok(Obs::Done)
+            }
+            Op::Link { ctx, kernel } => {
+                let spec = kernel_spec(&self.nodes, kernel).map_err(err)?;
+                let r = self.sys.link(&self.context(*ctx)?, spec).map_err(err)?;
+                self.ctxs.push((r.routine().context().clone(), true));
+                self.routines.push(r.routine().clone());
+                Ok(Obs::Done)
+            }
+            Op::Schedule { routine } => {
+                let t = self.sys.schedule(&self.routine(*routine)?).map_err(err)?;
+                self.tickets.push(t);
+                Ok(Obs::Done)
+            }
+            Op::InitFromHost { ctx, node, data } => {
+                let ctx = self.context(*ctx)?;
+                let (n, numel) = (&self.nodes[node.0], self.setup.nodes[node.0].numel());
+                let child = match self.setup.nodes[node.0].dtype {
+                    Dt::F32 => self.sys.init_from_host(&ctx, n, &data.f32s(numel)),
+                    Dt::I32 => self.sys.init_from_host(&ctx, n, &data.i32s(numel)),
+                }
+                .map_err(err)?;
+                self.ctxs.push((child.context().clone(), true));
+                Ok(Obs::Done)
+            }
+            Op::FromHost { ctx, node } => {
+                let t = self
+                    .sys
+                    .from_host(&self.context(*ctx)?, &self.nodes[node.0])
+                    .map_err(err)?;
+                self.tickets.push(t);
+                Ok(Obs::Done)
+            }
+            Op::ToHost { ctx, node } => {
+                let t = self
+                    .sys
+                    .to_host(&self.context(*ctx)?, &self.nodes[node.0])
+                    .map_err(err)?;
+                self.tickets.push(t);
+                Ok(Obs::Done)
+            }
+            Op::DeviceToDevice {
+                node,
+                src,
+                dst,
+                mode,
+            } => {
+                let (src, dst) = (self.context(*src)?, self.context(*dst)?);
+                let mode = match mode {
+                    D2d::No => MergeBufferUse::No,
+                    D2d::Copy => MergeBufferUse::Copy,
+                    D2d::StreamingFor(r) => MergeBufferUse::StreamingFor(self.routine(*r)?),
+                };
+                match self
+                    .sys
+                    .device_to_device(&self.nodes[node.0], &src, &dst, mode)
+                    .map_err(err)?
+                {
+                    Some(e) => {
+                        self.events.push(e);
+                        Ok(Obs::Done)
+                    }
+                    None => Ok(Obs::NoOp),
+                }
+            }
+            Op::HostRead { node } => self.host_read(*node).map(Obs::Values),
+            Op::HostWrite { node, data } => {
+                let (n, numel) = (&self.nodes[node.0], self.setup.nodes[node.0].numel());
+                match self.setup.nodes[node.0].dtype {
+                    Dt::F32 => self.sys.host_write(n, &data.f32s(numel)),
+                    Dt::I32 => self.sys.host_write(n, &data.i32s(numel)),
+                }
+                .map_err(err)?;
+                Ok(Obs::Done)
+            }
+            Op::Read { ctx, node } => self.read(*ctx, *node).map(Obs::Values),
+            Op::Finalize { ctx } => {
+                self.sys.finalize(&self.context(*ctx)?).map_err(err)?;
+                self.ctxs[ctx.0].1 = false;
+                Ok(Obs::Done)
+            }
+            Op::Sync => self.sync().map(|_| Obs::Done),
+            Op::Checkpoint => self.checkpoint(),
+            Op::Teardown => self.teardown(),
+        }
+    }
+
+    fn probe(&self) -> Option<Probe> {
+        let tables = self.sys.table_sizes().ok()?;
+        let memory = self.sys.memory_stats().ok()?;
+        // The system does not report the events held by host arrays.
+        Some(probe_of(&memory, &tables, 0))
+    }
+}
+
+impl Drop for SystemExecutor {
+    fn drop(&mut self) {
+        let _ = self.sys.shutdown();
+    }
+}
