@@ -106,6 +106,8 @@ impl Engine {
         let mut devices = Vec::new();
         let mut queues = Vec::new();
         for device in backend.devices() {
+            let mut pools = pools.clone();
+            pools.min_alignment = pools.min_alignment.max(backend.min_alignment(device));
             let timelines: Vec<_> = (0..streams as u32)
                 .map(|index| crate::event::Timeline::new(crate::StreamId { device, index }))
                 .collect();
@@ -113,7 +115,7 @@ impl Engine {
             for t in &timelines {
                 qs.push(backend.start_stream(t.stream(), t.clone())?);
             }
-            devices.push(DeviceState::new(device, timelines, pools.clone()));
+            devices.push(DeviceState::new(device, timelines, pools));
             queues.push(qs);
         }
         Ok(Engine {
@@ -217,6 +219,8 @@ impl Engine {
 
     /// Links a routine into `ctx`; the routine's context is a new child of `ctx`.
     pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine> {
+        self.backend
+            .check_kernel(ctx.device(), &spec.name, &spec.kernel)?;
         let (routine, plans) = self.state(ctx.device())?.link(ctx, spec)?;
         self.submit(plans)?;
         Ok(routine)

@@ -4,6 +4,10 @@
 #[path = "../examples/data_parallel/model.rs"]
 mod model;
 
+#[macro_use]
+mod support;
+
+use support::{backend_kind, Kind};
 use tributary::{
     collective::{ReduceOp, Strategy, Transfer},
     kernels,
@@ -12,13 +16,26 @@ use tributary::{
 };
 use tributary_actors::{AllReducePlan, BucketedAllReduce, StreamConfig, System};
 
-fn system(devices: usize) -> System {
-    System::builder()
-        .cpu_devices(devices)
-        .streams(StreamConfig::MostParallelStreams(2))
-        .spawn()
-        .expect("spawn")
+/// `devices` devices x 2 streams on `kind`, or `None` when that backend is not available.
+fn system(kind: Kind, devices: usize, test: &str) -> Option<System> {
+    let backend = backend_kind(kind, devices, test)?;
+    Some(
+        System::builder()
+            .cpu_devices(devices)
+            .backend(backend)
+            .streams(StreamConfig::MostParallelStreams(2))
+            .spawn()
+            .expect("spawn"),
+    )
 }
+
+for_each_backend!(
+    all_reduce_lands_in_every_context_for_every_strategy,
+    all_reduce_refuses_contexts_sharing_a_buffer,
+    bucketed_all_reduce_of_many_small_gradients,
+    one_data_parallel_step_equals_one_full_batch_step,
+    training_reduces_the_loss_and_learns_the_blobs,
+);
 
 /// Contexts `i` on device `i % devices`, stream `i / devices`, each holding every node
 /// filled with a value that identifies (context, node).
@@ -38,9 +55,14 @@ fn filled(sys: &System, devices: usize, n: usize, nodes: &[TensorNode]) -> Vec<C
         .collect()
 }
 
-#[test]
-fn all_reduce_lands_in_every_context_for_every_strategy() {
-    let sys = system(3);
+fn all_reduce_lands_in_every_context_for_every_strategy(kind: Kind) {
+    let Some(sys) = system(
+        kind,
+        3,
+        "all_reduce_lands_in_every_context_for_every_strategy",
+    ) else {
+        return;
+    };
     for strategy in Strategy::ALL {
         for n in 1..=5 {
             for (op, transfer) in [
@@ -48,6 +70,10 @@ fn all_reduce_lands_in_every_context_for_every_strategy() {
                 (ReduceOp::Sum, Transfer::Streaming),
                 (ReduceOp::Mean, Transfer::Auto),
             ] {
+                if kind.is_vulkan() && transfer == Transfer::Streaming {
+                    // Separate VkDevices cannot read each other's memory in place.
+                    continue;
+                }
                 let nodes: Vec<TensorNode> = (0..3)
                     .map(|c| {
                         TensorNode::new(format!("g{c}"), DType::F32, [5 + c])
@@ -81,9 +107,10 @@ fn all_reduce_lands_in_every_context_for_every_strategy() {
     sys.shutdown().unwrap();
 }
 
-#[test]
-fn all_reduce_refuses_contexts_sharing_a_buffer() {
-    let sys = system(1);
+fn all_reduce_refuses_contexts_sharing_a_buffer(kind: Kind) {
+    let Some(sys) = system(kind, 1, "all_reduce_refuses_contexts_sharing_a_buffer") else {
+        return;
+    };
     let g = TensorNode::new("g", DType::F32, [4])
         .with_mode(MemoryMode::on_device())
         .unwrap();
@@ -106,9 +133,10 @@ fn all_reduce_refuses_contexts_sharing_a_buffer() {
     sys.shutdown().unwrap();
 }
 
-#[test]
-fn bucketed_all_reduce_of_many_small_gradients() {
-    let sys = system(2);
+fn bucketed_all_reduce_of_many_small_gradients(kind: Kind) {
+    let Some(sys) = system(kind, 2, "bucketed_all_reduce_of_many_small_gradients") else {
+        return;
+    };
     let grads: Vec<TensorNode> = (0..10)
         .map(|c| {
             TensorNode::new(format!("g{c}"), DType::F32, [3 + c % 4])
@@ -140,8 +168,8 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
         .all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
 }
 
-#[test]
-fn one_data_parallel_step_equals_one_full_batch_step() {
+fn one_data_parallel_step_equals_one_full_batch_step(kind: Kind) {
+    let test = "one_data_parallel_step_equals_one_full_batch_step";
     let cfg = model::ModelConfig {
         samples: 90,
         ..Default::default()
@@ -149,7 +177,9 @@ fn one_data_parallel_step_equals_one_full_batch_step() {
     let data = model::make_data(&cfg);
     let init = model::init_params(&cfg);
     // Reference: the full batch on a single device.
-    let sys = system(1);
+    let Some(sys) = system(kind, 1, test) else {
+        return;
+    };
     let single = model::DataParallel::new(&sys, &cfg, 1, &data, &init, Strategy::Star).unwrap();
     single.step().unwrap();
     let reference = single.params(0).unwrap();
@@ -160,7 +190,9 @@ fn one_data_parallel_step_equals_one_full_batch_step() {
     const TOL: f32 = 1e-5;
     for n in 1..=4 {
         for strategy in Strategy::ALL {
-            let sys = system(n);
+            let Some(sys) = system(kind, n, test) else {
+                return;
+            };
             let dp = model::DataParallel::new(&sys, &cfg, n, &data, &init, strategy).unwrap();
             dp.step().unwrap();
             let p0 = dp.params(0).unwrap();
@@ -180,12 +212,13 @@ fn one_data_parallel_step_equals_one_full_batch_step() {
     }
 }
 
-#[test]
-fn training_reduces_the_loss_and_learns_the_blobs() {
+fn training_reduces_the_loss_and_learns_the_blobs(kind: Kind) {
     let cfg = model::ModelConfig::default();
     let data = model::make_data(&cfg);
     let init = model::init_params(&cfg);
-    let sys = system(4);
+    let Some(sys) = system(kind, 4, "training_reduces_the_loss_and_learns_the_blobs") else {
+        return;
+    };
     let dp = model::DataParallel::new(&sys, &cfg, 4, &data, &init, Strategy::Ring).unwrap();
     dp.step().unwrap();
     let first = dp.loss().unwrap();

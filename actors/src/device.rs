@@ -177,6 +177,8 @@ impl Handler<Link> for DeviceActor {
         let _s =
             tracing::trace_span!("link", device = %self.state.device(), routine = %msg.spec.name)
                 .entered();
+        self.backend
+            .check_kernel(self.state.device(), &msg.spec.name, &msg.spec.kernel)?;
         let (routine, plans) = self.state.link(&msg.ctx, msg.spec)?;
         self.submit(plans)?;
         Ok(routine)

@@ -22,7 +22,7 @@ use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
 use tributary::trace::Recorder;
 use tributary::{
-    backend::{cpu::CpuBackend, Backend},
+    backend::{cpu::CpuBackend, Backend, BackendKind},
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
@@ -76,6 +76,9 @@ pub struct SystemConfig {
     pub shutdown_timeout_ms: u64,
     /// Record a timeline of every operation and wait (see [`System::timeline`]).
     pub record_timeline: bool,
+    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices). Only
+    /// the CPU backend records its operations in the timeline (`record_timeline`).
+    pub backend: BackendKind,
 }
 
 impl Default for SystemConfig {
@@ -87,6 +90,7 @@ impl Default for SystemConfig {
             mailbox_capacity: 4096,
             shutdown_timeout_ms: 10_000,
             record_timeline: false,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -153,6 +157,12 @@ impl SystemBuilder {
     /// Records a timeline of every operation and wait, for [`System::timeline`].
     pub fn record_timeline(mut self, on: bool) -> Self {
         self.config.record_timeline = on;
+        self
+    }
+
+    /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
+    pub fn backend(mut self, backend: BackendKind) -> Self {
+        self.config.backend = backend;
         self
     }
 
@@ -243,17 +253,18 @@ impl System {
     }
 
     fn spawn(config: SystemConfig) -> Result<System> {
-        if config.cpu_devices == 0 {
+        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
+        let backend: Arc<dyn Backend> = match (&config.backend, &recorder) {
+            (BackendKind::Cpu, Some(r)) => {
+                Arc::new(CpuBackend::new(DeviceId(0), config.cpu_devices).with_recorder(r.clone()))
+            }
+            (kind, _) => kind.create(config.cpu_devices)?,
+        };
+        if backend.devices().is_empty() {
             return Err(Error::Unknown {
                 what: "configuration with zero devices".into(),
             });
         }
-        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
-        let mut cpu = CpuBackend::new(DeviceId(0), config.cpu_devices);
-        if let Some(r) = &recorder {
-            cpu = cpu.with_recorder(r.clone());
-        }
-        let backend: Arc<dyn Backend> = Arc::new(cpu);
         let streams = config.streams.streams_per_device();
         let host = Arc::new(Mutex::new(HostTable::default()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -877,7 +888,9 @@ fn start_actors(
             ));
             timelines.push(timeline);
         }
-        let state = DeviceState::new(device, timelines, config.pools.clone());
+        let mut pools = config.pools.clone();
+        pools.min_alignment = pools.min_alignment.max(backend.min_alignment(device));
+        let state = DeviceState::new(device, timelines, pools);
         let (h, b, cap) = (host.clone(), backend.clone(), config.mailbox_capacity);
         let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
             DeviceActor::new(state, h, b, stream_addrs, cap)

@@ -26,7 +26,7 @@ use crate::{
     error::{DeviceError, Error, Failure, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::{run_cpu, ArgView, KernelArgs},
+    kernels::{run_cpu, ArgView, Kernel, KernelArgs},
     memory::AlignedBuffer,
     protocol::{await_deps, await_deps_observed, ArgBinding, GlobalLoc, Plan, Work},
     sync::{
@@ -272,6 +272,18 @@ impl Backend for CpuBackend {
 
     fn can_stream(&self, src: DeviceId, dst: DeviceId) -> bool {
         self.shared.devices.contains(&src) && self.shared.devices.contains(&dst)
+    }
+
+    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
+        match kernel {
+            Kernel::Shader(_) => Err(super::unsupported_kernel(
+                routine,
+                device,
+                "cpu",
+                crate::kernels::SHADER_ON_CPU,
+            )),
+            Kernel::Builtin(_) | Kernel::Cpu(_) => Ok(()),
+        }
     }
 }
 

@@ -325,6 +325,19 @@ impl Backend for FaultBackend {
     fn can_stream(&self, src: DeviceId, dst: DeviceId) -> bool {
         self.inner.can_stream(src, dst)
     }
+
+    fn min_alignment(&self, device: DeviceId) -> u64 {
+        self.inner.min_alignment(device)
+    }
+
+    fn check_kernel(
+        &self,
+        device: DeviceId,
+        routine: &str,
+        kernel: &crate::kernels::Kernel,
+    ) -> crate::error::Result<()> {
+        self.inner.check_kernel(device, routine, kernel)
+    }
 }
 
 struct FaultQueue {

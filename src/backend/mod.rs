@@ -12,14 +12,22 @@
 //! - a failed [`crate::protocol::DepKind::Data`] dependency fails the plan with the same
 //!   root cause, without running its work;
 //! - `submit` never blocks on the work itself.
+//!
+//! Backends: [`cpu`] (always built) and [`vulkan`] (its types always exist; without the
+//! `vulkan` cargo feature, [`vulkan::VulkanBackend::new`] reports
+//! [`DeviceError::Unavailable`]). [`BackendKind`] picks one from configuration.
 
 pub mod cpu;
 pub mod fault;
+pub mod vulkan;
+
+use serde::{Deserialize, Serialize};
 
 use crate::{
-    error::{DeviceError, Result},
+    error::{DeviceError, Error, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
+    kernels::Kernel,
     protocol::Plan,
     sync::Arc,
 };
@@ -71,4 +79,63 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether work on `dst` can read memory of `src` in place (`StreamingFor`).
     fn can_stream(&self, src: DeviceId, dst: DeviceId) -> bool;
+
+    /// The smallest alignment of buffer offsets inside the pools of `device` that the
+    /// backend needs (Vulkan: `minStorageBufferOffsetAlignment`, so that every buffer can
+    /// be bound as a storage-buffer range at its offset). Whoever creates the device's
+    /// pools raises [`crate::memory::PoolConfig::min_alignment`] to it. Default: 1.
+    fn min_alignment(&self, device: DeviceId) -> u64 {
+        let _ = device;
+        1
+    }
+
+    /// Refuses, at link time, a kernel that `device` can never run (a Rust closure on a
+    /// GPU, a shader on the CPU) with [`Error::InvalidRoutine`]. Default: every kernel.
+    /// The stream still fails the event of such a kernel if one reaches it.
+    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
+        let _ = (device, routine, kernel);
+        Ok(())
+    }
+}
+
+/// Which backend a system or an engine runs on (serde: `"Cpu"` or
+/// `{ "Vulkan": { ... } }`; TOML `backend = "Cpu"` or `[backend.Vulkan]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BackendKind {
+    /// Virtual CPU devices (their number is configured beside this, e.g.
+    /// `SystemConfig::cpu_devices`).
+    #[default]
+    Cpu,
+    /// Vulkan devices ([`vulkan::VulkanConfig`]).
+    Vulkan(vulkan::VulkanConfig),
+}
+
+impl BackendKind {
+    /// Creates the backend, its devices numbered from `DeviceId(0)`; `cpu_devices` is the
+    /// number of CPU devices (ignored by other kinds). A Vulkan backend that cannot start
+    /// (no loader, no driver, no suitable device) is [`DeviceError::Unavailable`].
+    pub fn create(&self, cpu_devices: usize) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
+        // A plain `std` Arc: loom's cannot hold a trait object.
+        use std::sync::Arc;
+        match self {
+            BackendKind::Cpu => Ok(Arc::new(cpu::CpuBackend::new(DeviceId(0), cpu_devices))),
+            BackendKind::Vulkan(config) => Ok(Arc::new(vulkan::VulkanBackend::new(
+                DeviceId(0),
+                config.clone(),
+            )?)),
+        }
+    }
+}
+
+/// The [`Backend::check_kernel`] error of a backend that cannot run `kernel` at all.
+pub(crate) fn unsupported_kernel(
+    routine: &str,
+    device: DeviceId,
+    backend: &str,
+    why: &str,
+) -> Error {
+    Error::InvalidRoutine {
+        routine: routine.to_string(),
+        reason: format!("{backend} device {device} cannot run it: {why}"),
+    }
 }

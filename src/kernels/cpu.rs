@@ -12,11 +12,15 @@ use super::{
 };
 use crate::node::{Bf16, DType, Element, F16};
 
+/// Why a [`Kernel::Shader`] cannot run on the CPU.
+pub(crate) const SHADER_ON_CPU: &str =
+    "shader kernels (WGSL or SPIR-V) run on Vulkan devices only, not on the CPU";
+
 /// Runs `kernel` over `args` on the calling thread.
 ///
 /// Built-ins dispatch on the dtype of their first parameter and check every view against
 /// their declared accesses, dtypes and dimensions (an error, never a panic, when the views
-/// disagree); [`Kernel::Cpu`] calls the closure. A panic inside the kernel is caught and
+/// disagree); [`Kernel::Cpu`] calls the closure; [`Kernel::Shader`] is an error. A panic inside the kernel is caught and
 /// returned as `Err("kernel panicked: ...")`, so a failing kernel never unwinds into the
 /// caller (DESIGN.md §3, rule 6); what it wrote before failing is left as it is.
 pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>) -> Result<(), String> {
@@ -26,6 +30,7 @@ pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>) -> Result<(), String> {
     let outcome = catch_unwind(AssertUnwindSafe(|| match kernel {
         Kernel::Builtin(b) => run_builtin(b, args).map_err(|e| format!("{}: {e}", b.name())),
         Kernel::Cpu(k) => k.call(args),
+        Kernel::Shader(_) => Err(SHADER_ON_CPU.to_string()),
     }));
     match outcome {
         Ok(result) => result,

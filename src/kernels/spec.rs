@@ -77,6 +77,71 @@ pub enum Kernel {
     Builtin(Builtin),
     /// A Rust closure; runs on CPU devices only.
     Cpu(CpuKernel),
+    /// A compute shader (WGSL or SPIR-V); runs on Vulkan devices only.
+    Shader(ShaderKernel),
+}
+
+/// The code of a [`ShaderKernel`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ShaderSource {
+    /// WGSL source, compiled to SPIR-V by the backend (naga).
+    Wgsl(Arc<str>),
+    /// SPIR-V words, used as they are.
+    SpirV(Arc<[u32]>),
+}
+
+/// A user compute shader for GPU backends (Vulkan).
+///
+/// Binding interface: parameter `i` of the routine is the storage buffer at
+/// `@group(0) @binding(i)`, bound over the node's buffer rounded up to whole 4-byte words
+/// (so `arrayLength` of an `array<u32>` over 5 `u8` elements is 2); the merge buffer, if the
+/// routine reads one, is binding `params.len()`; `immediates` are the push constants (WGSL
+/// `var<immediate>`), at most 128 bytes. The backend dispatches `workgroups` once; the shader must bound its own
+/// indices. Like every kernel, it must write every element of its `Write` parameters.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ShaderKernel {
+    /// The code.
+    pub source: ShaderSource,
+    /// The entry point (`main` by default).
+    pub entry_point: String,
+    /// Workgroups dispatched along x, y and z.
+    pub workgroups: [u32; 3],
+    /// Push-constant bytes.
+    pub immediates: Vec<u8>,
+}
+
+impl ShaderKernel {
+    /// A WGSL shader with entry point `main`, dispatched over `workgroups`.
+    pub fn wgsl(source: impl Into<Arc<str>>, workgroups: [u32; 3]) -> ShaderKernel {
+        ShaderKernel {
+            source: ShaderSource::Wgsl(source.into()),
+            entry_point: "main".into(),
+            workgroups,
+            immediates: Vec::new(),
+        }
+    }
+
+    /// A SPIR-V module with entry point `main`, dispatched over `workgroups`.
+    pub fn spirv(words: impl Into<Arc<[u32]>>, workgroups: [u32; 3]) -> ShaderKernel {
+        ShaderKernel {
+            source: ShaderSource::SpirV(words.into()),
+            entry_point: "main".into(),
+            workgroups,
+            immediates: Vec::new(),
+        }
+    }
+
+    /// Sets the push-constant bytes.
+    pub fn with_immediates(mut self, bytes: impl Into<Vec<u8>>) -> ShaderKernel {
+        self.immediates = bytes.into();
+        self
+    }
+
+    /// Sets the entry point.
+    pub fn with_entry_point(mut self, name: impl Into<String>) -> ShaderKernel {
+        self.entry_point = name.into();
+        self
+    }
 }
 
 /// The portable built-in kernels (DESIGN.md §5).
@@ -371,6 +436,21 @@ impl RoutineSpec {
             .map(|(node, access)| Param { node, access })
             .collect();
         RoutineSpec::new(name, params, merge, Kernel::Cpu(CpuKernel::new(f)))
+    }
+
+    /// A spec running a compute shader (Vulkan devices only); see [`ShaderKernel`] for the
+    /// binding interface and [`RoutineSpec::new`] for the checks.
+    pub fn shader(
+        name: impl Into<String>,
+        params: Vec<(TensorNode, Access)>,
+        merge: Option<TensorNode>,
+        shader: ShaderKernel,
+    ) -> Result<RoutineSpec> {
+        let params = params
+            .into_iter()
+            .map(|(node, access)| Param { node, access })
+            .collect();
+        RoutineSpec::new(name, params, merge, Kernel::Shader(shader))
     }
 
     /// The nodes it reads (`Read` or `ReadWrite`), in argument order. The merge node is

@@ -1,17 +1,35 @@
-//! Helpers shared by the end-to-end tests: nodes, and slow kernels that make the wrong
-//! interleaving likely when a synchronisation rule is missing.
+//! Helpers shared by the end-to-end tests: the backend kinds and how to get a backend (or
+//! why not), nodes, and kernels that behave alike on every backend (slow ones that make the
+//! wrong interleaving likely when a synchronisation rule is missing, failing ones).
+//!
+//! "Write the tests once, run them on every backend present": a test body is a function of
+//! a [`Kind`]; [`for_each_backend!`] turns a list of such functions into one `#[test]` per
+//! backend kind (`cpu::name`, `vulkan::name`, and `vulkan_staging::name` where asked). When
+//! Vulkan is not available, its tests print `skipping Vulkan (<test>): <reason>` and pass,
+//! unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` once lavapipe is installed): then
+//! they fail. Every Vulkan test that runs prints one line saying so; both lines go straight
+//! to the process's stderr, past the test harness's output capture, so the run log shows
+//! what ran where.
+#![allow(dead_code)] // each test binary uses its own part of this module
+#![allow(unused_macros)]
 
-#![allow(dead_code)]
-
-use std::{thread::sleep, time::Duration};
-
-use tributary::{
-    kernels::{Access, RoutineSpec},
-    DType, MemoryMode, Sharing, TensorNode,
+use std::{
+    io::Write,
+    sync::{Arc, OnceLock},
+    thread::sleep,
+    time::Duration,
 };
 
-/// How long slow kernels sleep.
-pub const DELAY: Duration = Duration::from_millis(60);
+use tributary::{
+    backend::{
+        cpu::CpuBackend,
+        vulkan::{VulkanBackend, VulkanConfig},
+        Backend, BackendKind,
+    },
+    kernels::{Access, RoutineSpec, ShaderKernel},
+    DType, DeviceId, MemoryMode, Sharing, TensorNode,
+};
+
 /// Elements of the test nodes.
 pub const N: usize = 256;
 
@@ -27,42 +45,12 @@ pub fn shared() -> MemoryMode {
     MemoryMode::OnDevice(Sharing::SharedCrossStreams)
 }
 
-/// `dst = src`, after sleeping (a slow reader of `src`).
-pub fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_copy",
-        vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)],
-        None,
-        |args| {
-            sleep(DELAY);
-            let src = args.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&src);
-            Ok(())
-        },
-    )
-    .expect("spec")
+/// Whether every element equals `x`.
+pub fn all(v: &[f32], x: f32) -> bool {
+    v.iter().all(|&y| y == x)
 }
 
-/// `dst = value`, after sleeping (a slow writer of `dst`).
-pub fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
-    RoutineSpec::custom(
-        "slow_fill",
-        vec![(dst.clone(), Access::Write)],
-        None,
-        move |args| {
-            sleep(DELAY);
-            args.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .fill(value);
-            Ok(())
-        },
-    )
-    .expect("spec")
-}
-
-/// `x *= 2` in place, through a custom kernel.
+/// `x *= 2` in place, through a custom kernel (CPU only).
 pub fn double(x: &TensorNode) -> RoutineSpec {
     RoutineSpec::custom("double", vec![(x.clone(), Access::ReadWrite)], None, |a| {
         a.output::<f32>(0)
@@ -74,7 +62,234 @@ pub fn double(x: &TensorNode) -> RoutineSpec {
     .expect("spec")
 }
 
-/// Whether every element equals `x`.
-pub fn all(v: &[f32], x: f32) -> bool {
-    v.iter().all(|&y| y == x)
+/// Which backend a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// The CPU backend.
+    Cpu,
+    /// Vulkan, host access to mapped pool memory where the driver allows it.
+    Vulkan,
+    /// Vulkan with every host transfer staged (as on a discrete GPU).
+    VulkanStaging,
+}
+
+impl Kind {
+    pub fn is_vulkan(self) -> bool {
+        self != Kind::Cpu
+    }
+}
+
+/// Writes a line to the process's stderr, past the test harness's capture (on a line of
+/// its own: the harness may be in the middle of one).
+pub fn log(line: &str) {
+    let _ = write!(std::io::stderr(), "\n{line}\n");
+}
+
+/// `Ok(description)` when Vulkan is usable here, `Err(reason)` otherwise (probed once).
+pub fn vulkan_available() -> Result<String, String> {
+    static PROBE: OnceLock<Result<String, String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            tributary::backend::vulkan::probe()
+                .map(|info| format!("Vulkan {} on {}", info.api_version, info.devices.join(", ")))
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+fn require_vulkan() -> bool {
+    std::env::var("TRIBUTARY_REQUIRE_VULKAN").is_ok_and(|v| v == "1")
+}
+
+/// The Vulkan configuration of `kind` with `devices` logical devices, or `None` after
+/// logging why the test is skipped (a failure instead under `TRIBUTARY_REQUIRE_VULKAN=1`).
+pub fn vulkan_config(kind: Kind, devices: usize, test: &str) -> Option<VulkanConfig> {
+    if let Err(reason) = vulkan_available() {
+        assert!(
+            !require_vulkan(),
+            "TRIBUTARY_REQUIRE_VULKAN=1 but Vulkan is unavailable: {reason}"
+        );
+        log(&format!("skipping Vulkan ({test}): {reason}"));
+        return None;
+    }
+    let staging = kind == Kind::VulkanStaging;
+    log(&format!(
+        "vulkan{}: running {test} on {devices} logical devices ({})",
+        if staging { " (staging)" } else { "" },
+        vulkan_available().unwrap_or_default()
+    ));
+    Some(VulkanConfig {
+        devices: Some(devices),
+        force_staging: staging,
+    })
+}
+
+/// The backend of `kind` with `devices` devices, or `None` when it is not available.
+pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend>> {
+    match kind {
+        Kind::Cpu => Some(Arc::new(CpuBackend::new(DeviceId(0), devices))),
+        Kind::Vulkan | Kind::VulkanStaging => {
+            let config = vulkan_config(kind, devices, test)?;
+            Some(Arc::new(
+                VulkanBackend::new(DeviceId(0), config).expect("vulkan backend"),
+            ))
+        }
+    }
+}
+
+/// The [`BackendKind`] of `kind` (for `System`), or `None` when it is not available.
+pub fn backend_kind(kind: Kind, devices: usize, test: &str) -> Option<BackendKind> {
+    match kind {
+        Kind::Cpu => Some(BackendKind::Cpu),
+        _ => vulkan_config(kind, devices, test).map(BackendKind::Vulkan),
+    }
+}
+
+/// One `#[test]` per backend kind for every listed test body `fn name(kind: Kind)`:
+/// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, ...; `for_each_backend!(staging:
+/// a)` also makes `vulkan_staging::a`.
+macro_rules! for_each_backend {
+    (staging: $($name:ident),* $(,)?) => {
+        for_each_backend!($($name),*);
+        mod vulkan_staging {
+            $( #[test] fn $name() { super::$name($crate::support::Kind::VulkanStaging) } )*
+        }
+    };
+    ($($name:ident),* $(,)?) => {
+        mod cpu {
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Cpu) } )*
+        }
+        mod vulkan {
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Vulkan) } )*
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels that behave alike on every backend.
+
+/// How long a slow CPU kernel sleeps.
+pub const DELAY: Duration = Duration::from_millis(60);
+/// Iterations of the spinning shader's loop, each of [`UNROLL`] dependent xorshift steps:
+/// about 60 ms per workgroup on lavapipe. (llvmpipe stops an invocation after 65535 loop
+/// iterations in all, so the work is in the unrolled body, not in the iteration count.)
+const SPIN: u32 = 60_000;
+const UNROLL: usize = 200;
+
+/// A shader that spins, then stores `expr` (of `s`, `v`, `z`) into `d[i]` for every `i`.
+fn spin_wgsl(bindings: &str, expr: &str) -> String {
+    let step = "x ^= x << 13u; x ^= x >> 17u; x ^= x << 5u; ".repeat(UNROLL);
+    format!(
+        "struct P {{ n: u32, iters: u32, value: f32, zero: f32 }}
+var<immediate> p: P;
+{bindings}
+@compute @workgroup_size(1)
+fn main() {{
+    var x = 1u;
+    for (var i = 0u; i < p.iters; i++) {{ {step} }}
+    let z = f32(x >> 31u) * p.zero;
+    let v = p.value + z;
+    for (var i = 0u; i < p.n; i++) {{ d[i] = {expr}; }}
+}}"
+    )
+}
+
+fn spin_immediates(n: usize, value: f32) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&(n as u32).to_le_bytes());
+    b.extend_from_slice(&SPIN.to_le_bytes());
+    b.extend_from_slice(&value.to_le_bytes());
+    b.extend_from_slice(&0f32.to_le_bytes());
+    b
+}
+
+/// The WGSL of [`slow_fill`] (also a shader the CPU backend refuses).
+pub fn slow_fill_wgsl() -> String {
+    spin_wgsl(
+        "@group(0) @binding(0) var<storage, read_write> d: array<f32>;",
+        "v",
+    )
+}
+
+/// `dst = value` (f32), slowly: about `DELAY * times` on the CPU, `times` spinning
+/// workgroups on Vulkan (all storing the same values).
+pub fn slow_fill_times(kind: Kind, dst: &TensorNode, value: f32, times: u32) -> RoutineSpec {
+    let params = vec![(dst.clone(), Access::Write)];
+    match kind {
+        Kind::Cpu => RoutineSpec::custom("slow_fill", params, None, move |a| {
+            sleep(DELAY * times);
+            a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
+            Ok(())
+        }),
+        _ => RoutineSpec::shader(
+            "slow_fill",
+            params,
+            None,
+            ShaderKernel::wgsl(slow_fill_wgsl(), [times.max(1), 1, 1])
+                .with_immediates(spin_immediates(dst.numel(), value)),
+        ),
+    }
+    .expect("spec")
+}
+
+/// `dst = value` (f32), slowly (tens of milliseconds).
+pub fn slow_fill_on(kind: Kind, dst: &TensorNode, value: f32) -> RoutineSpec {
+    slow_fill_times(kind, dst, value, 1)
+}
+
+/// `dst = value` (f32), after sleeping (a slow writer of `dst`; CPU only).
+pub fn slow_fill(dst: &TensorNode, value: f32) -> RoutineSpec {
+    slow_fill_on(Kind::Cpu, dst, value)
+}
+
+/// `dst = src` (f32), slowly.
+pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
+    let params = vec![(dst.clone(), Access::Write), (src.clone(), Access::Read)];
+    match kind {
+        Kind::Cpu => RoutineSpec::custom("slow_copy", params, None, |a| {
+            sleep(DELAY);
+            let s = a.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
+            a.output::<f32>(0)
+                .map_err(|e| e.to_string())?
+                .copy_from_slice(&s);
+            Ok(())
+        }),
+        _ => RoutineSpec::shader(
+            "slow_copy",
+            params,
+            None,
+            ShaderKernel::wgsl(
+                spin_wgsl(
+                    "@group(0) @binding(0) var<storage, read_write> d: array<f32>;
+@group(0) @binding(1) var<storage, read> s: array<f32>;",
+                    "s[i] + z",
+                ),
+                [1, 1, 1],
+            )
+            .with_immediates(spin_immediates(dst.numel(), 0.0)),
+        ),
+    }
+    .expect("spec")
+}
+
+/// A kernel named `name` that fails when it runs, with `message` in its failure: a
+/// panicking closure on the CPU, a shader that does not compile on Vulkan (the message is
+/// in the WGSL, which the compile error quotes).
+pub fn failing(kind: Kind, name: &str, dst: &TensorNode, message: &'static str) -> RoutineSpec {
+    let params = vec![(dst.clone(), Access::Write)];
+    match kind {
+        Kind::Cpu => RoutineSpec::custom(name, params, None, move |_| panic!("{message}")),
+        _ => RoutineSpec::shader(
+            name,
+            params,
+            None,
+            ShaderKernel::wgsl(format!("{message} is not WGSL"), [1, 1, 1]),
+        ),
+    }
+    .expect("spec")
+}
+
+/// `dst = src` (f32), after sleeping (a slow reader of `src`; CPU only).
+pub fn slow_copy(dst: &TensorNode, src: &TensorNode) -> RoutineSpec {
+    slow_copy_on(Kind::Cpu, dst, src)
 }

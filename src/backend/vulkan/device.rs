@@ -1,0 +1,265 @@
+//! The backend object: its devices, their pools, and the [`Backend`] implementation.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
+use super::{
+    instance::{create_instance, lock, DeviceCore, InstanceCore},
+    kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN},
+    memory::{Buffer, Region},
+    stream::{StreamShared, VulkanStream},
+    VulkanConfig, VulkanInfo,
+};
+use crate::{
+    backend::{unsupported_kernel, Backend, StreamQueue},
+    error::{DeviceError, Result},
+    event::Timeline,
+    ids::{DeviceId, PoolId, StreamId},
+    kernels::Kernel,
+    protocol::GlobalLoc,
+    sync::Arc as SyncArc,
+};
+
+/// One tributary device: a logical `VkDevice` with its pools, pipelines and streams.
+pub(super) struct Gpu {
+    pub(super) id: DeviceId,
+    pub(super) core: Arc<DeviceCore>,
+    pools: Mutex<HashMap<PoolId, Arc<Buffer>>>,
+    pub(super) pipelines: PipelineCache,
+    /// The streams of this device, to turn dependencies on them into semaphore waits.
+    streams: Mutex<Vec<Arc<StreamShared>>>,
+}
+
+impl Gpu {
+    /// The stream of this device whose timeline is `timeline`, if any.
+    pub(super) fn stream_of(&self, timeline: &SyncArc<Timeline>) -> Option<Arc<StreamShared>> {
+        lock(&self.streams)
+            .iter()
+            .find(|s| SyncArc::ptr_eq(&s.timeline, timeline))
+            .cloned()
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Pipelines and pools go first; `DeviceCore` (held by everything) goes last.
+        self.pipelines.clear();
+        lock(&self.pools).clear();
+    }
+}
+
+/// What the backend's streams share.
+pub(super) struct Shared {
+    // Kept for `probe`-like reporting and to outlive the devices.
+    _instance: Arc<InstanceCore>,
+    pub(super) gpus: Vec<Arc<Gpu>>,
+    pub(super) spirv: Arc<SpirvCache>,
+    pub(super) config: VulkanConfig,
+}
+
+impl Shared {
+    pub(super) fn gpu(&self, device: DeviceId) -> Option<&Arc<Gpu>> {
+        self.gpus.iter().find(|g| g.id == device)
+    }
+
+    /// Resolves a location to a checked byte range of its pool buffer.
+    pub(super) fn resolve(&self, g: GlobalLoc, bytes: u64) -> std::result::Result<Region, String> {
+        let gpu = self
+            .gpu(g.device)
+            .ok_or_else(|| format!("device {} is not a Vulkan device of this backend", g.device))?;
+        let buffer = lock(&gpu.pools)
+            .get(&g.loc.pool)
+            .cloned()
+            .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?;
+        Region::new(buffer, g.loc.offset, bytes).map_err(|e| format!("{}: {e}", g.loc))
+    }
+}
+
+/// The Vulkan backend: logical devices on the machine's Vulkan physical devices.
+///
+/// See the [module documentation](super) for how it works.
+#[derive(Clone)]
+pub struct VulkanBackend {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for VulkanBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VulkanBackend")
+            .field("devices", &self.device_names())
+            .finish()
+    }
+}
+
+/// Loads Vulkan and lists the physical devices the backend would use, without creating
+/// devices; [`DeviceError::Unavailable`] says why the backend cannot run here.
+pub fn probe() -> Result<VulkanInfo, DeviceError> {
+    let instance = create_instance()?;
+    let (usable, refused) = instance.physical_devices()?;
+    if usable.is_empty() {
+        return Err(no_device(&refused));
+    }
+    Ok(VulkanInfo {
+        api_version: format!(
+            "{}.{}.{}",
+            ash::vk::api_version_major(instance.api_version),
+            ash::vk::api_version_minor(instance.api_version),
+            ash::vk::api_version_patch(instance.api_version)
+        ),
+        devices: usable.into_iter().map(|p| p.name).collect(),
+    })
+}
+
+fn no_device(refused: &[String]) -> DeviceError {
+    DeviceError::Unavailable(if refused.is_empty() {
+        "no Vulkan physical device".into()
+    } else {
+        format!("no suitable Vulkan device ({})", refused.join("; "))
+    })
+}
+
+impl VulkanBackend {
+    /// Creates the backend's logical devices, numbered from `first`.
+    ///
+    /// [`DeviceError::Unavailable`] when there is no loader, no driver, or no physical
+    /// device with a compute queue, timeline semaphores and `VK_KHR_push_descriptor`;
+    /// never a panic.
+    pub fn new(first: DeviceId, config: VulkanConfig) -> Result<VulkanBackend, DeviceError> {
+        let instance = create_instance()?;
+        let (usable, refused) = instance.physical_devices()?;
+        if usable.is_empty() {
+            return Err(no_device(&refused));
+        }
+        let n = config.devices.unwrap_or(usable.len());
+        if n == 0 {
+            return Err(DeviceError::Unexpected(
+                "a Vulkan backend with zero devices".into(),
+            ));
+        }
+        let mut gpus = Vec::with_capacity(n);
+        for i in 0..n {
+            let physical = usable[i % usable.len()].clone();
+            let core = DeviceCore::new(instance.clone(), physical)?;
+            let id = u32::try_from(i)
+                .ok()
+                .and_then(|i| first.0.checked_add(i))
+                .map(DeviceId)
+                .ok_or_else(|| DeviceError::Unexpected("too many devices".into()))?;
+            gpus.push(Arc::new(Gpu {
+                id,
+                core,
+                pools: Mutex::new(HashMap::new()),
+                pipelines: PipelineCache::default(),
+                streams: Mutex::new(Vec::new()),
+            }));
+        }
+        tracing::debug!(
+            devices = n,
+            physical = %usable.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
+            "vulkan backend up"
+        );
+        Ok(VulkanBackend {
+            shared: Arc::new(Shared {
+                _instance: instance,
+                gpus,
+                spirv: Arc::new(SpirvCache::default()),
+                config,
+            }),
+        })
+    }
+
+    /// The name of the physical device under each logical device, in device order.
+    pub fn device_names(&self) -> Vec<String> {
+        self.shared
+            .gpus
+            .iter()
+            .map(|g| g.core.physical.name.clone())
+            .collect()
+    }
+
+    /// The configuration it was created with.
+    pub fn config(&self) -> &VulkanConfig {
+        &self.shared.config
+    }
+}
+
+impl Backend for VulkanBackend {
+    fn name(&self) -> &'static str {
+        "vulkan"
+    }
+
+    fn devices(&self) -> Vec<DeviceId> {
+        self.shared.gpus.iter().map(|g| g.id).collect()
+    }
+
+    fn create_pool(
+        &self,
+        device: DeviceId,
+        pool: PoolId,
+        bytes: u64,
+        align: u64,
+    ) -> Result<(), DeviceError> {
+        let gpu = self
+            .shared
+            .gpu(device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
+        // Buffers start at offset 0 of their own allocation, which satisfies any
+        // alignment the pool planner asks for (minStorageBufferOffsetAlignment and the
+        // planner's are powers of two far below the allocation's).
+        let _ = align;
+        if let Some(cause) = gpu.core.lost() {
+            return Err(DeviceError::Lost(cause));
+        }
+        let buffer = Buffer::pool(&gpu.core, bytes, self.shared.config.force_staging)?;
+        lock(&gpu.pools).insert(pool, Arc::new(buffer));
+        Ok(())
+    }
+
+    fn release_pool(&self, device: DeviceId, pool: PoolId) {
+        if let Some(gpu) = self.shared.gpu(device) {
+            // In-flight work keeps its own `Arc`; the buffer is destroyed after it.
+            lock(&gpu.pools).remove(&pool);
+        }
+    }
+
+    fn start_stream(
+        &self,
+        stream: StreamId,
+        timeline: SyncArc<Timeline>,
+    ) -> Result<Box<dyn StreamQueue>, DeviceError> {
+        let gpu = self
+            .shared
+            .gpu(stream.device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {}", stream.device)))?
+            .clone();
+        let shared = Arc::new(StreamShared::new(gpu.core.clone(), stream, timeline)?);
+        lock(&gpu.streams).push(shared.clone());
+        let queue = VulkanStream::start(self.shared.clone(), gpu, shared)?;
+        Ok(Box::new(queue))
+    }
+
+    fn can_stream(&self, src: DeviceId, dst: DeviceId) -> bool {
+        // A kernel binds buffers of its own device only.
+        src == dst && self.shared.gpu(src).is_some()
+    }
+
+    fn min_alignment(&self, device: DeviceId) -> u64 {
+        self.shared
+            .gpu(device)
+            .map_or(1, |g| g.core.physical.limits.min_storage_offset_alignment)
+    }
+
+    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
+        match kernel {
+            Kernel::Cpu(_) => Err(unsupported_kernel(
+                routine,
+                device,
+                "vulkan",
+                CPU_KERNEL_ON_VULKAN,
+            )),
+            Kernel::Builtin(_) | Kernel::Shader(_) => Ok(()),
+        }
+    }
+}

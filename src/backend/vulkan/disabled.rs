@@ -1,0 +1,65 @@
+//! The Vulkan backend's API when the `vulkan` cargo feature is off: it cannot be created.
+
+use super::{not_built, VulkanConfig, VulkanInfo};
+use crate::{
+    backend::{Backend, StreamQueue},
+    error::DeviceError,
+    event::Timeline,
+    ids::{DeviceId, PoolId, StreamId},
+    sync::Arc,
+};
+
+/// The Vulkan backend (this build has no Vulkan support: [`VulkanBackend::new`] always
+/// reports [`DeviceError::Unavailable`]).
+#[derive(Clone, Debug)]
+pub struct VulkanBackend {
+    never: std::convert::Infallible,
+}
+
+/// Always [`DeviceError::Unavailable`]: built without the `vulkan` feature.
+pub fn probe() -> Result<VulkanInfo, DeviceError> {
+    Err(not_built())
+}
+
+impl VulkanBackend {
+    /// Always [`DeviceError::Unavailable`]: built without the `vulkan` feature.
+    pub fn new(first: DeviceId, config: VulkanConfig) -> Result<VulkanBackend, DeviceError> {
+        let _ = (first, config);
+        Err(not_built())
+    }
+
+    /// Names of the physical devices (none: this value cannot exist).
+    pub fn device_names(&self) -> Vec<String> {
+        match self.never {}
+    }
+}
+
+impl Backend for VulkanBackend {
+    fn name(&self) -> &'static str {
+        "vulkan"
+    }
+
+    fn devices(&self) -> Vec<DeviceId> {
+        match self.never {}
+    }
+
+    fn create_pool(&self, _: DeviceId, _: PoolId, _: u64, _: u64) -> Result<(), DeviceError> {
+        match self.never {}
+    }
+
+    fn release_pool(&self, _: DeviceId, _: PoolId) {
+        match self.never {}
+    }
+
+    fn start_stream(
+        &self,
+        _: StreamId,
+        _: Arc<Timeline>,
+    ) -> Result<Box<dyn StreamQueue>, DeviceError> {
+        match self.never {}
+    }
+
+    fn can_stream(&self, _: DeviceId, _: DeviceId) -> bool {
+        match self.never {}
+    }
+}

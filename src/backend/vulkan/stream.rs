@@ -1,0 +1,929 @@
+//! Streams: a submit thread and a completion thread around one timeline semaphore (see the
+//! [module documentation](super) for the scheme).
+
+use std::{
+    collections::{BTreeMap, VecDeque},
+    sync::{Arc, Condvar, Mutex},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use ash::vk;
+use crossbeam_channel::{Receiver, Sender};
+
+use super::{
+    conv::map_oom_and_lost,
+    device::{Gpu, Shared},
+    instance::{host_visibility_barrier, lock, DeviceCore},
+    kernels::{Arg, Lowered, Lowering, Pipeline},
+    memory::{Buffer, Region},
+};
+use crate::{
+    backend::StreamQueue,
+    error::{DeviceError, Error, Failure, Result},
+    event::{EventStatus, Timeline},
+    ids::StreamId,
+    kernels::Kernel,
+    memory::AlignedBuffer,
+    protocol::{Dep, DepKind, Plan, Work},
+    sync::Arc as SyncArc,
+};
+
+/// How long one blocking Vulkan wait lasts before the waiter looks around again.
+const WAIT_SLICE_NS: u64 = 200_000_000;
+
+/// What every stream of a device can see of one stream: its semaphore and its decisions.
+pub(super) struct StreamShared {
+    pub(super) id: StreamId,
+    pub(super) timeline: SyncArc<Timeline>,
+    pub(super) semaphore: vk::Semaphore,
+    core: Arc<DeviceCore>,
+    decided: Mutex<Decided>,
+    cond: Condvar,
+}
+
+/// The decisions a stream's submit thread took, for the other streams of its device.
+#[derive(Default)]
+struct Decided {
+    /// Every sequence number up to this one is decided (submitted, or failed).
+    upto: u64,
+    /// Root causes of the decided-failed sequence numbers not yet completed.
+    failures: BTreeMap<u64, Arc<Failure>>,
+    /// The submit thread is gone: nothing more will be decided.
+    closed: bool,
+}
+
+/// What a stream decided for one of its sequence numbers.
+enum Decision {
+    /// Its batch is submitted: waiting for the semaphore value is enough.
+    Submitted,
+    /// It failed (its semaphore value is still signalled, by an empty batch).
+    Failed(Arc<Failure>),
+    /// The stream stopped before deciding: only its timeline can say.
+    Gone,
+}
+
+impl StreamShared {
+    pub(super) fn new(
+        core: Arc<DeviceCore>,
+        id: StreamId,
+        timeline: SyncArc<Timeline>,
+    ) -> std::result::Result<StreamShared, DeviceError> {
+        let mut ty = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
+        let info = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
+        // SAFETY: valid device (timeline semaphores enabled at creation); the chained
+        // struct lives across the call.
+        let semaphore = unsafe { core.device.create_semaphore(&info, None) }
+            .map_err(|r| map_oom_and_lost("vkCreateSemaphore", 0, r))?;
+        Ok(StreamShared {
+            id,
+            timeline,
+            semaphore,
+            core,
+            decided: Mutex::new(Decided::default()),
+            cond: Condvar::new(),
+        })
+    }
+
+    /// Publishes the decision for `seq` (and everything before it).
+    fn decide(&self, seq: u64, failure: Option<Arc<Failure>>) {
+        let mut d = lock(&self.decided);
+        d.upto = d.upto.max(seq);
+        if let Some(f) = failure {
+            d.failures.insert(seq, f);
+        }
+        // Failures of completed operations are on the timeline now.
+        let done = self.timeline.completed();
+        d.failures = d.failures.split_off(&(done + 1));
+        drop(d);
+        self.cond.notify_all();
+    }
+
+    fn close(&self) {
+        lock(&self.decided).closed = true;
+        self.cond.notify_all();
+    }
+
+    /// Waits until `seq` is decided.
+    fn decision(&self, seq: u64) -> Decision {
+        let mut d = lock(&self.decided);
+        loop {
+            if d.upto >= seq {
+                return match d.failures.get(&seq) {
+                    Some(f) => Decision::Failed(f.clone()),
+                    None => Decision::Submitted,
+                };
+            }
+            if d.closed {
+                return Decision::Gone;
+            }
+            d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// The semaphore's current value.
+    fn value(&self) -> std::result::Result<u64, DeviceError> {
+        // SAFETY: the semaphore belongs to this device and lives as long as `self`.
+        unsafe { self.core.device.get_semaphore_counter_value(self.semaphore) }.map_err(|r| {
+            self.core
+                .fail(map_oom_and_lost("vkGetSemaphoreCounterValue", 0, r))
+        })
+    }
+}
+
+impl Drop for StreamShared {
+    fn drop(&mut self) {
+        // SAFETY: every batch that waits on or signals this semaphore holds an `Arc` to it
+        // until its completion is observed, so no pending queue operation refers to it.
+        unsafe { self.core.device.destroy_semaphore(self.semaphore, None) };
+    }
+}
+
+/// Waits on the host until every `(semaphore, value)` is reached.
+fn host_wait(
+    core: &DeviceCore,
+    waits: &[(vk::Semaphore, u64)],
+) -> std::result::Result<(), DeviceError> {
+    if waits.is_empty() {
+        return Ok(());
+    }
+    let sems: Vec<_> = waits.iter().map(|w| w.0).collect();
+    let vals: Vec<_> = waits.iter().map(|w| w.1).collect();
+    let info = vk::SemaphoreWaitInfo::default()
+        .semaphores(&sems)
+        .values(&vals);
+    loop {
+        if let Some(cause) = core.lost() {
+            return Err(DeviceError::Lost(cause));
+        }
+        // SAFETY: the semaphores belong to this device and are kept alive by the caller.
+        match unsafe { core.device.wait_semaphores(&info, WAIT_SLICE_NS) } {
+            Ok(()) => return Ok(()),
+            Err(vk::Result::TIMEOUT) => continue,
+            Err(r) => return Err(core.fail(map_oom_and_lost("vkWaitSemaphores", 0, r))),
+        }
+    }
+}
+
+/// A plan resolved to buffers at submission.
+enum Job {
+    Run {
+        kernel: Kernel,
+        args: Vec<Arg>,
+        merge: Option<Arg>,
+    },
+    Copy {
+        src: Region,
+        dst: Region,
+        bytes: u64,
+    },
+    FromHost {
+        host: Arc<AlignedBuffer>,
+        dst: Region,
+        bytes: u64,
+    },
+    ToHost {
+        src: Region,
+        host: Arc<AlignedBuffer>,
+        bytes: u64,
+    },
+    Memset {
+        dst: Region,
+        bytes: u64,
+    },
+    Marker,
+}
+
+struct Submitted {
+    label: String,
+    seq: u64,
+    deps: Vec<Dep>,
+    job: std::result::Result<Job, String>,
+}
+
+/// Things a batch uses, kept alive until its completion is observed.
+enum Keep {
+    Buffer(#[allow(dead_code)] Arc<Buffer>),
+    Pipeline(#[allow(dead_code)] Arc<Pipeline>),
+    Stream(#[allow(dead_code)] Arc<StreamShared>),
+    Host(#[allow(dead_code)] Arc<AlignedBuffer>),
+}
+
+/// A decided sequence number on its way to the completion thread.
+struct Pending {
+    seq: u64,
+    outcome: std::result::Result<(), Arc<Failure>>,
+    /// Whether a batch signalling `seq` was submitted (false only on a lost device).
+    signalled: bool,
+    _keep: Vec<Keep>,
+}
+
+/// One Vulkan stream: the sending side of its submit thread, and both threads.
+pub(super) struct VulkanStream {
+    backend: Arc<Shared>,
+    shared: Arc<StreamShared>,
+    tx: Mutex<Option<Sender<Submitted>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl VulkanStream {
+    pub(super) fn start(
+        backend: Arc<Shared>,
+        gpu: Arc<Gpu>,
+        shared: Arc<StreamShared>,
+    ) -> std::result::Result<VulkanStream, DeviceError> {
+        let d = &gpu.core.device;
+        let pool_info = vk::CommandPoolCreateInfo::default()
+            .queue_family_index(gpu.core.physical.queue_family)
+            .flags(
+                vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER
+                    | vk::CommandPoolCreateFlags::TRANSIENT,
+            );
+        // SAFETY: valid device and create info.
+        let pool = unsafe { d.create_command_pool(&pool_info, None) }
+            .map_err(|r| map_oom_and_lost("vkCreateCommandPool", 0, r))?;
+        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Pending>();
+        let submitter = Submitter {
+            gpu,
+            spirv: backend.spirv.clone(),
+            me: shared.clone(),
+            pool,
+            free: Vec::new(),
+            in_flight: VecDeque::new(),
+            last: 0,
+            done: done_tx,
+            host_scratch: Vec::new(),
+        };
+        let id = shared.id;
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
+        };
+        let completer = shared.clone();
+        let completion = spawn(
+            format!("tributary-vk-done-{id}"),
+            Box::new(move || completion_loop(completer, done_rx)),
+        )?;
+        let submit = match spawn(
+            format!("tributary-vk-{id}"),
+            Box::new(move || submitter.run(rx)),
+        ) {
+            Ok(h) => h,
+            Err(e) => {
+                // The submitter (and its command pool and completion sender) was moved into
+                // the failed closure and dropped: the completion thread ends by itself.
+                let _ = completion.join();
+                return Err(e);
+            }
+        };
+        Ok(VulkanStream {
+            backend,
+            shared,
+            tx: Mutex::new(Some(tx)),
+            threads: Mutex::new(vec![submit, completion]),
+        })
+    }
+
+    fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
+        let b = &self.backend;
+        let arg = |a: &crate::protocol::ArgBinding| -> std::result::Result<Arg, String> {
+            Ok(Arg {
+                region: b.resolve(a.loc, a.bytes)?,
+                binding: a.clone(),
+            })
+        };
+        let host_len = |host: &AlignedBuffer, bytes: u64| {
+            if bytes > host.len() as u64 {
+                Err(format!(
+                    "host array of {} bytes, {bytes} requested",
+                    host.len()
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        Ok(match work {
+            Work::Run {
+                kernel,
+                args,
+                merge,
+                ..
+            } => Job::Run {
+                kernel: kernel.clone(),
+                args: args
+                    .iter()
+                    .map(arg)
+                    .collect::<std::result::Result<_, _>>()?,
+                merge: merge.as_ref().map(arg).transpose()?,
+            },
+            Work::Copy { src, dst, bytes } => Job::Copy {
+                src: b.resolve(*src, *bytes)?,
+                dst: b.resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::FromHost { host, dst, bytes } => {
+                host_len(host, *bytes)?;
+                Job::FromHost {
+                    host: host.clone(),
+                    dst: b.resolve(*dst, *bytes)?,
+                    bytes: *bytes,
+                }
+            }
+            Work::ToHost { src, host, bytes } => {
+                host_len(host, *bytes)?;
+                Job::ToHost {
+                    src: b.resolve(*src, *bytes)?,
+                    host: host.clone(),
+                    bytes: *bytes,
+                }
+            }
+            Work::Memset { dst, bytes } => Job::Memset {
+                dst: b.resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::Marker => Job::Marker,
+        })
+    }
+
+    fn stop(&self, deadline: Option<Instant>) -> bool {
+        drop(lock(&self.tx).take());
+        let mut threads = lock(&self.threads);
+        if let Some(deadline) = deadline {
+            while threads.iter().any(|h| !h.is_finished()) {
+                if Instant::now() >= deadline {
+                    // Detach: the threads own what they use (device, buffers) and finish
+                    // the queued work on their own; dropping the handles does not stop them.
+                    threads.clear();
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        for h in threads.drain(..) {
+            if h.join().is_err() {
+                self.shared.timeline.poison(Arc::new(Failure {
+                    stream: self.shared.id,
+                    seq: self.shared.timeline.completed() + 1,
+                    operation: "worker".into(),
+                    message: "Vulkan stream thread panicked".into(),
+                }));
+            }
+        }
+        true
+    }
+}
+
+impl StreamQueue for VulkanStream {
+    fn submit(&self, plan: Plan) -> Result<()> {
+        let seq = plan.event.seq();
+        let label = plan.work.label();
+        let job = self.resolve(&plan.work);
+        let item = Submitted {
+            label: label.clone(),
+            seq,
+            deps: plan.deps,
+            job,
+        };
+        let sent = match lock(&self.tx).as_ref() {
+            Some(tx) => tx.send(item).is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.shared.timeline.fail(
+                seq,
+                Arc::new(Failure {
+                    stream: self.shared.id,
+                    seq,
+                    operation: label,
+                    message: "stream is shut down".into(),
+                }),
+            );
+            return Err(Error::ShutDown(format!("stream {}", self.shared.id)));
+        }
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        self.stop(None);
+    }
+
+    fn shutdown_within(&self, timeout: Duration) -> bool {
+        self.stop(Some(Instant::now() + timeout))
+    }
+}
+
+impl Drop for VulkanStream {
+    fn drop(&mut self) {
+        self.stop(None);
+    }
+}
+
+/// The submit thread's state.
+struct Submitter {
+    gpu: Arc<Gpu>,
+    spirv: Arc<super::kernels::SpirvCache>,
+    me: Arc<StreamShared>,
+    pool: vk::CommandPool,
+    free: Vec<vk::CommandBuffer>,
+    in_flight: VecDeque<(u64, vk::CommandBuffer)>,
+    /// The last value this stream signalled (or submitted a signal of).
+    last: u64,
+    done: Sender<Pending>,
+    /// Host memory for staged cross-device copies, kept between them.
+    host_scratch: Vec<u8>,
+}
+
+/// How the dependencies of one plan are to be waited for.
+#[derive(Default)]
+struct Waits {
+    /// Semaphore waits (other streams of this device).
+    gpu: Vec<(Arc<StreamShared>, u64)>,
+    /// The root cause of the first failed data dependency.
+    failed: Option<Arc<Failure>>,
+}
+
+impl Submitter {
+    fn run(mut self, rx: Receiver<Submitted>) {
+        let _close = CloseOnExit(self.me.clone());
+        while let Ok(item) = rx.recv() {
+            let span =
+                tracing::debug_span!("vk", stream = %self.me.id, seq = item.seq, op = %item.label);
+            let _e = span.enter();
+            self.process(item);
+        }
+        self.drain();
+    }
+
+    /// Waits for every batch of this stream, then frees the command pool.
+    fn drain(&mut self) {
+        let core = self.gpu.core.clone();
+        if self.last > 0 {
+            let _ = host_wait(&core, &[(self.me.semaphore, self.last)]);
+        }
+        // SAFETY: every command buffer of the pool has completed (waited above) or the
+        // device is lost (its work will never run); the pool is used by this thread only.
+        unsafe { core.device.destroy_command_pool(self.pool, None) };
+        self.free.clear();
+        self.in_flight.clear();
+    }
+
+    fn failure(&self, item: &Submitted, message: String) -> Arc<Failure> {
+        Arc::new(Failure {
+            stream: self.me.id,
+            seq: item.seq,
+            operation: item.label.clone(),
+            message,
+        })
+    }
+
+    /// Sorts the dependencies: same-device ones become semaphore waits (after their
+    /// stream decided them), the others are waited for here, on the host.
+    fn classify(&self, deps: &[Dep]) -> Waits {
+        let mut w = Waits::default();
+        for dep in deps {
+            let data = dep.kind == DepKind::Data;
+            let mut note = |f: Arc<Failure>| {
+                if data {
+                    w.failed.get_or_insert(f);
+                }
+            };
+            match dep.event.status() {
+                EventStatus::Done => continue,
+                EventStatus::Failed(f) => {
+                    note(f);
+                    continue;
+                }
+                EventStatus::Pending => {}
+            }
+            let local = self.gpu.stream_of(dep.event.timeline());
+            match local.as_ref().map(|s| (s, s.decision(dep.event.seq()))) {
+                Some((s, Decision::Submitted)) => w.gpu.push((s.clone(), dep.event.seq())),
+                Some((s, Decision::Failed(f))) => {
+                    note(f);
+                    w.gpu.push((s.clone(), dep.event.seq()));
+                }
+                Some((_, Decision::Gone)) | None => {
+                    // Another device or backend (or a dead stream): wait on the host.
+                    if let Err(Error::Failed(f)) = dep.event.wait() {
+                        note(f);
+                    }
+                }
+            }
+        }
+        w
+    }
+
+    fn process(&mut self, item: Submitted) {
+        if item.seq <= self.last {
+            let f = self.failure(
+                &item,
+                format!("sequence number {} after {}", item.seq, self.last),
+            );
+            tracing::warn!(%f, "out-of-order plan");
+            self.report(item.seq, Err(f), false, Vec::new());
+            return;
+        }
+        let waits = self.classify(&item.deps);
+        let mut keep: Vec<Keep> = waits
+            .gpu
+            .iter()
+            .map(|(s, _)| Keep::Stream(s.clone()))
+            .collect();
+        if let Some(cause) = self.gpu.core.lost() {
+            let f = self.failure(&item, format!("device lost: {cause}"));
+            self.report(item.seq, Err(f), false, keep);
+            return;
+        }
+        let sem_waits: Vec<(vk::Semaphore, u64)> =
+            waits.gpu.iter().map(|(s, v)| (s.semaphore, *v)).collect();
+        let outcome: std::result::Result<Option<vk::CommandBuffer>, Arc<Failure>> =
+            match (&waits.failed, &item.job) {
+                (Some(root), _) => Err(root.clone()),
+                (None, Err(msg)) => Err(self.failure(&item, msg.clone())),
+                (None, Ok(job)) => self
+                    .execute(job, &sem_waits, &mut keep)
+                    .map_err(|m| self.failure(&item, m)),
+            };
+        let (cb, result) = match outcome {
+            Ok(cb) => (cb, Ok(())),
+            Err(f) => (None, Err(f)),
+        };
+        match self.submit_batch(cb, &sem_waits, item.seq) {
+            Ok(()) => {
+                if let Some(cb) = cb {
+                    self.in_flight.push_back((item.seq, cb));
+                }
+                self.last = item.seq;
+                self.me.decide(item.seq, result.as_ref().err().cloned());
+                self.report(item.seq, result, true, keep);
+            }
+            Err(e) => {
+                let f = self.failure(&item, format!("cannot submit: {e}"));
+                self.gpu.core.mark_lost(&e.to_string());
+                if let Some(cb) = cb {
+                    self.free.push(cb);
+                }
+                self.me.decide(item.seq, Some(f.clone()));
+                self.report(item.seq, Err(f), false, keep);
+            }
+        }
+    }
+
+    fn report(
+        &self,
+        seq: u64,
+        outcome: std::result::Result<(), Arc<Failure>>,
+        signalled: bool,
+        keep: Vec<Keep>,
+    ) {
+        let _ = self.done.send(Pending {
+            seq,
+            outcome,
+            signalled,
+            _keep: keep,
+        });
+    }
+
+    /// Runs or records the job. `Ok(Some(cb))`: a recorded command buffer to submit;
+    /// `Ok(None)`: nothing to submit but the signal (host work done, or no work).
+    fn execute(
+        &mut self,
+        job: &Job,
+        sem_waits: &[(vk::Semaphore, u64)],
+        keep: &mut Vec<Keep>,
+    ) -> std::result::Result<Option<vk::CommandBuffer>, String> {
+        let core = self.gpu.core.clone();
+        let local = |r: &Region| r.on_device(&core);
+        match job {
+            Job::Marker => Ok(None),
+            Job::Run {
+                kernel,
+                args,
+                merge,
+            } => {
+                for (i, a) in args.iter().enumerate() {
+                    if !local(&a.region) {
+                        return Err(format!("argument {i} lives on another device"));
+                    }
+                }
+                if merge.as_ref().is_some_and(|m| !local(&m.region)) {
+                    return Err(
+                        "the merge source lives on another device (streaming across Vulkan \
+                         devices is not supported)"
+                            .into(),
+                    );
+                }
+                let lowered = Lowering {
+                    core: &core,
+                    pipelines: &self.gpu.pipelines,
+                    spirv: &self.spirv,
+                }
+                .lower(kernel, args, merge.as_ref())?;
+                for a in args.iter().chain(merge.iter()) {
+                    keep.push(Keep::Buffer(a.region.buffer.clone()));
+                }
+                self.record(|cb| match &lowered {
+                    Lowered::Nothing => {}
+                    Lowered::Copy(src, dst, bytes) => copy_cmd(&core, cb, src, dst, *bytes),
+                    Lowered::Dispatches(ds) => {
+                        for (i, d) in ds.iter().enumerate() {
+                            if i > 0 {
+                                compute_barrier(&core, cb);
+                            }
+                            // SAFETY: `cb` is recording on this device; the pipeline and
+                            // the bound buffers are kept alive in `keep` until completion.
+                            unsafe { d.pipeline.record(cb, &d.bindings, &d.push, d.groups) };
+                        }
+                    }
+                })
+                .map(Some)
+                .inspect(|_| {
+                    if let Lowered::Dispatches(ds) = &lowered {
+                        for d in ds {
+                            keep.push(Keep::Pipeline(d.pipeline.clone()));
+                            keep.extend(d.bindings.iter().map(|b| Keep::Buffer(b.buffer.clone())));
+                        }
+                    }
+                })
+            }
+            Job::Copy { src, dst, bytes } if local(src) && local(dst) => {
+                keep.push(Keep::Buffer(src.buffer.clone()));
+                keep.push(Keep::Buffer(dst.buffer.clone()));
+                let n = *bytes;
+                if n == 0 {
+                    return Ok(None);
+                }
+                self.record(|cb| copy_cmd(&core, cb, src, dst, n)).map(Some)
+            }
+            Job::Memset { dst, bytes } => {
+                if !local(dst) {
+                    return Err("memset of a buffer of another device".into());
+                }
+                keep.push(Keep::Buffer(dst.buffer.clone()));
+                if *bytes == 0 {
+                    return Ok(None);
+                }
+                if dst.offset % 4 != 0 {
+                    return Err(format!(
+                        "memset at offset {}, not a multiple of 4 (pool alignment too small)",
+                        dst.offset
+                    ));
+                }
+                // vkCmdFillBuffer works on whole words: round up (buffers start at offsets
+                // aligned to at least 16, so the padding of the last word is no one else's).
+                let size = bytes
+                    .next_multiple_of(4)
+                    .min(dst.buffer.size() - dst.offset);
+                let (buf, off) = (dst.buffer.handle(), dst.offset);
+                self.record(|cb| {
+                    // SAFETY: recording; offset is a multiple of 4 (pool alignment), size a
+                    // multiple of 4 within the buffer.
+                    unsafe { core.device.cmd_fill_buffer(cb, buf, off, size, 0) }
+                })
+                .map(Some)
+            }
+            // Host work: every dependency and this stream's previous work must be done.
+            Job::Copy { .. } | Job::FromHost { .. } | Job::ToHost { .. } => {
+                let mut all = sem_waits.to_vec();
+                if self.last > 0 {
+                    all.push((self.me.semaphore, self.last));
+                }
+                host_wait(&core, &all).map_err(|e| e.to_string())?;
+                self.host_job(job).map_err(|e| e.to_string())?;
+                match job {
+                    Job::FromHost { host, .. } | Job::ToHost { host, .. } => {
+                        keep.push(Keep::Host(host.clone()))
+                    }
+                    _ => {}
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    fn host_job(&mut self, job: &Job) -> std::result::Result<(), DeviceError> {
+        match job {
+            Job::FromHost { host, dst, bytes } => {
+                // SAFETY: the protocol made this transfer wait for every writer of the host
+                // array (host writes completed before the plan was made, device-to-host
+                // transfers are among its dependencies), so nobody writes it now.
+                let data = unsafe { host.bytes(0, *bytes as usize) }
+                    .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
+                dst.write_from_host(data)
+            }
+            Job::ToHost { src, host, bytes } => {
+                // SAFETY: the protocol made this transfer wait for every other use of the
+                // host array, and no one reads it until this event completes.
+                let out = unsafe { host.bytes_mut(0, *bytes as usize) }
+                    .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
+                src.read_to_host(out)
+            }
+            Job::Copy { src, dst, bytes } => src.copy_across(dst, *bytes, &mut self.host_scratch),
+            _ => Ok(()),
+        }
+    }
+
+    /// A command buffer recorded by `f`, ended with the host-visibility barrier.
+    fn record(
+        &mut self,
+        f: impl FnOnce(vk::CommandBuffer),
+    ) -> std::result::Result<vk::CommandBuffer, String> {
+        let core = self.gpu.core.clone();
+        let d = &core.device;
+        self.reclaim();
+        let cb = match self.free.pop() {
+            Some(cb) => cb,
+            None => {
+                let info = vk::CommandBufferAllocateInfo::default()
+                    .command_pool(self.pool)
+                    .level(vk::CommandBufferLevel::PRIMARY)
+                    .command_buffer_count(1);
+                // SAFETY: our pool, used by this thread only.
+                let cbs = unsafe { d.allocate_command_buffers(&info) }
+                    .map_err(|r| format!("vkAllocateCommandBuffers: {r}"))?;
+                cbs.first().copied().ok_or("no command buffer allocated")?
+            }
+        };
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        // SAFETY: `cb` is not in use (fresh, or reclaimed after its batch completed); our
+        // pool allows resetting individual buffers, which `begin` does implicitly.
+        if let Err(r) = unsafe { d.begin_command_buffer(cb, &begin) } {
+            self.free.push(cb);
+            return Err(format!("vkBeginCommandBuffer: {r}"));
+        }
+        f(cb);
+        host_visibility_barrier(d, cb);
+        // SAFETY: recording began above.
+        if let Err(r) = unsafe { d.end_command_buffer(cb) } {
+            self.free.push(cb);
+            return Err(format!("vkEndCommandBuffer: {r}"));
+        }
+        Ok(cb)
+    }
+
+    /// Moves the command buffers of completed batches back to the free list.
+    fn reclaim(&mut self) {
+        let Some(&(first, _)) = self.in_flight.front() else {
+            return;
+        };
+        let Ok(value) = self.me.value() else {
+            return;
+        };
+        if value < first {
+            return;
+        }
+        while let Some(&(seq, cb)) = self.in_flight.front() {
+            if seq > value {
+                break;
+            }
+            self.in_flight.pop_front();
+            self.free.push(cb);
+        }
+    }
+
+    /// Submits one batch: waits for the stream's previous value and `waits`, runs `cb`
+    /// (if any), signals `seq`.
+    fn submit_batch(
+        &self,
+        cb: Option<vk::CommandBuffer>,
+        waits: &[(vk::Semaphore, u64)],
+        seq: u64,
+    ) -> std::result::Result<(), DeviceError> {
+        let core = &self.gpu.core;
+        let mut sems = Vec::with_capacity(waits.len() + 1);
+        let mut vals = Vec::with_capacity(waits.len() + 1);
+        if self.last > 0 {
+            sems.push(self.me.semaphore);
+            vals.push(self.last);
+        }
+        for &(s, v) in waits {
+            if s != self.me.semaphore && v > 0 {
+                sems.push(s);
+                vals.push(v);
+            }
+        }
+        let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; sems.len()];
+        let signal = [self.me.semaphore];
+        let signal_vals = [seq];
+        let cbs: Vec<vk::CommandBuffer> = cb.into_iter().collect();
+        let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&vals)
+            .signal_semaphore_values(&signal_vals);
+        let submit = [vk::SubmitInfo::default()
+            .wait_semaphores(&sems)
+            .wait_dst_stage_mask(&stages)
+            .command_buffers(&cbs)
+            .signal_semaphores(&signal)
+            .push_next(&mut timeline)];
+        let queue = core.queue();
+        // SAFETY: the queue is externally synchronised by its mutex; the command buffer is
+        // fully recorded and not pending elsewhere; the semaphores are timeline semaphores
+        // of this device kept alive (by `Keep`) until the batch completes; the signalled
+        // value exceeds every value signalled or pending on our semaphore (the batch waits
+        // for `last < seq` first).
+        unsafe { core.device.queue_submit(*queue, &submit, vk::Fence::null()) }
+            .map_err(|r| core.fail(map_oom_and_lost("vkQueueSubmit", 0, r)))
+    }
+}
+
+/// Makes the writes of earlier dispatches of `cb` visible to later ones.
+fn compute_barrier(core: &DeviceCore, cb: vk::CommandBuffer) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+        .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+    // SAFETY: `cb` is recording on this device.
+    unsafe {
+        core.device.cmd_pipeline_barrier(
+            cb,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        )
+    };
+}
+
+/// Records a buffer copy.
+fn copy_cmd(core: &DeviceCore, cb: vk::CommandBuffer, src: &Region, dst: &Region, bytes: u64) {
+    let region = [vk::BufferCopy {
+        src_offset: src.offset,
+        dst_offset: dst.offset,
+        size: bytes.min(src.bytes).min(dst.bytes),
+    }];
+    // SAFETY: `cb` is recording on this device; both buffers are kept alive until the
+    // batch completes; ranges were checked against the buffers at resolution; distinct
+    // nodes never overlap.
+    unsafe {
+        core.device
+            .cmd_copy_buffer(cb, src.buffer.handle(), dst.buffer.handle(), &region)
+    };
+}
+
+/// Publishes "no more decisions" when the submit thread ends, however it ends.
+struct CloseOnExit(Arc<StreamShared>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.timeline.poison(Arc::new(Failure {
+                stream: self.0.id,
+                seq: self.0.timeline.completed() + 1,
+                operation: "worker".into(),
+                message: "Vulkan submit thread died".into(),
+            }));
+        }
+        self.0.close();
+    }
+}
+
+/// Completes the timeline in order as the semaphore advances.
+fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>) {
+    let mut queue: VecDeque<Pending> = VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(p) => queue.push_back(p),
+                Err(_) => return,
+            }
+        }
+        while let Ok(p) = rx.try_recv() {
+            queue.push_back(p);
+        }
+        let Some(front) = queue.front() else {
+            continue;
+        };
+        if front.signalled {
+            if let Err(e) = host_wait(&me.core, &[(me.semaphore, front.seq)]) {
+                me.timeline.poison(Arc::new(Failure {
+                    stream: me.id,
+                    seq: front.seq,
+                    operation: "device".into(),
+                    message: e.to_string(),
+                }));
+                queue.clear();
+                continue;
+            }
+        }
+        let value = me.value().unwrap_or(0);
+        while let Some(p) = queue.front() {
+            if p.signalled && p.seq > value {
+                break;
+            }
+            let Some(p) = queue.pop_front() else {
+                break;
+            };
+            match p.outcome {
+                Ok(()) => me.timeline.signal(p.seq),
+                Err(f) => me.timeline.fail(p.seq, f),
+            }
+        }
+    }
+}
