@@ -228,6 +228,7 @@ impl Engine {
 
     /// Schedules a linked routine; returns its event without waiting.
     pub fn schedule(&mut self, routine: &Routine) -> Result<Event> {
+        self.host.next_order();
         let span = tracing::trace_span!("schedule", routine = routine.name(), stream = %routine.context().stream());
         let _e = span.enter();
         let device = routine.context().device();
@@ -246,6 +247,7 @@ impl Engine {
         node: &TensorNode,
         data: &[T],
     ) -> Result<Context> {
+        self.host.next_order();
         let i = self.device_index(ctx.device())?;
         self.devices[i].check_context(ctx)?;
         if ctx.contains(node) {
@@ -267,6 +269,7 @@ impl Engine {
 
     /// Copies the host array of hosted `node` into its buffer in `ctx`.
     pub fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
+        self.host.next_order();
         let i = self.device_index(ctx.device())?;
         let plan = self.devices[i].from_host(ctx, node, &mut self.host)?;
         self.submit_one(plan)
@@ -274,6 +277,7 @@ impl Engine {
 
     /// Copies the buffer of hosted `node` in `ctx` into its host array.
     pub fn to_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
+        self.host.next_order();
         let i = self.device_index(ctx.device())?;
         let plan = self.devices[i].to_host(ctx, node, &mut self.host)?;
         self.submit_one(plan)
@@ -294,6 +298,7 @@ impl Engine {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<Event>> {
+        self.host.next_order();
         let si = self.device_index(src.device())?;
         let di = self.device_index(dst.device())?;
         self.devices[di].check_context(dst)?;
@@ -336,13 +341,14 @@ impl Engine {
     /// Reads the host value of hosted `node`: transfers the newest device value first if
     /// the host array is older, then waits for every pending transfer into the array.
     pub fn host_read<T: Element>(&mut self, node: &TensorNode) -> Result<Vec<T>> {
+        self.host.next_order();
         node.check_data(T::DTYPE, node.numel())?;
         if !node.mode().is_hosted() {
             return Err(Error::NotHosted {
                 node: node.to_string(),
             });
         }
-        let newer = self.host.record(node)?.newer_on_device;
+        let newer = self.host.record(node)?.newer_on_device();
         if let Some(copy) = newer {
             let i = self.device_index(copy.loc.device)?;
             let plan =
@@ -358,6 +364,7 @@ impl Engine {
     /// Writes the host array of hosted `node` after every pending device read or write of
     /// it completed; every device copy then lags and is re-uploaded before its next use.
     pub fn host_write<T: Element>(&mut self, node: &TensorNode, data: &[T]) -> Result<()> {
+        self.host.next_order();
         node.check_data(T::DTYPE, data.len())?;
         if !node.mode().is_hosted() {
             return Err(Error::NotHosted {
@@ -387,6 +394,7 @@ impl Engine {
 
     /// Finalizes `ctx`: its buffers are freed once every pending use completed.
     pub fn finalize(&mut self, ctx: &Context) -> Result<()> {
+        self.host.next_order();
         let i = self.device_index(ctx.device())?;
         let plans = self.devices[i].finalize(ctx, &mut self.host)?;
         self.submit(plans)?;

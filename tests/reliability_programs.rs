@@ -157,10 +157,11 @@ fn large_programs_match_the_reference() {
 
 /// Programs on the actor system (`tributary-actors`): the same generator and reference.
 ///
-/// All memory modes, on one device by default: with hosted nodes written on several
-/// devices the system currently disagrees with the reference (its device actors update the
-/// shared host table in the order they process messages, not in program order).
-/// `TRIBUTARY_SYSTEM_DEVICES=4` runs these programs on up to 4 devices.
+/// All memory modes, on one device by default. Host-table updates now carry program-order
+/// stamps and host-array transfers are fenced across devices, which fixed the known
+/// multi-device mismatches, but `TRIBUTARY_SYSTEM_DEVICES=4` still finds rare ones
+/// (e.g. `TRIBUTARY_PROPTEST_SEED=1795331085728136024` with `TRIBUTARY_PROPTEST_CASES=20000`):
+/// an open issue of the actor layer, so CI keeps one device here.
 #[test]
 fn system_programs_match_the_reference() {
     run(

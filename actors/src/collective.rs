@@ -112,6 +112,7 @@ impl AllReducePlan {
         self.sys
             .coordinator()
             .send(AllReduce {
+                order: self.sys.next_order(),
                 steps: self.steps.clone(),
                 nodes: self.nodes.clone(),
                 contexts: self.contexts.clone(),

@@ -104,6 +104,7 @@ impl Handler<DeviceToDevice> for Coordinator {
             let event = match msg.mode {
                 MergeBufferUse::No | MergeBufferUse::Copy => dst
                     .send(CopyIn {
+                        order: msg.order,
                         dst: msg.dst.clone(),
                         source,
                         into_merge: matches!(msg.mode, MergeBufferUse::Copy),
@@ -111,9 +112,13 @@ impl Handler<DeviceToDevice> for Coordinator {
                     .await
                     .map_err(mailbox)??,
                 MergeBufferUse::StreamingFor(routine) => Some(
-                    dst.send(ScheduleStreaming { routine, source })
-                        .await
-                        .map_err(mailbox)??,
+                    dst.send(ScheduleStreaming {
+                        routine,
+                        source,
+                        order: msg.order,
+                    })
+                    .await
+                    .map_err(mailbox)??,
                 ),
             };
             if let Some(e) = &event {
@@ -172,7 +177,11 @@ impl Handler<AllReduce> for Coordinator {
                         let routine = msg.merge[dst][chunk].clone();
                         let reader = if streaming {
                             let e = addrs[dst]
-                                .send(ScheduleStreaming { routine, source })
+                                .send(ScheduleStreaming {
+                                    routine,
+                                    source,
+                                    order: msg.order,
+                                })
                                 .await
                                 .map_err(mailbox)??;
                             last[dst * chunks + chunk] = Some(LastWrite::Event(e.clone()));
@@ -180,6 +189,7 @@ impl Handler<AllReduce> for Coordinator {
                         } else {
                             let copy = addrs[dst]
                                 .send(CopyIn {
+                                    order: msg.order,
                                     dst: msg.contexts[dst].clone(),
                                     source,
                                     into_merge: true,
@@ -191,6 +201,7 @@ impl Handler<AllReduce> for Coordinator {
                                 })?;
                             let (ticket, sender) = crate::ticket::Ticket::new();
                             addrs[dst].do_send(Schedule {
+                                order: msg.order,
                                 routine,
                                 ticket: sender,
                             });
@@ -205,6 +216,7 @@ impl Handler<AllReduce> for Coordinator {
                         let loc = source.loc.loc;
                         if let Some(e) = addrs[dst]
                             .send(CopyIn {
+                                order: msg.order,
                                 dst: msg.contexts[dst].clone(),
                                 source,
                                 into_merge: false,
@@ -230,6 +242,7 @@ impl Handler<AllReduce> for Coordinator {
                             })?;
                         let (ticket, sender) = crate::ticket::Ticket::new();
                         addrs[ctx].do_send(Schedule {
+                            order: msg.order,
                             routine,
                             ticket: sender,
                         });

@@ -198,6 +198,7 @@ impl Handler<Schedule> for DeviceActor {
         let host = self.host.clone();
         let planned = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state.schedule(&msg.routine, &mut host)
         };
         let result = planned.and_then(|plans| {
@@ -221,6 +222,7 @@ impl Handler<FromHost> for DeviceActor {
         let host = self.host.clone();
         let plan = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state.from_host(&msg.ctx, &msg.node, &mut host)
         };
         let result = plan.and_then(|p| {
@@ -239,6 +241,7 @@ impl Handler<ToHost> for DeviceActor {
         let host = self.host.clone();
         let plan = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state.to_host(&msg.ctx, &msg.node, &mut host)
         };
         let result = plan.and_then(|p| {
@@ -258,6 +261,7 @@ impl Handler<InitFromHost> for DeviceActor {
         let host = self.host.clone();
         let upload = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state.from_host(&child, &msg.node, &mut host)
         };
         match upload {
@@ -291,6 +295,7 @@ impl Handler<TransferToHost> for DeviceActor {
         let host = self.host.clone();
         let plan = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state
                 .plan_to_host(msg.stream, &msg.node, msg.loc, &mut host)?
         };
@@ -315,6 +320,7 @@ impl Handler<CopyIn> for DeviceActor {
         let host = self.host.clone();
         let plan = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state
                 .copy_in(&msg.dst, &msg.source, msg.into_merge, &mut host)?
         };
@@ -336,6 +342,7 @@ impl Handler<ScheduleStreaming> for DeviceActor {
         let host = self.host.clone();
         let plans = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state
                 .schedule_streaming(&msg.routine, &msg.source, &mut host)?
         };
@@ -361,6 +368,7 @@ impl Handler<Finalize> for DeviceActor {
         let host = self.host.clone();
         let plans = {
             let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+            host.set_order(msg.order);
             self.state.finalize(&msg.ctx, &mut host)?
         };
         self.submit(plans)

@@ -39,6 +39,9 @@ pub struct Link {
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct Schedule {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The routine.
     pub routine: Routine,
     /// Where the outcome goes.
@@ -49,6 +52,9 @@ pub struct Schedule {
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct FromHost {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -61,6 +67,9 @@ pub struct FromHost {
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct ToHost {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -74,6 +83,9 @@ pub struct ToHost {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Context>")]
 pub struct InitFromHost {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -96,6 +108,9 @@ pub struct ReadInto {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
 pub struct TransferToHost {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The stream that wrote the buffer last.
     pub stream: StreamId,
     /// The hosted node.
@@ -118,6 +133,9 @@ pub struct GetSource {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Option<Event>>")]
 pub struct CopyIn {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// Destination context.
     pub dst: Context,
     /// The source.
@@ -130,6 +148,9 @@ pub struct CopyIn {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
 pub struct ScheduleStreaming {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The consumer routine.
     pub routine: Routine,
     /// The source it reads.
@@ -150,6 +171,9 @@ pub struct RecordRead {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<()>")]
 pub struct Finalize {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The context.
     pub ctx: Context,
 }
@@ -233,6 +257,9 @@ pub struct Abandoned {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Option<Event>>")]
 pub struct DeviceToDevice {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The node.
     pub node: TensorNode,
     /// Source context.
@@ -248,6 +275,9 @@ pub struct DeviceToDevice {
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Vec<Event>>")]
 pub struct AllReduce {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The steps, in issue order.
     pub steps: Vec<tributary::collective::Step>,
     /// The chunks (one node each).

@@ -190,6 +190,9 @@ struct Shared {
     shut_down: std::sync::atomic::AtomicBool,
     config: SystemConfig,
     recorder: Option<Arc<Recorder>>,
+    order: std::sync::atomic::AtomicU64,
+    /// The device that last got an operation that may transfer each host array.
+    host_array_device: Mutex<std::collections::HashMap<tributary::NodeId, tributary::DeviceId>>,
 }
 
 /// The host application's handle on a running device system. Cheap to clone.
@@ -301,6 +304,8 @@ impl System {
                 shut_down: std::sync::atomic::AtomicBool::new(false),
                 config,
                 recorder,
+                order: std::sync::atomic::AtomicU64::new(0),
+                host_array_device: Mutex::new(std::collections::HashMap::new()),
             }),
         })
     }
@@ -309,6 +314,15 @@ impl System {
     /// ([`SystemBuilder::record_timeline`]); export it with `write_chrome_trace`.
     pub fn timeline(&self) -> Option<Arc<Recorder>> {
         self.shared.recorder.clone()
+    }
+
+    /// A new program-order stamp, for messages that update the shared host table. Hosts
+    /// that send messages directly take their stamps here too.
+    pub fn next_order(&self) -> u64 {
+        self.shared
+            .order
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
     }
 
     /// The configuration the system runs with.
@@ -470,7 +484,15 @@ impl System {
 
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
+        let reads_hosted = routine
+            .spec()
+            .params
+            .iter()
+            .filter(|p| p.access.reads() && p.node.mode().is_hosted())
+            .map(|p| &p.node);
+        self.order_host_arrays(routine.context().device(), reads_hosted)?;
         self.post_ticketed(routine.context(), |ticket| Schedule {
+            order: self.next_order(),
             routine: routine.clone(),
             ticket,
         })
@@ -478,7 +500,9 @@ impl System {
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.
     pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
+        self.order_host_arrays(ctx.device(), std::iter::once(node))?;
         self.post_ticketed(ctx, |ticket| FromHost {
+            order: self.next_order(),
             ctx: ctx.clone(),
             node: node.clone(),
             ticket,
@@ -487,7 +511,9 @@ impl System {
 
     /// Downloads the buffer of hosted `node` in `ctx` into its host array.
     pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
+        self.order_host_arrays(ctx.device(), std::iter::once(node))?;
         self.post_ticketed(ctx, |ticket| ToHost {
+            order: self.next_order(),
             ctx: ctx.clone(),
             node: node.clone(),
             ticket,
@@ -523,11 +549,14 @@ impl System {
             node.refine_mode(MemoryMode::Hosted(HostedKind::Unset))?;
         }
         self.host_write_async(node, data).await?;
+        // The write fenced every device: this device's upload is the only pending use.
+        self.note_host_array_use(ctx.device(), node);
         let addr = self.device_addr(ctx.device())?;
         let child = self
             .request(
                 addr,
                 InitFromHost {
+                    order: self.next_order(),
                     ctx: ctx.clone(),
                     node: node.clone(),
                 },
@@ -562,6 +591,7 @@ impl System {
         self.request(
             &self.shared.coordinator,
             DeviceToDevice {
+                order: self.next_order(),
                 node: node.clone(),
                 src: src.clone(),
                 dst: dst.clone(),
@@ -572,6 +602,47 @@ impl System {
     }
 
     // ----- host arrays ----------------------------------------------------------------
+
+    /// Host arrays are shared by every device, and device actors process their mailboxes
+    /// independently: two transfers of one host array posted to two devices could be
+    /// planned in the opposite order. Before posting an operation that may transfer the
+    /// host arrays of `nodes` on `device`, wait until the device that last got such an
+    /// operation for one of them has processed it (a fence), so the shared table records
+    /// the transfers in program order.
+    fn order_host_arrays<'n>(
+        &self,
+        device: tributary::DeviceId,
+        nodes: impl Iterator<Item = &'n TensorNode>,
+    ) -> Result<()> {
+        let mut fence = Vec::new();
+        {
+            let mut last = self
+                .shared
+                .host_array_device
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for n in nodes {
+                if let Some(prev) = last.insert(n.id(), device) {
+                    if prev != device && !fence.contains(&prev) {
+                        fence.push(prev);
+                    }
+                }
+            }
+        }
+        for d in fence {
+            let addr = self.device_addr(d)?;
+            block_on(self.request(addr, Fence))?;
+        }
+        Ok(())
+    }
+
+    fn note_host_array_use(&self, device: tributary::DeviceId, node: &TensorNode) {
+        self.shared
+            .host_array_device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node.id(), device);
+    }
 
     async fn fence_all(&self) -> Result<()> {
         for addr in &self.shared.devices {
@@ -599,12 +670,13 @@ impl System {
         }
         // Every earlier device operation must be in the tables before we look.
         self.fence_all().await?;
-        let newer = self.host_table().record(node)?.newer_on_device;
+        let newer = self.host_table().record(node)?.newer_on_device();
         if let Some(copy) = newer {
             let addr = self.device_addr(copy.loc.device)?;
             self.request(
                 addr,
                 TransferToHost {
+                    order: self.next_order(),
                     stream: copy.stream,
                     node: node.clone(),
                     loc: copy.loc.loc,
@@ -650,6 +722,8 @@ impl System {
                 let mut host = self.host_table();
                 let pending = host.begin_write(node)?;
                 if pending.iter().all(|e| e.is_done()) {
+                    // After the fences, later than every operation issued before.
+                    host.set_order(self.next_order());
                     return host.commit_write(node, &bytes);
                 }
                 pending
@@ -691,8 +765,17 @@ impl System {
 
     /// Finalizes `ctx`: its buffers are freed after their pending uses.
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
+        // A finalize may write hosted values back to their host arrays: order it after
+        // every device's earlier host-array transfers.
+        block_on(self.fence_all())?;
         let addr = self.device_addr(ctx.device())?;
-        block_on(self.request(addr, Finalize { ctx: ctx.clone() }))?
+        block_on(self.request(
+            addr,
+            Finalize {
+                ctx: ctx.clone(),
+                order: self.next_order(),
+            },
+        ))?
     }
 
     // ----- synchronisation and reports ------------------------------------------------

@@ -781,7 +781,9 @@ impl DeviceState {
                 rec.uses.record_write(event.clone());
                 rec.host_version = Some(host.version(p.node.id()));
                 if p.node.mode().is_hosted() {
-                    host.record(&p.node)?.newer_on_device = Some(DeviceCopy { stream, loc: b.loc });
+                    let order = host.order();
+                    host.record(&p.node)?
+                        .device_wrote(DeviceCopy { stream, loc: b.loc }, order);
                 }
             }
         }
@@ -828,6 +830,7 @@ impl DeviceState {
         rec.uses.write_deps(&mut deps);
         let bytes = rec.bytes;
         let event = self.issue(stream);
+        let order = host.order();
         let (hrec, rec) = (host.record(node)?, self.buffers.get_mut(&loc));
         hrec.uses.record_read(event.clone());
         if let Some(rec) = rec {
@@ -835,10 +838,8 @@ impl DeviceState {
             rec.host_version = Some(hrec.version);
         }
         let global = self.global(loc);
-        if hrec.newer_on_device.is_some_and(|c| c.loc == global) {
-            // The device copy now equals the host array again.
-            hrec.newer_on_device = None;
-        }
+        // If this buffer held the newest value, it now equals the host array again.
+        hrec.host_caught_up(Some(global), order);
         Ok(Plan {
             stream,
             event,
@@ -906,9 +907,10 @@ impl DeviceState {
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event.clone());
         }
+        let order = host.order();
         let hrec = host.record(node)?;
         hrec.uses.record_write(event.clone());
-        hrec.newer_on_device = None;
+        hrec.host_caught_up(None, order);
         Ok(Plan {
             stream,
             event,
@@ -1026,7 +1028,9 @@ impl DeviceState {
                 rec.host_version = source.host_version;
             }
             if node.mode().is_hosted() {
-                host.record(node)?.newer_on_device = Some(DeviceCopy { stream, loc: dst });
+                let order = host.order();
+                host.record(node)?
+                    .device_wrote(DeviceCopy { stream, loc: dst }, order);
             }
             return Ok(Some(Plan {
                 stream,
@@ -1101,7 +1105,7 @@ impl DeviceState {
             let global = self.global(loc);
             let write_back = self.buffers.get(&loc).and_then(|rec| {
                 let node = rec.node.clone();
-                let newer = host.get(node.id()).and_then(|h| h.newer_on_device);
+                let newer = host.get(node.id()).and_then(|h| h.newer_on_device());
                 newer.filter(|c| c.loc == global).map(|c| (node, c.stream))
             });
             if let Some((node, stream)) = write_back {

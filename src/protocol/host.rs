@@ -35,17 +35,77 @@ pub struct HostRecord {
     pub version: u64,
     /// Pending device operations reading (`from_host`) and writing (`to_host`) the array.
     pub uses: BufferUses,
-    /// The device buffer holding a value newer than the host array, if any.
-    pub newer_on_device: Option<DeviceCopy>,
+    /// The latest device write of the node in program order, with its stamp.
+    newest_write: Option<(DeviceCopy, u64)>,
+    /// Stamp of the latest host write or transfer that made the host array current
+    /// whatever buffer held the newest value.
+    caught_up_all: u64,
+    /// Stamps of the latest transfers that made the host array equal to one buffer.
+    caught_up_at: HashMap<GlobalLoc, u64>,
+}
+
+impl HostRecord {
+    /// The device buffer holding a value newer than the host array, if any: the latest
+    /// device write in program order, unless a later transfer or host write caught up.
+    ///
+    /// Device actors process their messages independently, so the updates below can
+    /// arrive out of program order; every update carries its program-order stamp and
+    /// this is evaluated from the stamps, not from the arrival order.
+    pub fn newer_on_device(&self) -> Option<DeviceCopy> {
+        let (copy, order) = self.newest_write?;
+        let caught_up = self.caught_up_all > order
+            || self.caught_up_at.get(&copy.loc).is_some_and(|&o| o > order);
+        (!caught_up).then_some(copy)
+    }
+
+    /// A device operation with program-order stamp `order` wrote the node at `copy`.
+    pub fn device_wrote(&mut self, copy: DeviceCopy, order: u64) {
+        if self.newest_write.is_none_or(|(_, o)| order >= o) {
+            self.newest_write = Some((copy, order));
+            // Catch-ups older than the newest write can never matter again.
+            self.caught_up_at.retain(|_, o| *o > order);
+        }
+    }
+
+    /// The host array caught up with the device at program-order stamp `order`: with the
+    /// buffer at `at` (a transfer between it and the host), or with every buffer (`None`:
+    /// a host write, or a transfer that makes the host array the reference).
+    pub fn host_caught_up(&mut self, at: Option<GlobalLoc>, order: u64) {
+        match at {
+            None => self.caught_up_all = self.caught_up_all.max(order),
+            Some(loc) => {
+                let o = self.caught_up_at.entry(loc).or_insert(0);
+                *o = (*o).max(order);
+            }
+        }
+    }
 }
 
 /// Host arrays of every hosted node, keyed by node.
 #[derive(Debug, Default)]
 pub struct HostTable {
     records: HashMap<NodeId, HostRecord>,
+    order: u64,
 }
 
 impl HostTable {
+    /// Sets the program-order stamp of the operation about to update the table (the actor
+    /// layer stamps every host call with an increasing number).
+    pub fn set_order(&mut self, order: u64) {
+        self.order = order;
+    }
+
+    /// Takes the next stamp in issue order (for a single-owner engine).
+    pub fn next_order(&mut self) -> u64 {
+        self.order += 1;
+        self.order
+    }
+
+    /// The current program-order stamp.
+    pub fn order(&self) -> u64 {
+        self.order
+    }
+
     /// The record of `node`, created (zeroed, version 0) on first use.
     pub fn record(&mut self, node: &TensorNode) -> Result<&mut HostRecord> {
         use std::collections::hash_map::Entry;
@@ -58,7 +118,9 @@ impl HostTable {
                     array: Arc::new(array),
                     version: 0,
                     uses: BufferUses::default(),
-                    newer_on_device: None,
+                    newest_write: None,
+                    caught_up_all: 0,
+                    caught_up_at: HashMap::new(),
                 }))
             }
         }
@@ -77,6 +139,7 @@ impl HostTable {
     /// Finishes a host write after the events of [`HostTable::begin_write`] completed:
     /// copies `data` into the host array and makes every device copy lag.
     pub fn commit_write(&mut self, node: &TensorNode, data: &[u8]) -> Result<()> {
+        let order = self.order;
         let record = self.record(node)?;
         record.uses.clear_all();
         // SAFETY: the caller waited for every pending device use of the host array
@@ -85,7 +148,7 @@ impl HostTable {
             .map_err(DeviceError::from)?
             .copy_from_slice(data);
         record.version += 1;
-        record.newer_on_device = None;
+        record.host_caught_up(None, order);
         Ok(())
     }
 
