@@ -8,6 +8,7 @@ use criterion::{criterion_group, criterion_main};
 
 mod copy;
 mod latency;
+mod overhead;
 mod slab;
 mod throughput;
 mod tracing_cost;
@@ -24,5 +25,6 @@ criterion_group! {
         slab::bench,
         copy::bench,
         tracing_cost::bench,
+        overhead::bench,
 }
 criterion_main!(benches);
