@@ -374,6 +374,7 @@ impl World {
                 },
                 Kernel::Cpu(_) if &**name == FAILING_KERNEL => Op::Fail,
                 Kernel::Cpu(_) => panic!("model bug: custom kernel {name} is not modelled"),
+                Kernel::Shader(_) => panic!("model bug: shader kernel {name} is not modelled"),
             },
             Work::Copy { src, dst, bytes } => Op::Copy {
                 src: self.region(*src, *bytes),
@@ -434,6 +435,7 @@ impl World {
 
     /// `Engine::schedule`.
     pub fn schedule(&mut self, routine: &Routine) -> Result<Event> {
+        self.host.next_order();
         let device = routine.context().device();
         let i = device.0 as usize;
         let plans = self.devices[i].schedule(routine, &mut self.host)?;
@@ -442,6 +444,7 @@ impl World {
 
     /// `Engine::init_from_host` (the node must already be hosted).
     pub fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: &[i64]) -> Context {
+        self.host.next_order();
         assert!(node.mode().is_hosted());
         self.host_write(node, data);
         let i = ctx.device().0 as usize;
@@ -458,6 +461,7 @@ impl World {
     /// `Engine::from_host` (named `upload` here: clippy reserves `from_*` for
     /// constructors).
     pub fn upload(&mut self, ctx: &Context, node: &TensorNode) -> Event {
+        self.host.next_order();
         let i = ctx.device().0 as usize;
         let plan = self.devices[i]
             .from_host(ctx, node, &mut self.host)
@@ -474,6 +478,7 @@ impl World {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<Event>> {
+        self.host.next_order();
         let si = src.device().0 as usize;
         let di = dst.device().0 as usize;
         self.devices[di].check_context(dst)?;
@@ -500,7 +505,8 @@ impl World {
     /// `Engine::host_read`: transfer the newest device value first if the host array is
     /// older, wait for every pending transfer into the array, then read it.
     pub fn host_read(&mut self, node: &TensorNode) -> Result<Vec<i64>> {
-        let newer = self.host.record(node)?.newer_on_device;
+        self.host.next_order();
+        let newer = self.host.record(node)?.newer_on_device();
         if let Some(copy) = newer {
             let i = copy.loc.device.0 as usize;
             let plan =
@@ -518,6 +524,7 @@ impl World {
     /// `Engine::host_write`: wait for every pending device use of the host array, write
     /// it, commit (every device copy now lags).
     pub fn host_write(&mut self, node: &TensorNode, data: &[i64]) {
+        self.host.next_order();
         for e in self.host.begin_write(node).unwrap() {
             // Order only: a failed transfer still must not overlap our write.
             let _ = e.wait();
@@ -546,6 +553,7 @@ impl World {
 
     /// `Engine::finalize`.
     pub fn finalize(&mut self, ctx: &Context) {
+        self.host.next_order();
         let i = ctx.device().0 as usize;
         let plans = self.devices[i].finalize(ctx, &mut self.host).unwrap();
         self.submit(plans);
