@@ -109,6 +109,14 @@ impl AllReducePlan {
 
     /// Async [`AllReducePlan::run`].
     pub async fn run_async(&self) -> Result<Vec<Event>> {
+        // Merge routines may upload hosted nodes (the scale routines touch the same nodes
+        // on the same contexts): order those host-array transfers like a `schedule`.
+        for (ctx, routines) in self.contexts.iter().zip(&self.merge) {
+            for r in routines {
+                self.sys
+                    .order_host_arrays(ctx.device(), crate::system::hosted_reads(r))?;
+            }
+        }
         self.sys
             .coordinator()
             .send(AllReduce {

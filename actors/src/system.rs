@@ -484,13 +484,7 @@ impl System {
 
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
-        let reads_hosted = routine
-            .spec()
-            .params
-            .iter()
-            .filter(|p| p.access.reads() && p.node.mode().is_hosted())
-            .map(|p| &p.node);
-        self.order_host_arrays(routine.context().device(), reads_hosted)?;
+        self.order_host_arrays(routine.context().device(), hosted_reads(routine))?;
         self.post_ticketed(routine.context(), |ticket| Schedule {
             order: self.next_order(),
             routine: routine.clone(),
@@ -588,6 +582,11 @@ impl System {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<tributary::Event>> {
+        if let MergeBufferUse::StreamingFor(routine) = &mode {
+            // The consumer is scheduled by the coordinator and may upload the hosted nodes
+            // it reads: order those host-array transfers like a direct `schedule`.
+            self.order_host_arrays(dst.device(), hosted_reads(routine))?;
+        }
         self.request(
             &self.shared.coordinator,
             DeviceToDevice {
@@ -609,7 +608,7 @@ impl System {
     /// host arrays of `nodes` on `device`, wait until the device that last got such an
     /// operation for one of them has processed it (a fence), so the shared table records
     /// the transfers in program order.
-    fn order_host_arrays<'n>(
+    pub(crate) fn order_host_arrays<'n>(
         &self,
         device: tributary::DeviceId,
         nodes: impl Iterator<Item = &'n TensorNode>,
@@ -938,6 +937,16 @@ impl System {
         report.took = start.elapsed();
         Ok(report)
     }
+}
+
+/// The hosted nodes a routine reads (which it may upload before running).
+pub(crate) fn hosted_reads(routine: &Routine) -> impl Iterator<Item = &TensorNode> {
+    routine
+        .spec()
+        .params
+        .iter()
+        .filter(|p| p.access.reads() && p.node.mode().is_hosted())
+        .map(|p| &p.node)
 }
 
 type Started = (
