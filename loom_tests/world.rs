@@ -479,25 +479,20 @@ impl World {
         mode: MergeBufferUse,
     ) -> Result<Option<Event>> {
         self.host.next_order();
-        let si = src.device().0 as usize;
-        let di = dst.device().0 as usize;
-        self.devices[di].check_context(dst)?;
-        let source = self.devices[si].source(src, node)?;
-        let plans = match mode {
-            MergeBufferUse::No | MergeBufferUse::Copy => {
-                let into_merge = matches!(mode, MergeBufferUse::Copy);
-                match self.devices[di].copy_in(dst, &source, into_merge, &mut self.host)? {
-                    Some(plan) => vec![plan],
-                    None => return Ok(None),
-                }
-            }
-            MergeBufferUse::StreamingFor(routine) => {
-                assert_eq!(routine.context().stream(), dst.stream());
-                self.devices[di].schedule_streaming(&routine, &source, &mut self.host)?
-            }
-        };
-        if let Some(last) = plans.last() {
-            self.devices[si].record_remote_read(source.loc.loc, last.event.clone());
+        let (si, di) = (src.device().0 as usize, dst.device().0 as usize);
+        let plans = tributary::protocol::device_to_device(
+            &mut self.devices,
+            si,
+            di,
+            node,
+            src,
+            dst,
+            mode,
+            true,
+            &mut self.host,
+        )?;
+        if plans.is_empty() {
+            return Ok(None);
         }
         Ok(self.submit(plans))
     }

@@ -301,39 +301,20 @@ impl Engine {
         self.host.next_order();
         let si = self.device_index(src.device())?;
         let di = self.device_index(dst.device())?;
-        self.devices[di].check_context(dst)?;
-        let source = self.devices[si].source(src, node)?;
-        let plans = match mode {
-            MergeBufferUse::No | MergeBufferUse::Copy => {
-                let into_merge = matches!(mode, MergeBufferUse::Copy);
-                match self.devices[di].copy_in(dst, &source, into_merge, &mut self.host)? {
-                    Some(plan) => vec![plan],
-                    None => return Ok(None),
-                }
-            }
-            MergeBufferUse::StreamingFor(routine) => {
-                if routine.context().stream() != dst.stream() {
-                    return Err(Error::InvalidRoutine {
-                        routine: routine.name().into(),
-                        reason: format!(
-                            "streaming consumer runs on {}, destination is {}",
-                            routine.context().stream(),
-                            dst.stream()
-                        ),
-                    });
-                }
-                if !self.backend.can_stream(src.device(), dst.device()) {
-                    return Err(Error::StreamingUnsupported {
-                        src: src.device(),
-                        dst: dst.device(),
-                        reason: format!("{} cannot read that memory in place", self.backend.name()),
-                    });
-                }
-                self.devices[di].schedule_streaming(&routine, &source, &mut self.host)?
-            }
-        };
-        if let Some(last) = plans.last() {
-            self.devices[si].record_remote_read(source.loc.loc, last.event.clone());
+        let can_stream = self.backend.can_stream(src.device(), dst.device());
+        let plans = crate::protocol::device_to_device(
+            &mut self.devices,
+            si,
+            di,
+            node,
+            src,
+            dst,
+            mode,
+            can_stream,
+            &mut self.host,
+        )?;
+        if plans.is_empty() {
+            return Ok(None);
         }
         self.submit(plans)
     }

@@ -1128,3 +1128,71 @@ impl DeviceState {
         ctx.0.owner == self.instance && self.contexts.contains_key(&ctx.id())
     }
 }
+
+/// Plans a device-to-device operation of `node` from `src` (on `devices[si]`) to `dst` (on
+/// `devices[di]`; may be the same device): the source describes its buffer, the destination
+/// plans the copy or the streaming consumer and assigns its event, and the source records
+/// that event as a reader (DESIGN.md §3, rule 3). Returns no plan when both contexts share
+/// the buffer. `can_stream` says whether the destination can read the source in place.
+///
+/// The single-owner composition used by [`crate::Engine`] and the loom models; the actor
+/// coordinator performs the same three steps with messages.
+#[allow(clippy::too_many_arguments)]
+pub fn device_to_device(
+    devices: &mut [DeviceState],
+    si: usize,
+    di: usize,
+    node: &TensorNode,
+    src: &Context,
+    dst: &Context,
+    mode: crate::engine::MergeBufferUse,
+    can_stream: bool,
+    host: &mut HostTable,
+) -> Result<Vec<Plan>> {
+    use crate::engine::MergeBufferUse;
+    let unknown = |i: usize| Error::Unknown {
+        what: format!("device index {i}"),
+    };
+    devices
+        .get(di)
+        .ok_or_else(|| unknown(di))?
+        .check_context(dst)?;
+    let source = devices
+        .get_mut(si)
+        .ok_or_else(|| unknown(si))?
+        .source(src, node)?;
+    let dst_state = devices.get_mut(di).ok_or_else(|| unknown(di))?;
+    let plans = match mode {
+        MergeBufferUse::No | MergeBufferUse::Copy => {
+            let into_merge = matches!(mode, MergeBufferUse::Copy);
+            match dst_state.copy_in(dst, &source, into_merge, host)? {
+                Some(plan) => vec![plan],
+                None => return Ok(Vec::new()),
+            }
+        }
+        MergeBufferUse::StreamingFor(routine) => {
+            if routine.context().stream() != dst.stream() {
+                return Err(Error::InvalidRoutine {
+                    routine: routine.name().into(),
+                    reason: format!(
+                        "streaming consumer runs on {}, destination is {}",
+                        routine.context().stream(),
+                        dst.stream()
+                    ),
+                });
+            }
+            if !can_stream {
+                return Err(Error::StreamingUnsupported {
+                    src: src.device(),
+                    dst: dst.device(),
+                    reason: "the backend cannot read that memory in place".into(),
+                });
+            }
+            dst_state.schedule_streaming(&routine, &source, host)?
+        }
+    };
+    if let Some(last) = plans.last() {
+        devices[si].record_remote_read(source.loc.loc, last.event.clone());
+    }
+    Ok(plans)
+}
