@@ -27,7 +27,7 @@ use tributary::{
     error::Result,
     event::Event,
     kernels::{Access, Builtin, Kernel, RoutineSpec},
-    memory::{AlignedBuffer, PoolConfig, PoolOp},
+    memory::{AlignedBuffer, PoolConfig, PoolMemory, PoolOp},
     protocol::{await_deps, Context, Dep, DeviceState, GlobalLoc, HostTable, Plan, Routine, Work},
     sync::{
         channel::{self, Sender},
@@ -210,6 +210,34 @@ fn run_job(job: Job) {
     }
 }
 
+/// The world's [`PoolMemory`]: records what a device asks for (every creation succeeds);
+/// the world creates and frees the memory words before its next submission.
+struct PoolLog {
+    device: DeviceId,
+    log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>,
+}
+
+impl PoolLog {
+    fn shared() -> StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>> {
+        StdArc::new(std::sync::Mutex::new(Vec::new()))
+    }
+
+    fn push(&self, op: PoolOp) {
+        self.log.lock().unwrap().push((self.device, op));
+    }
+}
+
+impl PoolMemory for PoolLog {
+    fn create_pool(&mut self, pool: PoolId, bytes: u64, align: u64) -> Result<()> {
+        self.push(PoolOp::Create { pool, bytes, align });
+        Ok(())
+    }
+
+    fn release_pool(&mut self, pool: PoolId) {
+        self.push(PoolOp::Release { pool });
+    }
+}
+
 /// Devices, host arrays and streams of one model run.
 pub struct World {
     devices: Vec<DeviceState>,
@@ -217,6 +245,8 @@ pub struct World {
     queues: Vec<Vec<Sender<Job>>>,
     workers: Vec<JoinHandle<()>>,
     pools: BTreeMap<(DeviceId, PoolId), StdArc<Words>>,
+    /// Pool operations the devices asked for, carried out before the next submission.
+    pool_log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>,
     /// Host arrays, kept alive so that their addresses identify them.
     host_words: Vec<(StdArc<AlignedBuffer>, StdArc<Words>)>,
 }
@@ -234,6 +264,7 @@ impl World {
         let mut devices = Vec::new();
         let mut queues = Vec::new();
         let mut workers = Vec::new();
+        let pool_log = PoolLog::shared();
         for (d, &n) in streams.iter().enumerate() {
             let device = DeviceId(d as u32);
             let timelines: Vec<_> = (0..n as u32)
@@ -249,7 +280,16 @@ impl World {
                 }));
                 qs.push(tx);
             }
-            devices.push(DeviceState::new(device, timelines, pools.clone()));
+            let memory = PoolLog {
+                device,
+                log: pool_log.clone(),
+            };
+            devices.push(DeviceState::new(
+                device,
+                timelines,
+                pools.clone(),
+                Box::new(memory),
+            ));
             queues.push(qs);
         }
         World {
@@ -258,6 +298,7 @@ impl World {
             queues,
             workers,
             pools: BTreeMap::new(),
+            pool_log,
             host_words: Vec::new(),
         }
     }
@@ -299,9 +340,9 @@ impl World {
     // ----------------------------------------------------------------------------------
 
     fn apply_pool_ops(&mut self) {
-        for d in 0..self.devices.len() {
-            let device = self.devices[d].device();
-            for op in self.devices[d].take_pool_ops() {
+        let ops = std::mem::take(&mut *self.pool_log.lock().unwrap());
+        {
+            for (device, op) in ops {
                 match op {
                     PoolOp::Create { pool, bytes, .. } => {
                         self.pools.insert((device, pool), Words::zeroed(bytes));
@@ -395,7 +436,9 @@ impl World {
         }
     }
 
-    /// As `Engine::submit`: pool operations first, then each plan to its stream.
+    /// As `Engine::submit`, each plan to its stream; the pool operations the devices asked
+    /// for since the last submission are carried out first (the engine's backend carries
+    /// them out when asked; here their memory words are made lazily, in the same order).
     fn submit(&mut self, plans: Vec<Plan>) -> Option<Event> {
         self.apply_pool_ops();
         let mut last = None;

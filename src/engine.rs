@@ -16,7 +16,7 @@ use crate::{
     event::Event,
     ids::DeviceId,
     kernels::RoutineSpec,
-    memory::{AlignedBuffer, PoolConfig, PoolOp, PoolStats},
+    memory::{AlignedBuffer, PoolConfig, PoolStats},
     node::{Element, HostedKind, MemoryMode, TensorNode},
     protocol::{Context, DeviceState, HostTable, Plan, Routine, TableSizes},
 };
@@ -115,7 +115,8 @@ impl Engine {
             for t in &timelines {
                 qs.push(backend.start_stream(t.stream(), t.clone())?);
             }
-            devices.push(DeviceState::new(device, timelines, pools));
+            let memory = crate::backend::BackendMemory::new(backend.clone(), device);
+            devices.push(DeviceState::new(device, timelines, pools, Box::new(memory)));
             queues.push(qs);
         }
         Ok(Engine {
@@ -155,14 +156,8 @@ impl Engine {
         Ok(&mut self.devices[i])
     }
 
-    /// Applies pending pool operations, then submits plans to their streams.
-    ///
-    /// The plans are submitted even when a pool operation failed: their events are issued
-    /// and recorded in the tables, so a plan left out would make its waiters wait forever.
-    /// A plan touching a pool that could not be created fails on its stream instead. The
-    /// pool error is returned after submitting.
+    /// Submits plans to their streams.
     fn submit(&mut self, plans: Vec<Plan>) -> Result<Option<Event>> {
-        let pools = self.apply_pool_ops();
         let mut last = None;
         for plan in plans {
             let d = self.device_index(plan.stream.device)?;
@@ -181,32 +176,7 @@ impl Engine {
             }
             last = Some(event);
         }
-        pools.map(|()| last)
-    }
-
-    /// Carries out every pending pool operation, also after one failed (a release left out
-    /// would leak, a creation left out would fail later plans); returns the first error.
-    fn apply_pool_ops(&mut self) -> Result<()> {
-        let mut first = Ok(());
-        for state in &mut self.devices {
-            let device = state.device();
-            for op in state.take_pool_ops() {
-                let r = match op {
-                    PoolOp::Create { pool, bytes, align } => self
-                        .backend
-                        .create_pool(device, pool, bytes, align)
-                        .map_err(Error::from),
-                    PoolOp::Release { pool } => {
-                        self.backend.release_pool(device, pool);
-                        Ok(())
-                    }
-                };
-                if first.is_ok() {
-                    first = r;
-                }
-            }
-        }
-        first
+        Ok(last)
     }
 
     /// A root context (no arrays) on `stream` of `device`.
@@ -398,7 +368,6 @@ impl Engine {
         }
         state.sweep();
         self.host.prune();
-        self.apply_pool_ops()?;
         first
     }
 

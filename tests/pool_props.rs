@@ -1,6 +1,8 @@
 //! Property tests of the slab-pool bookkeeping: random sequences of alloc / free /
 //! event completion / reclaim / merge-buffer requests over 1-3 streams, checked against a
-//! model of what the memory is and who may still be touching it.
+//! model of what the memory is and who may still be touching it. The backend refuses some
+//! pool creations: a refused pool must never be recorded, and the request must change
+//! nothing the model knows.
 #![allow(clippy::unwrap_used)] // tests may unwrap
 
 use std::{
@@ -14,9 +16,10 @@ use std::{
 use proptest::{prelude::*, sample::Index};
 use tributary::{
     memory::{
-        Allocation, DevicePools, PoolConfig, PoolKind, PoolOp, PoolStats, RangeAllocator, UseEvent,
+        Allocation, DevicePools, PoolConfig, PoolKind, PoolMemory, PoolOp, PoolStats,
+        RangeAllocator, UseEvent,
     },
-    DeviceId, Error, PoolId, StreamId,
+    DeviceError, DeviceId, Error, PoolId, StreamId,
 };
 
 const D: DeviceId = DeviceId(0);
@@ -69,6 +72,7 @@ enum Op {
         stream: u32,
         bytes: u64,
         align_log: u32,
+        refuse: bool,
     },
     Free {
         pick: Index,
@@ -85,20 +89,50 @@ enum Op {
         stream: u32,
         bytes: u64,
         retire: Vec<u32>,
+        refuse: bool,
     },
+}
+
+/// A backend that records the pool operations and refuses every creation when `refuse`.
+struct Backend<'a> {
+    ops: &'a mut Vec<PoolOp>,
+    refuse: bool,
+}
+
+impl PoolMemory for Backend<'_> {
+    fn create_pool(&mut self, pool: PoolId, bytes: u64, align: u64) -> tributary::Result<()> {
+        if self.refuse {
+            return Err(DeviceError::OutOfMemory { requested: bytes }.into());
+        }
+        self.ops.create_pool(pool, bytes, align)
+    }
+
+    fn release_pool(&mut self, pool: PoolId) {
+        self.ops.release_pool(pool);
+    }
+}
+
+/// Whether `e` is a refused creation (and one was asked for).
+fn refused(e: &Error, refuse: bool) -> bool {
+    refuse && matches!(e, Error::Device(DeviceError::OutOfMemory { .. }))
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u32..3, 1u64..3000, 0u32..10)
-            .prop_map(|(stream, bytes, align_log)| Op::Alloc { stream, bytes, align_log }),
+        6 => (0u32..3, 1u64..3000, 0u32..10, prop::bool::weighted(0.2))
+            .prop_map(|(stream, bytes, align_log, refuse)| Op::Alloc {
+                stream,
+                bytes,
+                align_log,
+                refuse
+            }),
         4 => (any::<Index>(), prop::collection::vec(0u32..4, 0..3))
             .prop_map(|(pick, uses)| Op::Free { pick, uses }),
         1 => any::<Index>().prop_map(|pick| Op::DoubleFree { pick }),
         4 => any::<Index>().prop_map(|pick| Op::Complete { pick }),
         1 => Just(Op::Reclaim),
-        2 => (0u32..3, 1u64..2500, prop::collection::vec(0u32..4, 0..3))
-            .prop_map(|(stream, bytes, retire)| Op::Merge { stream, bytes, retire }),
+        2 => (0u32..3, 1u64..2500, prop::collection::vec(0u32..4, 0..3), prop::bool::weighted(0.2))
+            .prop_map(|(stream, bytes, retire, refuse)| Op::Merge { stream, bytes, retire, refuse }),
     ]
 }
 
@@ -255,6 +289,32 @@ fn after_reclaim(pools: &DevicePools<Ev>) -> (PoolStats, Vec<PoolOp>) {
     (probe.stats(), ops)
 }
 
+/// After a refused pool creation: no pool was recorded or created, and nothing live
+/// changed. The only change beyond `reclaim`'s may be empty general pools released to make
+/// room under the limit (never without one).
+fn refused_changed_nothing(
+    pools: &DevicePools<Ev>,
+    expect: &PoolStats,
+    ops: &[PoolOp],
+    limited: bool,
+) {
+    let st = pools.stats();
+    assert!(
+        ops.iter().all(|op| matches!(op, PoolOp::Release { .. })),
+        "a refused request created a pool: {ops:?}"
+    );
+    assert_eq!(
+        st.live_bytes, expect.live_bytes,
+        "refused request changed live bytes"
+    );
+    assert_eq!(st.allocations, expect.allocations);
+    assert_eq!(st.pending_free_bytes, expect.pending_free_bytes);
+    assert_eq!(st.merge_pools, expect.merge_pools, "{st:?}");
+    if !limited {
+        assert_eq!(&st, expect, "refused request changed state");
+    }
+}
+
 /// Runs `program`, checking every step; returns whether a same-stream reuse happened.
 fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
     let limited = config.limit_bytes.is_some();
@@ -267,17 +327,26 @@ fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
                 stream,
                 bytes,
                 align_log,
+                refuse,
             } => {
                 let stream = local(stream % streams);
                 let align = (1u64 << align_log).max(64);
                 let (expect_stats, expect_ops) = after_reclaim(&pools);
                 let reused = pools.stats().stream_reuse_count;
-                match pools.alloc(bytes, 1 << align_log, stream, &mut ops) {
+                let mut backend = Backend {
+                    ops: &mut ops,
+                    refuse,
+                };
+                match pools.alloc(bytes, 1 << align_log, stream, &mut backend) {
                     Ok(a) => {
                         m.apply_ops(&ops);
                         m.check_new(&a, stream, bytes, align);
                         m.live.push((a, stream));
                         m.stream_reuse_seen |= pools.stats().stream_reuse_count > reused;
+                    }
+                    Err(e) if refused(&e, refuse) => {
+                        refused_changed_nothing(&pools, &expect_stats, &ops, limited);
+                        m.apply_ops(&ops);
                     }
                     Err(e) => {
                         assert!(limited && matches!(e, Error::PoolExhausted { .. }), "{e}");
@@ -328,6 +397,7 @@ fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
                 stream,
                 bytes,
                 retire,
+                refuse,
             } => {
                 let stream = local(stream % streams);
                 let evs: Vec<Ev> = retire
@@ -336,7 +406,11 @@ fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
                     .collect();
                 m.events.extend(evs.iter().cloned());
                 let (expect_stats, expect_ops) = after_reclaim(&pools);
-                match pools.merge_buffer(stream, bytes, evs.clone(), &mut ops) {
+                let mut backend = Backend {
+                    ops: &mut ops,
+                    refuse,
+                };
+                match pools.merge_buffer(stream, bytes, evs.clone(), &mut backend) {
                     Ok(a) => {
                         assert_eq!(a.loc.offset, 0);
                         assert!(a.bytes >= bytes && a.bytes % 64 == 0);
@@ -353,6 +427,11 @@ fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
                         let (capacity, _) = m.pools[&a.loc.pool];
                         assert_eq!(capacity, a.bytes);
                         assert!(m.live.iter().all(|(b, _)| b.loc.pool != a.loc.pool));
+                    }
+                    Err(e) if refused(&e, refuse) => {
+                        // `check_stats` below: the old merge buffer is still the stream's.
+                        refused_changed_nothing(&pools, &expect_stats, &ops, limited);
+                        m.apply_ops(&ops);
                     }
                     Err(e) => {
                         assert!(limited && matches!(e, Error::PoolExhausted { .. }), "{e}");

@@ -502,6 +502,7 @@ fn failed_pool_creation_is_an_error_and_hangs_nothing() {
         Target::PoolCreate(Some(DeviceId(1))),
         Fault::Error("no memory".into()),
     ));
+    let before = (e.memory_stats(), e.table_sizes());
     let err = e.link(&c1, kernels::fill(&x, 2.0).unwrap()).unwrap_err();
     assert!(
         matches!(
@@ -511,6 +512,13 @@ fn failed_pool_creation_is_an_error_and_hangs_nothing() {
         "{err}"
     );
     assert_eq!(rules.hits(fail), 1);
+    // Two-phase: the pool is asked for before anything is recorded, so the failed link
+    // left no pool, no allocation, no hidden child context and no issued event behind.
+    assert_eq!((e.memory_stats(), e.table_sizes()), before);
+    // The device serves the next request, from a pool created then.
+    let retry = e.link(&c1, kernels::fill(&x, 3.0).unwrap()).unwrap();
+    ok(&e.schedule(&retry).unwrap());
+    assert!(all(&e.read::<f32>(retry.context(), &x).unwrap(), 3.0));
     // Nothing waits forever, and the other device is unaffected.
     if let Err(err @ Error::Timeout { .. }) = e.sync_all_timeout(BOUND) {
         panic!("sync hit its bound: {err}");
@@ -520,6 +528,59 @@ fn failed_pool_creation_is_an_error_and_hangs_nothing() {
     let r = e.link(&c0, kernels::fill(&y, 5.0).unwrap()).unwrap();
     ok(&e.schedule(&r).unwrap());
     assert!(all(&e.read::<f32>(r.context(), &y).unwrap(), 5.0));
+}
+
+/// A merge buffer that cannot grow (its new pool cannot be created) refuses the copy and
+/// changes nothing: the old merge buffer stays, with the value a consumer expects there.
+#[test]
+fn failed_merge_pool_creation_keeps_the_old_merge_buffer() {
+    let _w = Watchdog::arm(Duration::from_secs(120), || "merge pool test".into());
+    let rules = FaultRules::default();
+    let mut e = engine(2, 1, &rules, small_pools());
+    let g = node("g", MemoryMode::on_device());
+    let big = TensorNode::new("big", DType::F32, [4 * N]);
+    let (c0, c1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
+    let base = e.link(&c0, kernels::fill(&g, 1.0).unwrap()).unwrap();
+    let merge = e
+        .link(base.context(), kernels::add_merge(&g).unwrap())
+        .unwrap();
+    let src = e.link(&c1, kernels::fill(&g, 2.0).unwrap()).unwrap();
+    let src_big = e
+        .link(src.context(), kernels::fill(&big, 9.0).unwrap())
+        .unwrap();
+    ok(&e.schedule(&base).unwrap());
+    ok(&e.schedule(&src_big).unwrap());
+    ok(&e.schedule(&src).unwrap());
+    e.device_to_device(&g, src.context(), merge.context(), MergeBufferUse::Copy)
+        .unwrap();
+    let fail = rules.add(FaultRule::once(
+        Target::PoolCreate(Some(DeviceId(0))),
+        Fault::Error("no memory".into()),
+    ));
+    // Completed events are pruned from the tables as operations pass; start from none.
+    e.sync_all().unwrap();
+    let before = (e.memory_stats(), e.table_sizes());
+    // `big` needs a larger merge buffer than `g`'s.
+    let err = e
+        .device_to_device(
+            &big,
+            src_big.context(),
+            merge.context(),
+            MergeBufferUse::Copy,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::Device(_)), "{err}");
+    assert_eq!(rules.hits(fail), 1);
+    assert_eq!((e.memory_stats(), e.table_sizes()), before);
+    // The merge buffer still holds g = 2: the consumer computes 1 + 2.
+    ok(&e.schedule(&merge).unwrap());
+    assert!(all(&e.read::<f32>(merge.context(), &g).unwrap(), 3.0));
+    let ctxs = [&c0, &c1, base.context(), merge.context()];
+    teardown(
+        &mut e,
+        &[&ctxs[..], &[src.context(), src_big.context()]].concat(),
+        &[0, 0],
+    );
 }
 
 /// A failed pool creation must not complete earlier work of the stream early: failing the

@@ -4,8 +4,9 @@
 //! call on the state machine, in arrival order, and the resulting plans go to the stream
 //! actors of the device (which live on the same arbiter, so that hop costs no thread
 //! wake-up). The actor never waits for work: waits happen on stream workers and on the
-//! host. Pool operations are applied to the backend before the plans that need them are
-//! handed on. Completion events from the streams trigger pruning and deferred frees.
+//! host. The state asks the backend for pool memory itself, while it decides
+//! ([`tributary::backend::BackendMemory`]). Completion events from the streams trigger
+//! pruning and deferred frees.
 
 use std::{
     sync::{Arc, Mutex},
@@ -15,7 +16,6 @@ use std::{
 use actix::{Actor, Addr, AsyncContext, Context as ActorContext, Handler, ResponseFuture};
 use tributary::{
     backend::Backend,
-    memory::PoolOp,
     protocol::{Context, DeviceState, HostTable, Plan, Routine, Source},
     DeviceId, Event, Result,
 };
@@ -63,28 +63,8 @@ impl DeviceActor {
         self.host.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies pool operations, then hands plans to their stream actors (in order).
-    fn submit(&mut self, plans: Vec<Plan>) -> Result<()> {
-        // Every pool operation is carried out, also after one failed, and every plan is
-        // still submitted: its event was issued, so it must complete in stream order (a
-        // plan whose pool is missing fails when the backend resolves it). Failing it here
-        // would advance the timeline past earlier work still in flight.
-        let mut first = Ok(());
-        for op in self.state.take_pool_ops() {
-            let r = match op {
-                PoolOp::Create { pool, bytes, align } => self
-                    .backend
-                    .create_pool(self.state.device(), pool, bytes, align)
-                    .map_err(tributary::Error::from),
-                PoolOp::Release { pool } => {
-                    self.backend.release_pool(self.state.device(), pool);
-                    Ok(())
-                }
-            };
-            if first.is_ok() {
-                first = r;
-            }
-        }
+    /// Hands plans to their stream actors (in order).
+    fn submit(&mut self, plans: Vec<Plan>) {
         let mut batch: Vec<Plan> = Vec::new();
         for plan in plans {
             if batch.last().is_some_and(|p| p.stream != plan.stream) {
@@ -93,7 +73,6 @@ impl DeviceActor {
             batch.push(plan);
         }
         self.flush(batch);
-        first
     }
 
     fn flush(&self, batch: Vec<Plan>) {
@@ -126,8 +105,6 @@ impl DeviceActor {
         self.state.sweep();
         self.host().prune();
         self.last_sweep = Instant::now();
-        // Releases only; nothing to submit.
-        let _ = self.submit(Vec::new());
     }
 
     fn debug_info(&self) -> serde_json::Value {
@@ -180,7 +157,7 @@ impl Handler<Link> for DeviceActor {
         self.backend
             .check_kernel(self.state.device(), &msg.spec.name, &msg.spec.kernel)?;
         let (routine, plans) = self.state.link(&msg.ctx, msg.spec)?;
-        self.submit(plans)?;
+        self.submit(plans);
         Ok(routine)
     }
 }
@@ -203,7 +180,7 @@ impl Handler<Schedule> for DeviceActor {
         };
         let result = planned.and_then(|plans| {
             let event = Self::last_event(&plans);
-            self.submit(plans)?;
+            self.submit(plans);
             event.ok_or_else(|| tributary::Error::Unknown {
                 what: "empty plan".into(),
             })
@@ -225,10 +202,10 @@ impl Handler<FromHost> for DeviceActor {
             host.set_order(msg.order);
             self.state.from_host(&msg.ctx, &msg.node, &mut host)
         };
-        let result = plan.and_then(|p| {
+        let result = plan.map(|p| {
             let e = p.event.clone();
-            self.submit(vec![p])?;
-            Ok(e)
+            self.submit(vec![p]);
+            e
         });
         msg.ticket.resolve(result);
     }
@@ -244,10 +221,10 @@ impl Handler<ToHost> for DeviceActor {
             host.set_order(msg.order);
             self.state.to_host(&msg.ctx, &msg.node, &mut host)
         };
-        let result = plan.and_then(|p| {
+        let result = plan.map(|p| {
             let e = p.event.clone();
-            self.submit(vec![p])?;
-            Ok(e)
+            self.submit(vec![p]);
+            e
         });
         msg.ticket.resolve(result);
     }
@@ -268,11 +245,11 @@ impl Handler<InitFromHost> for DeviceActor {
             Ok(p) => plans.push(p),
             Err(e) => {
                 // Keep the state consistent: the child exists, its memsets must run.
-                self.submit(plans)?;
+                self.submit(plans);
                 return Err(e);
             }
         }
-        self.submit(plans)?;
+        self.submit(plans);
         Ok(child)
     }
 }
@@ -283,7 +260,7 @@ impl Handler<ReadInto> for DeviceActor {
         let _s = span!(self, "read");
         let plan = self.state.read_into(&msg.ctx, &msg.node, msg.into)?;
         let e = plan.event.clone();
-        self.submit(vec![plan])?;
+        self.submit(vec![plan]);
         Ok(e)
     }
 }
@@ -300,7 +277,7 @@ impl Handler<TransferToHost> for DeviceActor {
                 .plan_to_host(msg.stream, &msg.node, msg.loc, &mut host)?
         };
         let e = plan.event.clone();
-        self.submit(vec![plan])?;
+        self.submit(vec![plan]);
         Ok(e)
     }
 }
@@ -327,7 +304,7 @@ impl Handler<CopyIn> for DeviceActor {
         match plan {
             Some(p) => {
                 let e = p.event.clone();
-                self.submit(vec![p])?;
+                self.submit(vec![p]);
                 Ok(Some(e))
             }
             None => Ok(None),
@@ -349,7 +326,7 @@ impl Handler<ScheduleStreaming> for DeviceActor {
         let e = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
             what: "empty plan".into(),
         })?;
-        self.submit(plans)?;
+        self.submit(plans);
         Ok(e)
     }
 }
@@ -371,7 +348,8 @@ impl Handler<Finalize> for DeviceActor {
             host.set_order(msg.order);
             self.state.finalize(&msg.ctx, &mut host)?
         };
-        self.submit(plans)
+        self.submit(plans);
+        Ok(())
     }
 }
 

@@ -982,7 +982,8 @@ fn start_actors(
         }
         let mut pools = config.pools.clone();
         pools.min_alignment = pools.min_alignment.max(backend.min_alignment(device));
-        let state = DeviceState::new(device, timelines, pools);
+        let memory = tributary::backend::BackendMemory::new(backend.clone(), device);
+        let state = DeviceState::new(device, timelines, pools, Box::new(memory));
         let (h, b, cap) = (host.clone(), backend.clone(), config.mailbox_capacity);
         let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
             DeviceActor::new(state, h, b, stream_addrs, cap)

@@ -98,6 +98,34 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// The pool memory of one device of a backend: what a
+/// [`DeviceState`](crate::protocol::DeviceState) asks for while it decides (the engine's
+/// and the device actors' way of lending it the backend).
+pub struct BackendMemory {
+    // A plain `std` Arc: loom's cannot hold a trait object.
+    backend: std::sync::Arc<dyn Backend>,
+    device: DeviceId,
+}
+
+impl BackendMemory {
+    /// The pools of `device` on `backend`.
+    pub fn new(backend: std::sync::Arc<dyn Backend>, device: DeviceId) -> Self {
+        BackendMemory { backend, device }
+    }
+}
+
+impl crate::memory::PoolMemory for BackendMemory {
+    fn create_pool(&mut self, pool: PoolId, bytes: u64, align: u64) -> Result<()> {
+        self.backend
+            .create_pool(self.device, pool, bytes, align)
+            .map_err(Error::from)
+    }
+
+    fn release_pool(&mut self, pool: PoolId) {
+        self.backend.release_pool(self.device, pool);
+    }
+}
+
 /// Which backend a system or an engine runs on (serde: `"Cpu"` or
 /// `{ "Vulkan": { ... } }`; TOML `backend = "Cpu"` or `[backend.Vulkan]`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

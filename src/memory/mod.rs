@@ -8,8 +8,9 @@
 //!
 //! - [`RangeAllocator`] hands out byte ranges inside one pool (best fit, coalescing free).
 //! - [`DevicePools`] is a device's pool registry. It answers `alloc`, `free` and
-//!   `merge_buffer` with [`Allocation`]s and pushes [`PoolOp`]s (`Create`, `Release`) that
-//!   the backend executes in order.
+//!   `merge_buffer` with [`Allocation`]s, asking a [`PoolMemory`] (the backend) to create
+//!   and release slabs as it decides, so that a slab the backend cannot create fails the
+//!   allocation before anything is recorded.
 //! - [`AlignedBuffer`] is the zeroed, aligned host memory behind CPU pools and host arrays.
 //!
 //! # Why pools, and why they keep their slabs
@@ -62,6 +63,7 @@ mod suballoc;
 
 pub use aligned::{AlignedBuffer, OutOfBounds};
 pub use pools::{
-    Allocation, DevicePools, PoolConfig, PoolKind, PoolOp, PoolStat, PoolStats, UseEvent,
+    Allocation, DevicePools, PoolConfig, PoolKind, PoolMemory, PoolOp, PoolStat, PoolStats,
+    UseEvent,
 };
 pub use suballoc::RangeAllocator;

@@ -1,7 +1,7 @@
 //! [`DevicePools`]: one device's slab pools, deferred frees and merge buffers.
 //!
-//! Bookkeeping only: methods push [`PoolOp`]s telling the backend which slabs to create and
-//! release, and hand out [`Allocation`]s (a [`BufferLoc`] and a size). See the module docs of
+//! Bookkeeping only: methods ask a [`PoolMemory`] (the backend) to create and release slabs,
+//! and hand out [`Allocation`]s (a [`BufferLoc`] and a size). See the module docs of
 //! [`crate::memory`] for the policy and why.
 
 use std::collections::{btree_map::Entry, BTreeMap};
@@ -61,11 +61,41 @@ pub enum PoolKind {
     MergeBuffer(StreamId),
 }
 
-/// An instruction for the backend: the bookkeeping never touches memory itself.
+/// The memory behind a device's pools: the bookkeeping never touches memory itself, it
+/// asks for slabs through this while it decides.
 ///
-/// Execute the ops in the order they were pushed (a released pool id may be reused by a
-/// later `Create`). A `Release` comes only after every event touching the pool has
-/// completed, so the backend may free the memory at once.
+/// Creation is part of the decision, not carried out afterwards: a pool the backend cannot
+/// create is never recorded, and the operation that needed it fails before anything else
+/// changes (a two-phase allocation: ask for the memory, then commit). A released pool id may
+/// be reused by a later creation; a release comes only after every event touching the pool
+/// has completed, so the backend may free the memory at once.
+pub trait PoolMemory {
+    /// Creates a zeroed slab of `bytes` bytes whose base is aligned to `align` for `pool`.
+    ///
+    /// # Errors
+    ///
+    /// The backend's reason ([`Error::Device`], e.g. out of memory); the pool is then not
+    /// created and the bookkeeping does not record it.
+    fn create_pool(&mut self, pool: PoolId, bytes: u64, align: u64) -> Result<()>;
+
+    /// Frees the slab of `pool` (nothing uses it any more).
+    fn release_pool(&mut self, pool: PoolId);
+}
+
+/// Records the operations, and every creation succeeds: the bookkeeping on its own, for
+/// tests and models that keep their own `pool -> memory` table.
+impl PoolMemory for Vec<PoolOp> {
+    fn create_pool(&mut self, pool: PoolId, bytes: u64, align: u64) -> Result<()> {
+        self.push(PoolOp::Create { pool, bytes, align });
+        Ok(())
+    }
+
+    fn release_pool(&mut self, pool: PoolId) {
+        self.push(PoolOp::Release { pool });
+    }
+}
+
+/// One call a [`DevicePools`] made on its [`PoolMemory`], as recorded by `Vec<PoolOp>`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum PoolOp {
     /// Create a zeroed slab of `bytes` bytes whose base is aligned to `align`.
@@ -270,18 +300,19 @@ impl<E: UseEvent> DevicePools<E> {
     ///
     /// [`Error::InvalidSize`] for 0 bytes, an alignment that is not a power of two or a size
     /// that overflows; [`Error::Unknown`] for a stream of another device;
-    /// [`Error::PoolExhausted`] when the limit would be exceeded. On error nothing changes
-    /// except what `reclaim` did (its ops are in `ops`).
+    /// [`Error::PoolExhausted`] when the limit would be exceeded; the error of `memory` when
+    /// it cannot create the new pool. On error nothing changes except what `reclaim` did and
+    /// the release of empty pools made to stay under the limit.
     pub fn alloc(
         &mut self,
         bytes: u64,
         align: u64,
         stream: StreamId,
-        ops: &mut Vec<PoolOp>,
+        memory: &mut dyn PoolMemory,
     ) -> Result<Allocation> {
         self.check_stream(stream)?;
         let (size, align) = self.normalize(bytes, align)?;
-        self.reclaim(ops);
+        self.reclaim(memory);
         if let Some(a) = self.alloc_from_pending(size, align, stream) {
             self.reuse_count += 1;
             self.stream_reuse_count += 1;
@@ -295,7 +326,7 @@ impl<E: UseEvent> DevicePools<E> {
             .unwrap_or(size)
             .max(size);
         let room = self.plan_room(size, wanted, align, 0)?;
-        let pool = self.create_pool(room, align, PoolKind::General, ops)?;
+        let pool = self.create_pool(room, align, PoolKind::General, memory)?;
         let offset = self.pools[pool.0 as usize].ranges.alloc(size, align);
         debug_assert_eq!(offset, Some(0), "a new pool fits its first allocation");
         self.fresh_count += 1;
@@ -354,7 +385,7 @@ impl<E: UseEvent> DevicePools<E> {
     /// releases retired merge pools whose events have completed, and, with
     /// `release_empty_pools`, releases completely free general pools but one (the largest):
     /// reused memory is several times faster than fresh memory, which page-faults.
-    pub fn reclaim(&mut self, ops: &mut Vec<PoolOp>) {
+    pub fn reclaim(&mut self, memory: &mut dyn PoolMemory) {
         for mut p in std::mem::take(&mut self.pending) {
             p.events.retain(|e| !e.is_done());
             if !p.events.is_empty() {
@@ -363,7 +394,7 @@ impl<E: UseEvent> DevicePools<E> {
             }
             self.pending_bytes -= p.bytes;
             if p.retire_pool {
-                self.release_pool(p.pool, ops);
+                self.release_pool(p.pool, memory);
             } else if let Some(pool) = self.pools.get_mut(p.pool.0 as usize) {
                 pool.pending_bytes -= p.bytes;
                 let freed = pool.ranges.free(p.offset);
@@ -375,7 +406,7 @@ impl<E: UseEvent> DevicePools<E> {
             if empty.len() > 1 {
                 // Keep the largest (the first after sorting), release the rest.
                 for (pool, _) in empty.drain(1..) {
-                    self.release_pool(pool, ops);
+                    self.release_pool(pool, memory);
                 }
             }
         }
@@ -391,17 +422,18 @@ impl<E: UseEvent> DevicePools<E> {
     ///
     /// # Errors
     ///
-    /// As [`alloc`](Self::alloc); on error the old merge buffer stays in place.
+    /// As [`alloc`](Self::alloc); on error the old merge buffer stays in place, with its
+    /// contents.
     pub fn merge_buffer(
         &mut self,
         stream: StreamId,
         bytes: u64,
         retire: Vec<E>,
-        ops: &mut Vec<PoolOp>,
+        memory: &mut dyn PoolMemory,
     ) -> Result<Allocation> {
         self.check_stream(stream)?;
         let (size, align) = self.normalize(bytes, self.config.min_alignment)?;
-        self.reclaim(ops);
+        self.reclaim(memory);
         let current = self.current_merge_buffer(stream);
         if let Some(m) = current.filter(|m| m.bytes >= size) {
             return Ok(m);
@@ -418,18 +450,19 @@ impl<E: UseEvent> DevicePools<E> {
             .max(size);
         // An old pool with nothing left to wait for is released before the new one exists.
         let release_old_now = old.is_some() && retire.is_empty();
+        // It counts as room, but goes only once the new pool exists: a failed creation
+        // leaves the old buffer (and what it holds) in place.
         let extra = if release_old_now { old_capacity } else { 0 };
-        let mut room = self.plan_room(size, wanted, align, extra)?;
-        if let (Some(old), true) = (old, release_old_now) {
-            room.release.insert(0, old);
-        }
-        let pool = self.create_pool(room, align, PoolKind::MergeBuffer(stream), ops)?;
+        let room = self.plan_room(size, wanted, align, extra)?;
+        let pool = self.create_pool(room, align, PoolKind::MergeBuffer(stream), memory)?;
         let capacity = self.pools[pool.0 as usize].capacity;
         let offset = self.pools[pool.0 as usize].ranges.alloc(capacity, 1);
         debug_assert_eq!(offset, Some(0));
         if let Some(old) = old {
             self.live_bytes -= old_capacity;
-            if !release_old_now {
+            if release_old_now {
+                self.release_pool(old, memory);
+            } else {
                 self.pools[old.0 as usize].pending_bytes = old_capacity;
                 self.pending_bytes += old_capacity;
                 self.pending.push(Pending {
@@ -701,14 +734,19 @@ impl<E: UseEvent> DevicePools<E> {
         Ok(Room { capacity, release })
     }
 
-    /// Releases the pools `room` names, then creates a pool of `room.capacity` bytes.
+    /// Releases the pools `room` names (empty ones: their memory may be what the new pool
+    /// needs), then has `memory` create a pool of `room.capacity` bytes and records it only
+    /// if that succeeded.
     fn create_pool(
         &mut self,
         room: Room,
         align: u64,
         kind: PoolKind,
-        ops: &mut Vec<PoolOp>,
+        memory: &mut dyn PoolMemory,
     ) -> Result<PoolId> {
+        for pool in room.release {
+            self.release_pool(pool, memory);
+        }
         let Ok(id) = u32::try_from(self.pools.vacant_key()) else {
             return Err(Error::PoolExhausted {
                 device: self.device,
@@ -717,6 +755,8 @@ impl<E: UseEvent> DevicePools<E> {
                 limit: self.config.limit_bytes.unwrap_or(u64::MAX),
             });
         };
+        let pool = PoolId(id);
+        memory.create_pool(pool, room.capacity, align)?;
         let entry = self.pools.vacant_entry();
         debug_assert_eq!(entry.key(), id as usize);
         entry.insert(Pool {
@@ -726,15 +766,6 @@ impl<E: UseEvent> DevicePools<E> {
             ranges: RangeAllocator::new(room.capacity),
             pending_bytes: 0,
         });
-        for pool in room.release {
-            self.release_pool(pool, ops);
-        }
-        let pool = PoolId(id);
-        ops.push(PoolOp::Create {
-            pool,
-            bytes: room.capacity,
-            align,
-        });
         self.reserved_bytes += room.capacity;
         self.peak_reserved_bytes = self.peak_reserved_bytes.max(self.reserved_bytes);
         Ok(pool)
@@ -742,11 +773,11 @@ impl<E: UseEvent> DevicePools<E> {
 
     /// Removes `pool` and tells the backend to free it. The caller has already taken its
     /// bytes out of the live or pending totals (a general pool is empty).
-    fn release_pool(&mut self, pool: PoolId, ops: &mut Vec<PoolOp>) {
+    fn release_pool(&mut self, pool: PoolId, memory: &mut dyn PoolMemory) {
         if let Some(p) = self.pools.try_remove(pool.0 as usize) {
             debug_assert!(p.kind != PoolKind::General || p.ranges.is_empty());
             self.reserved_bytes -= p.capacity;
-            ops.push(PoolOp::Release { pool });
+            memory.release_pool(pool);
         }
     }
 }
@@ -1172,12 +1203,13 @@ mod tests {
             (st.merge_pools, st.live_bytes, st.reserved_bytes),
             (2, 320, 320)
         );
-        // Growing with no unfinished user releases the old pool first.
+        // Growing with no unfinished user releases the old pool at once, but only after
+        // the new one exists (a refused creation keeps the old buffer and its contents).
         ops.clear();
         let h = p.merge_buffer(s(0), 1000, vec![], &mut ops).unwrap();
         assert_eq!(h.bytes, 1024);
-        assert_eq!(ops[0], PoolOp::Release { pool: g.loc.pool });
-        assert!(matches!(ops[1], PoolOp::Create { bytes: 1024, .. }));
+        assert!(matches!(ops[0], PoolOp::Create { bytes: 1024, .. }));
+        assert_eq!(ops[1], PoolOp::Release { pool: g.loc.pool });
         check(&p);
     }
 
@@ -1195,7 +1227,8 @@ mod tests {
         ));
         assert_eq!(p.stats(), before);
         assert_eq!(p.current_merge_buffer(s(0)), Some(m));
-        // Once the user is done the old pool can go first; growth is clamped to the limit.
+        // Once the user is done the old pool counts as room (it goes once the new one exists);
+        // growth is clamped to the limit.
         user.complete();
         let g = p
             .merge_buffer(s(0), 768, vec![user.clone()], &mut ops)

@@ -1,7 +1,9 @@
 //! The per-device protocol state machine (DESIGN.md §3).
 //!
 //! [`DeviceState`] owns one device's tables and pools and turns every operation into
-//! [`Plan`]s. It does no I/O: it neither waits nor runs anything. All table lookups and
+//! [`Plan`]s. It does no I/O: it neither waits nor runs anything. The one thing it asks of
+//! the outside world while deciding is pool memory ([`PoolMemory`]): a slab the backend
+//! cannot create fails the operation before any table changes. All table lookups and
 //! updates happen here, at schedule time, in the order operations arrive; since a plan only
 //! ever waits for events issued before it, the wait graph is acyclic and cannot deadlock.
 //!
@@ -23,7 +25,7 @@ use crate::{
     event::{Event, Timeline},
     ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
     kernels::{Access, RoutineSpec},
-    memory::{Allocation, DevicePools, PoolConfig, PoolOp, PoolStats},
+    memory::{Allocation, DevicePools, PoolConfig, PoolMemory, PoolStats},
     node::{MemoryMode, Sharing, TensorNode},
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
@@ -133,7 +135,7 @@ pub struct DeviceState {
     device: DeviceId,
     streams: Vec<StreamState>,
     pools: DevicePools<Event>,
-    pool_ops: Vec<PoolOp>,
+    memory: Box<dyn PoolMemory + Send>,
     contexts: HashMap<ContextId, ContextRecord>,
     next_context: u64,
     buffers: HashMap<BufferLoc, BufferRecord>,
@@ -144,8 +146,14 @@ pub struct DeviceState {
 }
 
 impl DeviceState {
-    /// A device with one stream per timeline (timeline `i` is stream `i` of `device`).
-    pub fn new(device: DeviceId, timelines: Vec<SyncArc<Timeline>>, pools: PoolConfig) -> Self {
+    /// A device with one stream per timeline (timeline `i` is stream `i` of `device`), whose
+    /// pools live in `memory` (the backend's slabs of this device).
+    pub fn new(
+        device: DeviceId,
+        timelines: Vec<SyncArc<Timeline>>,
+        pools: PoolConfig,
+        memory: Box<dyn PoolMemory + Send>,
+    ) -> Self {
         let streams = timelines
             .into_iter()
             .enumerate()
@@ -164,7 +172,7 @@ impl DeviceState {
             device,
             streams,
             pools: DevicePools::new(device, pools),
-            pool_ops: Vec::new(),
+            memory,
             contexts: HashMap::new(),
             next_context: 0,
             buffers: HashMap::new(),
@@ -188,11 +196,6 @@ impl DeviceState {
     /// The timeline of stream `index`.
     pub fn timeline(&self, index: usize) -> Option<&SyncArc<Timeline>> {
         self.streams.get(index).map(|s| &s.timeline)
-    }
-
-    /// Pool operations the backend must carry out before the plans issued since the last call.
-    pub fn take_pool_ops(&mut self) -> Vec<PoolOp> {
-        std::mem::take(&mut self.pool_ops)
     }
 
     /// Memory statistics of the device's pools.
@@ -299,7 +302,7 @@ impl DeviceState {
         for s in &mut self.streams {
             s.merge.uses.prune();
         }
-        self.pools.reclaim(&mut self.pool_ops);
+        self.pools.reclaim(&mut *self.memory);
     }
 
     fn global(&self, loc: BufferLoc) -> GlobalLoc {
@@ -455,7 +458,7 @@ impl DeviceState {
             }
             let r = d.node.size_in_bytes().and_then(|bytes| {
                 let align = d.node.dtype().size_in_bytes() as u64;
-                self.pools.alloc(bytes, align, stream, &mut self.pool_ops)
+                self.pools.alloc(bytes, align, stream, &mut *self.memory)
             });
             match r {
                 Ok(a) => {
@@ -1049,7 +1052,7 @@ impl DeviceState {
         let retire = self.streams[idx].merge.uses.all_events();
         let alloc = self
             .pools
-            .merge_buffer(stream, source.bytes, retire, &mut self.pool_ops)?;
+            .merge_buffer(stream, source.bytes, retire, &mut *self.memory)?;
         let slot = &mut self.streams[idx].merge;
         if slot.alloc.map(|a| a.loc) != Some(alloc.loc) {
             slot.uses = BufferUses::default();
@@ -1119,7 +1122,7 @@ impl DeviceState {
                 let _ = self.pools.free(rec.alloc, events, rec.stream);
             }
         }
-        self.pools.reclaim(&mut self.pool_ops);
+        self.pools.reclaim(&mut *self.memory);
         Ok(plans)
     }
 
