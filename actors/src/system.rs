@@ -916,14 +916,24 @@ impl System {
             }
         });
         self.shared.actix.stop();
-        for a in self
+        let arbiters: Vec<Arbiter> = self
             .shared
             .arbiters
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
-        {
+            .collect();
+        for a in &arbiters {
             a.stop();
+        }
+        // Joined, not only stopped: the actors, and with the last of them the backend, are
+        // dropped on these threads. Dropping the last Vulkan instance unloads the driver
+        // (the loader `dlclose`s it); if that runs while the main thread is already in the
+        // process's exit handlers, a handler of the driver is called after its code was
+        // unmapped (seen with lavapipe: SIGSEGV at exit, the main thread in
+        // `__run_exit_handlers` jumping to unmapped memory, once in 8-23 runs).
+        for a in arbiters {
+            let _ = a.join();
         }
         if let Some(t) = self
             .shared
