@@ -112,7 +112,7 @@ fn training_program() -> Program {
 #[test]
 fn same_program_same_bits_twenty_times() {
     let program = training_program();
-    let expected = ReferenceRunner.run(&program);
+    let expected = ReferenceRunner::default().run(&program);
     if let Some(i) = expected.results.iter().position(|r| r.is_err()) {
         panic!(
             "the reference refused operation {i}: {:?}\n{}",
@@ -173,7 +173,7 @@ fn merge_order_is_program_order() {
     }
     b.op(Op::Teardown);
     let program = b.build();
-    let expected = ReferenceRunner.run(&program);
+    let expected = ReferenceRunner::default().run(&program);
     // 1e8 + 1 - 1e8 + 0.3 in this order is 0.3 in f32 (1 is lost against 1e8).
     let reads: Vec<&Values> = expected
         .results

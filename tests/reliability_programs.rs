@@ -1,21 +1,25 @@
-//! Random programs on the engine, compared bitwise with the sequential reference
-//! (DESIGN.md §1: any program behaves as if its operations ran one after another).
+//! Random programs on the engine and the actor system, on the CPU and on Vulkan, compared
+//! bitwise with the sequential reference (DESIGN.md §1: any program behaves as if its
+//! operations ran one after another).
 //!
-//! `TRIBUTARY_PROPTEST_CASES` sets the number of programs (split over the tests: 40% small,
-//! 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system);
+//! `TRIBUTARY_PROPTEST_CASES` sets the number of CPU programs (split over the tests: 40%
+//! small, 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system);
+//! Vulkan, where it runs, adds 50% on the engine and 5% on the actor system (lavapipe in
+//! CI, where `TRIBUTARY_REQUIRE_VULKAN=1` makes a skip a failure);
 //! `TRIBUTARY_PROPTEST_SEED` (a number) replays a run. A failure prints the shrunk program
 //! with the first operation whose result differs.
 
 mod common;
+mod support;
 
 use std::{sync::Arc, time::Duration, time::Instant};
 
 use common::{
     engine_runner::{config, EngineRunner},
     env_count,
-    generator::{arb_program, resolve, AbsProgram, Profile},
+    generator::{arb_program, resolve_for, AbsProgram, Profile},
     program::*,
-    reference::ReferenceRunner,
+    reference::{ReferenceRunner, Streaming},
     system_runner::SystemRunner,
     watchdog::Watchdog,
 };
@@ -24,11 +28,14 @@ use tributary::{
     backend::{
         cpu::CpuBackend,
         fault::{Fault, FaultBackend, FaultRule, FaultRules, Target},
+        vulkan::{VulkanBackend, VulkanConfig},
+        BackendKind,
     },
     DeviceId, Engine, StreamId,
 };
 
-/// Programs per CI run, in total (about 30 s in a debug build on 2 cores).
+/// CPU programs per CI run, in total (about 30 s in a debug build on 2 cores; the 2,200
+/// Vulkan programs this adds take about 90 s on lavapipe).
 const DEFAULT_CASES: u64 = 4000;
 
 fn check(abs: &AbsProgram) -> Result<(), TestCaseError> {
@@ -62,12 +69,53 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
 
 /// The same programs on the actor system.
 fn check_system(abs: &AbsProgram) -> Result<(), TestCaseError> {
-    check_on(abs, &mut SystemRunner)
+    check_on(abs, &mut SystemRunner::cpu())
+}
+
+/// The Vulkan configuration for a program's setup: one logical device per program device.
+fn vulkan_for(setup: &Setup, staging: bool) -> VulkanConfig {
+    VulkanConfig {
+        devices: Some(setup.devices),
+        force_staging: staging,
+    }
+}
+
+/// The engine on Vulkan (lavapipe in CI): a fresh backend with the program's devices.
+fn check_vulkan(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let staging = abs.ops.len() % 2 == 1;
+    let mut runner = EngineRunner::with("engine(vulkan)", move |setup| {
+        let backend = VulkanBackend::new(DeviceId(0), vulkan_for(setup, staging))?;
+        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    });
+    check_against(abs, vulkan_reference(), &mut runner)
+}
+
+/// What Vulkan computes: the CPU's values, but no streaming across logical devices.
+fn vulkan_reference() -> ReferenceRunner {
+    ReferenceRunner::streaming(Streaming::SameDevice)
+}
+
+/// The actor system on Vulkan.
+fn check_system_vulkan(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let staging = abs.ops.len() % 2 == 0;
+    let mut runner = SystemRunner::with("system(vulkan)", move |setup| {
+        BackendKind::Vulkan(vulkan_for(setup, staging))
+    });
+    check_against(abs, vulkan_reference(), &mut runner)
 }
 
 fn check_on(abs: &AbsProgram, runner: &mut dyn ProgramRunner) -> Result<(), TestCaseError> {
-    let program = Arc::new(resolve(abs));
-    let expected = ReferenceRunner.run(&program);
+    check_against(abs, ReferenceRunner::default(), runner)
+}
+
+/// Checks `runner` against `reference` (which knows what the backend can stream).
+fn check_against(
+    abs: &AbsProgram,
+    mut reference: ReferenceRunner,
+    runner: &mut dyn ProgramRunner,
+) -> Result<(), TestCaseError> {
+    let program = Arc::new(resolve_for(abs, reference.streaming));
+    let expected = reference.run(&program);
     if let Some((i, e)) = expected
         .results
         .iter()
@@ -155,21 +203,20 @@ fn large_programs_match_the_reference() {
     );
 }
 
-/// Programs on the actor system (`tributary-actors`): the same generator and reference.
+/// Programs on the actor system (`tributary-actors`): the same generator and reference,
+/// all memory modes, up to 4 devices x 3 streams (`TRIBUTARY_SYSTEM_DEVICES` lowers the
+/// device bound).
 ///
-/// All memory modes, on one device by default. On several devices these programs found
-/// that the shared host table followed the order in which device actors processed their
-/// messages; host-table updates now carry program-order stamps and host-array transfers
-/// (also those of coordinator-scheduled consumers) are fenced across devices. After that,
-/// 29,000 programs on up to 4 devices matched the reference
-/// (`TRIBUTARY_SYSTEM_DEVICES=4 TRIBUTARY_PROPTEST_CASES=200000 cargo test --release
-/// --test reliability_programs system_programs`); CI keeps one device for its time budget.
+/// On several devices these programs found that the shared host table followed the order
+/// in which device actors processed their messages; host-table updates now carry
+/// program-order stamps and host-array transfers (also those of coordinator-scheduled
+/// consumers) are fenced across devices.
 #[test]
 fn system_programs_match_the_reference() {
     run(
         "system",
         Profile {
-            max_devices: env_count("TRIBUTARY_SYSTEM_DEVICES", 1) as usize,
+            max_devices: env_count("TRIBUTARY_SYSTEM_DEVICES", 4).clamp(1, 4) as usize,
             max_streams: 3,
             max_nodes: 6,
             max_ops: 150,
@@ -194,6 +241,54 @@ fn system_device_programs_match_the_reference() {
         },
         5,
         check_system,
+    );
+}
+
+/// Whether the Vulkan programs run here; when not, the reason is printed (and the test
+/// fails instead under `TRIBUTARY_REQUIRE_VULKAN=1`).
+fn vulkan_share(test: &str) -> bool {
+    support::vulkan_config(support::Kind::Vulkan, 4, test).is_some()
+}
+
+/// The engine on Vulkan, up to 4 logical devices x 3 streams, every other program with
+/// staged host transfers. Kernels are the CPU's bit for bit (`backend_conformance`), so
+/// the comparison stays bitwise.
+#[test]
+fn vulkan_programs_match_the_reference() {
+    if !vulkan_share("vulkan_programs_match_the_reference") {
+        return;
+    }
+    run(
+        "vulkan",
+        Profile {
+            max_devices: 4,
+            max_streams: 3,
+            max_nodes: 6,
+            max_ops: 150,
+            hosted: true,
+        },
+        50,
+        check_vulkan,
+    );
+}
+
+/// The actor system on Vulkan.
+#[test]
+fn vulkan_system_programs_match_the_reference() {
+    if !vulkan_share("vulkan_system_programs_match_the_reference") {
+        return;
+    }
+    run(
+        "vulkan-system",
+        Profile {
+            max_devices: 4,
+            max_streams: 3,
+            max_nodes: 6,
+            max_ops: 150,
+            hosted: true,
+        },
+        5,
+        check_system_vulkan,
     );
 }
 
@@ -282,7 +377,7 @@ fn known_programs() -> Vec<(&'static str, Program)> {
 #[test]
 fn known_programs_match_the_reference() {
     for (name, program) in known_programs() {
-        let expected = ReferenceRunner.run(&program);
+        let expected = ReferenceRunner::default().run(&program);
         if let Some(i) = expected.results.iter().position(|r| r.is_err()) {
             panic!(
                 "{name}: the reference refused operation {i}: {:?}",
@@ -296,7 +391,7 @@ fn known_programs_match_the_reference() {
     }
     // The second program's value, spelled out.
     let (_, program) = &known_programs()[1];
-    let out = ReferenceRunner.run(program);
+    let out = ReferenceRunner::default().run(program);
     let read = &out.results[program.ops.len() - 2];
     assert_eq!(read, &Ok(Obs::Values(Values::f32s(&[0.1f32 + 0.1; 4]))));
 }

@@ -260,7 +260,7 @@ fn a_million_small_operations_stay_bounded() {
     };
     let mut ls = Lockstep {
         engine: EngineRunner::cpu().start(&setup).expect("engine"),
-        reference: ReferenceRunner.start(&setup).expect("reference"),
+        reference: ReferenceRunner::default().start(&setup).expect("reference"),
         contexts: 0,
         routines: 0,
         applied: 0,

@@ -10,7 +10,10 @@
 
 use proptest::prelude::*;
 
-use super::{program::*, reference::Reference};
+use super::{
+    program::*,
+    reference::{Reference, Streaming},
+};
 
 /// Size limits of generated programs.
 #[derive(Clone, Copy, Debug)]
@@ -366,6 +369,11 @@ impl Resolver {
 /// The valid program `abs` stands for: a root context on every stream, the operations the
 /// reference accepts, then a checkpoint and a teardown.
 pub fn resolve(abs: &AbsProgram) -> Program {
+    resolve_for(abs, Streaming::AnyDevice)
+}
+
+/// [`resolve`] for a backend that streams as `streaming` says.
+pub fn resolve_for(abs: &AbsProgram, streaming: Streaming) -> Program {
     let setup = Setup {
         devices: abs.devices,
         streams: abs.streams,
@@ -373,7 +381,7 @@ pub fn resolve(abs: &AbsProgram) -> Program {
         pool_bytes: abs.pool_bytes,
     };
     let mut r = Resolver {
-        reference: Reference::new(&setup),
+        reference: Reference::with_streaming(&setup, streaming),
         ops: Vec::new(),
     };
     for device in 0..setup.devices {

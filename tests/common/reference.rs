@@ -122,6 +122,7 @@ enum MergeFrom {
 /// The reference interpreter; also the generator's oracle of what is valid.
 pub struct Reference {
     setup: Setup,
+    streaming: Streaming,
     devices: Vec<Device>,
     bufs: Vec<Buf>,
     ctxs: Vec<Ctx>,
@@ -134,8 +135,14 @@ type Res<T> = Result<T, String>;
 impl Reference {
     /// A fresh system.
     pub fn new(setup: &Setup) -> Reference {
+        Reference::with_streaming(setup, Streaming::AnyDevice)
+    }
+
+    /// A fresh system whose backend can stream as `streaming` says.
+    pub fn with_streaming(setup: &Setup, streaming: Streaming) -> Reference {
         Reference {
             setup: setup.clone(),
+            streaming,
             devices: (0..setup.devices)
                 .map(|_| Device {
                     sharing: HashMap::new(),
@@ -680,6 +687,10 @@ impl Reference {
                 if (consumer.device, consumer.stream) != (d.device, d.stream) {
                     return Err("InvalidRoutine: consumer on another stream".into());
                 }
+                let src_device = self.live_ctx(src)?.device;
+                if self.streaming == Streaming::SameDevice && src_device != d.device {
+                    return Err("StreamingUnsupported: across devices".into());
+                }
                 match kernel.merge() {
                     None => return Err("InvalidRoutine: the consumer reads no merge buffer".into()),
                     Some(m) if m != n => {
@@ -807,8 +818,30 @@ impl Executor for Reference {
     }
 }
 
+/// Where a backend can read a buffer in place (`StreamingFor`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Streaming {
+    /// Any device's memory (the CPU backend: one address space).
+    #[default]
+    AnyDevice,
+    /// Only memory of the consumer's own device (Vulkan: a kernel binds buffers of its
+    /// own `VkDevice`); streaming across devices is refused with `StreamingUnsupported`.
+    SameDevice,
+}
+
 /// Runs programs on the reference.
-pub struct ReferenceRunner;
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReferenceRunner {
+    /// What the backend being checked can stream.
+    pub streaming: Streaming,
+}
+
+impl ReferenceRunner {
+    /// The reference of a backend that streams as `streaming` says.
+    pub fn streaming(streaming: Streaming) -> ReferenceRunner {
+        ReferenceRunner { streaming }
+    }
+}
 
 impl ProgramRunner for ReferenceRunner {
     fn name(&self) -> String {
@@ -816,6 +849,6 @@ impl ProgramRunner for ReferenceRunner {
     }
 
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
-        Ok(Box::new(Reference::new(setup)))
+        Ok(Box::new(Reference::with_streaming(setup, self.streaming)))
     }
 }

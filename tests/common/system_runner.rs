@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use tributary::backend::BackendKind;
 use tributary::{
     protocol::{Context, Routine},
     EventStatus, MergeBufferUse, NodeId, TensorNode,
@@ -13,12 +14,33 @@ use super::{
     program::*,
 };
 
-/// Runs programs on fresh actor systems (CPU devices).
-pub struct SystemRunner;
+type MakeBackend = Box<dyn FnMut(&Setup) -> BackendKind>;
+
+/// Runs programs on fresh actor systems.
+pub struct SystemRunner {
+    name: String,
+    backend: MakeBackend,
+}
+
+impl SystemRunner {
+    /// Actor systems on CPU devices.
+    pub fn cpu() -> SystemRunner {
+        SystemRunner::with("system(cpu)", |_| BackendKind::Cpu)
+    }
+
+    /// Actor systems on the backend `backend` picks for a setup (e.g. Vulkan with the
+    /// setup's number of logical devices).
+    pub fn with(name: &str, backend: impl FnMut(&Setup) -> BackendKind + 'static) -> SystemRunner {
+        SystemRunner {
+            name: name.into(),
+            backend: Box::new(backend),
+        }
+    }
+}
 
 impl ProgramRunner for SystemRunner {
     fn name(&self) -> String {
-        "system(cpu)".into()
+        self.name.clone()
     }
 
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
@@ -26,6 +48,7 @@ impl ProgramRunner for SystemRunner {
             cpu_devices: setup.devices,
             streams: StreamConfig::MostParallelStreams(setup.streams),
             pools: config(setup).pools,
+            backend: (self.backend)(setup),
             ..SystemConfig::default()
         })
         .map_err(|e| describe(&e))?;
