@@ -371,6 +371,24 @@ fn known_programs() -> Vec<(&'static str, Program)> {
         "fresh hosted buffer after a transfer to the host",
         b.build(),
     ));
+
+    // A copy from a buffer that lags a host write counted as the newest device value, so
+    // the next host read transferred it over the host write (the write was lost).
+    let w = N(0);
+    let mut b = Builder::new(2, 1, vec![f32_node(&[4], Mode::Hosted(Share::Unset))]);
+    let (c0, c1) = (b.root(0, 0), b.root(1, 0));
+    let (one, c2) = b.link(c0, Kernel::Fill { dst: w, value: 1.0 });
+    let (two, c3) = b.link(c1, Kernel::Fill { dst: w, value: 2.0 });
+    b.schedule(one).schedule(two);
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(3),
+    });
+    b.d2d(w, c2, c3, D2d::No);
+    b.op(Op::HostRead { node: w });
+    b.op(Op::Read { ctx: c3, node: w });
+    b.op(Op::Teardown);
+    known.push(("copy from a buffer that lags a host write", b.build()));
     known
 }
 
@@ -388,10 +406,22 @@ fn known_programs_match_the_reference() {
         if let Err(diff) = compare(&program, &expected, &got) {
             panic!("{name}: {diff}");
         }
+        let got = SystemRunner::cpu().run(&program);
+        if let Err(diff) = compare(&program, &expected, &got) {
+            panic!("{name} (system): {diff}");
+        }
     }
     // The second program's value, spelled out.
     let (_, program) = &known_programs()[1];
     let out = ReferenceRunner::default().run(program);
     let read = &out.results[program.ops.len() - 2];
     assert_eq!(read, &Ok(Obs::Values(Values::f32s(&[0.1f32 + 0.1; 4]))));
+    // The third's: the host keeps its write; the copied buffer holds the stale 1s (a
+    // `read` shows a buffer as it is), which a routine would replace by an upload.
+    let (_, program) = &known_programs()[2];
+    let out = ReferenceRunner::default().run(program);
+    let n = program.ops.len();
+    let written = Values::f32s(&Data::Ints(3).f32s(4));
+    assert_eq!(out.results[n - 3], Ok(Obs::Values(written)));
+    assert_eq!(out.results[n - 2], Ok(Obs::Values(Values::f32s(&[1.0; 4]))));
 }

@@ -1032,8 +1032,19 @@ impl DeviceState {
             }
             if node.mode().is_hosted() {
                 let order = host.order();
-                host.record(node)?
-                    .device_wrote(DeviceCopy { stream, loc: dst }, order);
+                let current = Some(host.version(node.id()));
+                let hrec = host.record(node)?;
+                if source.host_version == current {
+                    hrec.device_wrote(DeviceCopy { stream, loc: dst }, order);
+                } else {
+                    // The source lags the host array (a host write came after its value),
+                    // so what it holds counts as the host's value: it would be uploaded
+                    // before any routine read it (rule 2). So does the copy: it lags too,
+                    // and is not a device value newer than the host. Counting it as the
+                    // newest device write made the next host read transfer the stale value
+                    // over the host write.
+                    hrec.host_caught_up(Some(dst), order);
+                }
             }
             return Ok(Some(Plan {
                 stream,

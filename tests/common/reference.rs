@@ -665,10 +665,19 @@ impl Reference {
                 if db == sb {
                     return Ok(Obs::NoOp);
                 }
+                let stale = self.hosted(n.0)? && self.lagging(sb);
                 self.bufs[db].data = self.bufs[sb].data.clone();
                 self.bufs[db].host_version = self.bufs[sb].host_version;
                 if self.hosted(n.0)? {
-                    self.hosts[n.0].newer = Some(db);
+                    let h = &mut self.hosts[n.0];
+                    if !stale {
+                        h.newer = Some(db);
+                    } else if h.newer == Some(db) {
+                        // The source lags the host array, so its value is the host's (it
+                        // would be uploaded before any read); so is the copy's: it lags
+                        // too, and is no device value newer than the host.
+                        h.newer = None;
+                    }
                 }
                 Ok(Obs::Done)
             }
