@@ -246,50 +246,35 @@ fn system_device_programs_match_the_reference() {
 
 /// Whether the Vulkan programs run here; when not, the reason is printed (and the test
 /// fails instead under `TRIBUTARY_REQUIRE_VULKAN=1`).
-fn vulkan_share(test: &str) -> bool {
+fn vulkan_runs_here(test: &str) -> bool {
     support::vulkan_config(support::Kind::Vulkan, 4, test).is_some()
 }
+
+/// Programs of the Vulkan tests: up to 4 logical devices x 3 streams, all memory modes.
+const VULKAN_PROFILE: Profile = Profile {
+    max_devices: 4,
+    max_streams: 3,
+    max_nodes: 6,
+    max_ops: 150,
+    hosted: true,
+};
 
 /// The engine on Vulkan, up to 4 logical devices x 3 streams, every other program with
 /// staged host transfers. Kernels are the CPU's bit for bit (`backend_conformance`), so
 /// the comparison stays bitwise.
 #[test]
 fn vulkan_programs_match_the_reference() {
-    if !vulkan_share("vulkan_programs_match_the_reference") {
-        return;
+    if vulkan_runs_here("vulkan_programs_match_the_reference") {
+        run("vulkan", VULKAN_PROFILE, 50, check_vulkan);
     }
-    run(
-        "vulkan",
-        Profile {
-            max_devices: 4,
-            max_streams: 3,
-            max_nodes: 6,
-            max_ops: 150,
-            hosted: true,
-        },
-        50,
-        check_vulkan,
-    );
 }
 
 /// The actor system on Vulkan.
 #[test]
 fn vulkan_system_programs_match_the_reference() {
-    if !vulkan_share("vulkan_system_programs_match_the_reference") {
-        return;
+    if vulkan_runs_here("vulkan_system_programs_match_the_reference") {
+        run("vulkan-system", VULKAN_PROFILE, 5, check_system_vulkan);
     }
-    run(
-        "vulkan-system",
-        Profile {
-            max_devices: 4,
-            max_streams: 3,
-            max_nodes: 6,
-            max_ops: 150,
-            hosted: true,
-        },
-        5,
-        check_system_vulkan,
-    );
 }
 
 /// Mid-sized programs with some streams stalled.
