@@ -127,6 +127,25 @@ impl Engine {
         })
     }
 
+    /// What device `device` is: name, memory, limits, dtypes. A device index out of range is
+    /// [`Error::NoSuchDevice`].
+    ///
+    /// ```
+    /// use tributary::{Engine, EngineConfig};
+    /// let engine = Engine::cpu(EngineConfig::default())?;
+    /// let info = engine.device_info(0)?;
+    /// assert_eq!(info.backend, "cpu");
+    /// assert!(engine.device_info(engine.device_count()).is_err());
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn device_info(&self, device: usize) -> Result<crate::backend::DeviceInfo> {
+        let state = self.devices.get(device).ok_or(Error::NoSuchDevice {
+            index: device,
+            count: self.devices.len(),
+        })?;
+        Ok(self.backend.device_info(state.device())?)
+    }
+
     /// The backend's name.
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()

@@ -187,6 +187,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A device index beyond the devices of the engine or system.
+    #[error("no device {index}: there are {count} devices")]
+    NoSuchDevice {
+        /// The index asked for.
+        index: usize,
+        /// How many devices there are.
+        count: usize,
+    },
     /// A device, stream or context that this engine does not know.
     #[error("unknown {what}")]
     Unknown {

@@ -46,6 +46,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every element type, in declaration order.
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::U8,
+    ];
+
     /// Size of one element in bytes.
     pub const fn size_in_bytes(self) -> usize {
         match self {

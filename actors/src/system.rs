@@ -190,6 +190,9 @@ struct Shared {
     shut_down: std::sync::atomic::AtomicBool,
     config: SystemConfig,
     recorder: Option<Arc<Recorder>>,
+    /// What each device is, read from the backend at spawn (the backend itself lives on
+    /// the actor threads and is dropped there).
+    device_info: Vec<tributary::backend::DeviceInfo>,
     order: std::sync::atomic::AtomicU64,
     /// The device that last got an operation that may transfer each host array.
     host_array_device: Mutex<std::collections::HashMap<tributary::NodeId, tributary::DeviceId>>,
@@ -268,6 +271,11 @@ impl System {
                 what: "configuration with zero devices".into(),
             });
         }
+        let device_info = backend
+            .devices()
+            .into_iter()
+            .map(|d| backend.device_info(d))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let streams = config.streams.streams_per_device();
         let host = Arc::new(Mutex::new(HostTable::default()));
         let (tx, rx) = std::sync::mpsc::channel();
@@ -304,6 +312,7 @@ impl System {
                 shut_down: std::sync::atomic::AtomicBool::new(false),
                 config,
                 recorder,
+                device_info,
                 order: std::sync::atomic::AtomicU64::new(0),
                 host_array_device: Mutex::new(std::collections::HashMap::new()),
             }),
@@ -333,6 +342,29 @@ impl System {
     /// Number of devices.
     pub fn device_count(&self) -> usize {
         self.shared.devices.len()
+    }
+
+    /// What device `i` is: name, memory, limits, dtypes. An index out of range is
+    /// [`Error::NoSuchDevice`].
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tributary::Error> {
+    /// let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
+    /// assert_eq!(sys.device_info(1)?.backend, "cpu");
+    /// assert!(sys.device_info(2).is_err());
+    /// sys.shutdown()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn device_info(&self, i: usize) -> Result<tributary::backend::DeviceInfo> {
+        self.shared
+            .device_info
+            .get(i)
+            .cloned()
+            .ok_or(Error::NoSuchDevice {
+                index: i,
+                count: self.shared.device_info.len(),
+            })
     }
 
     /// A handle on device `i`.

@@ -274,6 +274,20 @@ impl Backend for CpuBackend {
         self.shared.devices.contains(&src) && self.shared.devices.contains(&dst)
     }
 
+    fn device_info(&self, device: DeviceId) -> Result<super::DeviceInfo, DeviceError> {
+        let index = self
+            .shared
+            .devices
+            .iter()
+            .position(|d| *d == device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
+        Ok(
+            super::DeviceInfo::new(device, "cpu", format!("CPU virtual device {index}"))
+                .with_memory_bytes(host_memory_bytes())
+                .with_dtypes(crate::node::DType::ALL),
+        )
+    }
+
     fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
         match kernel {
             Kernel::Shader(_) => Err(super::unsupported_kernel(
@@ -554,4 +568,12 @@ fn execute(job: Job) -> std::result::Result<(), String> {
         }
         Job::Marker => Ok(()),
     }
+}
+
+/// The host's physical memory (Linux: `MemTotal` of `/proc/meminfo`), `None` elsewhere.
+fn host_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

@@ -309,6 +309,10 @@ impl Backend for FaultBackend {
         self.inner.release_pool(device, pool)
     }
 
+    fn device_info(&self, device: DeviceId) -> Result<super::DeviceInfo, DeviceError> {
+        self.inner.device_info(device)
+    }
+
     fn start_stream(
         &self,
         stream: StreamId,

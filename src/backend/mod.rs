@@ -18,6 +18,7 @@
 //! [`DeviceError::Unavailable`]). [`BackendKind`] picks one from configuration.
 
 pub mod cpu;
+pub mod cuda;
 pub mod fault;
 pub mod vulkan;
 
@@ -95,6 +96,84 @@ pub trait Backend: Send + Sync + 'static {
     fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
         let _ = (device, routine, kernel);
         Ok(())
+    }
+
+    /// What `device` is: its name, memory and limits ([`DeviceInfo`]). An unknown device is
+    /// [`DeviceError::Unexpected`] naming it.
+    fn device_info(&self, device: DeviceId) -> Result<DeviceInfo, DeviceError>;
+}
+
+/// What a device is (the counterpart of rune's `Device_info`): what a user asks first, and
+/// what a scheduler needs to size work. Every backend fills it from its driver.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct DeviceInfo {
+    /// The tributary device.
+    pub device: DeviceId,
+    /// The backend's short name (`cpu`, `vulkan`, `cuda`).
+    pub backend: String,
+    /// The device's name as its driver reports it (`llvmpipe (LLVM 15.0.6, 256 bits)`,
+    /// `NVIDIA H100 80GB HBM3`, `CPU virtual device 0`).
+    pub name: String,
+    /// Memory the device can allocate from, in bytes (Vulkan: its device-local heaps;
+    /// CUDA: `cuDeviceTotalMem`; CPU: the host's physical memory), `None` where unknown.
+    pub memory_bytes: Option<u64>,
+    /// The largest workgroup (Vulkan) or thread block (CUDA) a kernel may use; 1 on the
+    /// CPU, where a kernel runs on one worker thread.
+    pub max_workgroup_size: u32,
+    /// Shared memory one workgroup or block can use, in bytes (0 on the CPU).
+    pub shared_memory_bytes: u64,
+    /// The element types its built-in kernels support.
+    pub dtypes: Vec<crate::node::DType>,
+}
+
+impl DeviceInfo {
+    /// Information about `device` of `backend` called `name`; the other fields are filled
+    /// with the `with_*` setters.
+    pub fn new(device: DeviceId, backend: &str, name: impl Into<String>) -> DeviceInfo {
+        DeviceInfo {
+            device,
+            backend: backend.to_string(),
+            name: name.into(),
+            memory_bytes: None,
+            max_workgroup_size: 1,
+            shared_memory_bytes: 0,
+            dtypes: Vec::new(),
+        }
+    }
+
+    /// Sets [`DeviceInfo::memory_bytes`].
+    pub fn with_memory_bytes(mut self, bytes: Option<u64>) -> DeviceInfo {
+        self.memory_bytes = bytes;
+        self
+    }
+
+    /// Sets [`DeviceInfo::max_workgroup_size`] and [`DeviceInfo::shared_memory_bytes`].
+    pub fn with_workgroup_limits(mut self, max_size: u32, shared_memory_bytes: u64) -> DeviceInfo {
+        self.max_workgroup_size = max_size;
+        self.shared_memory_bytes = shared_memory_bytes;
+        self
+    }
+
+    /// Sets [`DeviceInfo::dtypes`].
+    pub fn with_dtypes(mut self, dtypes: impl Into<Vec<crate::node::DType>>) -> DeviceInfo {
+        self.dtypes = dtypes.into();
+        self
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.backend, self.device, self.name)?;
+        match self.memory_bytes {
+            Some(b) => write!(f, ", {:.1} GiB", b as f64 / (1u64 << 30) as f64)?,
+            None => f.write_str(", memory unknown")?,
+        }
+        write!(
+            f,
+            ", workgroup <= {}, shared memory {} B, dtypes {:?}",
+            self.max_workgroup_size, self.shared_memory_bytes, self.dtypes
+        )
     }
 }
 

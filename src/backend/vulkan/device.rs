@@ -245,6 +245,25 @@ impl Backend for VulkanBackend {
         src == dst && self.shared.gpu(src).is_some()
     }
 
+    fn device_info(&self, device: DeviceId) -> Result<crate::backend::DeviceInfo, DeviceError> {
+        use crate::node::DType;
+        let gpu = self
+            .shared
+            .gpu(device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
+        let p = &gpu.core.physical;
+        let dtypes: Vec<DType> = DType::ALL
+            .into_iter()
+            .filter(|d| *d != DType::F64 || p.float64)
+            .collect();
+        Ok(
+            crate::backend::DeviceInfo::new(device, "vulkan", p.name.clone())
+                .with_memory_bytes(Some(p.device_local_bytes))
+                .with_workgroup_limits(p.max_workgroup_invocations, u64::from(p.max_shared_memory))
+                .with_dtypes(dtypes),
+        )
+    }
+
     fn min_alignment(&self, device: DeviceId) -> u64 {
         self.shared
             .gpu(device)

@@ -62,4 +62,8 @@ impl Backend for VulkanBackend {
     fn can_stream(&self, _: DeviceId, _: DeviceId) -> bool {
         match self.never {}
     }
+
+    fn device_info(&self, _: DeviceId) -> Result<crate::backend::DeviceInfo, DeviceError> {
+        match self.never {}
+    }
 }

@@ -48,6 +48,12 @@ pub(super) struct PhysicalInfo {
     pub(super) queue_family: u32,
     pub(super) limits: Limits,
     pub(super) float64: bool,
+    /// Bytes in the device-local memory heaps.
+    pub(super) device_local_bytes: u64,
+    /// `maxComputeWorkGroupInvocations`.
+    pub(super) max_workgroup_invocations: u32,
+    /// `maxComputeSharedMemorySize`.
+    pub(super) max_shared_memory: u32,
 }
 
 /// The limits the backend respects.
@@ -125,12 +131,23 @@ impl InstanceCore {
             // live across the call.
             unsafe { inst.get_physical_device_properties2(pd, &mut props2) };
             let llvmpipe = driver.driver_id == vk::DriverId::MESA_LLVMPIPE;
+            // SAFETY: `pd` comes from this instance.
+            let memory = unsafe { inst.get_physical_device_memory_properties(pd) };
+            let device_local_bytes = memory
+                .memory_heaps_as_slice()
+                .iter()
+                .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+                .map(|h| h.size)
+                .sum();
             match check_physical(inst, pd, &props) {
                 Ok((queue_family, float64)) => usable.push(PhysicalInfo {
                     handle: pd,
                     name,
                     queue_family,
                     float64,
+                    device_local_bytes,
+                    max_workgroup_invocations: props.limits.max_compute_work_group_invocations,
+                    max_shared_memory: props.limits.max_compute_shared_memory_size,
                     limits: Limits {
                         min_storage_offset_alignment: props
                             .limits
