@@ -1,0 +1,304 @@
+//! Task Bench on tributary: METG(50%) of `Engine`, `System` and `System` on two devices,
+//! beside hand-written threads measured in the same run.
+//!
+//! Task Bench (Slaughter et al., SC'20) runs the same task graphs on every runtime and
+//! reports METG(50%): the smallest task granularity at which the runtime still delivers
+//! half the machine's peak FLOP/s. See `graph.rs` (patterns), `kernel.rs` (the
+//! `compute_bound` kernel and the checks), `baseline.rs` (the threads), `runners.rs`
+//! (tributary) and `metg.rs` (the METG rule). Every consumer checks every input it reads, in
+//! every run.
+//!
+//! `cargo run --release --example taskbench` measures `stencil_1d` at widths 2, 8 and
+//! 4 × cores; `-- --quick` checks every pattern on every system (results, not times), as CI
+//! does.
+
+mod baseline;
+mod graph;
+mod kernel;
+mod metg;
+mod runners;
+
+use std::{sync::Arc, time::Instant};
+
+use clap::{Parser, ValueEnum};
+
+use graph::{Graph, Pattern};
+use kernel::{flops_per_task, Checks};
+use metg::{metg, Point};
+
+/// Which implementation runs the graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Runner {
+    /// Hand-written: one persistent thread per core, atomic step counters.
+    Threads,
+    /// `tributary::Engine`, 1 CPU device, one stream per column.
+    Engine,
+    /// `tributary_actors::System`, 1 CPU device, one stream per column.
+    System,
+    /// `System` on 2 CPU devices, cross-device inputs by `device_to_device`.
+    System2,
+}
+
+impl Runner {
+    fn name(self) -> &'static str {
+        match self {
+            Runner::Threads => "hand-written threads",
+            Runner::Engine => "Engine, 1 device",
+            Runner::System => "System, 1 device",
+            Runner::System2 => "System, 2 devices",
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Task Bench's METG(50%) on tributary beside hand-written threads")]
+struct Args {
+    /// Check every pattern on every runner with small graphs (results, not times).
+    #[arg(long)]
+    quick: bool,
+    /// Dependence pattern to measure.
+    #[arg(long, value_enum, default_value = "stencil1d")]
+    pattern: Pattern,
+    /// Graph widths (columns); default 2, 8 and 4 × cores.
+    #[arg(long, value_delimiter = ',')]
+    widths: Vec<usize>,
+    /// Runners to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "threads,engine,system,system2"
+    )]
+    runners: Vec<Runner>,
+    /// Columns a `nearest` / `spread` task reads.
+    #[arg(long, default_value_t = 3)]
+    radix: usize,
+    /// Timesteps a `spread` pattern takes to repeat.
+    #[arg(long, default_value_t = 3)]
+    period: usize,
+    /// Largest kernel iteration count of the sweep (it halves down to 1).
+    #[arg(long, default_value_t = 1 << 15)]
+    max_iterations: u64,
+    /// Target wall time of one run, milliseconds (sets the timesteps, 16..=1000).
+    #[arg(long, default_value_t = 200)]
+    budget_ms: u64,
+    /// Runs per point (the median wall time counts).
+    #[arg(long, default_value_t = 1)]
+    samples: usize,
+    /// Cores the granularity is computed for (default: all available).
+    #[arg(long)]
+    cores: Option<usize>,
+    /// Print every point of every sweep.
+    #[arg(long)]
+    verbose: bool,
+}
+
+fn run(
+    runner: Runner,
+    pool: &baseline::Pool,
+    graph: Graph,
+    iterations: u64,
+    checks: &Arc<Checks>,
+) -> Result<f64, String> {
+    checks.reset();
+    let wall = match runner {
+        Runner::Threads => {
+            let start = Instant::now();
+            baseline::run(pool, graph, iterations, checks)?;
+            start.elapsed()
+        }
+        Runner::Engine => runners::engine(graph, iterations, checks).map_err(|e| e.to_string())?,
+        Runner::System => {
+            runners::system(graph, 1, iterations, checks).map_err(|e| e.to_string())?
+        }
+        Runner::System2 => {
+            runners::system(graph, 2, iterations, checks).map_err(|e| e.to_string())?
+        }
+    };
+    let (want, got) = (graph.inputs(), checks.inputs());
+    if got != want {
+        return Err(format!(
+            "{}: {got} inputs checked, the graph has {want}",
+            runner.name()
+        ));
+    }
+    Ok(wall.as_secs_f64())
+}
+
+/// Every pattern on every runner, widths 2 and 8: exits non-zero on any wrong input.
+fn quick(args: &Args, pool: &baseline::Pool) -> Result<(), String> {
+    let checks = Arc::new(Checks::default());
+    let (mut runs, mut inputs) = (0, 0);
+    for pattern in Pattern::ALL {
+        for width in [2, 8] {
+            let graph = Graph {
+                pattern,
+                width,
+                steps: 7,
+                radix: args.radix,
+                period: args.period,
+            };
+            for &runner in &args.runners {
+                run(runner, pool, graph, 3, &checks)
+                    .map_err(|e| format!("{} width {width}: {e}", pattern.name()))?;
+                runs += 1;
+                inputs += graph.inputs();
+            }
+        }
+    }
+    println!("taskbench quick: {runs} runs, {inputs} inputs checked, 0 wrong");
+    Ok(())
+}
+
+/// Seconds one task's kernel takes at `iterations` on one core (measured).
+fn kernel_seconds(iterations: u64) -> f64 {
+    let reps = 20;
+    let start = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(kernel::compute_bound(std::hint::black_box(iterations)));
+    }
+    start.elapsed().as_secs_f64() / reps as f64
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn main() {
+    let args = Args::parse();
+    let cores = args
+        .cores
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let pool = baseline::Pool::new(cores);
+    if args.quick {
+        if let Err(e) = quick(&args, &pool) {
+            eprintln!("taskbench quick: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    if let Err(e) = measure(&args, cores, &pool) {
+        eprintln!("taskbench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), String> {
+    let widths = if args.widths.is_empty() {
+        let mut w = vec![2, 8, 4 * cores];
+        w.dedup();
+        w
+    } else {
+        args.widths.clone()
+    };
+    let checks = Arc::new(Checks::default());
+    let per_iteration = kernel_seconds(4096) / 4096.0;
+    println!(
+        "Task Bench {} on {cores} cores; compute_bound {:.2} ns per iteration ({:.2} GFLOP/s per core)",
+        args.pattern.name(),
+        per_iteration * 1e9,
+        flops_per_task(4096) / kernel_seconds(4096) / 1e9
+    );
+    let mut sweeps: Vec<(usize, Runner, Vec<Point>)> = Vec::new();
+    let mut peak = 0f64;
+    for &width in &widths {
+        for &runner in &args.runners {
+            let mut points = Vec::new();
+            let mut iterations = args.max_iterations;
+            let mut below = 0;
+            while iterations >= 1 {
+                let task = per_iteration * iterations as f64 + 1e-6;
+                let steps = ((args.budget_ms as f64 * 1e-3 * cores as f64) / (width as f64 * task))
+                    .clamp(16.0, 1000.0) as usize;
+                let graph = Graph {
+                    pattern: args.pattern,
+                    width,
+                    steps,
+                    radix: args.radix,
+                    period: args.period,
+                };
+                let walls = (0..args.samples.max(1))
+                    .map(|_| run(runner, pool, graph, iterations, &checks))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let wall = median(walls);
+                let tasks = graph.tasks() as f64;
+                let point = Point {
+                    flops: tasks * flops_per_task(iterations) / wall,
+                    granularity_us: wall * cores as f64 / tasks * 1e6,
+                };
+                peak = peak.max(point.flops);
+                if args.verbose {
+                    println!(
+                        "  {:<22} width {width:>3} iterations {iterations:>6} steps {steps:>4}: {:>9.2} µs/task, {:>6.2} GFLOP/s, {:>5.1}% of peak so far",
+                        runner.name(),
+                        point.granularity_us,
+                        point.flops / 1e9,
+                        100.0 * point.flops / peak
+                    );
+                }
+                points.push(point);
+                // Once well below half of the peak, finer grains only get worse.
+                below = if point.flops < 0.25 * peak {
+                    below + 1
+                } else {
+                    0
+                };
+                if below >= 2 {
+                    break;
+                }
+                iterations /= 2;
+            }
+            sweeps.push((width, runner, points));
+        }
+    }
+    println!();
+    println!(
+        "METG(50%), µs (peak {:.2} GFLOP/s, the best run of the session)",
+        peak / 1e9
+    );
+    println!(
+        "| runner | {} |",
+        widths
+            .iter()
+            .map(|w| format!("width {w}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    println!("|---|{}", "---|".repeat(widths.len()));
+    for &runner in &args.runners {
+        let cells: Vec<String> = widths
+            .iter()
+            .map(|&w| {
+                let m = |r: Runner| {
+                    sweeps
+                        .iter()
+                        .find(|(sw, sr, _)| *sw == w && *sr == r)
+                        .and_then(|(_, _, pts)| metg(pts, peak, 0.5))
+                };
+                match (m(runner), m(Runner::Threads)) {
+                    (Some(v), Some(base)) if runner != Runner::Threads => {
+                        format!("{v:.2} ({:.0}×)", v / base)
+                    }
+                    (Some(v), _) => format!("{v:.2}"),
+                    (None, _) => "never 50%".to_string(),
+                }
+            })
+            .collect();
+        println!("| {} | {} |", runner.name(), cells.join(" | "));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The quick mode as a test, so `cargo test` checks the port on every run.
+    #[test]
+    fn every_pattern_on_every_runner_reads_what_it_should() {
+        let args = Args::parse_from(["taskbench", "--quick"]);
+        let pool = baseline::Pool::new(2);
+        quick(&args, &pool).unwrap();
+    }
+}

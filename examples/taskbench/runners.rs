@@ -1,0 +1,226 @@
+//! The task graph on tributary: `Engine`, `System`, and `System` over two devices.
+//!
+//! Column `i` is a stream; its output of timestep `t` is node `out[t % 2][i]` (16 bytes,
+//! Task Bench's default), shared across the streams of its device. Each column links one
+//! routine per phase (`t % Graph::phases()`, plus one for `t = 0`), so a routine always
+//! reads and writes the same nodes; the routine counts its own runs to know its timestep
+//! (its runs are in order: one stream, FIFO). Every routine checks every input.
+//!
+//! On two devices, columns are split in halves; an input produced on the other device is
+//! copied (`device_to_device`, `MergeBufferUse::No`) once per timestep into a receiving
+//! context on the consumer's device, where every consumer column reads it.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use tributary::{
+    kernels::{Access, RoutineSpec},
+    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
+};
+use tributary_actors::{RoutineHandle, StreamConfig, System};
+
+use super::{
+    graph::Graph,
+    kernel::{check_input, compute_bound, output, Checks},
+};
+
+/// The two output buffers of every column.
+struct Outputs {
+    out: [Vec<TensorNode>; 2],
+}
+
+impl Outputs {
+    fn new(width: usize) -> Result<Outputs> {
+        let mode = MemoryMode::OnDevice(Sharing::SharedCrossStreams);
+        let make = |p: usize| -> Result<Vec<TensorNode>> {
+            (0..width)
+                .map(|i| TensorNode::new(format!("out{p}_{i}"), DType::F64, [2]).with_mode(mode))
+                .collect()
+        };
+        Ok(Outputs {
+            out: [make(0)?, make(1)?],
+        })
+    }
+
+    fn of(&self, t: usize, i: usize) -> &TensorNode {
+        &self.out[t % 2][i]
+    }
+}
+
+/// The timestep of the `n`-th run (from 0) of the routine of `phase` (`None`: `t = 0`).
+fn timestep(phase: Option<usize>, phases: usize, n: usize) -> usize {
+    match phase {
+        None => 0,
+        Some(0) => phases * (n + 1),
+        Some(r) => r + phases * n,
+    }
+}
+
+/// The routine of column `i` for `phase` (`None`: timestep 0).
+fn task_spec(
+    graph: Graph,
+    outputs: &Outputs,
+    i: usize,
+    phase: Option<usize>,
+    iterations: u64,
+    checks: &Arc<Checks>,
+) -> Result<RoutineSpec> {
+    let phases = graph.phases();
+    // A representative timestep of the phase: its inputs and output are those of every
+    // timestep of the phase.
+    let t0 = timestep(phase, phases, 0);
+    let deps = graph.deps(t0, i);
+    let mut params = vec![(outputs.of(t0, i).clone(), Access::Write)];
+    if t0 > 0 {
+        params.extend(
+            deps.iter()
+                .map(|&j| (outputs.of(t0 - 1, j).clone(), Access::Read)),
+        );
+    }
+    let runs = AtomicUsize::new(0);
+    let checks = checks.clone();
+    RoutineSpec::custom(
+        format!("task{i}.{}", phase.map_or(-1, |p| p as i64)),
+        params,
+        None,
+        move |args| {
+            let t = timestep(phase, phases, runs.fetch_add(1, Ordering::Relaxed));
+            for (k, &j) in deps.iter().enumerate() {
+                check_input(
+                    t,
+                    i,
+                    j,
+                    args.input::<f64>(1 + k).map_err(|e| e.to_string())?,
+                )?;
+            }
+            let value = compute_bound(iterations);
+            args.output::<f64>(0)
+                .map_err(|e| e.to_string())?
+                .copy_from_slice(&output(t, i));
+            checks.record(deps.len(), value);
+            Ok(())
+        },
+    )
+}
+
+/// The phase of timestep `t`.
+fn phase_of(graph: &Graph, t: usize) -> Option<usize> {
+    (t > 0).then(|| t % graph.phases())
+}
+
+/// Index of a phase in a column's routine list (timestep 0 first).
+fn slot(phase: Option<usize>) -> usize {
+    phase.map_or(0, |p| p + 1)
+}
+
+fn phases_with_first(graph: &Graph) -> impl Iterator<Item = Option<usize>> {
+    std::iter::once(None).chain((0..graph.phases()).map(Some))
+}
+
+/// `Engine` on one CPU device, one stream per column. Returns the wall time of the run.
+pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: graph.width,
+        ..EngineConfig::default()
+    })?;
+    let outputs = Outputs::new(graph.width)?;
+    let mut routines = Vec::new();
+    for i in 0..graph.width {
+        let ctx = e.context(0, i)?;
+        let mut column = Vec::new();
+        for phase in phases_with_first(&graph) {
+            let spec = task_spec(graph, &outputs, i, phase, iterations, checks)?;
+            column.push(e.link(&ctx, spec)?);
+        }
+        routines.push(column);
+    }
+    let start = Instant::now();
+    for t in 0..graph.steps {
+        let s = slot(phase_of(&graph, t));
+        for column in &routines {
+            e.schedule(&column[s])?;
+        }
+    }
+    e.sync_all()?;
+    Ok(start.elapsed())
+}
+
+/// `System` on `devices` CPU devices (columns split evenly), one stream per column.
+pub fn system(
+    graph: Graph,
+    devices: usize,
+    iterations: u64,
+    checks: &Arc<Checks>,
+) -> Result<Duration> {
+    let per_device = graph.width.div_ceil(devices);
+    let device_of = |i: usize| i / per_device;
+    let sys = System::builder()
+        .cpu_devices(devices)
+        .streams(StreamConfig::MostParallelStreams(per_device))
+        .spawn()?;
+    let outputs = Outputs::new(graph.width)?;
+    let mut routines: Vec<Vec<RoutineHandle>> = Vec::new();
+    for i in 0..graph.width {
+        let ctx = sys.device(device_of(i)).stream(i % per_device).context()?;
+        let mut column = Vec::new();
+        for phase in phases_with_first(&graph) {
+            column.push(ctx.link(task_spec(graph, &outputs, i, phase, iterations, checks)?)?);
+        }
+        routines.push(column);
+    }
+    // On every device, a receiving context (on the device's first stream) for each column
+    // of another device: copies land there, every consumer on the device reads them.
+    let mut receivers = BTreeMap::new();
+    if devices > 1 {
+        for d in 0..devices {
+            let ctx = sys.device(d).stream(0).context()?;
+            for j in (0..graph.width).filter(|&j| device_of(j) != d) {
+                let params = vec![
+                    (outputs.out[0][j].clone(), Access::Read),
+                    (outputs.out[1][j].clone(), Access::Read),
+                ];
+                let holder = RoutineSpec::custom(format!("halo{j}@{d}"), params, None, |_| Ok(()))?;
+                receivers.insert((d, j), ctx.link(holder)?.context());
+            }
+        }
+    }
+    let start = Instant::now();
+    for t in 0..graph.steps {
+        let s = slot(phase_of(&graph, t));
+        if t > 0 && devices > 1 {
+            let prev = slot(phase_of(&graph, t - 1));
+            for d in 0..devices {
+                let mut remote: Vec<usize> = (0..graph.width)
+                    .filter(|&i| device_of(i) == d)
+                    .flat_map(|i| graph.deps(t, i))
+                    .filter(|&j| device_of(j) != d)
+                    .collect();
+                remote.sort_unstable();
+                remote.dedup();
+                for j in remote {
+                    let src = routines[j][prev].context();
+                    sys.device_to_device(
+                        outputs.of(t - 1, j),
+                        &src,
+                        &receivers[&(d, j)],
+                        MergeBufferUse::No,
+                    )?;
+                }
+            }
+        }
+        for column in &routines {
+            column[s].schedule()?;
+        }
+    }
+    sys.sync()?;
+    let took = start.elapsed();
+    sys.shutdown()?;
+    Ok(took)
+}
