@@ -228,6 +228,49 @@ pub enum Error {
     /// The system (or the stream) has been shut down.
     #[error("shut down: {0}")]
     ShutDown(String),
+    // ----- Validation of actor messages (tributary-actors) -------------------------------
+    /// A stream index beyond the streams of a device.
+    #[error("no stream {index} on {device}: it has {count} streams")]
+    NoSuchStream {
+        /// The device.
+        device: DeviceId,
+        /// The index asked for.
+        index: usize,
+        /// How many streams the device has.
+        count: usize,
+    },
+    /// Two lists of one message that must have the same length do not.
+    #[error("{what}: expected {expected} entries, got {found}")]
+    LengthMismatch {
+        /// Which list (and what its length must match).
+        what: String,
+        /// The length required.
+        expected: usize,
+        /// The length given.
+        found: usize,
+    },
+    /// An index in a message points past the list it indexes.
+    #[error("{what}: index {index} is out of range (length {len})")]
+    IndexOutOfRange {
+        /// What the index selects.
+        what: String,
+        /// The index given.
+        index: usize,
+        /// The length of the list.
+        len: usize,
+    },
+    /// An actor panicked while handling a message (a bug, caught as a last line). The
+    /// actor refuses every later message with this error, and the operations it had
+    /// issued fail with it as their root cause.
+    #[error("{actor} panicked while handling {message}: {panic}")]
+    ActorPanicked {
+        /// The actor (e.g. `device actor d0`).
+        actor: String,
+        /// The message it was handling.
+        message: String,
+        /// The panic's payload.
+        panic: String,
+    },
 }
 
 impl Error {

@@ -11,11 +11,16 @@
 //! device enters its mailbox after these steps (DESIGN.md §4, "Program order across
 //! actors"). A failure in a step reaches the caller as the step's typed error; nothing is
 //! recorded for a copy that was never planned.
+//!
+//! Validation: a device the coordinator does not know is [`Error::NoSuchDevice`]; an
+//! all-reduce is checked as a whole before its first step is sent (lengths, indices,
+//! routines, chunks held), so a malformed one is refused with nothing issued. Reply
+//! futures run under [`CatchPanics`] as the last line.
 
 use actix::{Actor, Addr, Context as ActorContext, Handler, ResponseFuture};
 use tributary::{DeviceId, Error, Event, MergeBufferUse, Result};
 
-use crate::{device::DeviceActor, messages::*};
+use crate::{device::DeviceActor, guard::CatchPanics, messages::*};
 
 /// The actor that routes cross-device work.
 pub struct Coordinator {
@@ -26,7 +31,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator over these device actors; `can_stream(src, dst)` says whether `dst`
     /// can read `src`'s memory in place.
-    pub fn new(
+    pub(crate) fn new(
         devices: Vec<(DeviceId, Addr<DeviceActor>)>,
         can_stream: std::sync::Arc<dyn Fn(DeviceId, DeviceId) -> bool + Send + Sync>,
     ) -> Self {
@@ -41,10 +46,132 @@ impl Coordinator {
             .iter()
             .find(|(d, _)| *d == id)
             .map(|(_, a)| a.clone())
-            .ok_or_else(|| Error::Unknown {
-                what: format!("device {id}"),
+            .ok_or(Error::NoSuchDevice {
+                index: id.0 as usize,
+                count: self.devices.len(),
             })
     }
+}
+
+/// Checks an all-reduce message before any step is sent, so a malformed one changes
+/// nothing: the lists agree in length, every step's indices are in range, every context
+/// used holds its chunk, every routine runs on its context's stream (the merge routines
+/// reading their chunk from the merge buffer), and streaming is possible where required.
+fn check_all_reduce(
+    msg: &AllReduce,
+    can_stream: &dyn Fn(tributary::DeviceId, tributary::DeviceId) -> bool,
+) -> Result<()> {
+    use tributary::collective::{Step, Transfer};
+    let (n, chunks) = (msg.contexts.len(), msg.nodes.len());
+    let length = |what: String, expected: usize, found: usize| {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(Error::LengthMismatch {
+                what,
+                expected,
+                found,
+            })
+        }
+    };
+    let index = |what: String, index: usize, len: usize| {
+        if index < len {
+            Ok(index)
+        } else {
+            Err(Error::IndexOutOfRange { what, index, len })
+        }
+    };
+    length(
+        "all-reduce merge routines (a list per context)".into(),
+        n,
+        msg.merge.len(),
+    )?;
+    length(
+        "all-reduce scale routines (a list per context)".into(),
+        n,
+        msg.scale.len(),
+    )?;
+    let on_stream = |r: &tributary::protocol::Routine, ctx: usize, what: &str| {
+        let (stream, want) = (r.context().stream(), msg.contexts[ctx].stream());
+        if stream == want {
+            Ok(())
+        } else {
+            Err(Error::InvalidRoutine {
+                routine: r.name().into(),
+                reason: format!(
+                    "{what} of context {ctx} runs on {stream}, the context is on {want}"
+                ),
+            })
+        }
+    };
+    for (ctx, routines) in msg.merge.iter().enumerate() {
+        length(
+            format!("all-reduce merge routines of context {ctx} (one per chunk)"),
+            chunks,
+            routines.len(),
+        )?;
+        for (chunk, r) in routines.iter().enumerate() {
+            on_stream(r, ctx, "merge routine")?;
+            if r.spec().merge.as_ref() != Some(&msg.nodes[chunk]) {
+                return Err(Error::InvalidRoutine {
+                    routine: r.name().into(),
+                    reason: format!(
+                        "the merge routine of chunk {chunk} must read {} from the merge buffer",
+                        msg.nodes[chunk]
+                    ),
+                });
+            }
+        }
+    }
+    for (ctx, routines) in msg.scale.iter().enumerate() {
+        for r in routines {
+            on_stream(r, ctx, "scale routine")?;
+        }
+    }
+    let holds = |ctx: usize, chunk: usize| {
+        let (c, node) = (&msg.contexts[ctx], &msg.nodes[chunk]);
+        if c.contains(node) {
+            Ok(())
+        } else {
+            Err(Error::NodeNotInContext {
+                node: node.to_string(),
+                context: c.id(),
+            })
+        }
+    };
+    for (k, step) in msg.steps.iter().enumerate() {
+        match *step {
+            Step::Reduce { chunk, src, dst } | Step::Broadcast { chunk, src, dst } => {
+                let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
+                let src = index(format!("source context of step {k}"), src, n)?;
+                let dst = index(format!("destination context of step {k}"), dst, n)?;
+                holds(src, chunk)?;
+                holds(dst, chunk)?;
+                let (s, d) = (msg.contexts[src].device(), msg.contexts[dst].device());
+                if matches!(step, Step::Reduce { .. })
+                    && msg.transfer == Transfer::Streaming
+                    && !can_stream(s, d)
+                {
+                    return Err(Error::StreamingUnsupported {
+                        src: s,
+                        dst: d,
+                        reason: "the backend cannot read that memory in place".into(),
+                    });
+                }
+            }
+            Step::Scale { chunk, ctx } => {
+                let ctx = index(format!("context of step {k}"), ctx, n)?;
+                let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
+                index(
+                    format!("scale routine of context {ctx} for step {k}"),
+                    chunk,
+                    msg.scale[ctx].len(),
+                )?;
+                holds(ctx, chunk)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Actor for Coordinator {
@@ -78,57 +205,61 @@ impl Handler<DeviceToDevice> for Coordinator {
         let src = self.device(msg.src.device());
         let dst = self.device(msg.dst.device());
         let can_stream = (self.can_stream)(msg.src.device(), msg.dst.device());
-        Box::pin(async move {
-            let (src, dst) = (src?, dst?);
-            if let MergeBufferUse::StreamingFor(r) = &msg.mode {
-                if r.context().stream() != msg.dst.stream() {
-                    return Err(Error::InvalidRoutine {
-                        routine: r.name().into(),
-                        reason: format!(
-                            "streaming consumer runs on {}, destination is {}",
-                            r.context().stream(),
-                            msg.dst.stream()
-                        ),
+        Box::pin(CatchPanics::new(
+            "coordinator",
+            "DeviceToDevice",
+            async move {
+                let (src, dst) = (src?, dst?);
+                if let MergeBufferUse::StreamingFor(r) = &msg.mode {
+                    if r.context().stream() != msg.dst.stream() {
+                        return Err(Error::InvalidRoutine {
+                            routine: r.name().into(),
+                            reason: format!(
+                                "streaming consumer runs on {}, destination is {}",
+                                r.context().stream(),
+                                msg.dst.stream()
+                            ),
+                        });
+                    }
+                    if !can_stream {
+                        return Err(Error::StreamingUnsupported {
+                            src: msg.src.device(),
+                            dst: msg.dst.device(),
+                            reason: "the backend cannot read that memory in place".into(),
+                        });
+                    }
+                }
+                let source = source_of(&src, &msg.src, &msg.node).await?;
+                let loc = source.loc.loc;
+                let event = match msg.mode {
+                    MergeBufferUse::No | MergeBufferUse::Copy => dst
+                        .send(CopyIn {
+                            order: msg.order,
+                            dst: msg.dst.clone(),
+                            source,
+                            into_merge: matches!(msg.mode, MergeBufferUse::Copy),
+                        })
+                        .await
+                        .map_err(mailbox)??,
+                    MergeBufferUse::StreamingFor(routine) => Some(
+                        dst.send(ScheduleStreaming {
+                            routine,
+                            source,
+                            order: msg.order,
+                        })
+                        .await
+                        .map_err(mailbox)??,
+                    ),
+                };
+                if let Some(e) = &event {
+                    src.do_send(RecordRead {
+                        loc,
+                        event: e.clone(),
                     });
                 }
-                if !can_stream {
-                    return Err(Error::StreamingUnsupported {
-                        src: msg.src.device(),
-                        dst: msg.dst.device(),
-                        reason: "the backend cannot read that memory in place".into(),
-                    });
-                }
-            }
-            let source = source_of(&src, &msg.src, &msg.node).await?;
-            let loc = source.loc.loc;
-            let event = match msg.mode {
-                MergeBufferUse::No | MergeBufferUse::Copy => dst
-                    .send(CopyIn {
-                        order: msg.order,
-                        dst: msg.dst.clone(),
-                        source,
-                        into_merge: matches!(msg.mode, MergeBufferUse::Copy),
-                    })
-                    .await
-                    .map_err(mailbox)??,
-                MergeBufferUse::StreamingFor(routine) => Some(
-                    dst.send(ScheduleStreaming {
-                        routine,
-                        source,
-                        order: msg.order,
-                    })
-                    .await
-                    .map_err(mailbox)??,
-                ),
-            };
-            if let Some(e) = &event {
-                src.do_send(RecordRead {
-                    loc,
-                    event: e.clone(),
-                });
-            }
-            Ok(event)
-        })
+                Ok(event)
+            },
+        ))
     }
 }
 
@@ -144,11 +275,12 @@ impl Handler<AllReduce> for Coordinator {
             steps = msg.steps.len()
         );
         let _e = span.enter();
-        let addrs: Result<Vec<_>> = msg
-            .contexts
-            .iter()
-            .map(|c| self.device(c.device()))
-            .collect();
+        let checked = check_all_reduce(&msg, &*self.can_stream).and_then(|()| {
+            msg.contexts
+                .iter()
+                .map(|c| self.device(c.device()))
+                .collect::<Result<Vec<_>>>()
+        });
         let can_stream: Vec<Vec<bool>> = msg
             .contexts
             .iter()
@@ -159,8 +291,10 @@ impl Handler<AllReduce> for Coordinator {
                     .collect()
             })
             .collect();
-        Box::pin(async move {
-            let addrs = addrs?;
+        Box::pin(CatchPanics::new("coordinator", "AllReduce", async move {
+            // Every index below was checked by `check_all_reduce` (and a panic would still
+            // be caught, as `ActorPanicked`).
+            let addrs = checked?;
             let chunks = msg.nodes.len();
             let mut last: Vec<Option<LastWrite>> = vec![None; msg.contexts.len() * chunks];
             for step in &msg.steps {
@@ -232,14 +366,7 @@ impl Handler<AllReduce> for Coordinator {
                         }
                     }
                     Step::Scale { chunk, ctx } => {
-                        let routine = msg
-                            .scale
-                            .get(ctx)
-                            .and_then(|r| r.get(chunk))
-                            .cloned()
-                            .ok_or_else(|| Error::Unknown {
-                                what: format!("scale routine for context {ctx}, chunk {chunk}"),
-                            })?;
+                        let routine = msg.scale[ctx][chunk].clone();
                         let (ticket, sender) = crate::ticket::Ticket::new();
                         addrs[ctx].do_send(Schedule {
                             order: msg.order,
@@ -258,7 +385,7 @@ impl Handler<AllReduce> for Coordinator {
                 });
             }
             Ok(events)
-        })
+        }))
     }
 }
 

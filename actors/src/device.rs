@@ -17,7 +17,7 @@ use actix::{Actor, Addr, AsyncContext, Context as ActorContext, Handler, Respons
 use tributary::{
     backend::Backend,
     protocol::{Context, DeviceState, HostTable, Plan, Routine, Source},
-    DeviceId, Event, Result,
+    DeviceId, Error, Event, Result, StreamId,
 };
 
 use crate::{messages::*, stream::StreamActor};
@@ -33,11 +33,13 @@ pub struct DeviceActor {
     streams: Vec<Addr<StreamActor>>,
     mailbox_capacity: usize,
     last_sweep: Instant,
+    /// Set when a handler panicked: the error every later message gets.
+    poisoned: Option<Error>,
 }
 
 impl DeviceActor {
     /// A device actor over `state`, submitting to `streams` (stream `i` is index `i`).
-    pub fn new(
+    pub(crate) fn new(
         state: DeviceState,
         host: Arc<Mutex<HostTable>>,
         backend: Arc<dyn Backend>,
@@ -51,12 +53,63 @@ impl DeviceActor {
             streams,
             mailbox_capacity,
             last_sweep: Instant::now(),
+            poisoned: None,
         }
     }
 
     /// The device.
     pub fn device(&self) -> DeviceId {
         self.state.device()
+    }
+
+    /// Runs a handler's body; a panic in it is the last line of [`crate::guard`]: it
+    /// becomes [`Error::ActorPanicked`], every operation issued on the device fails with it
+    /// as root cause (some may have been issued and never handed to a stream, and the
+    /// tables may be half-updated), and every later message gets the same error.
+    fn guarded<T>(&mut self, message: &str, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
+        }
+        let actor = format!("device actor {}", self.state.device());
+        let result = crate::guard::catch(&actor, message, || f(self));
+        if let Err(e @ Error::ActorPanicked { .. }) = &result {
+            tracing::error!(device = %self.state.device(), error = %e, "device actor panicked");
+            for i in 0..self.state.stream_count() {
+                if let Some(t) = self.state.timeline(i) {
+                    t.poison(Arc::new(tributary::Failure {
+                        stream: t.stream(),
+                        seq: t.completed() + 1,
+                        operation: message.into(),
+                        message: e.to_string(),
+                    }));
+                }
+            }
+            self.poisoned = Some(e.clone());
+        }
+        result
+    }
+
+    /// Refuses a stream index beyond the device's streams.
+    fn check_stream_index(&self, index: usize) -> Result<()> {
+        let count = self.state.stream_count();
+        if index >= count {
+            return Err(Error::NoSuchStream {
+                device: self.state.device(),
+                index,
+                count,
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a stream of another device, or beyond the device's streams.
+    fn check_stream(&self, stream: StreamId) -> Result<()> {
+        if stream.device != self.state.device() {
+            return Err(Error::Unknown {
+                what: format!("stream {stream} on {}", self.state.device()),
+            });
+        }
+        self.check_stream_index(stream.index as usize)
     }
 
     fn host(&self) -> std::sync::MutexGuard<'_, HostTable> {
@@ -144,7 +197,10 @@ impl Handler<NewContext> for DeviceActor {
     type Result = Result<Context>;
     fn handle(&mut self, msg: NewContext, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "new_context");
-        self.state.root_context(msg.stream)
+        self.guarded("NewContext", |this| {
+            this.check_stream_index(msg.stream)?;
+            this.state.root_context(msg.stream)
+        })
     }
 }
 
@@ -154,41 +210,48 @@ impl Handler<Link> for DeviceActor {
         let _s =
             tracing::trace_span!("link", device = %self.state.device(), routine = %msg.spec.name)
                 .entered();
-        self.backend
-            .check_kernel(self.state.device(), &msg.spec.name, &msg.spec.kernel)?;
-        let (routine, plans) = self.state.link(&msg.ctx, msg.spec)?;
-        self.submit(plans);
-        Ok(routine)
+        self.guarded("Link", |this| {
+            this.backend
+                .check_kernel(this.state.device(), &msg.spec.name, &msg.spec.kernel)?;
+            let (routine, plans) = this.state.link(&msg.ctx, msg.spec)?;
+            this.submit(plans);
+            Ok(routine)
+        })
     }
 }
 
 impl Handler<Schedule> for DeviceActor {
     type Result = ();
     fn handle(&mut self, msg: Schedule, _: &mut Self::Context) {
+        let Schedule {
+            order,
+            routine,
+            ticket,
+        } = msg;
         let _s = tracing::trace_span!(
             "schedule",
             device = %self.state.device(),
-            stream = %msg.routine.context().stream(),
-            routine = msg.routine.name()
+            stream = %routine.context().stream(),
+            routine = routine.name()
         )
         .entered();
-        let host = self.host.clone();
-        let planned = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state.schedule(&msg.routine, &mut host)
-        };
-        let result = planned.and_then(|plans| {
-            let event = Self::last_event(&plans);
-            self.submit(plans);
-            event.ok_or_else(|| tributary::Error::Unknown {
+        let result = self.guarded("Schedule", |this| {
+            let plans = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(order);
+                this.state.schedule(&routine, &mut host)?
+            };
+            let event = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
                 what: "empty plan".into(),
-            })
+            })?;
+            this.submit(plans);
+            Ok(event)
         });
         if let Ok(e) = &result {
             tracing::trace!(seq = e.seq(), "scheduled");
         }
-        msg.ticket.resolve(result);
+        ticket.resolve(result);
     }
 }
 
@@ -196,18 +259,24 @@ impl Handler<FromHost> for DeviceActor {
     type Result = ();
     fn handle(&mut self, msg: FromHost, _: &mut Self::Context) {
         let _s = span!(self, "from_host");
-        let host = self.host.clone();
-        let plan = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state.from_host(&msg.ctx, &msg.node, &mut host)
-        };
-        let result = plan.map(|p| {
-            let e = p.event.clone();
-            self.submit(vec![p]);
-            e
+        let FromHost {
+            order,
+            ctx,
+            node,
+            ticket,
+        } = msg;
+        let result = self.guarded("FromHost", |this| {
+            let plan = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(order);
+                this.state.from_host(&ctx, &node, &mut host)?
+            };
+            let e = plan.event.clone();
+            this.submit(vec![plan]);
+            Ok(e)
         });
-        msg.ticket.resolve(result);
+        ticket.resolve(result);
     }
 }
 
@@ -215,18 +284,24 @@ impl Handler<ToHost> for DeviceActor {
     type Result = ();
     fn handle(&mut self, msg: ToHost, _: &mut Self::Context) {
         let _s = span!(self, "to_host");
-        let host = self.host.clone();
-        let plan = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state.to_host(&msg.ctx, &msg.node, &mut host)
-        };
-        let result = plan.map(|p| {
-            let e = p.event.clone();
-            self.submit(vec![p]);
-            e
+        let ToHost {
+            order,
+            ctx,
+            node,
+            ticket,
+        } = msg;
+        let result = self.guarded("ToHost", |this| {
+            let plan = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(order);
+                this.state.to_host(&ctx, &node, &mut host)?
+            };
+            let e = plan.event.clone();
+            this.submit(vec![plan]);
+            Ok(e)
         });
-        msg.ticket.resolve(result);
+        ticket.resolve(result);
     }
 }
 
@@ -234,23 +309,32 @@ impl Handler<InitFromHost> for DeviceActor {
     type Result = Result<Context>;
     fn handle(&mut self, msg: InitFromHost, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "init_from_host");
-        let (child, mut plans) = self.state.add_array(&msg.ctx, &msg.node)?;
-        let host = self.host.clone();
-        let upload = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state.from_host(&child, &msg.node, &mut host)
-        };
-        match upload {
-            Ok(p) => plans.push(p),
-            Err(e) => {
-                // Keep the state consistent: the child exists, its memsets must run.
-                self.submit(plans);
-                return Err(e);
+        self.guarded("InitFromHost", |this| {
+            // Checked before the buffer is added: a refused upload must leave no child.
+            this.state.check_context(&msg.ctx)?;
+            if !msg.node.mode().is_hosted() {
+                return Err(Error::NotHosted {
+                    node: msg.node.to_string(),
+                });
             }
-        }
-        self.submit(plans);
-        Ok(child)
+            let (child, mut plans) = this.state.add_array(&msg.ctx, &msg.node)?;
+            let upload = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state.from_host(&child, &msg.node, &mut host)
+            };
+            match upload {
+                Ok(p) => plans.push(p),
+                Err(e) => {
+                    // Keep the state consistent: the child exists, its memsets must run.
+                    this.submit(plans);
+                    return Err(e);
+                }
+            }
+            this.submit(plans);
+            Ok(child)
+        })
     }
 }
 
@@ -258,10 +342,20 @@ impl Handler<ReadInto> for DeviceActor {
     type Result = Result<Event>;
     fn handle(&mut self, msg: ReadInto, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "read");
-        let plan = self.state.read_into(&msg.ctx, &msg.node, msg.into)?;
-        let e = plan.event.clone();
-        self.submit(vec![plan]);
-        Ok(e)
+        self.guarded("ReadInto", |this| {
+            let needed = msg.node.size_in_bytes()?;
+            if msg.into.len() as u64 != needed {
+                return Err(Error::SizeMismatch {
+                    node: msg.node.to_string(),
+                    expected: format!("a destination of {needed} bytes"),
+                    found: format!("{} bytes", msg.into.len()),
+                });
+            }
+            let plan = this.state.read_into(&msg.ctx, &msg.node, msg.into)?;
+            let e = plan.event.clone();
+            this.submit(vec![plan]);
+            Ok(e)
+        })
     }
 }
 
@@ -269,16 +363,19 @@ impl Handler<TransferToHost> for DeviceActor {
     type Result = Result<Event>;
     fn handle(&mut self, msg: TransferToHost, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "transfer_to_host");
-        let host = self.host.clone();
-        let plan = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state
-                .plan_to_host(msg.stream, &msg.node, msg.loc, &mut host)?
-        };
-        let e = plan.event.clone();
-        self.submit(vec![plan]);
-        Ok(e)
+        self.guarded("TransferToHost", |this| {
+            this.check_stream(msg.stream)?;
+            let plan = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state
+                    .plan_to_host(msg.stream, &msg.node, msg.loc, &mut host)?
+            };
+            let e = plan.event.clone();
+            this.submit(vec![plan]);
+            Ok(e)
+        })
     }
 }
 
@@ -286,7 +383,7 @@ impl Handler<GetSource> for DeviceActor {
     type Result = Result<Source>;
     fn handle(&mut self, msg: GetSource, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "source");
-        self.state.source(&msg.ctx, &msg.node)
+        self.guarded("GetSource", |this| this.state.source(&msg.ctx, &msg.node))
     }
 }
 
@@ -294,21 +391,20 @@ impl Handler<CopyIn> for DeviceActor {
     type Result = Result<Option<Event>>;
     fn handle(&mut self, msg: CopyIn, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "copy_in");
-        let host = self.host.clone();
-        let plan = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state
-                .copy_in(&msg.dst, &msg.source, msg.into_merge, &mut host)?
-        };
-        match plan {
-            Some(p) => {
+        self.guarded("CopyIn", |this| {
+            let plan = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state
+                    .copy_in(&msg.dst, &msg.source, msg.into_merge, &mut host)?
+            };
+            Ok(plan.map(|p| {
                 let e = p.event.clone();
-                self.submit(vec![p]);
-                Ok(Some(e))
-            }
-            None => Ok(None),
-        }
+                this.submit(vec![p]);
+                e
+            }))
+        })
     }
 }
 
@@ -316,25 +412,31 @@ impl Handler<ScheduleStreaming> for DeviceActor {
     type Result = Result<Event>;
     fn handle(&mut self, msg: ScheduleStreaming, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "schedule_streaming");
-        let host = self.host.clone();
-        let plans = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state
-                .schedule_streaming(&msg.routine, &msg.source, &mut host)?
-        };
-        let e = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
-            what: "empty plan".into(),
-        })?;
-        self.submit(plans);
-        Ok(e)
+        self.guarded("ScheduleStreaming", |this| {
+            let plans = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state
+                    .schedule_streaming(&msg.routine, &msg.source, &mut host)?
+            };
+            let e = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
+                what: "empty plan".into(),
+            })?;
+            this.submit(plans);
+            Ok(e)
+        })
     }
 }
 
 impl Handler<RecordRead> for DeviceActor {
     type Result = ();
     fn handle(&mut self, msg: RecordRead, _: &mut Self::Context) {
-        self.state.record_remote_read(msg.loc, msg.event);
+        // No reply to carry an error: a refusal (a poisoned actor) has nothing to report.
+        let _ = self.guarded("RecordRead", |this| {
+            this.state.record_remote_read(msg.loc, msg.event);
+            Ok(())
+        });
     }
 }
 
@@ -342,14 +444,16 @@ impl Handler<Finalize> for DeviceActor {
     type Result = Result<()>;
     fn handle(&mut self, msg: Finalize, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "finalize");
-        let host = self.host.clone();
-        let plans = {
-            let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
-            host.set_order(msg.order);
-            self.state.finalize(&msg.ctx, &mut host)?
-        };
-        self.submit(plans);
-        Ok(())
+        self.guarded("Finalize", |this| {
+            let plans = {
+                let host = this.host.clone();
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state.finalize(&msg.ctx, &mut host)?
+            };
+            this.submit(plans);
+            Ok(())
+        })
     }
 }
 
@@ -368,13 +472,11 @@ impl Handler<LastEvents> for DeviceActor {
 impl Handler<StreamLastEvent> for DeviceActor {
     type Result = Result<Option<Event>>;
     fn handle(&mut self, msg: StreamLastEvent, _: &mut Self::Context) -> Self::Result {
-        let stream = self
-            .state
-            .timeline(msg.stream)
-            .ok_or_else(|| tributary::Error::Unknown {
-                what: format!("stream {} on {}", msg.stream, self.state.device()),
-            })?
-            .stream();
+        self.check_stream_index(msg.stream)?;
+        let stream = StreamId {
+            device: self.state.device(),
+            index: msg.stream as u32,
+        };
         Ok(self
             .state
             .last_events()
@@ -386,7 +488,11 @@ impl Handler<StreamLastEvent> for DeviceActor {
 impl Handler<Sweep> for DeviceActor {
     type Result = ();
     fn handle(&mut self, _: Sweep, _: &mut Self::Context) {
-        self.sweep();
+        // No reply to carry an error: a panic is reported by every later message.
+        let _ = self.guarded("Sweep", |this| {
+            this.sweep();
+            Ok(())
+        });
     }
 }
 
@@ -423,7 +529,10 @@ impl Handler<Completed> for DeviceActor {
     fn handle(&mut self, msg: Completed, _: &mut Self::Context) {
         tracing::trace!(stream = %msg.stream, seq = msg.seq, "completed");
         if self.last_sweep.elapsed() >= SWEEP_INTERVAL {
-            self.sweep();
+            let _ = self.guarded("Completed", |this| {
+                this.sweep();
+                Ok(())
+            });
         }
     }
 }
@@ -446,5 +555,147 @@ impl Handler<StopStreams> for DeviceActor {
             }
             abandoned
         })
+    }
+}
+
+/// A handler that panics (tests of the last line only: no public message can panic).
+#[cfg(test)]
+#[derive(actix::Message, Debug)]
+#[rtype(result = "Result<()>")]
+pub(crate) struct PanicForTest;
+
+#[cfg(test)]
+impl Handler<PanicForTest> for DeviceActor {
+    type Result = Result<()>;
+    fn handle(&mut self, _: PanicForTest, _: &mut Self::Context) -> Self::Result {
+        self.guarded("PanicForTest", |_| panic!("a bug"))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::Duration;
+
+    use tributary::{kernels, DType, MemoryMode, TensorNode};
+
+    use super::*;
+    use crate::{block_on, System};
+
+    const T: Duration = Duration::from_secs(20);
+
+    fn hosted(sys: &System) -> (TensorNode, Context) {
+        let w = TensorNode::new("w", DType::F32, [8])
+            .with_mode(MemoryMode::hosted_changed_on_devices())
+            .unwrap();
+        let c = sys.context(0, 0).unwrap();
+        let cw = c.init_from_host(&w, &[1.0f32; 8]).unwrap();
+        (w, cw.context().clone())
+    }
+
+    #[test]
+    fn transfer_to_host_with_a_bad_stream_is_refused_and_the_actor_serves_on() {
+        let sys = System::builder().cpu_devices(2).spawn().unwrap();
+        let (w, cw) = hosted(&sys);
+        let addr = sys.device_actor(0).unwrap();
+        let loc = cw.array(w.id()).unwrap().loc;
+        sys.sync().unwrap(); // quiescent: no sweep can change the tables below
+        let before = sys.table_sizes().unwrap();
+        for stream in [
+            StreamId {
+                device: DeviceId(0),
+                index: 7,
+            },
+            StreamId {
+                device: DeviceId(1),
+                index: 0,
+            },
+        ] {
+            let reply = block_on(addr.send(TransferToHost {
+                order: sys.next_order(),
+                stream,
+                node: w.clone(),
+                loc,
+            }))
+            .unwrap();
+            match (stream.index, reply) {
+                (7, Err(Error::NoSuchStream { index, count, .. })) => {
+                    assert_eq!((index, count), (7, 2))
+                }
+                (0, Err(Error::Unknown { what })) => assert!(what.contains("d1"), "{what}"),
+                (_, other) => panic!("{stream}: {other:?}"),
+            }
+        }
+        assert_eq!(sys.table_sizes().unwrap(), before);
+        // The actor still serves: a routine on the same stream runs and reads right.
+        let r = sys
+            .link(&cw, kernels::scale_in_place(&w, 2.0).unwrap())
+            .unwrap();
+        r.schedule().unwrap().wait_timeout(T).unwrap();
+        assert_eq!(r.context().read::<f32>(&w).unwrap(), vec![2.0; 8]);
+        sys.shutdown().unwrap();
+    }
+
+    #[test]
+    fn read_into_a_buffer_of_the_wrong_size_is_refused() {
+        let sys = System::builder().cpu_devices(1).spawn().unwrap();
+        let (w, cw) = hosted(&sys);
+        let addr = sys.device_actor(0).unwrap();
+        for len in [16, 64] {
+            let into = std::sync::Arc::new(tributary::memory::AlignedBuffer::new(len, 64).unwrap());
+            let reply = block_on(addr.send(ReadInto {
+                ctx: cw.clone(),
+                node: w.clone(),
+                into,
+            }))
+            .unwrap();
+            assert!(
+                matches!(&reply, Err(Error::SizeMismatch { found, .. }) if found == &format!("{len} bytes")),
+                "{reply:?}"
+            );
+        }
+        assert_eq!(sys.read::<f32>(&cw, &w).unwrap(), vec![1.0; 8]);
+        sys.shutdown().unwrap();
+    }
+
+    #[test]
+    fn a_panicking_handler_fails_its_device_and_nothing_else() {
+        let sys = System::builder().cpu_devices(2).spawn().unwrap();
+        let (w, cw) = hosted(&sys);
+        let addr = sys.device_actor(0).unwrap();
+        let panicked = block_on(addr.send(PanicForTest)).unwrap();
+        let Err(cause @ Error::ActorPanicked { .. }) = panicked else {
+            panic!("{panicked:?}")
+        };
+        assert!(cause.to_string().contains("a bug"), "{cause}");
+        // Every later message to that device gets the same error, instead of a dead
+        // mailbox (`ShutDown`) or a hang.
+        assert_eq!(sys.context(0, 1).err(), Some(cause.clone()));
+        let t = sys.from_host(&cw, &w).unwrap();
+        assert_eq!(t.wait_timeout(T), Err(cause.clone()));
+        // What the device had issued fails with it as root cause, or had completed.
+        sys.sync_device(0)
+            .unwrap_or_else(|e| assert!(e.root_cause().is_some(), "{e}"));
+        // The other device serves.
+        let c1 = sys.context(1, 0).unwrap();
+        let r = c1.link(kernels::fill(&w, 5.0).unwrap()).unwrap();
+        r.schedule().unwrap().wait_timeout(T).unwrap();
+        assert_eq!(r.context().read::<f32>(&w).unwrap(), vec![5.0; 8]);
+        sys.shutdown().unwrap();
+    }
+
+    #[test]
+    fn a_panicking_reply_future_becomes_a_typed_error() {
+        let fut = crate::guard::CatchPanics::new("coordinator", "test", async {
+            if std::hint::black_box(true) {
+                panic!("in a reply future");
+            }
+            Ok(())
+        });
+        let got: Result<()> = block_on(fut);
+        assert!(
+            matches!(&got, Err(Error::ActorPanicked { panic, .. }) if panic == "in a reply future"),
+            "{got:?}"
+        );
     }
 }

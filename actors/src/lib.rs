@@ -22,9 +22,12 @@
 //! event. Every failure reaches the caller as a typed error on the ticket, the event or the
 //! reply; a stopped actor resolves its pending tickets with `Error::ShutDown`.
 
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+
 mod collective;
 mod coordinator;
 mod device;
+mod guard;
 pub mod messages;
 mod stream;
 mod system;
@@ -33,7 +36,7 @@ mod ticket;
 pub use collective::{AllReducePlan, BucketedAllReduce};
 pub use coordinator::Coordinator;
 pub use device::DeviceActor;
-pub use stream::{StopStream, StreamActor};
+pub use stream::StreamActor;
 pub use system::{
     ContextHandle, DeviceHandle, MemoryReport, RoutineHandle, ShutdownReport, StreamConfig,
     StreamHandle, System, SystemBuilder, SystemConfig,

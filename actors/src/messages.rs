@@ -1,9 +1,43 @@
 //! The message-based scheduling API.
 //!
-//! Every operation of the system is a public message type. A host that already runs
-//! actix sends them to the actors directly ([`crate::DeviceActor`], [`crate::Coordinator`]);
-//! [`crate::System`] wraps them in blocking and async methods. Messages to one device actor
-//! are processed in the order they arrive, which is the program order of the sending thread.
+//! A host that already runs actix sends these messages to the actors directly (the
+//! addresses come from [`crate::System::device_actor`] and [`crate::System::coordinator`]);
+//! [`crate::System`] wraps the same messages in blocking and async methods. Messages to one
+//! device actor are processed in the order they arrive, which is the program order of the
+//! sending thread.
+//!
+//! # Which messages are public, and why the others are not
+//!
+//! A public message is one a host may send with any payload, in any order, without making
+//! an actor run work the protocol did not decide: every one is validated by the actor that
+//! receives it, and a bad one is answered with a typed error carrying the offending value
+//! (a stream index with the stream count, a context unknown to the device, lists of an
+//! all-reduce whose lengths disagree, ...), with nothing changed. None can crash an actor.
+//!
+//! - device actor: [`NewContext`], [`Link`], [`Schedule`], [`FromHost`], [`ToHost`],
+//!   [`InitFromHost`], [`Finalize`], [`Fence`], [`LastEvents`], [`StreamLastEvent`],
+//!   [`Sweep`], [`IsIdle`], [`GetMemoryStats`], [`GetTableSizes`], [`DebugInfo`];
+//! - coordinator: [`DeviceToDevice`], [`AllReduce`], [`CreateNode`], [`RefineNode`].
+//!
+//! Messages that update the shared host table carry a program-order stamp, which only
+//! [`crate::System::next_order`] hands out: they are built with `new(&system, ...)`, right
+//! before they are sent, so a host cannot forge the order the host table relies on. Host
+//! arrays themselves (host reads and writes, reads into host memory) have no message: use
+//! the [`crate::System`] methods, which wait for the device operations they depend on. A
+//! host sending raw messages to *several* devices that touch one hosted node orders them
+//! itself: await a [`Fence`] from the device that got the previous such message first (what
+//! `System` does for its own calls).
+//!
+//! Crate-private, because their payload is a step of the protocol that the actors
+//! compose, and a forged one would run work the protocol did not decide: `Submit` (plans
+//! for a stream queue), `GetSource` / `CopyIn` / `ScheduleStreaming` / `RecordRead` (the
+//! steps of a device-to-device operation: a forged source could copy from any buffer with
+//! any size, a forged reader record could make a buffer wait for an event that never
+//! completes), `TransferToHost` (copies a buffer chosen by the caller into a host array),
+//! `ReadInto` (copies into a caller-owned buffer that the caller could share with another
+//! copy), `Completed` / `Subscribe` (stream-to-device completion notices) and
+//! `StopStreams` (stops the stream actors, after which submitted work would never run;
+//! [`crate::System::shutdown`] sends it).
 
 use std::{sync::Arc, time::Instant};
 
@@ -15,7 +49,10 @@ use tributary::{
     BufferLoc, Event, MergeBufferUse, Result, StreamId, TensorNode,
 };
 
-use crate::ticket::TicketSender;
+use crate::{
+    system::System,
+    ticket::{Ticket, TicketSender},
+};
 
 /// A new root context on stream `stream` of the device.
 #[derive(Message, Debug)]
@@ -41,7 +78,7 @@ pub struct Link {
 pub struct Schedule {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The routine.
     pub routine: Routine,
     /// Where the outcome goes.
@@ -54,7 +91,7 @@ pub struct Schedule {
 pub struct FromHost {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -69,7 +106,7 @@ pub struct FromHost {
 pub struct ToHost {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -85,7 +122,7 @@ pub struct ToHost {
 pub struct InitFromHost {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The context.
     pub ctx: Context,
     /// The hosted node.
@@ -95,7 +132,7 @@ pub struct InitFromHost {
 /// Copy the buffer of `node` in `ctx` into a caller-owned host buffer.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
-pub struct ReadInto {
+pub(crate) struct ReadInto {
     /// The context.
     pub ctx: Context,
     /// The node.
@@ -107,10 +144,10 @@ pub struct ReadInto {
 /// Transfer the buffer at `loc` (written last on `stream`) into `node`'s host array.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
-pub struct TransferToHost {
+pub(crate) struct TransferToHost {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The stream that wrote the buffer last.
     pub stream: StreamId,
     /// The hosted node.
@@ -122,7 +159,7 @@ pub struct TransferToHost {
 /// Describe `node`'s buffer in `ctx` as the source of a device-to-device operation.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Source>")]
-pub struct GetSource {
+pub(crate) struct GetSource {
     /// The source context.
     pub ctx: Context,
     /// The node.
@@ -132,10 +169,10 @@ pub struct GetSource {
 /// Copy a source into `dst` (own buffer, or the stream's merge buffer).
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Option<Event>>")]
-pub struct CopyIn {
+pub(crate) struct CopyIn {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// Destination context.
     pub dst: Context,
     /// The source.
@@ -147,10 +184,10 @@ pub struct CopyIn {
 /// Schedule `routine` reading `source` in place as its merge input (`StreamingFor`).
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
-pub struct ScheduleStreaming {
+pub(crate) struct ScheduleStreaming {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The consumer routine.
     pub routine: Routine,
     /// The source it reads.
@@ -160,7 +197,7 @@ pub struct ScheduleStreaming {
 /// Record that `event` reads the buffer at `loc` of this device.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct RecordRead {
+pub(crate) struct RecordRead {
     /// The buffer.
     pub loc: BufferLoc,
     /// The reading operation's event.
@@ -173,7 +210,7 @@ pub struct RecordRead {
 pub struct Finalize {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The context.
     pub ctx: Context,
 }
@@ -216,7 +253,7 @@ pub struct GetTableSizes;
 /// A stream completed everything up to `seq` (published by stream actors).
 #[derive(Message, Debug, Clone, Copy, PartialEq, Eq)]
 #[rtype(result = "()")]
-pub struct Completed {
+pub(crate) struct Completed {
     /// The stream.
     pub stream: StreamId,
     /// Everything up to this sequence number completed (successfully or not).
@@ -226,18 +263,18 @@ pub struct Completed {
 /// Plans for one stream, in order (device actor to stream actor).
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct Submit(pub Vec<Plan>);
+pub(crate) struct Submit(pub(crate) Vec<Plan>);
 
 /// Subscribe to a stream's (or every stream of a device's) completion events.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct Subscribe(pub Recipient<Completed>);
+pub(crate) struct Subscribe(pub Recipient<Completed>);
 
 /// Stop the streams: let queued work finish until `deadline`, then abandon what is left.
 /// Replies with the abandoned operations as (stream, sequence numbers not completed).
 #[derive(Message, Debug)]
 #[rtype(result = "Vec<Abandoned>")]
-pub struct StopStreams {
+pub(crate) struct StopStreams {
     /// When to give up waiting for queued work.
     pub deadline: Instant,
 }
@@ -259,7 +296,7 @@ pub struct Abandoned {
 pub struct DeviceToDevice {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The node.
     pub node: TensorNode,
     /// Source context.
@@ -277,7 +314,7 @@ pub struct DeviceToDevice {
 pub struct AllReduce {
     /// Program-order stamp of the host call (see `System::next_order`): device actors
     /// process messages independently, and the host table keeps the newest update.
-    pub order: u64,
+    pub(crate) order: u64,
     /// The steps, in issue order.
     pub steps: Vec<tributary::collective::Step>,
     /// The chunks (one node each).
@@ -323,4 +360,114 @@ pub struct RefineNode {
 pub struct StreamLastEvent {
     /// Stream index.
     pub stream: usize,
+}
+
+// ----- Constructors of the stamped messages ---------------------------------------------
+//
+// The program-order stamp is taken from the system when the message is built: build each
+// message right before sending it.
+
+impl Schedule {
+    /// Schedules `routine`; the ticket receives its event or the typed error refusing it.
+    pub fn new(sys: &System, routine: Routine) -> (Schedule, Ticket) {
+        let (ticket, sender) = Ticket::new();
+        let msg = Schedule {
+            order: sys.next_order(),
+            routine,
+            ticket: sender,
+        };
+        (msg, ticket)
+    }
+}
+
+impl FromHost {
+    /// Uploads the host array of hosted `node` into its buffer in `ctx`.
+    pub fn new(sys: &System, ctx: Context, node: TensorNode) -> (FromHost, Ticket) {
+        let (ticket, sender) = Ticket::new();
+        let msg = FromHost {
+            order: sys.next_order(),
+            ctx,
+            node,
+            ticket: sender,
+        };
+        (msg, ticket)
+    }
+}
+
+impl ToHost {
+    /// Downloads the buffer of hosted `node` in `ctx` into its host array.
+    pub fn new(sys: &System, ctx: Context, node: TensorNode) -> (ToHost, Ticket) {
+        let (ticket, sender) = Ticket::new();
+        let msg = ToHost {
+            order: sys.next_order(),
+            ctx,
+            node,
+            ticket: sender,
+        };
+        (msg, ticket)
+    }
+}
+
+impl InitFromHost {
+    /// Adds a buffer of hosted `node` to a child of `ctx`, initialised from its host array
+    /// (write that first with [`System::host_write`]).
+    pub fn new(sys: &System, ctx: Context, node: TensorNode) -> InitFromHost {
+        InitFromHost {
+            order: sys.next_order(),
+            ctx,
+            node,
+        }
+    }
+}
+
+impl Finalize {
+    /// Finalizes `ctx`.
+    pub fn new(sys: &System, ctx: Context) -> Finalize {
+        Finalize {
+            order: sys.next_order(),
+            ctx,
+        }
+    }
+}
+
+impl DeviceToDevice {
+    /// Moves `node` from `src` to `dst` (any devices) in `mode`.
+    pub fn new(
+        sys: &System,
+        node: TensorNode,
+        src: Context,
+        dst: Context,
+        mode: MergeBufferUse,
+    ) -> DeviceToDevice {
+        DeviceToDevice {
+            order: sys.next_order(),
+            node,
+            src,
+            dst,
+            mode,
+        }
+    }
+}
+
+impl AllReduce {
+    /// Carries out `steps` over `contexts` (see the fields for what each list holds).
+    pub fn new(
+        sys: &System,
+        steps: Vec<tributary::collective::Step>,
+        nodes: Vec<TensorNode>,
+        contexts: Vec<Context>,
+        merge: Vec<Vec<Routine>>,
+        scale: Vec<Vec<Routine>>,
+        transfer: tributary::collective::Transfer,
+    ) -> AllReduce {
+        AllReduce {
+            order: sys.next_order(),
+            steps,
+            nodes,
+            contexts,
+            merge,
+            scale,
+            transfer,
+        }
+    }
 }

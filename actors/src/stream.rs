@@ -6,6 +6,9 @@
 //! submitted event; when it completes, the actor publishes [`Completed`] to its
 //! subscribers (the device actor prunes its tables and frees deferred memory) and re-arms
 //! if more work was submitted meanwhile, so completions are coalesced, not one per plan.
+//!
+//! Only the device actor talks to it (its messages are crate-private): plans reach a
+//! stream queue only from the protocol, in the order it issued them.
 
 use std::time::Instant;
 
@@ -20,9 +23,9 @@ use crate::messages::{Abandoned, Completed, Submit, Subscribe};
 /// Stop the stream: queued work may finish until `deadline`, the rest is abandoned.
 #[derive(Message, Debug)]
 #[rtype(result = "Option<Abandoned>")]
-pub struct StopStream {
+pub(crate) struct StopStream {
     /// When to give up.
-    pub deadline: Instant,
+    pub(crate) deadline: Instant,
 }
 
 /// The actor owning one stream's queue.
@@ -37,7 +40,11 @@ pub struct StreamActor {
 
 impl StreamActor {
     /// A stream actor over a started backend queue.
-    pub fn new(stream: StreamId, queue: Box<dyn StreamQueue>, timeline: Arc<Timeline>) -> Self {
+    pub(crate) fn new(
+        stream: StreamId,
+        queue: Box<dyn StreamQueue>,
+        timeline: Arc<Timeline>,
+    ) -> Self {
         StreamActor {
             stream,
             queue: Some(queue),
@@ -96,10 +103,27 @@ impl Handler<Submit> for StreamActor {
             }
             return;
         };
-        for plan in msg.0 {
-            self.submitted = self.submitted.max(plan.event.seq());
-            // A dead queue fails the plan's event itself.
-            let _ = queue.submit(plan);
+        let submitted = &mut self.submitted;
+        let actor = format!("stream actor {}", self.stream);
+        let outcome = crate::guard::catch(&actor, "Submit", || {
+            for plan in msg.0 {
+                *submitted = (*submitted).max(plan.event.seq());
+                // A dead queue fails the plan's event itself.
+                let _ = queue.submit(plan);
+            }
+            Ok(())
+        });
+        if let Err(e) = outcome {
+            // The last line (see `crate::guard`): a plan lost in the panic would never
+            // complete, so everything not completed on the stream fails with the panic.
+            tracing::error!(stream = %self.stream, error = %e, "stream actor panicked");
+            self.timeline
+                .poison(std::sync::Arc::new(tributary::Failure {
+                    stream: self.stream,
+                    seq: self.timeline.completed() + 1,
+                    operation: "submit".into(),
+                    message: e.to_string(),
+                }));
         }
         self.watch(ctx);
     }

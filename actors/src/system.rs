@@ -407,9 +407,18 @@ impl System {
             .iter()
             .position(|&d| d == device)
             .and_then(|i| self.shared.devices.get(i))
-            .ok_or_else(|| Error::Unknown {
-                what: format!("device {device}"),
+            .ok_or(Error::NoSuchDevice {
+                index: device.0 as usize,
+                count: self.shared.devices.len(),
             })
+    }
+
+    /// The device actor of device index `i`; [`Error::NoSuchDevice`] beyond the devices.
+    fn device_index(&self, i: usize) -> Result<&Addr<DeviceActor>> {
+        self.shared.devices.get(i).ok_or(Error::NoSuchDevice {
+            index: i,
+            count: self.shared.devices.len(),
+        })
     }
 
     async fn request<A, M>(&self, addr: &Addr<A>, msg: M) -> Result<M::Result>
@@ -460,13 +469,7 @@ impl System {
 
     /// Async [`System::context`].
     pub async fn context_async(&self, device: usize, stream: usize) -> Result<ContextHandle> {
-        let addr = self
-            .shared
-            .devices
-            .get(device)
-            .ok_or_else(|| Error::Unknown {
-                what: format!("device index {device}"),
-            })?;
+        let addr = self.device_index(device)?;
         let ctx = self.request(addr, NewContext { stream }).await??;
         Ok(ContextHandle {
             sys: self.clone(),
@@ -819,9 +822,7 @@ impl System {
 
     /// Async [`System::sync_device`].
     pub async fn sync_device_async(&self, i: usize) -> Result<()> {
-        let addr = self.shared.devices.get(i).ok_or_else(|| Error::Unknown {
-            what: format!("device index {i}"),
-        })?;
+        let addr = self.device_index(i)?;
         let events = self.request(addr, LastEvents).await?;
         let mut first = Ok(());
         for e in events {
@@ -838,13 +839,7 @@ impl System {
     /// Waits for all work issued so far on one stream (`await` of the design).
     pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
         block_on(async {
-            let addr = self
-                .shared
-                .devices
-                .get(device)
-                .ok_or_else(|| Error::Unknown {
-                    what: format!("device index {device}"),
-                })?;
+            let addr = self.device_index(device)?;
             match self.request(addr, StreamLastEvent { stream }).await?? {
                 Some(e) => e.wait_async().await,
                 None => Ok(()),

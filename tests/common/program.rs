@@ -507,29 +507,12 @@ pub fn error_kind(e: &str) -> &str {
 
 /// The name of a tributary error's variant, then `: ` and its message.
 pub fn describe(e: &tributary::Error) -> String {
-    use tributary::Error as E;
-    let kind = match e {
-        E::NodeNotInContext { .. } => "NodeNotInContext",
-        E::AlreadyInContext { .. } => "AlreadyInContext",
-        E::DTypeMismatch { .. } => "DTypeMismatch",
-        E::SizeMismatch { .. } => "SizeMismatch",
-        E::ModeConflict { .. } => "ModeConflict",
-        E::NotMaterialized { .. } => "NotMaterialized",
-        E::NotHosted { .. } => "NotHosted",
-        E::ContextFinalized { .. } => "ContextFinalized",
-        E::ContextInUse { .. } => "ContextInUse",
-        E::MergeBufferMismatch { .. } => "MergeBufferMismatch",
-        E::SecondWriter { .. } => "SecondWriter",
-        E::PoolExhausted { .. } => "PoolExhausted",
-        E::InvalidSize { .. } => "InvalidSize",
-        E::InvalidRoutine { .. } => "InvalidRoutine",
-        E::Unknown { .. } => "Unknown",
-        E::StreamingUnsupported { .. } => "StreamingUnsupported",
-        E::Failed(_) => "Failed",
-        E::Timeout { .. } => "Timeout",
-        E::Device(_) => "Device",
-        E::ShutDown(_) => "ShutDown",
-    };
+    // The variant's name, from `Debug` (so a new variant needs no new arm here).
+    let debug = format!("{e:?}");
+    let kind = debug
+        .split(|c: char| !c.is_alphanumeric() && c != '_')
+        .next()
+        .unwrap_or_default();
     format!("{kind}: {e}")
 }
 
