@@ -1,34 +1,47 @@
-//! Bad input: every misuse of the public API, with the error variant it must get.
+//! Bad input: every misuse of the public API, with the error variant it must get, against
+//! the engine, the actor system's blocking methods and the raw actor messages.
 //!
-//! Each row runs on a fresh, quiescent [`World`]: optional set-up, then the misuse, which
-//! must fail with exactly the expected variant; then nothing may have changed (memory
-//! statistics, protocol table sizes), and a probe of later operations must still work and
-//! give the right values, down to every context finalizing and memory returning to the
-//! device-wide buffers only.
+//! The table is written once against the [`Api`] of `bad_input/` and run by three tests,
+//! one per runner. Each row runs on a fresh, quiescent [`World`]: optional set-up, then
+//! the misuse, which must fail with exactly the expected variant (one per row, or a
+//! runner's own where its API differs, e.g. a raw host writes the host value itself);
+//! then nothing may have changed (memory statistics, protocol table sizes), and a probe of
+//! later operations must still work and give the right values, down to every context
+//! finalizing and memory returning to the device-wide buffers only. For the actors, that
+//! probe is what shows the actor still serves after the misuse.
+//!
+//! Rows only raw messages can express (a context sent to another device's actor, an
+//! all-reduce whose lists disagree, ...) run on the messages runner only.
 //!
 //! Not reachable through the engine API, so not in the table: scheduling on a shut-down
 //! system (the engine has no shutdown; dropping it leaves no handle to call), and a stream
 //! whose worker died (in `reliability_faults.rs`: work scheduled there fails with the
 //! death as root cause).
 
+mod bad_input;
 mod common;
 
 use std::time::Duration;
 
+use bad_input::{Api, Data, EngineApi, MessagesApi, SystemApi};
 use common::{program::describe, watchdog::Watchdog};
 use tributary::{
+    collective::{Step, Transfer},
     kernels::{self, Access, RoutineSpec},
-    memory::{PoolConfig, PoolKind},
+    memory::PoolKind,
     protocol::{Context, Routine},
     DType, Engine, EngineConfig, Error, MemoryMode, MergeBufferUse, Sharing, TensorNode,
 };
+use tributary_actors::messages::{
+    AllReduce, CreateNode, Finalize, FromHost, InitFromHost, Link, RefineNode, Schedule,
+    StreamLastEvent, ToHost,
+};
 
 const N: usize = 100;
-const BOUND: Duration = Duration::from_secs(20);
 
 /// A small, quiescent system with something in every table.
 struct World {
-    e: Engine,
+    api: Box<dyn Api>,
     /// Hosted, initialised to 1 in `cw` on d0s0.
     w: TensorNode,
     /// On device: 3 on d1s0 (`grad`), merged on d0s0 and d0s1.
@@ -57,17 +70,8 @@ fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
         .expect("mode")
 }
 
-fn world() -> World {
-    let mut e = Engine::cpu(EngineConfig {
-        devices: 2,
-        streams_per_device: 2,
-        pools: PoolConfig {
-            pool_bytes: 64 << 10,
-            limit_bytes: Some(1 << 20),
-            ..PoolConfig::default()
-        },
-    })
-    .expect("engine");
+fn world(mut api: Box<dyn Api>) -> World {
+    let e = &mut *api;
     let w = f32_node("w", MemoryMode::hosted_changed_on_devices());
     let g = f32_node("g", MemoryMode::on_device());
     let s = f32_node("s", MemoryMode::OnDevice(Sharing::SharedCrossStreams));
@@ -76,7 +80,7 @@ fn world() -> World {
     let r00 = e.context(0, 0).unwrap();
     let r01 = e.context(0, 1).unwrap();
     let r10 = e.context(1, 0).unwrap();
-    let cw = e.init_from_host(&r00, &w, &[1.0f32; N]).unwrap();
+    let cw = e.init_from_host(&r00, &w, Data::F32(vec![1.0; N])).unwrap();
     let fill_s = e.link(&cw, kernels::fill(&s, 2.0).unwrap()).unwrap();
     let bump = e
         .link(fill_s.context(), kernels::add_into(&w, &s).unwrap())
@@ -92,9 +96,9 @@ fn world() -> World {
     e.schedule(&grad).unwrap();
     e.schedule(&gone).unwrap();
     e.finalize(gone.context()).unwrap();
-    e.sync_all_timeout(BOUND).unwrap();
+    e.quiesce().unwrap();
     World {
-        e,
+        api,
         w,
         g,
         s,
@@ -116,11 +120,11 @@ fn world() -> World {
 /// Later operations work and give the right values; everything finalizes; only the
 /// device-wide buffer of `s` on d0 stays.
 fn probe(wd: &mut World) {
-    let e = &mut wd.e;
+    let e = &mut *wd.api;
     e.schedule(&wd.fill_s).unwrap();
     e.schedule(&wd.bump).unwrap();
     assert_eq!(
-        e.host_read::<f32>(&wd.w).unwrap(),
+        e.host_read(&wd.w, DType::F32).unwrap().f32(),
         vec![3.0; N],
         "w = 1 + s"
     );
@@ -133,7 +137,7 @@ fn probe(wd: &mut World) {
     .unwrap();
     e.schedule(&wd.merge).unwrap();
     assert_eq!(
-        e.read::<f32>(wd.merge.context(), &wd.g).unwrap(),
+        e.read(wd.merge.context(), &wd.g, DType::F32).unwrap().f32(),
         vec![3.0; N]
     );
     e.device_to_device(
@@ -144,12 +148,14 @@ fn probe(wd: &mut World) {
     )
     .unwrap();
     assert_eq!(
-        e.read::<f32>(wd.m01.context(), &wd.g).unwrap(),
+        e.read(wd.m01.context(), &wd.g, DType::F32).unwrap().f32(),
         vec![3.0; N]
     );
     e.schedule(&wd.plain01).unwrap();
     assert_eq!(
-        e.read::<f32>(wd.plain01.context(), &wd.small).unwrap(),
+        e.read(wd.plain01.context(), &wd.small, DType::F32)
+            .unwrap()
+            .f32(),
         vec![4.0; N / 2]
     );
     for c in [
@@ -167,8 +173,8 @@ fn probe(wd: &mut World) {
     }
     let r10 = wd.grad.context().parent().unwrap().clone();
     e.finalize(&r10).unwrap();
-    e.sync_all_timeout(BOUND).unwrap();
-    let (tables, _) = e.table_sizes();
+    e.quiesce().unwrap();
+    let tables = e.table_sizes();
     assert!(tables.iter().all(|t| t.contexts == 0), "{tables:?}");
     let live: Vec<u64> = e
         .memory_stats()
@@ -191,39 +197,71 @@ fn probe(wd: &mut World) {
 
 type Misuse = fn(&mut World) -> Result<(), Error>;
 
-/// One row: what is misused, the variant it must get, an optional set-up, the misuse.
+/// One row: what is misused, the variant it must get (and a runner's own, where its API
+/// differs), an optional set-up, the runner it is limited to, the misuse.
 struct Case {
     what: &'static str,
     expect: &'static str,
+    on: Vec<(&'static str, &'static str)>,
     setup: Option<fn(&mut World)>,
+    only: Option<&'static str>,
     misuse: Misuse,
 }
 
-const fn case(what: &'static str, expect: &'static str, misuse: Misuse) -> Case {
+fn case(what: &'static str, expect: &'static str, misuse: Misuse) -> Case {
     Case {
         what,
         expect,
+        on: Vec::new(),
         setup: None,
+        only: None,
         misuse,
     }
 }
 
+/// A row only raw messages can express.
+fn message_case(what: &'static str, expect: &'static str, misuse: Misuse) -> Case {
+    Case {
+        only: Some("messages"),
+        ..case(what, expect, misuse)
+    }
+}
+
+impl Case {
+    /// Through `runner`, the row expects `variant` instead.
+    fn on(mut self, runner: &'static str, variant: &'static str) -> Case {
+        self.on.push((runner, variant));
+        self
+    }
+
+    fn expect_on(&self, runner: &str) -> &'static str {
+        self.on
+            .iter()
+            .find(|(r, _)| *r == runner)
+            .map_or(self.expect, |(_, v)| v)
+    }
+}
+
 fn cases() -> Vec<Case> {
-    vec![
+    let mut cases = vec![
         // Wrong dtype.
         case("host_write with the wrong dtype", "DTypeMismatch", |w| {
-            w.e.host_write(&w.w, &[1.0f64; N])
+            w.api.host_write(&w.w, Data::F64(vec![1.0; N]))
         }),
         case("host_read with the wrong dtype", "DTypeMismatch", |w| {
-            w.e.host_read::<i32>(&w.w).map(drop)
+            w.api.host_read(&w.w, DType::I32).map(drop)
         }),
         case("read with the wrong dtype", "DTypeMismatch", |w| {
-            w.e.read::<f64>(&w.cw, &w.w).map(drop)
+            w.api.read(&w.cw, &w.w, DType::F64).map(drop)
         }),
         case(
             "init_from_host with the wrong dtype",
             "DTypeMismatch",
-            |w| w.e.init_from_host(&w.r01, &w.w, &[1i32; N]).map(drop),
+            |w| {
+                w.api
+                    .init_from_host(&w.r01, &w.w, Data::I32(vec![1; N]))
+                    .map(drop)
+            },
         ),
         case("a kernel mixing dtypes", "DTypeMismatch", |w| {
             kernels::add_into(&w.g, &w.i).map(drop)
@@ -233,12 +271,16 @@ fn cases() -> Vec<Case> {
         }),
         // Wrong shape or size.
         case("host_write with the wrong length", "SizeMismatch", |w| {
-            w.e.host_write(&w.w, &[1.0f32; N - 1])
+            w.api.host_write(&w.w, Data::F32(vec![1.0; N - 1]))
         }),
         case(
             "init_from_host with the wrong length",
             "SizeMismatch",
-            |w| w.e.init_from_host(&w.r01, &w.w, &[1.0f32; N + 1]).map(drop),
+            |w| {
+                w.api
+                    .init_from_host(&w.r01, &w.w, Data::F32(vec![1.0; N + 1]))
+                    .map(drop)
+            },
         ),
         case(
             "an elementwise kernel with different sizes",
@@ -255,24 +297,25 @@ fn cases() -> Vec<Case> {
         case(
             "read of a node not in the context",
             "NodeNotInContext",
-            |w| w.e.read::<f32>(&w.r00, &w.g).map(drop),
+            |w| w.api.read(&w.r00, &w.g, DType::F32).map(drop),
         ),
         case(
             "to_host of a node not in the context",
             "NodeNotInContext",
-            |w| w.e.to_host(&w.r01, &w.w).map(drop),
+            |w| w.api.to_host(&w.r01, &w.w).map(drop),
         ),
         case(
             "from_host of a node not in the context",
             "NodeNotInContext",
-            |w| w.e.from_host(&w.r01, &w.w).map(drop),
+            |w| w.api.from_host(&w.r01, &w.w).map(drop),
         ),
         case(
             "device_to_device from a context without the node",
             "NodeNotInContext",
             |w| {
                 let dst = w.merge.context().clone();
-                w.e.device_to_device(&w.g, &w.r00, &dst, MergeBufferUse::No)
+                w.api
+                    .device_to_device(&w.g, &w.r00, &dst, MergeBufferUse::No)
                     .map(drop)
             },
         ),
@@ -281,70 +324,83 @@ fn cases() -> Vec<Case> {
             "NodeNotInContext",
             |w| {
                 let src = w.grad.context().clone();
-                w.e.device_to_device(&w.g, &src, &w.r01, MergeBufferUse::No)
+                w.api
+                    .device_to_device(&w.g, &src, &w.r01, MergeBufferUse::No)
                     .map(drop)
             },
         ),
         case(
             "init_from_host of a node already in the context",
             "AlreadyInContext",
-            |w| w.e.init_from_host(&w.cw, &w.w, &[1.0f32; N]).map(drop),
+            |w| {
+                w.api
+                    .init_from_host(&w.cw, &w.w, Data::F32(vec![1.0; N]))
+                    .map(drop)
+            },
         ),
         // Not hosted, or a contradicting mode.
         case("host_read of a device-only node", "NotHosted", |w| {
-            w.e.host_read::<f32>(&w.g).map(drop)
+            w.api.host_read(&w.g, DType::F32).map(drop)
         }),
         case("host_write of a device-only node", "NotHosted", |w| {
-            w.e.host_write(&w.g, &[1.0f32; N])
+            w.api.host_write(&w.g, Data::F32(vec![1.0; N]))
         }),
         case("to_host of a device-only node", "NotHosted", |w| {
             let c = w.grad.context().clone();
-            w.e.to_host(&c, &w.g).map(drop)
+            w.api.to_host(&c, &w.g).map(drop)
         }),
         case(
             "init_from_host of a device-only node",
             "ModeConflict",
-            |w| w.e.init_from_host(&w.r01, &w.g, &[1.0f32; N]).map(drop),
-        ),
+            |w| {
+                w.api
+                    .init_from_host(&w.r01, &w.g, Data::F32(vec![1.0; N]))
+                    .map(drop)
+            },
+        )
+        // A raw host writes the host value first (no message does), which refuses it.
+        .on("messages", "NotHosted"),
         case("refining a virtual node to storage", "ModeConflict", |_| {
             let v = TensorNode::new("v", DType::F32, [N]).with_mode(MemoryMode::Virtual)?;
             v.refine_mode(MemoryMode::NeverVirtual).map(drop)
         }),
         case("linking a virtual node", "NotMaterialized", |w| {
             let v = TensorNode::new("v", DType::F32, [N]).with_mode(MemoryMode::Virtual)?;
-            w.e.link(&w.r00, kernels::fill(&v, 1.0)?).map(drop)
+            w.api.link(&w.r00, kernels::fill(&v, 1.0)?).map(drop)
         }),
         case("linking a local node", "NotMaterialized", |w| {
             let l = TensorNode::new("l", DType::F32, [N]).with_mode(MemoryMode::Local)?;
-            w.e.link(&w.r00, kernels::fill(&l, 1.0)?).map(drop)
+            w.api.link(&w.r00, kernels::fill(&l, 1.0)?).map(drop)
         }),
         // Finalized contexts.
         case("link into a finalized context", "ContextFinalized", |w| {
             let c = w.gone.context().clone();
-            w.e.link(&c, kernels::fill(&w.g, 1.0)?).map(drop)
+            w.api.link(&c, kernels::fill(&w.g, 1.0)?).map(drop)
         }),
         case(
             "schedule a routine of a finalized context",
             "ContextFinalized",
             |w| {
                 let r = w.gone.clone();
-                w.e.schedule(&r).map(drop)
+                w.api.schedule(&r).map(drop)
             },
         ),
         case("read from a finalized context", "ContextFinalized", |w| {
             let c = w.gone.context().clone();
-            w.e.read::<f32>(&c, &w.g).map(drop)
+            w.api.read(&c, &w.g, DType::F32).map(drop)
         }),
         case("finalize a finalized context", "ContextFinalized", |w| {
             let c = w.gone.context().clone();
-            w.e.finalize(&c)
+            w.api.finalize(&c)
         }),
         case(
             "init_from_host into a finalized context",
             "ContextFinalized",
             |w| {
                 let c = w.gone.context().clone();
-                w.e.init_from_host(&c, &w.w, &[1.0f32; N]).map(drop)
+                w.api
+                    .init_from_host(&c, &w.w, Data::F32(vec![1.0; N]))
+                    .map(drop)
             },
         ),
         case(
@@ -352,7 +408,8 @@ fn cases() -> Vec<Case> {
             "ContextFinalized",
             |w| {
                 let (src, dst) = (w.gone.context().clone(), w.merge.context().clone());
-                w.e.device_to_device(&w.g, &src, &dst, MergeBufferUse::Copy)
+                w.api
+                    .device_to_device(&w.g, &src, &dst, MergeBufferUse::Copy)
                     .map(drop)
             },
         ),
@@ -361,7 +418,8 @@ fn cases() -> Vec<Case> {
             "ContextFinalized",
             |w| {
                 let (src, dst) = (w.grad.context().clone(), w.gone.context().clone());
-                w.e.device_to_device(&w.g, &src, &dst, MergeBufferUse::No)
+                w.api
+                    .device_to_device(&w.g, &src, &dst, MergeBufferUse::No)
                     .map(drop)
             },
         ),
@@ -370,7 +428,7 @@ fn cases() -> Vec<Case> {
             "ContextInUse",
             |w| {
                 let c = w.cw.clone();
-                w.e.finalize(&c)
+                w.api.finalize(&c)
             },
         ),
         // Merge buffers.
@@ -379,35 +437,39 @@ fn cases() -> Vec<Case> {
             "MergeBufferMismatch",
             |w| {
                 let r = w.m01.clone();
-                w.e.schedule(&r).map(drop)
+                w.api.schedule(&r).map(drop)
             },
         ),
         Case {
-            what: "merging while the merge buffer holds another node",
-            expect: "MergeBufferMismatch",
             setup: Some(|w| {
                 let (src, dst) = (w.fill_s.context().clone(), w.m01.context().clone());
-                w.e.device_to_device(&w.s, &src, &dst, MergeBufferUse::Copy)
+                w.api
+                    .device_to_device(&w.s, &src, &dst, MergeBufferUse::Copy)
                     .unwrap();
-                w.e.sync_all_timeout(BOUND).unwrap();
+                w.api.quiesce().unwrap();
             }),
-            misuse: |w| {
-                let r = w.m01.clone();
-                w.e.schedule(&r).map(drop)
-            },
+            ..case(
+                "merging while the merge buffer holds another node",
+                "MergeBufferMismatch",
+                |w| {
+                    let r = w.m01.clone();
+                    w.api.schedule(&r).map(drop)
+                },
+            )
         },
         case(
             "streaming another node to a merge routine",
             "MergeBufferMismatch",
             |w| {
                 let (src, dst) = (w.fill_s.context().clone(), w.m01.context().clone());
-                w.e.device_to_device(
-                    &w.s,
-                    &src,
-                    &dst,
-                    MergeBufferUse::StreamingFor(w.m01.clone()),
-                )
-                .map(drop)
+                w.api
+                    .device_to_device(
+                        &w.s,
+                        &src,
+                        &dst,
+                        MergeBufferUse::StreamingFor(w.m01.clone()),
+                    )
+                    .map(drop)
             },
         ),
         case(
@@ -416,7 +478,8 @@ fn cases() -> Vec<Case> {
             |w| {
                 let src = w.grad.context().clone();
                 let r = w.m01.clone();
-                w.e.device_to_device(&w.g, &src, &w.r00, MergeBufferUse::StreamingFor(r))
+                w.api
+                    .device_to_device(&w.g, &src, &w.r00, MergeBufferUse::StreamingFor(r))
                     .map(drop)
             },
         ),
@@ -426,7 +489,8 @@ fn cases() -> Vec<Case> {
             |w| {
                 let (src, dst) = (w.grad.context().clone(), w.plain01.context().clone());
                 let r = w.plain01.clone();
-                w.e.device_to_device(&w.g, &src, &dst, MergeBufferUse::StreamingFor(r))
+                w.api
+                    .device_to_device(&w.g, &src, &dst, MergeBufferUse::StreamingFor(r))
                     .map(drop)
             },
         ),
@@ -436,7 +500,8 @@ fn cases() -> Vec<Case> {
             |w| {
                 let c = w.merge.context().clone();
                 let r = w.merge.clone();
-                w.e.device_to_device(&w.g, &c, &c, MergeBufferUse::StreamingFor(r))
+                w.api
+                    .device_to_device(&w.g, &c, &c, MergeBufferUse::StreamingFor(r))
                     .map(drop)
             },
         ),
@@ -444,17 +509,17 @@ fn cases() -> Vec<Case> {
         case(
             "a second writer of a cross-stream-shared node",
             "SecondWriter",
-            |w| w.e.link(&w.r01, kernels::fill(&w.s, 1.0)?).map(drop),
+            |w| w.api.link(&w.r01, kernels::fill(&w.s, 1.0)?).map(drop),
         ),
         // Sizes.
         case("a zero-size node", "InvalidSize", |w| {
             let z = TensorNode::new("empty", DType::F32, [0]);
-            w.e.link(&w.r00, kernels::fill(&z, 1.0)?).map(drop)
+            w.api.link(&w.r00, kernels::fill(&z, 1.0)?).map(drop)
         }),
         case("host_read of a zero-size hosted node", "InvalidSize", |w| {
             let z = TensorNode::new("empty", DType::F32, [4, 0])
                 .with_mode(MemoryMode::hosted_changed_on_devices())?;
-            w.e.host_read::<f32>(&z).map(drop)
+            w.api.host_read(&z, DType::F32).map(drop)
         }),
         case("a shape whose size overflows", "InvalidSize", |_| {
             let h = TensorNode::new("huge", DType::F32, [usize::MAX, 2]);
@@ -465,29 +530,33 @@ fn cases() -> Vec<Case> {
             "PoolExhausted",
             |w| {
                 let big = TensorNode::new("big", DType::F32, [1 << 20]);
-                w.e.link(&w.r00, kernels::fill(&big, 1.0)?).map(drop)
+                w.api.link(&w.r00, kernels::fill(&big, 1.0)?).map(drop)
             },
         ),
-        // Another engine's contexts and routines (their ids mean other buffers here).
-        case("a context of another engine", "Unknown", |w| {
-            let mut other = Engine::cpu(EngineConfig::default())?;
+        // Another instance's contexts and routines (their ids mean other buffers here).
+        case("a context of another instance", "Unknown", |w| {
+            let mut other = w.api.another()?;
             let c = other.context(0, 0)?;
             let r = other.link(&c, kernels::fill(&w.g, 1.0)?)?;
-            w.e.read::<f32>(r.context(), &w.g).map(drop)
+            w.api.read(r.context(), &w.g, DType::F32).map(drop)
         }),
-        case("a routine of another engine", "Unknown", |w| {
-            let mut other = Engine::cpu(EngineConfig::default())?;
+        case("a routine of another instance", "Unknown", |w| {
+            let mut other = w.api.another()?;
             let c = other.context(0, 0)?;
             let r = other.link(&c, kernels::fill(&w.s, 1.0)?)?;
-            w.e.schedule(&r).map(drop)
+            w.api.schedule(&r).map(drop)
         }),
         // Unknown devices and streams, malformed routines.
         case("an unknown device", "Unknown", |w| {
-            w.e.context(7, 0).map(drop)
-        }),
+            w.api.context(7, 0).map(drop)
+        })
+        .on("system", "NoSuchDevice")
+        .on("messages", "NoSuchDevice"),
         case("an unknown stream", "Unknown", |w| {
-            w.e.context(0, 7).map(drop)
-        }),
+            w.api.context(0, 7).map(drop)
+        })
+        .on("system", "NoSuchStream")
+        .on("messages", "NoSuchStream"),
         case("a routine naming a node twice", "InvalidRoutine", |w| {
             RoutineSpec::custom(
                 "twice",
@@ -500,29 +569,242 @@ fn cases() -> Vec<Case> {
         case("a routine without parameters", "InvalidRoutine", |_| {
             RoutineSpec::custom("nothing", vec![], None, |_| Ok(())).map(drop)
         }),
+    ];
+    cases.extend(message_cases());
+    cases
+}
+
+/// The messages runner of a world (rows limited to it run nowhere else).
+fn raw(w: &mut World) -> &mut MessagesApi {
+    w.api.messages().expect("a row of the messages runner")
+}
+
+/// An all-reduce of `g` from the merge context on d0s0 into `m01`'s on d0s1, valid but for
+/// what `spoil` changes.
+fn all_reduce(w: &mut World, spoil: impl FnOnce(&mut AllReduce)) -> Result<(), Error> {
+    let (g, merge, m01) = (w.g.clone(), w.merge.clone(), w.m01.clone());
+    let m = raw(w);
+    let mut msg = AllReduce::new(
+        m.system(),
+        vec![Step::Reduce {
+            chunk: 0,
+            src: 0,
+            dst: 1,
+        }],
+        vec![g],
+        vec![merge.context().clone(), m01.context().clone()],
+        vec![vec![merge], vec![m01]],
+        vec![vec![], vec![]],
+        Transfer::Copy,
+    );
+    spoil(&mut msg);
+    tributary_actors::block_on(m.system().coordinator().send(msg))
+        .map_err(|e| Error::ShutDown(e.to_string()))?
+        .map(drop)
+}
+
+fn message_cases() -> Vec<Case> {
+    vec![
+        // A context, routine or node sent to the actor of another device.
+        message_case("Link sent to another device's actor", "Unknown", |w| {
+            let (ctx, spec) = (w.r00.clone(), kernels::fill(&w.g, 1.0)?);
+            raw(w).ask(1, Link { ctx, spec })?.map(drop)
+        }),
+        message_case("Schedule sent to another device's actor", "Unknown", |w| {
+            let r = w.fill_s.clone();
+            let m = raw(w);
+            let (msg, ticket) = Schedule::new(m.system(), r);
+            m.ask(1, msg)?;
+            ticket.event().map(drop)
+        }),
+        message_case("FromHost sent to another device's actor", "Unknown", |w| {
+            let (ctx, node) = (w.cw.clone(), w.w.clone());
+            let m = raw(w);
+            let (msg, ticket) = FromHost::new(m.system(), ctx, node);
+            m.ask(1, msg)?;
+            ticket.event().map(drop)
+        }),
+        message_case("ToHost sent to another device's actor", "Unknown", |w| {
+            let (ctx, node) = (w.cw.clone(), w.w.clone());
+            let m = raw(w);
+            let (msg, ticket) = ToHost::new(m.system(), ctx, node);
+            m.ask(1, msg)?;
+            ticket.event().map(drop)
+        }),
+        message_case("Finalize sent to another device's actor", "Unknown", |w| {
+            let ctx = w.plain01.context().clone();
+            let m = raw(w);
+            let msg = Finalize::new(m.system(), ctx);
+            m.ask(1, msg)?
+        }),
+        message_case(
+            "InitFromHost sent to another device's actor",
+            "Unknown",
+            |w| {
+                let (ctx, node) = (w.r01.clone(), w.w.clone());
+                let m = raw(w);
+                let msg = InitFromHost::new(m.system(), ctx, node);
+                m.ask(1, msg)?.map(drop)
+            },
+        ),
+        // Messages without the checks `System` does before sending them.
+        message_case(
+            "InitFromHost of a node that is not hosted",
+            "NotHosted",
+            |w| {
+                let (ctx, node) = (w.r01.clone(), w.g.clone());
+                let m = raw(w);
+                let msg = InitFromHost::new(m.system(), ctx, node);
+                m.ask(0, msg)?.map(drop)
+            },
+        ),
+        message_case(
+            "StreamLastEvent of a stream the device does not have",
+            "NoSuchStream",
+            |w| raw(w).ask(0, StreamLastEvent { stream: 2 })?.map(drop),
+        ),
+        message_case(
+            "DeviceToDevice from a device the system does not have",
+            "NoSuchDevice",
+            |w| {
+                let other = tributary_actors::System::builder().cpu_devices(3).spawn()?;
+                let src = other.context(2, 0)?;
+                let src = other.link(&src, kernels::fill(&w.g, 1.0)?)?;
+                let src = src.routine().context().clone();
+                other.shutdown()?;
+                let dst = w.merge.context().clone();
+                w.api
+                    .device_to_device(&w.g.clone(), &src, &dst, MergeBufferUse::Copy)
+                    .map(drop)
+            },
+        ),
+        message_case("RefineNode contradicting the mode", "ModeConflict", |w| {
+            let node = w.g.clone();
+            let m = raw(w);
+            let msg = RefineNode {
+                node,
+                mode: MemoryMode::Virtual,
+            };
+            tributary_actors::block_on(m.system().coordinator().send(msg))
+                .map_err(|e| Error::ShutDown(e.to_string()))?
+                .map(drop)
+        }),
+        message_case(
+            "CreateNode of a virtual node refined to storage",
+            "ModeConflict",
+            |w| {
+                let m = raw(w);
+                let msg = CreateNode {
+                    label: "v".into(),
+                    dtype: DType::F32,
+                    shape: [N].into(),
+                    mode: MemoryMode::Virtual,
+                };
+                let v = tributary_actors::block_on(m.system().coordinator().send(msg))
+                    .map_err(|e| Error::ShutDown(e.to_string()))??;
+                let msg = RefineNode {
+                    node: v,
+                    mode: MemoryMode::NeverVirtual,
+                };
+                tributary_actors::block_on(m.system().coordinator().send(msg))
+                    .map_err(|e| Error::ShutDown(e.to_string()))?
+                    .map(drop)
+            },
+        ),
+        // All-reduce messages: checked as a whole before any step is sent.
+        message_case(
+            "an all-reduce with fewer merge lists than contexts",
+            "LengthMismatch",
+            |w| all_reduce(w, |m| drop(m.merge.pop())),
+        ),
+        message_case(
+            "an all-reduce with fewer scale lists than contexts",
+            "LengthMismatch",
+            |w| all_reduce(w, |m| m.scale.clear()),
+        ),
+        message_case(
+            "an all-reduce with a merge routine missing for a chunk",
+            "LengthMismatch",
+            |w| all_reduce(w, |m| m.merge[1].clear()),
+        ),
+        message_case(
+            "an all-reduce step naming a context it does not have",
+            "IndexOutOfRange",
+            |w| {
+                all_reduce(w, |m| {
+                    m.steps.push(Step::Broadcast {
+                        chunk: 0,
+                        src: 1,
+                        dst: 5,
+                    })
+                })
+            },
+        ),
+        message_case(
+            "an all-reduce step naming a chunk it does not have",
+            "IndexOutOfRange",
+            |w| {
+                all_reduce(w, |m| {
+                    m.steps.insert(
+                        0,
+                        Step::Reduce {
+                            chunk: 3,
+                            src: 0,
+                            dst: 1,
+                        },
+                    )
+                })
+            },
+        ),
+        message_case(
+            "an all-reduce scale step without scale routines",
+            "IndexOutOfRange",
+            |w| all_reduce(w, |m| m.steps.push(Step::Scale { chunk: 0, ctx: 1 })),
+        ),
+        message_case(
+            "an all-reduce merge routine on another stream than its context",
+            "InvalidRoutine",
+            |w| all_reduce(w, |m| m.merge.swap(0, 1)),
+        ),
+        message_case(
+            "an all-reduce of a chunk a context does not hold",
+            "NodeNotInContext",
+            |w| {
+                let r01 = w.r01.clone();
+                all_reduce(w, |m| m.contexts[1] = r01)
+            },
+        ),
     ]
 }
 
-#[test]
-fn every_misuse_gets_its_error_and_changes_nothing() {
-    let _watchdog = Watchdog::arm(Duration::from_secs(300), || "bad input table".into());
-    let table = cases();
+/// Runs every row of the table (those limited to another runner excepted) on fresh worlds
+/// of `make`'s runner.
+fn run_table(make: fn() -> Box<dyn Api>) {
+    let runner = make().name();
+    let _watchdog = Watchdog::arm(Duration::from_secs(600), move || {
+        format!("bad input table ({runner})")
+    });
+    let table: Vec<Case> = cases()
+        .into_iter()
+        .filter(|c| c.only.is_none_or(|r| r == runner))
+        .collect();
     let mut failures = Vec::new();
     for c in &table {
-        let mut w = world();
+        let expect = c.expect_on(runner);
+        let mut w = world(make());
         if let Some(setup) = c.setup {
             setup(&mut w);
         }
-        let (memory, tables) = (w.e.memory_stats(), w.e.table_sizes());
+        let before = w.api.snapshot();
         match (c.misuse)(&mut w) {
-            Ok(()) => failures.push(format!("{}: accepted, expected {}", c.what, c.expect)),
+            Ok(()) => failures.push(format!("{}: accepted, expected {expect}", c.what)),
             Err(e) => {
                 let got = describe(&e);
-                if !got.starts_with(&format!("{}:", c.expect)) {
-                    failures.push(format!("{}: expected {}, got {got}", c.what, c.expect));
+                if !got.starts_with(&format!("{expect}:")) {
+                    failures.push(format!("{}: expected {expect}, got {got}", c.what));
                     continue;
                 }
-                if w.e.memory_stats() != memory || w.e.table_sizes() != tables {
+                if w.api.snapshot() != before {
                     failures.push(format!("{}: the refused call changed the state", c.what));
                     continue;
                 }
@@ -532,17 +814,46 @@ fn every_misuse_gets_its_error_and_changes_nothing() {
     }
     assert!(
         failures.is_empty(),
-        "{} of {} rows failed:\n{}",
+        "{runner}: {} of {} rows failed:\n{}",
         failures.len(),
         table.len(),
         failures.join("\n")
     );
 }
 
+fn engine() -> Box<dyn Api> {
+    Box::new(EngineApi::new().expect("engine"))
+}
+
+fn system() -> Box<dyn Api> {
+    Box::new(SystemApi(bad_input::system().expect("system")))
+}
+
+fn messages() -> Box<dyn Api> {
+    Box::new(MessagesApi(bad_input::system().expect("system")))
+}
+
+#[test]
+fn every_misuse_of_the_engine_gets_its_error_and_changes_nothing() {
+    run_table(engine);
+}
+
+#[test]
+fn every_misuse_of_the_system_gets_its_error_and_changes_nothing() {
+    run_table(system);
+}
+
+#[test]
+fn every_misuse_in_raw_messages_gets_its_error_and_the_actors_serve_on() {
+    run_table(messages);
+}
+
 #[test]
 fn the_world_itself_passes_the_probe() {
-    // Without a misuse the probe holds: the table's rows are measured against it.
-    probe(&mut world());
+    // Without a misuse the probe holds, on every runner: the rows are measured against it.
+    for make in [engine, system, messages] {
+        probe(&mut world(make()));
+    }
 }
 
 #[test]

@@ -331,7 +331,14 @@ fn config_from_toml_and_json_and_async_methods() {
 
     let sys = System::from_config(cfg).unwrap();
     assert_eq!(sys.device_count(), 3);
-    assert!(matches!(sys.context(0, 1), Err(Error::Unknown { .. })));
+    assert!(matches!(
+        sys.context(0, 1),
+        Err(Error::NoSuchStream {
+            index: 1,
+            count: 1,
+            ..
+        })
+    ));
     let w = node("w", MemoryMode::hosted_changed_on_devices());
     let g = node("g", MemoryMode::on_device());
     // Async API from a hand-driven future; the small mailbox exercises back-pressure.
@@ -431,6 +438,9 @@ fn node_messages_and_awaiting_a_stream(kind: Kind) {
     sys.await_stream(1, 1).unwrap();
     assert!(t.is_done());
     assert!(all(&r.context().read::<f32>(&x).unwrap(), 4.0));
-    assert!(matches!(sys.await_stream(1, 7), Err(Error::Unknown { .. })));
+    assert!(matches!(
+        sys.await_stream(1, 7),
+        Err(Error::NoSuchStream { index: 7, .. })
+    ));
     sys.shutdown().unwrap();
 }
