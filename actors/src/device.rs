@@ -78,7 +78,7 @@ impl DeviceActor {
                 if let Some(t) = self.state.timeline(i) {
                     t.poison(Arc::new(tributary::Failure {
                         stream: t.stream(),
-                        seq: t.completed() + 1,
+                        seq: t.completed().saturating_add(1),
                         operation: message.into(),
                         message: e.to_string(),
                     }));
@@ -211,8 +211,22 @@ impl Handler<Link> for DeviceActor {
             tracing::trace_span!("link", device = %self.state.device(), routine = %msg.spec.name)
                 .entered();
         self.guarded("Link", |this| {
-            this.backend
-                .check_kernel(this.state.device(), &msg.spec.name, &msg.spec.kernel)?;
+            // The backend compiles or checks the caller's kernel here (naga parses WGSL):
+            // a panic there concerns that kernel only and touched no table, so it refuses
+            // the routine instead of failing the device.
+            let check = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                this.backend
+                    .check_kernel(this.state.device(), &msg.spec.name, &msg.spec.kernel)
+            }));
+            check.unwrap_or_else(|payload| {
+                Err(Error::InvalidRoutine {
+                    routine: msg.spec.name.clone(),
+                    reason: format!(
+                        "the backend's kernel check panicked: {}",
+                        crate::guard::panic_message(&*payload)
+                    ),
+                })
+            })?;
             let (routine, plans) = this.state.link(&msg.ctx, msg.spec)?;
             this.submit(plans);
             Ok(routine)

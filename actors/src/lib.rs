@@ -12,11 +12,13 @@
 //!
 //! - [`DeviceActor`] owns one device's protocol state (the engine's sans-IO
 //!   `DeviceState`) and makes every scheduling decision in arrival order.
-//! - [`StreamActor`] owns one stream's backend queue and publishes completions.
+//! - `StreamActor` owns one stream's backend queue and publishes completions (only the
+//!   device actor talks to it).
 //! - [`Coordinator`] routes device-to-device operations between device actors.
 //! - [`System`] spawns all of it from plain synchronous code and offers blocking and
-//!   async methods; the message types in [`messages`] are public for hosts already
-//!   running actix.
+//!   async methods; the messages in [`messages`] that a host may send in any order are
+//!   public, for hosts already running actix (the module docs say which, and why the
+//!   others are not).
 //!
 //! Scheduling returns a [`Ticket`] at once (no round trip); the device actor fills in the
 //! event. Every failure reaches the caller as a typed error on the ticket, the event or the
@@ -36,7 +38,6 @@ mod ticket;
 pub use collective::{AllReducePlan, BucketedAllReduce};
 pub use coordinator::Coordinator;
 pub use device::DeviceActor;
-pub use stream::StreamActor;
 pub use system::{
     ContextHandle, DeviceHandle, MemoryReport, RoutineHandle, ShutdownReport, StreamConfig,
     StreamHandle, System, SystemBuilder, SystemConfig,

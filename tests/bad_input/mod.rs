@@ -97,7 +97,8 @@ pub trait Api {
     fn schedule(&mut self, routine: &Routine) -> Result<Event>;
     /// Writes `data` as `node`'s host value and adds a buffer of it to a child of `ctx`.
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context>;
-    /// Uploads `node`'s host array into its buffer in `ctx`.
+    /// Uploads `node`'s host array into its buffer in `ctx` (named like the engine's).
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event>;
     /// Downloads `node`'s buffer in `ctx` into its host array.
     fn to_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event>;
