@@ -22,7 +22,7 @@ use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
 use tributary::trace::Recorder;
 use tributary::{
-    backend::{cpu::CpuBackend, Backend, BackendKind},
+    backend::{Backend, BackendKind},
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
@@ -76,8 +76,7 @@ pub struct SystemConfig {
     pub shutdown_timeout_ms: u64,
     /// Record a timeline of every operation and wait (see [`System::timeline`]).
     pub record_timeline: bool,
-    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices). Only
-    /// the CPU backend records its operations in the timeline (`record_timeline`).
+    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
     pub backend: BackendKind,
 }
 
@@ -260,12 +259,9 @@ impl System {
 
     fn spawn(config: SystemConfig) -> Result<System> {
         let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
-        let backend: Arc<dyn Backend> = match (&config.backend, &recorder) {
-            (BackendKind::Cpu, Some(r)) => {
-                Arc::new(CpuBackend::new(DeviceId(0), config.cpu_devices).with_recorder(r.clone()))
-            }
-            (kind, _) => kind.create(config.cpu_devices)?,
-        };
+        let backend: Arc<dyn Backend> = config
+            .backend
+            .create_with_recorder(config.cpu_devices, recorder.clone())?;
         if backend.devices().is_empty() {
             return Err(Error::Unknown {
                 what: "configuration with zero devices".into(),

@@ -470,6 +470,7 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Op
                     end_ns: rec.ns(Instant::now()),
                     bytes: 0,
                     waited_for: Some((dep.event.stream(), dep.event.seq())),
+                    after: Vec::new(),
                     ok,
                 }),
             })
@@ -497,6 +498,7 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Op
     };
     let start = Instant::now();
     let bytes = job.bytes();
+    let after = recorder.map(|_| crate::trace::cross_stream(stream, &item.deps));
     let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
     if let Some(rec) = recorder {
         // Recorded before the event completes, so waiters always end after it.
@@ -509,6 +511,7 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Op
             end_ns: rec.ns(Instant::now()),
             bytes,
             waited_for: None,
+            after: after.unwrap_or_default(),
             ok: matches!(outcome, Ok(Ok(()))),
         });
     }

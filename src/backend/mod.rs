@@ -232,6 +232,27 @@ impl BackendKind {
             )?)),
         }
     }
+
+    /// [`BackendKind::create`], recording every operation and wait of the backend's
+    /// streams in `recorder` when one is given ([`crate::trace`]).
+    pub fn create_with_recorder(
+        &self,
+        cpu_devices: usize,
+        recorder: Option<std::sync::Arc<crate::trace::Recorder>>,
+    ) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
+        use std::sync::Arc;
+        let Some(recorder) = recorder else {
+            return self.create(cpu_devices);
+        };
+        match self {
+            BackendKind::Cpu => Ok(Arc::new(
+                cpu::CpuBackend::new(DeviceId(0), cpu_devices).with_recorder(recorder),
+            )),
+            BackendKind::Vulkan(config) => Ok(Arc::new(
+                vulkan::VulkanBackend::new(DeviceId(0), config.clone())?.with_recorder(recorder),
+            )),
+        }
+    }
 }
 
 /// The [`Backend::check_kernel`] error of a backend that cannot run `kernel` at all.

@@ -9,6 +9,7 @@ use super::{
     instance::{create_instance, lock, DeviceCore, InstanceCore},
     kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
+    recording::StreamTrace,
     stream::{StreamShared, VulkanStream},
     VulkanConfig, VulkanInfo,
 };
@@ -20,6 +21,7 @@ use crate::{
     kernels::Kernel,
     protocol::GlobalLoc,
     sync::Arc as SyncArc,
+    trace::Recorder,
 };
 
 /// One tributary device: a logical `VkDevice` with its pools, pipelines and streams.
@@ -83,6 +85,7 @@ impl Shared {
 #[derive(Clone)]
 pub struct VulkanBackend {
     shared: Arc<Shared>,
+    recorder: Option<Arc<Recorder>>,
 }
 
 impl std::fmt::Debug for VulkanBackend {
@@ -167,6 +170,7 @@ impl VulkanBackend {
                 spirv: Arc::new(SpirvCache::default()),
                 config,
             }),
+            recorder: None,
         })
     }
 
@@ -177,6 +181,13 @@ impl VulkanBackend {
             .iter()
             .map(|g| g.core.physical.name.clone())
             .collect()
+    }
+
+    /// Records every operation and wait of the streams started from now on (see
+    /// [`crate::trace`] for what the timestamps mean on a GPU).
+    pub fn with_recorder(mut self, recorder: Arc<Recorder>) -> VulkanBackend {
+        self.recorder = Some(recorder);
+        self
     }
 
     /// The configuration it was created with.
@@ -236,7 +247,8 @@ impl Backend for VulkanBackend {
             .clone();
         let shared = Arc::new(StreamShared::new(gpu.core.clone(), stream, timeline)?);
         lock(&gpu.streams).push(shared.clone());
-        let queue = VulkanStream::start(self.shared.clone(), gpu, shared)?;
+        let trace = StreamTrace::new(self.recorder.clone(), stream);
+        let queue = VulkanStream::start(self.shared.clone(), gpu, shared, trace)?;
         Ok(Box::new(queue))
     }
 

@@ -28,6 +28,12 @@ impl VulkanBackend {
         Err(not_built())
     }
 
+    /// Records the timeline (this value cannot exist).
+    pub fn with_recorder(self, recorder: std::sync::Arc<crate::trace::Recorder>) -> VulkanBackend {
+        let _ = recorder;
+        match self.never {}
+    }
+
     /// Names of the physical devices (none: this value cannot exist).
     pub fn device_names(&self) -> Vec<String> {
         match self.never {}

@@ -17,6 +17,7 @@ use super::{
     instance::{host_visibility_barrier, lock, DeviceCore},
     kernels::{Arg, Lowered, Lowering, Pipeline},
     memory::{Buffer, Region},
+    recording::{OpTrace, StreamTrace},
 };
 use crate::{
     backend::StreamQueue,
@@ -196,6 +197,20 @@ enum Job {
     Marker,
 }
 
+impl Job {
+    /// Bytes the job touches (for the timeline).
+    fn bytes(&self) -> u64 {
+        match self {
+            Job::Run { args, .. } => args.iter().map(|a| a.region.bytes).sum(),
+            Job::Copy { bytes, .. }
+            | Job::FromHost { bytes, .. }
+            | Job::ToHost { bytes, .. }
+            | Job::Memset { bytes, .. } => *bytes,
+            Job::Marker => 0,
+        }
+    }
+}
+
 struct Submitted {
     label: String,
     seq: u64,
@@ -217,6 +232,8 @@ struct Pending {
     outcome: std::result::Result<(), Arc<Failure>>,
     /// Whether a batch signalling `seq` was submitted (false only on a lost device).
     signalled: bool,
+    /// For the timeline, when one is recorded and the operation ran.
+    trace: Option<OpTrace>,
     _keep: Vec<Keep>,
 }
 
@@ -233,6 +250,7 @@ impl VulkanStream {
         backend: Arc<Shared>,
         gpu: Arc<Gpu>,
         shared: Arc<StreamShared>,
+        trace: StreamTrace,
     ) -> std::result::Result<VulkanStream, DeviceError> {
         let d = &gpu.core.device;
         let pool_info = vk::CommandPoolCreateInfo::default()
@@ -256,6 +274,7 @@ impl VulkanStream {
             last: 0,
             done: done_tx,
             host_scratch: Vec::new(),
+            trace: trace.clone(),
         };
         let id = shared.id;
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -267,7 +286,7 @@ impl VulkanStream {
         let completer = shared.clone();
         let completion = spawn(
             format!("tributary-vk-done-{id}"),
-            Box::new(move || completion_loop(completer, done_rx)),
+            Box::new(move || completion_loop(completer, done_rx, trace)),
         )?;
         let submit = match spawn(
             format!("tributary-vk-{id}"),
@@ -436,6 +455,7 @@ struct Submitter {
     done: Sender<Pending>,
     /// Host memory for staged cross-device copies, kept between them.
     host_scratch: Vec<u8>,
+    trace: StreamTrace,
 }
 
 /// How the dependencies of one plan are to be waited for.
@@ -483,9 +503,9 @@ impl Submitter {
 
     /// Sorts the dependencies: same-device ones become semaphore waits (after their
     /// stream decided them), the others are waited for here, on the host.
-    fn classify(&self, deps: &[Dep]) -> Waits {
+    fn classify(&self, item: &Submitted) -> Waits {
         let mut w = Waits::default();
-        for dep in deps {
+        for dep in &item.deps {
             let data = dep.kind == DepKind::Data;
             let mut note = |f: Arc<Failure>| {
                 if data {
@@ -509,7 +529,8 @@ impl Submitter {
                 }
                 Some((_, Decision::Gone)) | None => {
                     // Another device or backend (or a dead stream): wait on the host.
-                    if let Err(Error::Failed(f)) = dep.event.wait() {
+                    if let Err(Error::Failed(f)) = self.trace.host_wait(dep, &item.label, item.seq)
+                    {
                         note(f);
                     }
                 }
@@ -525,10 +546,10 @@ impl Submitter {
                 format!("sequence number {} after {}", item.seq, self.last),
             );
             tracing::warn!(%f, "out-of-order plan");
-            self.report(item.seq, Err(f), false, Vec::new());
+            self.report(item.seq, Err(f), false, Vec::new(), None);
             return;
         }
-        let waits = self.classify(&item.deps);
+        let waits = self.classify(&item);
         let mut keep: Vec<Keep> = waits
             .gpu
             .iter()
@@ -536,11 +557,17 @@ impl Submitter {
             .collect();
         if let Some(cause) = self.gpu.core.lost() {
             let f = self.failure(&item, format!("device lost: {cause}"));
-            self.report(item.seq, Err(f), false, keep);
+            self.report(item.seq, Err(f), false, keep, None);
             return;
         }
         let sem_waits: Vec<(vk::Semaphore, u64)> =
             waits.gpu.iter().map(|(s, v)| (s.semaphore, *v)).collect();
+        let trace = match (&waits.failed, &item.job) {
+            (None, Ok(job)) => self
+                .trace
+                .start(item.seq, &item.label, &item.deps, job.bytes()),
+            _ => None,
+        };
         let outcome: std::result::Result<Option<vk::CommandBuffer>, Arc<Failure>> =
             match (&waits.failed, &item.job) {
                 (Some(root), _) => Err(root.clone()),
@@ -560,7 +587,7 @@ impl Submitter {
                 }
                 self.last = item.seq;
                 self.me.decide(item.seq, result.as_ref().err().cloned());
-                self.report(item.seq, result, true, keep);
+                self.report(item.seq, result, true, keep, trace);
             }
             Err(e) => {
                 let f = self.failure(&item, format!("cannot submit: {e}"));
@@ -569,7 +596,7 @@ impl Submitter {
                     self.free.push(cb);
                 }
                 self.me.decide(item.seq, Some(f.clone()));
-                self.report(item.seq, Err(f), false, keep);
+                self.report(item.seq, Err(f), false, keep, None);
             }
         }
     }
@@ -580,11 +607,13 @@ impl Submitter {
         outcome: std::result::Result<(), Arc<Failure>>,
         signalled: bool,
         keep: Vec<Keep>,
+        trace: Option<OpTrace>,
     ) {
         let _ = self.done.send(Pending {
             seq,
             outcome,
             signalled,
+            trace,
             _keep: keep,
         });
     }
@@ -885,7 +914,8 @@ impl Drop for CloseOnExit {
 }
 
 /// Completes the timeline in order as the semaphore advances.
-fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>) {
+fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>, trace: StreamTrace) {
+    let mut trace = trace.completions();
     let mut queue: VecDeque<Pending> = VecDeque::new();
     loop {
         if queue.is_empty() {
@@ -920,6 +950,9 @@ fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>) {
             let Some(p) = queue.pop_front() else {
                 break;
             };
+            if let Some(op) = p.trace {
+                trace.completed(op, p.outcome.is_ok());
+            }
             match p.outcome {
                 Ok(()) => me.timeline.signal(p.seq),
                 Err(f) => me.timeline.fail(p.seq, f),
