@@ -1,15 +1,20 @@
-//! All-reduce bus bandwidth of each strategy on the CPU backend, beside two baselines
+//! All-reduce bus bandwidth of each strategy on a backend's devices, beside two baselines
 //! measured in the same run: host memcpy and a hand-written multi-threaded tree reduction
 //! over plain `Vec<f32>`s.
 //!
 //! ```sh
 //! cargo run --release --example allreduce_bench               # 4 KiB .. 256 MiB, n = 2..8
 //! cargo run --release --example allreduce_bench -- --quick    # a few sizes, n = 2, 4
+//! cargo run --release --example allreduce_bench -- --quick --backend vulkan
 //! ```
 //!
 //! Bus bandwidth = algbw * 2(n-1)/n with algbw = bytes / time (NCCL's convention), so
 //! figures are comparable across n. Each figure is the median of several runs.
 
+#[path = "common/mod.rs"]
+mod common;
+
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tributary::{
@@ -19,6 +24,23 @@ use tributary::{
     DType, MemoryMode, TensorNode,
 };
 use tributary_actors::{AllReducePlan, StreamConfig, System};
+
+use clap::Parser;
+use common::BackendArg;
+
+#[derive(Parser, Debug)]
+#[command(about = "All-reduce bus bandwidth of each strategy beside memcpy and threads")]
+struct Args {
+    /// A few sizes (up to 16 MiB) on 2 and 4 devices.
+    #[arg(long)]
+    quick: bool,
+    /// Backend the devices run on.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// Device counts to measure (default 2,3,4,6,8; with --quick 2,4).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -144,28 +166,41 @@ fn strategy_busbw(
     Ok(busbw(chunk * 4 * n, n, median(times)))
 }
 
-fn main() -> tributary::Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let sizes: Vec<usize> = if quick {
+fn main() -> ExitCode {
+    common::init_logging();
+    common::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let sizes: Vec<usize> = if args.quick {
         vec![4 << 10, 1 << 20, 16 << 20]
     } else {
         vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     };
-    let ns: Vec<usize> = if quick {
-        vec![2, 4]
-    } else {
-        vec![2, 3, 4, 6, 8]
+    let ns: Vec<usize> = match (args.devices.is_empty(), args.quick) {
+        (false, _) => args.devices.clone(),
+        (true, true) => vec![2, 4],
+        (true, false) => vec![2, 3, 4, 6, 8],
     };
+    println!(
+        "all-reduce on {} devices, baselines on the host\n",
+        args.backend.name()
+    );
     println!(
         "| n | size | memcpy GB/s | threaded tree busbw | star busbw | tree busbw | ring busbw | best / threaded tree |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     let started = Instant::now();
     for &n in &ns {
+        let backend = args.backend.kind(Some(n)).map_err(|why| {
+            format!("backend {} is unavailable: {why}", args.backend.name())
+        })?;
         let sys = System::builder()
             .cpu_devices(n)
+            .backend(backend)
             .streams(StreamConfig::OnlyDevicesParallel)
-            .spawn()?;
+            .spawn()
+            .map_err(|e| format!("cannot start {n} {} devices: {e}", args.backend.name()))?;
         for &bytes in &sizes {
             let mem = memcpy_gbps(bytes);
             let base = threaded_tree_busbw(bytes, n);

@@ -2,12 +2,24 @@
 //! kernels, runs dependent routines across streams and devices, merges a gradient through
 //! a merge buffer, and reads the results on the host. No barrier is written by hand.
 //!
-//! Run with `cargo run --release --example quickstart`.
+//! Run with `cargo run --release --example quickstart` (`RUST_LOG=debug` shows the
+//! runtime's spans).
 
+#[path = "common/mod.rs"]
+mod common;
+
+use clap::Parser;
 use tributary::{kernels, DType, MemoryMode, MergeBufferUse, Result};
 use tributary_actors::{StreamConfig, System};
 
+/// No options: `--help` says what the example does.
+#[derive(Parser, Debug)]
+#[command(about = "Dependent routines across streams and devices, a merge, host reads")]
+struct Args {}
+
 fn main() -> Result<()> {
+    let Args {} = Args::parse();
+    common::init_logging();
     const N: usize = 1024;
     // Spawn the device system from plain synchronous code: 2 CPU devices x 2 streams.
     let sys = System::builder()

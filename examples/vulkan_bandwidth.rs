@@ -9,12 +9,16 @@
 //! for examples through the dev-dependency). Options: `--sizes 1,16,64` (MiB), `--reps 9`.
 //! Prints a Markdown table (median of the repetitions, GB/s = 10^9 bytes per second).
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::{
     hint::black_box,
     sync::Arc,
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use tributary::{
     backend::vulkan::{VulkanBackend, VulkanConfig},
     kernels,
@@ -150,20 +154,24 @@ fn vulkan_rows(sizes: &[usize], reps: usize, staging: bool) -> Result<Vec<Row>> 
     Ok(rows)
 }
 
-fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let opt = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let sizes: Vec<usize> = opt("--sizes")
-        .unwrap_or_else(|| "1,16,64".into())
-        .split(',')
-        .filter_map(|s| s.trim().parse().ok())
-        .collect();
-    let reps: usize = opt("--reps").and_then(|s| s.parse().ok()).unwrap_or(9);
+#[derive(Parser, Debug)]
+#[command(about = "Vulkan transfer bandwidth beside host memcpy")]
+struct Args {
+    /// Transfer sizes, MiB.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    sizes: Vec<usize>,
+    /// Repetitions per figure (the median counts).
+    #[arg(long, default_value_t = 9)]
+    reps: usize,
+}
+
+fn main() -> std::process::ExitCode {
+    common::init_logging();
+    common::exit_code(run(Args::parse()))
+}
+
+fn run(args: Args) -> Result<()> {
+    let (sizes, reps) = (args.sizes, args.reps.max(1));
     let info = match tributary::backend::vulkan::probe() {
         Ok(info) => info,
         Err(e) => {

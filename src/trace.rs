@@ -346,7 +346,11 @@ impl Recorder {
                     waiting: Duration::from_nanos(length(&active) - busy),
                     waiting_on: on
                         .into_iter()
-                        .map(|(s, v)| (s, Duration::from_nanos(length(&union(v)))))
+                        .map(|(s, mut v)| {
+                            // Not counting time the stream was running work meanwhile.
+                            v.extend_from_slice(&work);
+                            (s, Duration::from_nanos(length(&union(v)) - busy))
+                        })
                         .collect(),
                     idle: Duration::from_nanos(gaps.iter().map(|g| g.1 - g.0).sum()),
                     idle_gaps: gaps.len(),
@@ -436,7 +440,8 @@ pub struct StreamSummary {
     pub busy: Duration,
     /// Time waiting for other streams and not running work.
     pub waiting: Duration,
-    /// Time waiting, per stream waited for (waits on several streams may overlap).
+    /// Time waiting and not running work, per stream waited for (waits on several streams
+    /// may overlap).
     pub waiting_on: Vec<(StreamId, Duration)>,
     /// Time neither working nor waiting: nothing was submitted to the stream.
     pub idle: Duration,

@@ -13,6 +13,8 @@
 //! does.
 
 mod baseline;
+#[path = "../common/mod.rs"]
+mod common;
 mod graph;
 mod kernel;
 mod metg;
@@ -167,6 +169,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() {
     let args = Args::parse();
+    common::init_logging();
     let cores = args
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
