@@ -192,9 +192,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---|---|---|---|---|---|");
     let started = Instant::now();
     for &n in &ns {
-        let backend = args.backend.kind(Some(n)).map_err(|why| {
-            format!("backend {} is unavailable: {why}", args.backend.name())
-        })?;
+        let backend = args
+            .backend
+            .kind(Some(n))
+            .map_err(|why| format!("backend {} is unavailable: {why}", args.backend.name()))?;
         let sys = System::builder()
             .cpu_devices(n)
             .backend(backend)

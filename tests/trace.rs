@@ -22,7 +22,7 @@ use std::{
 };
 
 use serde_json::Value;
-use support::{all, backend_kind, node, shared, Kind};
+use support::{all, backend_kind, node, shared, slow_fill_on, Kind};
 use tributary::{
     collective::Strategy,
     kernels::{self, Access, RoutineSpec},
@@ -31,7 +31,65 @@ use tributary::{
 };
 use tributary_actors::{StreamConfig, System};
 
-for_each_backend!(data_parallel_training_writes_a_valid_consistent_trace);
+for_each_backend!(
+    data_parallel_training_writes_a_valid_consistent_trace,
+    streams_of_one_device_record_their_work_and_waits_consistently,
+);
+
+/// A slow writer on stream 0 and a reader on stream 1 of one device: on Vulkan the reader
+/// waits on the GPU (a semaphore), which the completion thread records.
+fn streams_of_one_device_record_their_work_and_waits_consistently(kind: Kind) {
+    let test = "streams_of_one_device_record_their_work_and_waits_consistently";
+    let Some(backend) = backend_kind(kind, 1, test) else {
+        return;
+    };
+    let sys = System::builder()
+        .cpu_devices(1)
+        .backend(backend)
+        .streams(StreamConfig::MostParallelStreams(2))
+        .record_timeline(true)
+        .spawn()
+        .unwrap();
+    let x = node("x", shared());
+    let y = node("y", MemoryMode::on_device());
+    let w = sys
+        .context(0, 0)
+        .unwrap()
+        .link(slow_fill_on(kind, &x, 3.0))
+        .unwrap();
+    let r = sys
+        .context(0, 1)
+        .unwrap()
+        .link(kernels::copy(&y, &x).unwrap())
+        .unwrap();
+    w.schedule().unwrap();
+    r.schedule().unwrap();
+    assert!(all(&r.context().read::<f32>(&y).unwrap(), 3.0));
+    sys.sync().unwrap();
+    let rec = sys.timeline().expect("recording was asked for");
+    rec.check().expect("consistent timeline");
+    let json = written_trace(&rec);
+    let names: BTreeSet<String> = complete_events(&json)
+        .iter()
+        .filter(|e| e["cat"] == "work")
+        .map(|e| {
+            format!(
+                "d{}s{} {}",
+                e["pid"],
+                e["tid"],
+                e["name"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    assert!(names.contains("d0s0 slow_fill"), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.starts_with("d0s1 copy")),
+        "{names:?}"
+    );
+    check_flows(&json);
+    check_summary(&rec);
+    sys.shutdown().unwrap();
+}
 
 fn data_parallel_training_writes_a_valid_consistent_trace(kind: Kind) {
     let test = "data_parallel_training_writes_a_valid_consistent_trace";

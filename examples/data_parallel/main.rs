@@ -68,9 +68,10 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         StrategyArg::Tree => Strategy::Tree,
         StrategyArg::Ring => Strategy::Ring,
     };
-    let backend = args.backend.kind(Some(args.devices)).map_err(|why| {
-        format!("backend {} is unavailable: {why}", args.backend.name())
-    })?;
+    let backend = args
+        .backend
+        .kind(Some(args.devices))
+        .map_err(|why| format!("backend {} is unavailable: {why}", args.backend.name()))?;
     let cfg = model::ModelConfig::default();
     let sys = System::builder()
         .cpu_devices(args.devices)
