@@ -25,10 +25,11 @@
 //!   being seen complete, and its dependencies being seen complete — and ends when the
 //!   stream's completion thread sees its semaphore value reached. So the span is an upper
 //!   bound on the GPU time, widened by the completion thread's reaction time. Waits on
-//!   streams of the same device happen on the GPU (semaphore waits) and are recorded from
-//!   the moment the stream was ready to the moment the awaited operation was seen
-//!   complete; waits on other devices happen on the submit thread and are recorded as they
-//!   happen, like the CPU's.
+//!   streams of the same device (for their submit threads to submit, then on the GPU for a
+//!   semaphore) are recorded from the moment the stream was ready for the operation (its
+//!   submit thread had it and its previous operation was seen complete) to the moment the
+//!   awaited operation was seen complete; waits on other devices happen on the submit
+//!   thread and are recorded as they happen, like the CPU's.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},

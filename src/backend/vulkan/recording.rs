@@ -26,6 +26,8 @@ const PRODUCER_SEEN_WITHIN: Duration = Duration::from_secs(5);
 pub(super) struct OpTrace {
     label: String,
     seq: u64,
+    /// When the submit thread took it from the queue.
+    arrived: Instant,
     /// When the submit thread started recording (or running) it.
     started: Instant,
     /// Its dependencies on other streams.
@@ -68,8 +70,16 @@ impl StreamTrace {
         outcome
     }
 
-    /// Submit thread: operation `seq` starts now (`None` when not recording).
-    pub(super) fn start(&self, seq: u64, label: &str, deps: &[Dep], bytes: u64) -> Option<OpTrace> {
+    /// Submit thread: operation `seq`, taken from the queue at `arrived`, starts now
+    /// (`None` when not recording).
+    pub(super) fn start(
+        &self,
+        seq: u64,
+        label: &str,
+        deps: &[Dep],
+        bytes: u64,
+        arrived: Instant,
+    ) -> Option<OpTrace> {
         self.recorder.as_ref()?;
         let mut deps: Vec<Event> = deps
             .iter()
@@ -81,6 +91,7 @@ impl StreamTrace {
         Some(OpTrace {
             label: label.to_string(),
             seq,
+            arrived,
             started: Instant::now(),
             deps,
             bytes,
@@ -110,16 +121,19 @@ impl CompletionTrace {
             return;
         };
         let stream = self.trace.stream;
-        // The stream was ready for `op` once it was submitted and its predecessor done.
-        let ready = rec.ns(op.started).max(self.previous_end);
-        let mut start = ready;
+        // The stream was ready for `op` once the submit thread had it and its predecessor
+        // was done; from then on it waited for the streams `op` depends on (for their submit
+        // threads to submit, then for the GPU). Waits on other devices happened on the
+        // submit thread, which recorded them.
+        let ready = rec.ns(op.arrived).max(self.previous_end);
+        let mut start = rec.ns(op.started).max(self.previous_end);
         for dep in &op.deps {
             // Done on the GPU already; its completion thread records it before signalling.
             let seen = dep.wait_timeout(PRODUCER_SEEN_WITHIN);
             let Some(end) = rec.work_end(dep.stream(), dep.seq()) else {
                 continue;
             };
-            if end > ready {
+            if end > ready && dep.stream().device == stream.device {
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
                     name: op.label.clone(),

@@ -540,6 +540,7 @@ impl Submitter {
     }
 
     fn process(&mut self, item: Submitted) {
+        let arrived = Instant::now();
         if item.seq <= self.last {
             let f = self.failure(
                 &item,
@@ -563,9 +564,10 @@ impl Submitter {
         let sem_waits: Vec<(vk::Semaphore, u64)> =
             waits.gpu.iter().map(|(s, v)| (s.semaphore, *v)).collect();
         let trace = match (&waits.failed, &item.job) {
-            (None, Ok(job)) => self
-                .trace
-                .start(item.seq, &item.label, &item.deps, job.bytes()),
+            (None, Ok(job)) => {
+                self.trace
+                    .start(item.seq, &item.label, &item.deps, job.bytes(), arrived)
+            }
             _ => None,
         };
         let outcome: std::result::Result<Option<vk::CommandBuffer>, Arc<Failure>> =
