@@ -1,0 +1,393 @@
+//! The CUDA C of the built-ins: one program per dtype, generated from the templates below.
+//!
+//! Every template is written once over placeholders that [`builtin_source`] replaces with
+//! concrete C: `{T}` the dtype's name (entry points are `<kernel>_{T}`), `{S}` the storage
+//! type, `{B}` the unsigned integer of the element's size (bitwise kernels), `{C}` the
+//! computation type (`float`, or `double` for `f64`), and the `LOAD`/`STORE`/`ADD`/`SUB`/
+//! `MUL`/`DIV`/`EXP`/`LOG` macros of the program's prelude. The generated text is a pure
+//! function of the dtype, so the runtime may cache the compiled module under its
+//! [`Program`](super::Program) key.
+//!
+//! **Matching the CPU backend.** Arithmetic goes through the round-to-nearest intrinsics
+//! (`__fadd_rn`, `__fmul_rn`, ...), which the compiler never contracts into fused
+//! multiply-adds, in the order the CPU backend uses (`src/kernels/cpu.rs`). `f16`/`bf16`
+//! widen to `float` and round back with the same integer code as [`crate::F16`] and
+//! [`crate::Bf16`] (no `cuda_fp16.h`: the programs include no header at all). So the
+//! element-wise kernels, `sum_rows` and the matmuls (one thread per output, summing in
+//! increasing `p`) are bitwise equal to the CPU's; `softmax_xent` uses CUDA's `expf`/`logf`
+//! (`exp`/`log` for `f64`), within a few ulp of Rust's, and sums the rows' losses in
+//! another order than the CPU (per-thread partial sums, then in thread order).
+
+use crate::node::DType;
+
+/// Threads per block of the grid-stride kernels.
+pub(super) const BLOCK: u32 = 256;
+
+/// Threads of the single block that sums the rows' losses of `softmax_xent` (the size of
+/// its shared array).
+pub(super) const LOSS_BLOCK: u32 = 256;
+
+/// The parts of a program that depend on the dtype.
+struct Types {
+    name: &'static str,
+    storage: &'static str,
+    bits: &'static str,
+    compute: &'static str,
+    prelude: &'static str,
+}
+
+const F32_PRELUDE: &str = r#"#define LOAD(x) (x)
+#define STORE(x) (x)
+#define ADD(a, b) __fadd_rn((a), (b))
+#define SUB(a, b) __fsub_rn((a), (b))
+#define MUL(a, b) __fmul_rn((a), (b))
+#define DIV(a, b) __fdiv_rn((a), (b))
+#define EXP(x) expf(x)
+#define LOG(x) logf(x)
+"#;
+
+const F64_PRELUDE: &str = r#"#define LOAD(x) (x)
+#define STORE(x) (x)
+#define ADD(a, b) __dadd_rn((a), (b))
+#define SUB(a, b) __dsub_rn((a), (b))
+#define MUL(a, b) __dmul_rn((a), (b))
+#define DIV(a, b) __ddiv_rn((a), (b))
+#define EXP(x) exp(x)
+#define LOG(x) log(x)
+"#;
+
+const F16_PRELUDE: &str = r#"#define LOAD(x) f16_to_f32(x)
+#define STORE(x) f32_to_f16(x)
+#define ADD(a, b) __fadd_rn((a), (b))
+#define SUB(a, b) __fsub_rn((a), (b))
+#define MUL(a, b) __fmul_rn((a), (b))
+#define DIV(a, b) __fdiv_rn((a), (b))
+#define EXP(x) expf(x)
+#define LOG(x) logf(x)
+"#;
+
+const BF16_PRELUDE: &str = r#"#define LOAD(x) bf16_to_f32(x)
+#define STORE(x) f32_to_bf16(x)
+#define ADD(a, b) __fadd_rn((a), (b))
+#define SUB(a, b) __fsub_rn((a), (b))
+#define MUL(a, b) __fmul_rn((a), (b))
+#define DIV(a, b) __fdiv_rn((a), (b))
+#define EXP(x) expf(x)
+#define LOG(x) logf(x)
+"#;
+
+fn types(dtype: DType) -> Types {
+    let (storage, bits, compute, prelude) = match dtype {
+        DType::F32 => ("float", "u32", "float", F32_PRELUDE),
+        DType::F64 => ("double", "u64", "double", F64_PRELUDE),
+        DType::F16 => ("u16", "u16", "float", F16_PRELUDE),
+        DType::BF16 => ("u16", "u16", "float", BF16_PRELUDE),
+        DType::I32 => ("int", "u32", "", ""),
+        DType::U8 => ("u8", "u8", "", ""),
+    };
+    Types {
+        name: dtype.name(),
+        storage,
+        bits,
+        compute,
+        prelude,
+    }
+}
+
+/// Types, the grid-stride loop, and the `f16`/`bf16` conversions of `src/node.rs`.
+const COMMON: &str = r#"typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define GRID_STRIDE(i, n) \
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (u64)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+  u32 sign = ((u32)h & 0x8000u) << 16;
+  u32 exp = ((u32)h >> 10) & 0x1fu;
+  u32 man = (u32)h & 0x3ffu;
+  u32 bits;
+  if (exp == 0u) {
+    if (man == 0u) {
+      bits = sign;
+    } else {
+      int e = 127 - 15 + 1;
+      u32 m = man;
+      while ((m & 0x400u) == 0u) {
+        m <<= 1;
+        e -= 1;
+      }
+      bits = sign | ((u32)e << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127u - 15u) << 23) | (man << 13);
+  }
+  return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+  u32 bits = __float_as_uint(x);
+  u32 sign = (bits >> 16) & 0x8000u;
+  int exp = (int)((bits >> 23) & 0xffu);
+  u32 man = bits & 0x7fffffu;
+  if (exp == 0xff) {
+    return (u16)(sign | 0x7c00u | (man != 0u ? 0x0200u : 0u));
+  }
+  int e = exp - 127 + 15;
+  if (e >= 0x1f) {
+    return (u16)(sign | 0x7c00u);
+  }
+  if (e <= 0) {
+    if (e < -10) {
+      return (u16)sign;
+    }
+    u32 m = man | 0x800000u;
+    u32 shift = (u32)(14 - e);
+    u32 half = 1u << (shift - 1u);
+    u32 rem = m & ((1u << shift) - 1u);
+    u32 out = m >> shift;
+    if (rem > half || (rem == half && (out & 1u) == 1u)) {
+      out += 1u;
+    }
+    return (u16)(sign | out);
+  }
+  u32 out = ((u32)e << 10) | (man >> 13);
+  u32 rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (out & 1u) == 1u)) {
+    out += 1u;
+  }
+  return (u16)(sign | out);
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+  return __uint_as_float((u32)h << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+  u32 bits = __float_as_uint(x);
+  if (x != x) {
+    return (u16)((bits >> 16) | 0x40u);
+  }
+  u32 round = 0x7fffu + ((bits >> 16) & 1u);
+  return (u16)((bits + round) >> 16);
+}
+"#;
+
+/// Bitwise kernels, every dtype. `fill` takes the element's bits (computed on the host
+/// exactly as the CPU backend converts the value); `copy_range` serves `copy` too.
+const BITWISE: &str = r#"
+extern "C" __global__ void fill_{T}({B}* dst, u64 n, {V} value) {
+  GRID_STRIDE(i, n) { dst[i] = ({B})value; }
+}
+
+extern "C" __global__ void copy_range_{T}({B}* dst, const {B}* src, u64 dst_offset,
+                                          u64 src_offset, u64 n) {
+  GRID_STRIDE(i, n) { dst[dst_offset + i] = src[src_offset + i]; }
+}
+"#;
+
+/// `dst += src` on `i32`, wrapping.
+const ADD_I32: &str = r#"
+extern "C" __global__ void add_into_i32(int* dst, const int* src, u64 n) {
+  GRID_STRIDE(i, n) { dst[i] = (int)((u32)dst[i] + (u32)src[i]); }
+}
+"#;
+
+/// The float kernels (every float dtype).
+const FLOAT: &str = r#"
+extern "C" __global__ void add_into_{T}({S}* dst, const {S}* src, u64 n) {
+  GRID_STRIDE(i, n) { dst[i] = STORE(ADD(LOAD(dst[i]), LOAD(src[i]))); }
+}
+
+extern "C" __global__ void scale_{T}({S}* dst, const {S}* src, {C} alpha, u64 n) {
+  GRID_STRIDE(i, n) { dst[i] = STORE(MUL(alpha, LOAD(src[i]))); }
+}
+
+extern "C" __global__ void axpy_{T}({S}* y, const {S}* x, {C} alpha, u64 n) {
+  GRID_STRIDE(i, n) { y[i] = STORE(ADD(LOAD(y[i]), MUL(alpha, LOAD(x[i])))); }
+}
+
+extern "C" __global__ void sgd_step_{T}({S}* w, const {S}* g, {C} lr, u64 n) {
+  GRID_STRIDE(i, n) { w[i] = STORE(SUB(LOAD(w[i]), MUL(lr, LOAD(g[i])))); }
+}
+
+extern "C" __global__ void mul_{T}({S}* dst, const {S}* a, const {S}* b, u64 n) {
+  GRID_STRIDE(i, n) { dst[i] = STORE(MUL(LOAD(a[i]), LOAD(b[i]))); }
+}
+
+extern "C" __global__ void relu_{T}({S}* dst, const {S}* src, u64 n) {
+  GRID_STRIDE(i, n) {
+    {C} x = LOAD(src[i]);
+    dst[i] = STORE((x > ({C})0 || x != x) ? x : ({C})0);
+  }
+}
+
+extern "C" __global__ void relu_backward_{T}({S}* dgrad_in, const {S}* grad_out,
+                                             const {S}* pre_activation, u64 n) {
+  GRID_STRIDE(i, n) {
+    {C} g = LOAD(grad_out[i]);
+    dgrad_in[i] = STORE(LOAD(pre_activation[i]) > ({C})0 ? g : ({C})0);
+  }
+}
+
+extern "C" __global__ void add_row_bias_{T}({S}* dst, const {S}* bias, u64 mn, u64 n) {
+  GRID_STRIDE(i, mn) { dst[i] = STORE(ADD(LOAD(dst[i]), LOAD(bias[i % n]))); }
+}
+
+/* One thread per column, summing the rows in increasing order. */
+extern "C" __global__ void sum_rows_{T}({S}* dst, const {S}* src, u64 m, u64 n) {
+  GRID_STRIDE(j, n) {
+    {C} acc = ({C})0;
+    for (u64 i = 0; i < m; ++i) {
+      acc = ADD(acc, LOAD(src[i * n + j]));
+    }
+    dst[j] = STORE(acc);
+  }
+}
+
+/* The row's maximum (first to last, as the CPU) and the sum of exp(z - max). */
+__device__ __forceinline__ void softmax_row_{T}(const {S}* z, u64 c, {C}* mx, {C}* s) {
+  {C} m = LOAD(z[0]);
+  for (u64 j = 1; j < c; ++j) {
+    {C} zj = LOAD(z[j]);
+    if (zj > m) {
+      m = zj;
+    }
+  }
+  {C} sum = ({C})0;
+  for (u64 j = 0; j < c; ++j) {
+    sum = ADD(sum, EXP(SUB(LOAD(z[j]), m)));
+  }
+  *mx = m;
+  *s = sum;
+}
+
+/* One thread per row: dlogits = (exp(z - mx) / s - y) * grad_scale. */
+extern "C" __global__ void softmax_xent_grad_{T}({S}* dlogits, const {S}* logits,
+                                                 const {S}* labels, {C} grad_scale, u64 m,
+                                                 u64 c) {
+  if (c == 0) {
+    return;
+  }
+  GRID_STRIDE(row, m) {
+    const {S}* z = logits + row * c;
+    const {S}* y = labels + row * c;
+    {S}* g = dlogits + row * c;
+    {C} mx, s;
+    softmax_row_{T}(z, c, &mx, &s);
+    for (u64 j = 0; j < c; ++j) {
+      {C} e = EXP(SUB(LOAD(z[j]), mx));
+      g[j] = STORE(MUL(SUB(DIV(e, s), LOAD(y[j])), grad_scale));
+    }
+  }
+}
+
+/* One block: thread t sums the losses of rows t, t + blockDim.x, ..., then thread 0 sums
+   the threads' partial sums in thread order. */
+extern "C" __global__ void softmax_xent_loss_{T}({S}* loss, const {S}* logits,
+                                                 const {S}* labels, u64 m, u64 c) {
+  __shared__ {C} partial[{LOSS_BLOCK}];
+  {C} total = ({C})0;
+  if (c > 0) {
+    for (u64 row = threadIdx.x; row < m; row += blockDim.x) {
+      const {S}* z = logits + row * c;
+      const {S}* y = labels + row * c;
+      {C} mx, s;
+      softmax_row_{T}(z, c, &mx, &s);
+      {C} lse = ADD(mx, LOG(s));
+      {C} row_loss = ({C})0;
+      for (u64 j = 0; j < c; ++j) {
+        row_loss = ADD(row_loss, MUL(LOAD(y[j]), SUB(lse, LOAD(z[j]))));
+      }
+      total = ADD(total, row_loss);
+    }
+  }
+  partial[threadIdx.x] = total;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    {C} sum = ({C})0;
+    for (u32 t = 0; t < blockDim.x; ++t) {
+      sum = ADD(sum, partial[t]);
+    }
+    loss[0] = STORE(sum);
+  }
+}
+"#;
+
+/// The matmuls (`f32`, `f64`): one thread per output element, summing in increasing `p`
+/// from zero, which is the CPU's order for every loop order it uses.
+const MATMUL: &str = r#"
+extern "C" __global__ void matmul_{T}({S}* c, const {S}* a, const {S}* b, u64 m, u64 k,
+                                      u64 n) {
+  GRID_STRIDE(ij, m * n) {
+    u64 i = ij / n, j = ij % n;
+    {C} acc = ({C})0;
+    for (u64 p = 0; p < k; ++p) {
+      acc = ADD(acc, MUL(a[i * k + p], b[p * n + j]));
+    }
+    c[ij] = acc;
+  }
+}
+
+extern "C" __global__ void matmul_tn_{T}({S}* c, const {S}* a, const {S}* b, u64 m, u64 k,
+                                         u64 n) {
+  GRID_STRIDE(ij, m * n) {
+    u64 i = ij / n, j = ij % n;
+    {C} acc = ({C})0;
+    for (u64 p = 0; p < k; ++p) {
+      acc = ADD(acc, MUL(a[p * m + i], b[p * n + j]));
+    }
+    c[ij] = acc;
+  }
+}
+
+extern "C" __global__ void matmul_nt_{T}({S}* c, const {S}* a, const {S}* b, u64 m, u64 k,
+                                         u64 n) {
+  GRID_STRIDE(ij, m * n) {
+    u64 i = ij / n, j = ij % n;
+    {C} acc = ({C})0;
+    for (u64 p = 0; p < k; ++p) {
+      acc = ADD(acc, MUL(a[i * k + p], b[j * k + p]));
+    }
+    c[ij] = acc;
+  }
+}
+"#;
+
+/// The C type of `fill`'s value parameter: the element's bits, widened to `u32` except
+/// for 8-byte elements.
+pub(super) const fn fill_value_is_u64(dtype: DType) -> bool {
+    dtype.size_in_bytes() == 8
+}
+
+/// The CUDA C of every built-in kernel for `dtype` (see the module doc).
+pub(super) fn builtin_source(dtype: DType) -> String {
+    let t = types(dtype);
+    let mut out = format!("/* tributary built-in kernels for {} */\n", t.name);
+    out.push_str(COMMON);
+    out.push_str(t.prelude);
+    let value = if fill_value_is_u64(dtype) {
+        "u64"
+    } else {
+        "u32"
+    };
+    out.push_str(&BITWISE.replace("{V}", value));
+    match dtype {
+        DType::I32 => out.push_str(ADD_I32),
+        DType::U8 => {}
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
+            out.push_str(&FLOAT.replace("{LOSS_BLOCK}", &LOSS_BLOCK.to_string()));
+            if matches!(dtype, DType::F32 | DType::F64) {
+                out.push_str(MATMUL);
+            }
+        }
+    }
+    out.replace("{T}", t.name)
+        .replace("{S}", t.storage)
+        .replace("{B}", t.bits)
+        .replace("{C}", t.compute)
+}
