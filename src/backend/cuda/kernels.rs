@@ -629,3 +629,6 @@ impl Planner<'_> {
         }
     }
 }
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests;
