@@ -311,7 +311,13 @@ fn scalars_are_in_the_computation_type() {
 fn add_merge_reads_the_merge_buffer() {
     let dst = binding(0, DType::I32, &[5], Access::ReadWrite);
     let merge = binding(1, DType::I32, &[5], Access::Read);
-    let l = builtin_launches(&Builtin::AddMerge, &[dst.clone()], Some(&merge), &BIG).unwrap();
+    let l = builtin_launches(
+        &Builtin::AddMerge,
+        std::slice::from_ref(&dst),
+        Some(&merge),
+        &BIG,
+    )
+    .unwrap();
     assert_eq!(
         l[0].params,
         vec![
@@ -320,7 +326,8 @@ fn add_merge_reads_the_merge_buffer() {
             LaunchParam::U64(5)
         ]
     );
-    let err = builtin_launches(&Builtin::AddMerge, &[dst.clone()], None, &BIG).unwrap_err();
+    let err =
+        builtin_launches(&Builtin::AddMerge, std::slice::from_ref(&dst), None, &BIG).unwrap_err();
     assert!(err.contains("merge"), "{err}");
     let short = binding(1, DType::I32, &[4], Access::Read);
     let err = builtin_launches(&Builtin::AddMerge, &[dst], Some(&short), &BIG).unwrap_err();
