@@ -16,7 +16,13 @@ use std::{
     sync::Mutex,
 };
 
-use tributary::backend::cuda::kernels::{nvrtc, Program};
+use tributary::{
+    backend::cuda::kernels::{kernel_launches, nvrtc, Launch, LaunchLimits, LaunchParam, Program},
+    ids::{BufferLoc, DeviceId, PoolId},
+    kernels::{self, Access, RoutineSpec},
+    protocol::{ArgBinding, GlobalLoc},
+    Bf16, DType, TensorNode, F16,
+};
 
 /// `(NVRTC virtual architecture, ptxas real architecture)`.
 const TARGETS: [(&str, &str); 2] = [("compute_80", "sm_80"), ("compute_90", "sm_90")];
@@ -201,4 +207,437 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
         programs.len() - 1,
         TARGETS.len()
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// The built-ins' CUDA C run on the host.
+
+/// What the generated CUDA C needs from CUDA, for a host C++ compiler: the intrinsics as
+/// plain IEEE operations (no contraction: `-ffp-contract=off`), the bit casts, and the
+/// thread indices as globals that the driver sets.
+const HOST_SHIM: &str = r#"#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct HostDim { unsigned int x, y, z; };
+static HostDim blockIdx, threadIdx, blockDim, gridDim;
+static inline void __syncthreads() {}
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static inline double host_f64(unsigned long long u) { double d; memcpy(&d, &u, 8); return d; }
+"#;
+
+/// One built-in call: its spec, input bytes per parameter, merge bytes, and its launches.
+struct HostCase {
+    spec: RoutineSpec,
+    inputs: Vec<Vec<u8>>,
+    merge: Option<Vec<u8>>,
+    launches: Vec<Launch>,
+}
+
+/// A deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Mostly values in [-3, 3), some small integers, zeros, and now and then a special
+    /// value (NaN, infinities, -0, a subnormal).
+    fn value(&mut self) -> f64 {
+        let r = self.next_u64();
+        let u = (r >> 11) as f64 / (1u64 << 53) as f64;
+        match r % 23 {
+            0 => 0.0,
+            1 => -0.0,
+            2 => f64::NAN,
+            3 => f64::INFINITY * if r & 64 == 0 { 1.0 } else { -1.0 },
+            4 => 1e-40,
+            5 | 6 => ((r >> 20) % 7) as f64 - 3.0,
+            _ => u * 6.0 - 3.0,
+        }
+    }
+}
+
+/// `n` elements of `dtype` as bytes: half-precision types get random bit patterns (every
+/// class of value), the others [`Rng::value`]s (`i32` scaled to overflow when added).
+fn host_input(dtype: DType, n: usize, rng: &mut Rng) -> Vec<u8> {
+    use tributary::kernels::to_bytes;
+    match dtype {
+        DType::F16 | DType::BF16 => (0..n)
+            .flat_map(|_| (rng.next_u64() as u16).to_ne_bytes())
+            .collect(),
+        DType::F32 => to_bytes(&(0..n).map(|_| rng.value() as f32).collect::<Vec<_>>()),
+        DType::F64 => to_bytes(&(0..n).map(|_| rng.value()).collect::<Vec<_>>()),
+        DType::I32 => to_bytes(&(0..n).map(|_| rng.next_u64() as i32).collect::<Vec<_>>()),
+        DType::U8 => (0..n).map(|_| rng.next_u64() as u8).collect(),
+    }
+}
+
+/// Probabilities-like labels: one-hot rows with every seventh row uniform.
+fn labels(dtype: DType, m: usize, c: usize) -> Vec<u8> {
+    use tributary::kernels::to_bytes;
+    let v: Vec<f32> = (0..m * c)
+        .map(|i| match (i / c % 7 == 6, i % c == (i / c * 5) % c) {
+            (true, _) => 1.0 / c as f32,
+            (false, true) => 1.0,
+            (false, false) => 0.0,
+        })
+        .collect();
+    match dtype {
+        DType::F32 => to_bytes(&v),
+        DType::F64 => to_bytes(&v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()),
+        DType::F16 => to_bytes(&v.iter().map(|&x| F16::from_f32(x)).collect::<Vec<_>>()),
+        DType::BF16 => to_bytes(&v.iter().map(|&x| Bf16::from_f32(x)).collect::<Vec<_>>()),
+        DType::I32 | DType::U8 => Vec::new(),
+    }
+}
+
+/// Small limits, so that grid-stride loops and block sizes other than 1 are exercised.
+const HOST_LIMITS: LaunchLimits = LaunchLimits {
+    max_threads_per_block: 4,
+    max_block: [4, 1, 1],
+    max_grid: [3, 1, 1],
+    max_shared_mem_per_block: 48 * 1024,
+    multiprocessor_count: 1,
+};
+
+/// Every built-in for `dtype` over random inputs, plus every half-precision bit pattern
+/// through `scale` (both conversions, all rounding cases).
+fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
+    let t = |dims: &[usize]| TensorNode::new("t", dtype, dims.to_vec());
+    let mut specs = Vec::new();
+    for (m, k, n) in [(5, 3, 7), (9, 4, 2)] {
+        let mn = m * n;
+        specs.extend([
+            kernels::fill(&t(&[m, n]), -1.3),
+            kernels::copy(&t(&[m, n]), &t(&[mn])),
+            kernels::copy_range(&t(&[m, n]), 2, &t(&[mn]), 1, mn - 3),
+            kernels::add_into(&t(&[m, n]), &t(&[m, n])),
+            kernels::add_merge(&t(&[m, n])),
+            kernels::scale(&t(&[m, n]), &t(&[m, n]), 0.3),
+            kernels::scale_in_place(&t(&[m, n]), -1.7),
+            kernels::axpy(&t(&[m, n]), &t(&[m, n]), 0.7),
+            kernels::sgd_step(&t(&[m, n]), &t(&[m, n]), 0.01),
+            kernels::relu(&t(&[m, n]), &t(&[m, n])),
+            kernels::relu_backward(&t(&[m, n]), &t(&[m, n]), &t(&[m, n])),
+            kernels::mul(&t(&[m, n]), &t(&[m, n]), &t(&[m, n])),
+            kernels::add_row_bias(&t(&[m, n]), &t(&[n])),
+            kernels::sum_rows(&t(&[n]), &t(&[m, n])),
+            kernels::softmax_xent(&t(&[1]), &t(&[m, n]), &t(&[m, n]), &t(&[m, n]), 0.125),
+            kernels::matmul(&t(&[m, n]), &t(&[m, k]), &t(&[k, n])),
+            kernels::matmul_tn(&t(&[m, n]), &t(&[k, m]), &t(&[k, n])),
+            kernels::matmul_nt(&t(&[m, n]), &t(&[m, k]), &t(&[n, k])),
+        ]);
+    }
+    if matches!(dtype, DType::F16 | DType::BF16) {
+        specs.push(kernels::scale(&t(&[65536]), &t(&[65536]), 1.0));
+        specs.push(kernels::scale(&t(&[65536]), &t(&[65536]), 0.3));
+    }
+    let mut cases = Vec::new();
+    for spec in specs {
+        let spec = match spec {
+            Ok(spec) => spec,
+            Err(tributary::Error::DTypeMismatch { .. }) => continue, // not for this dtype
+            Err(e) => panic!("{dtype}: {e}"),
+        };
+        let softmax = spec.name.starts_with("softmax_xent");
+        let inputs: Vec<Vec<u8>> = spec
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let n = p.node.numel();
+                match (p.access, softmax && i == 3, spec.name.contains("65536")) {
+                    (Access::Write, _, _) => vec![0; n * dtype.size_in_bytes()],
+                    (_, true, _) => {
+                        labels(dtype, p.node.shape().dims()[0], p.node.shape().dims()[1])
+                    }
+                    _ if spec.params.len() == 2 && n == 65536 => {
+                        (0..=u16::MAX).flat_map(u16::to_ne_bytes).collect()
+                    }
+                    _ => host_input(dtype, n, rng),
+                }
+            })
+            .collect();
+        let merge = spec
+            .merge
+            .as_ref()
+            .map(|m| host_input(dtype, m.numel(), rng));
+        let binding = |i: usize, node: &TensorNode, access: Access| ArgBinding {
+            loc: GlobalLoc {
+                device: DeviceId(0),
+                loc: BufferLoc {
+                    pool: PoolId(0),
+                    offset: i as u64 * 1024,
+                },
+            },
+            bytes: node.size_in_bytes().expect("size"),
+            dtype,
+            shape: node.shape().clone(),
+            access,
+        };
+        let args: Vec<ArgBinding> = spec
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| binding(i, &p.node, p.access))
+            .collect();
+        let merge_binding = spec.merge.as_ref().map(|m| binding(99, m, Access::Read));
+        let launches = kernel_launches(&spec.kernel, &args, merge_binding.as_ref(), &HOST_LIMITS)
+            .unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+        cases.push(HostCase {
+            spec,
+            inputs,
+            merge,
+            launches,
+        });
+    }
+    cases
+}
+
+/// The parameter declarations of `entry` in `source` (`const float* src`, `u64 n`, ...).
+fn declarations<'s>(source: &'s str, entry: &str) -> Vec<&'s str> {
+    let head = format!("extern \"C\" __global__ void {entry}(");
+    let start = source.find(&head).expect("entry point") + head.len();
+    let end = start + source[start..].find(')').expect("closing parenthesis");
+    source[start..end].split(',').map(str::trim).collect()
+}
+
+/// A C++ program running `cases` of `source` and writing every written buffer, in order,
+/// to the file named by its second argument; inputs come from the file named first.
+/// Blocks run in order; threads of a block run last to first, which is a valid schedule
+/// for these kernels' single barrier (only thread 0 reads after it).
+fn host_driver(source: &str, cases: &[HostCase]) -> (String, Vec<u8>) {
+    let mut inputs = Vec::new();
+    let mut c = String::from(HOST_SHIM);
+    c.push_str(source);
+    c.push_str(
+        "\nstatic unsigned char* input_at(const unsigned char* all, size_t off, size_t len) {\n\
+         \x20 unsigned char* p = (unsigned char*)aligned_alloc(64, len + 64);\n\
+         \x20 memcpy(p, all + off, len);\n  return p;\n}\n\
+         int main(int argc, char** argv) {\n\
+         \x20 if (argc != 3) return 2;\n\
+         \x20 FILE* in = fopen(argv[1], \"rb\");\n\
+         \x20 if (!in) return 3;\n\
+         \x20 fseek(in, 0, SEEK_END);\n  long size = ftell(in);\n  fseek(in, 0, SEEK_SET);\n\
+         \x20 unsigned char* all = (unsigned char*)malloc(size + 1);\n\
+         \x20 if (fread(all, 1, size, in) != (size_t)size) return 4;\n\
+         \x20 FILE* out = fopen(argv[2], \"wb\");\n\
+         \x20 if (!out) return 5;\n",
+    );
+    for (ci, case) in cases.iter().enumerate() {
+        let mut buffers: Vec<String> = Vec::new();
+        for (i, bytes) in case.inputs.iter().chain(&case.merge).enumerate() {
+            c.push_str(&format!(
+                "  unsigned char* b{ci}_{i} = input_at(all, {}, {});\n",
+                inputs.len(),
+                bytes.len()
+            ));
+            inputs.extend_from_slice(bytes);
+            buffers.push(format!("b{ci}_{i}"));
+        }
+        for l in &case.launches {
+            let decls = declarations(source, &l.entry_point);
+            assert_eq!(decls.len(), l.params.len(), "{}", l.entry_point);
+            let args: Vec<String> = l
+                .params
+                .iter()
+                .zip(&decls)
+                .map(|(p, decl)| {
+                    let ty = decl.rsplit_once(' ').map_or(*decl, |(ty, _)| ty);
+                    match *p {
+                        LaunchParam::Buffer(i) => format!("({ty}){}", buffers[i]),
+                        LaunchParam::Merge => format!("({ty}){}", buffers[case.inputs.len()]),
+                        LaunchParam::U32(x) => format!("({ty}){x}u"),
+                        LaunchParam::U64(x) => format!("({ty}){x}ull"),
+                        LaunchParam::I32(x) => format!("({ty})({x})"),
+                        LaunchParam::I64(x) => format!("({ty})({x}ll)"),
+                        LaunchParam::F32(x) => format!("__uint_as_float({}u)", x.to_bits()),
+                        LaunchParam::F64(x) => format!("host_f64({}ull)", x.to_bits()),
+                    }
+                })
+                .collect();
+            c.push_str(&format!(
+                "  gridDim.x = {g}; blockDim.x = {b};\n\
+                 \x20 for (unsigned int bx = 0; bx < {g}; ++bx)\n\
+                 \x20   for (unsigned int tx = {b}; tx-- > 0;) {{\n\
+                 \x20     blockIdx.x = bx; threadIdx.x = tx;\n\
+                 \x20     {}({});\n\
+                 \x20   }}\n",
+                l.entry_point,
+                args.join(", "),
+                g = l.grid[0],
+                b = l.block[0],
+            ));
+        }
+        for (i, (p, bytes)) in case.spec.params.iter().zip(&case.inputs).enumerate() {
+            if p.access.writes() {
+                c.push_str(&format!("  fwrite(b{ci}_{i}, 1, {}, out);\n", bytes.len()));
+            }
+        }
+    }
+    c.push_str("  fclose(out);\n  return 0;\n}\n");
+    (c, inputs)
+}
+
+/// Relative tolerance (of the magnitude, at least 1) of the softmax outputs, as in the
+/// backend conformance suite; everything else must be bitwise equal.
+fn softmax_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F64 => 1e-12,
+        DType::F16 => 1e-3,
+        _ => 8e-3,
+    }
+}
+
+fn as_f64(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    use tributary::kernels::from_bytes;
+    match dtype {
+        DType::F32 => from_bytes::<f32>(bytes)
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F64 => from_bytes::<f64>(bytes).unwrap(),
+        DType::F16 => from_bytes::<F16>(bytes)
+            .unwrap()
+            .iter()
+            .map(|h| f64::from(h.to_f32()))
+            .collect(),
+        DType::BF16 => from_bytes::<Bf16>(bytes)
+            .unwrap()
+            .iter()
+            .map(|h| f64::from(h.to_f32()))
+            .collect(),
+        DType::I32 | DType::U8 => bytes.iter().map(|&b| f64::from(b)).collect(),
+    }
+}
+
+/// The CUDA C of every built-in, compiled for the host with `c++` (shimmed CUDA
+/// intrinsics, the launches' grids run sequentially) and run over random inputs, equals the
+/// CPU backend: bitwise, except `softmax_xent` within the conformance suite's tolerance.
+/// This checks the kernels' arithmetic, operation order, `f16`/`bf16` conversions and
+/// launch parameters without a GPU; skipped (with a message) without a C++ compiler.
+#[test]
+fn builtin_cuda_c_run_on_the_host_matches_the_cpu_backend() {
+    let cxx = std::env::var_os("CXX").map_or_else(|| PathBuf::from("c++"), PathBuf::from);
+    if let Err(e) = Command::new(&cxx).arg("--version").output() {
+        assert!(
+            !required(),
+            "TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK=1 but {} does not run: {e}",
+            cxx.display()
+        );
+        println!(
+            "skipping CUDA kernel check on the host: {} does not run: {e}",
+            cxx.display()
+        );
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tributary-cuda-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temporary directory");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut checked = 0;
+    for dtype in DType::ALL {
+        let cases = host_cases(dtype, &mut rng);
+        let source = Program::Builtins(dtype)
+            .cuda_c()
+            .expect("CUDA C")
+            .into_owned();
+        let (driver, inputs) = host_driver(&source, &cases);
+        let (cpp, exe) = (dir.join(format!("{dtype}.cpp")), dir.join(dtype.name()));
+        let (input_file, output_file) = (
+            dir.join(format!("{dtype}.in")),
+            dir.join(format!("{dtype}.out")),
+        );
+        std::fs::write(&cpp, driver).unwrap();
+        std::fs::write(&input_file, inputs).unwrap();
+        let build = Command::new(&cxx)
+            .args([
+                "-std=c++17",
+                "-O1",
+                "-ffp-contract=off",
+                "-fno-fast-math",
+                "-o",
+            ])
+            .arg(&exe)
+            .arg(&cpp)
+            .arg("-lm")
+            .output()
+            .unwrap();
+        assert!(
+            build.status.success(),
+            "{dtype}: the host build of the CUDA C fails:\n{}",
+            String::from_utf8_lossy(&build.stderr)
+        );
+        let run = Command::new(&exe)
+            .arg(&input_file)
+            .arg(&output_file)
+            .status()
+            .unwrap();
+        assert!(run.success(), "{dtype}: the host run fails: {run}");
+        let outputs = std::fs::read(&output_file).unwrap();
+        let mut at = 0;
+        for case in cases {
+            let mut want = case.inputs.clone();
+            kernels::run_on_host(&case.spec, &mut want, case.merge.as_deref())
+                .unwrap_or_else(|e| panic!("{} on the CPU: {e}", case.spec.name));
+            for (i, p) in case.spec.params.iter().enumerate() {
+                if !p.access.writes() {
+                    continue;
+                }
+                let got = &outputs[at..at + want[i].len()];
+                at += want[i].len();
+                let what = format!("{} ({dtype}), argument {i}", case.spec.name);
+                if case.spec.name.starts_with("softmax_xent") {
+                    let tol = softmax_tolerance(dtype);
+                    for (j, (g, w)) in as_f64(dtype, got)
+                        .iter()
+                        .zip(as_f64(dtype, &want[i]))
+                        .enumerate()
+                    {
+                        let err = (g - w).abs() / w.abs().max(1.0);
+                        assert!(
+                            err <= tol || (g.is_nan() && w.is_nan()),
+                            "{what}: element {j}: got {g}, want {w}"
+                        );
+                    }
+                } else if got != want[i].as_slice() {
+                    let size = dtype.size_in_bytes();
+                    let j = (0..got.len() / size)
+                        .find(|&j| {
+                            got[j * size..(j + 1) * size] != want[i][j * size..(j + 1) * size]
+                        })
+                        .unwrap_or(0);
+                    panic!(
+                        "{what}: not bitwise equal to the CPU backend; element {j}: got {:02x?}, \
+                         want {:02x?}",
+                        &got[j * size..(j + 1) * size],
+                        &want[i][j * size..(j + 1) * size]
+                    );
+                }
+            }
+            checked += 1;
+        }
+        assert_eq!(at, outputs.len(), "{dtype}: every output was read");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{checked} built-in calls of the CUDA C, run on the host, match the CPU backend");
 }

@@ -16,7 +16,14 @@
 //! element-wise kernels, `sum_rows` and the matmuls (one thread per output, summing in
 //! increasing `p`) are bitwise equal to the CPU's; `softmax_xent` uses CUDA's `expf`/`logf`
 //! (`exp`/`log` for `f64`), within a few ulp of Rust's, and sums the rows' losses in
-//! another order than the CPU (per-thread partial sums, then in thread order).
+//! another order than the CPU (per-thread partial sums, then in thread order). One
+//! exception to "bitwise": a NaN produced by arithmetic is the GPU's canonical NaN, where
+//! the CPU propagates an operand's sign and payload (NaN inputs to `relu`, copies and fills
+//! keep their bits on both).
+//!
+//! `tests/cuda_kernels.rs` compiles these programs with NVRTC and `ptxas`, and also builds
+//! them for the host with a C++ compiler (the intrinsics shimmed as IEEE operations) to
+//! compare every built-in with the CPU backend, bit for bit, without a GPU.
 
 use crate::node::DType;
 
