@@ -488,7 +488,7 @@ pub fn builtin_launches(
             let dims = [m as u64, k as u64, cols as u64].map(U64);
             let mut params = vec![Buffer(0), Buffer(1), Buffer(2)];
             params.extend(dims);
-            plan.grid_stride(name, params, n)
+            plan.grid_stride_by(source::MATMUL_BLOCK, name, params, n)
         }
         Builtin::AddRowBias { m, n: cols } => {
             expect("dst", n, prod(m, cols)?)?;
@@ -502,7 +502,8 @@ pub fn builtin_launches(
         Builtin::SumRows { m, n: cols } => {
             expect("dst", n, cols as u64)?;
             expect("src", len(1), prod(m, cols)?)?;
-            plan.grid_stride(
+            plan.grid_stride_by(
+                source::ROWS_BLOCK,
                 "sum_rows",
                 vec![Buffer(0), Buffer(1), U64(m as u64), U64(cols as u64)],
                 n,
@@ -515,7 +516,8 @@ pub fn builtin_launches(
             expect("logits", len(2), mc)?;
             expect("labels", len(3), mc)?;
             let (rows, classes) = (U64(m as u64), U64(c as u64));
-            let mut out = plan.grid_stride(
+            let mut out = plan.grid_stride_by(
+                source::ROWS_BLOCK,
                 "softmax_xent_grad",
                 vec![
                     Buffer(1),
@@ -587,12 +589,24 @@ impl Planner<'_> {
         }
     }
 
-    /// A grid-stride kernel over `items` (nothing when there are none).
+    /// An element-wise grid-stride kernel over `items` (nothing when there are none).
     fn grid_stride(&self, kernel: &str, params: Vec<LaunchParam>, items: u64) -> Vec<Launch> {
+        self.grid_stride_by(source::ELEMENTWISE_BLOCK, kernel, params, items)
+    }
+
+    /// A grid-stride kernel over `items` with blocks of `block` threads (lowered to the
+    /// limits); nothing when there are no items.
+    fn grid_stride_by(
+        &self,
+        block: u32,
+        kernel: &str,
+        params: Vec<LaunchParam>,
+        items: u64,
+    ) -> Vec<Launch> {
         if items == 0 {
             return Vec::new();
         }
-        let block = self.block(source::BLOCK);
+        let block = self.block(block);
         let cap = self
             .limits
             .multiprocessor_count

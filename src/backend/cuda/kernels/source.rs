@@ -27,8 +27,16 @@
 
 use crate::node::DType;
 
-/// Threads per block of the grid-stride kernels.
-pub(super) const BLOCK: u32 = 256;
+/// Threads per block of the element-wise kernels (one cheap item per thread: large blocks).
+pub(super) const ELEMENTWISE_BLOCK: u32 = 256;
+
+/// Threads per block of the matmuls (a `k`-long loop per output: smaller blocks spread
+/// small outputs over more multiprocessors).
+pub(super) const MATMUL_BLOCK: u32 = 128;
+
+/// Threads per block of the kernels with one thread per row or column (`sum_rows`,
+/// `softmax_xent_grad`): there are few items, each a long loop, so small blocks.
+pub(super) const ROWS_BLOCK: u32 = 64;
 
 /// Threads of the single block that sums the rows' losses of `softmax_xent` (the size of
 /// its shared array).

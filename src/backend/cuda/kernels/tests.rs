@@ -256,7 +256,7 @@ fn huge_tensors_get_capped_grids_and_64_bit_counts() {
     let l = builtin_launches(&Builtin::AddInto, &[dst, src], None, &BIG).unwrap();
     assert_eq!(l.len(), 1);
     assert_eq!(l[0].grid, [132 * BLOCKS_PER_MULTIPROCESSOR, 1, 1]);
-    assert_eq!(l[0].block, [source::BLOCK, 1, 1]);
+    assert_eq!(l[0].block, [source::ELEMENTWISE_BLOCK, 1, 1]);
     assert_eq!(l[0].params[2], LaunchParam::U64(n as u64));
     let l = builtin_launches(
         &Builtin::Fill { value: 0.0 },
@@ -476,4 +476,44 @@ fn closures_and_shaders_are_not_cuda_kernels() {
         );
     }
     assert!(unsupported_on_cuda(&Kernel::Builtin(Builtin::Copy)).is_none());
+}
+
+#[test]
+fn block_sizes_are_chosen_per_kernel() {
+    let f = |i, shape: &[usize], access| binding(i, DType::F32, shape, access);
+    let (r, w) = (Access::Read, Access::Write);
+    let block = |b: Builtin, args: Vec<ArgBinding>| -> Vec<u32> {
+        builtin_launches(&b, &args, None, &BIG)
+            .unwrap()
+            .iter()
+            .map(|l| l.block[0])
+            .collect()
+    };
+    let mm = Builtin::Matmul { m: 64, k: 8, n: 64 };
+    let mm_args = vec![f(0, &[64, 64], w), f(1, &[64, 8], r), f(2, &[8, 64], r)];
+    assert_eq!(block(mm, mm_args), vec![source::MATMUL_BLOCK]);
+    let sum = Builtin::SumRows { m: 100, n: 1000 };
+    assert_eq!(
+        block(sum, vec![f(0, &[1000], w), f(1, &[100, 1000], r)]),
+        vec![source::ROWS_BLOCK]
+    );
+    let sx = Builtin::SoftmaxXent {
+        m: 8,
+        c: 10,
+        grad_scale: 1.0,
+    };
+    let sx_args = vec![
+        f(0, &[1], w),
+        f(1, &[8, 10], w),
+        f(2, &[8, 10], r),
+        f(3, &[8, 10], r),
+    ];
+    assert_eq!(
+        block(sx, sx_args),
+        vec![source::ROWS_BLOCK, source::LOSS_BLOCK]
+    );
+    assert_eq!(
+        block(Builtin::Relu, vec![f(0, &[4096], w), f(1, &[4096], r)]),
+        vec![source::ELEMENTWISE_BLOCK]
+    );
 }
