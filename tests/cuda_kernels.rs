@@ -141,6 +141,15 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
         }
     };
     println!("NVRTC {major}.{minor}, {}", ptxas.display());
+    // The architecture chosen for a device: its own, else the newest below it.
+    assert_eq!(nvrtc::virtual_arch_for(8, 0).unwrap(), "compute_80");
+    assert_eq!(nvrtc::virtual_arch_for(9, 0).unwrap(), "compute_90");
+    let newest = *nvrtc::supported_archs().unwrap().last().unwrap();
+    assert_eq!(
+        nvrtc::virtual_arch_for(99, 9).unwrap(),
+        format!("compute_{newest}")
+    );
+    assert!(nvrtc::virtual_arch_for(1, 0).is_err());
     let dir = std::env::temp_dir().join(format!("tributary-cuda-kernels-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
 

@@ -50,6 +50,48 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
     })
 }
 
+/// The architectures NVRTC can compile for, as compute capabilities times ten (`80` for
+/// `compute_80`), ascending.
+pub fn supported_archs() -> Result<Vec<u32>, String> {
+    nvrtc_available()?;
+    guarded(|| {
+        let mut count = 0;
+        // SAFETY: the library is loaded (probed above); the pointer is to a live local.
+        let r = unsafe { cu_nvrtc::sys::nvrtcGetNumSupportedArchs(&mut count) };
+        if r != cu_nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("nvrtcGetNumSupportedArchs failed: {r:?}"));
+        }
+        let mut archs = vec![0; usize::try_from(count).unwrap_or(0)];
+        // SAFETY: `archs` has room for the `count` entries NVRTC just reported.
+        let r = unsafe { cu_nvrtc::sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) };
+        if r != cu_nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("nvrtcGetSupportedArchs failed: {r:?}"));
+        }
+        let mut archs: Vec<u32> = archs
+            .into_iter()
+            .filter_map(|a| u32::try_from(a).ok())
+            .collect();
+        archs.sort_unstable();
+        Ok(archs)
+    })
+}
+
+/// The virtual architecture to compile for a device of compute capability `major.minor`:
+/// its own (`compute_86` for 8.6) when NVRTC supports it, else the newest one NVRTC
+/// supports below it (the driver JIT-compiles that PTX for the device); an error for a
+/// device older than every architecture NVRTC supports.
+pub fn virtual_arch_for(major: u32, minor: u32) -> Result<String, String> {
+    let device = major.saturating_mul(10).saturating_add(minor);
+    supported_archs()?
+        .into_iter()
+        .filter(|&a| a <= device)
+        .max()
+        .map(|a| format!("compute_{a}"))
+        .ok_or_else(|| {
+            format!("compute capability {major}.{minor} is older than every architecture NVRTC supports")
+        })
+}
+
 /// Compiles `source` (named `name` in messages) to PTX for the virtual architecture `arch`
 /// (`compute_80`, ...) with the extra NVRTC `options`; the error carries NVRTC's log.
 pub fn compile_to_ptx(
