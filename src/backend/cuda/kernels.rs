@@ -248,13 +248,10 @@ pub fn user_launches(
     merge: Option<&ArgBinding>,
     limits: &LaunchLimits,
 ) -> Result<Vec<Launch>, String> {
-    let program = match &k.source {
-        CudaSource::CudaC(src) => Program::UserCudaC(src.clone()),
-        CudaSource::Ptx(src) => Program::UserPtx(src.clone()),
+    let (program, text) = match &k.source {
+        CudaSource::CudaC(src) => (Program::UserCudaC(src.clone()), src),
+        CudaSource::Ptx(src) => (Program::UserPtx(src.clone()), src),
     };
-    let text = program
-        .cuda_c()
-        .unwrap_or(Cow::Borrowed(program.ptx().unwrap_or("")));
     if text.contains('\0') {
         return Err("the kernel's source contains a NUL byte".to_string());
     }
