@@ -224,17 +224,22 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
 /// What the generated CUDA C needs from CUDA, for a host C++ compiler: the intrinsics as
 /// plain IEEE operations (no contraction: `-ffp-contract=off`), the bit casts, and the
 /// thread indices as globals that the driver sets.
-const HOST_SHIM: &str = r#"#include <math.h>
+const HOST_SHIM: &str = r#"#include <barrier>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <thread>
+#include <vector>
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
 struct HostDim { unsigned int x, y, z; };
-static HostDim blockIdx, threadIdx, blockDim, gridDim;
-static inline void __syncthreads() {}
+static HostDim blockIdx, blockDim, gridDim;
+static thread_local HostDim threadIdx;
+static std::barrier<>* host_barrier;
+static inline void __syncthreads() { host_barrier->arrive_and_wait(); }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -246,6 +251,22 @@ static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 static inline double host_f64(unsigned long long u) { double d; memcpy(&d, &u, 8); return d; }
+/* Blocks one after the other (so `__shared__` statics are per block); the threads of a
+   block as OS threads meeting at a real barrier. */
+template <class F> static void host_launch(unsigned gx, unsigned bx, unsigned by, F kernel) {
+  gridDim = {gx, 1, 1};
+  blockDim = {bx, by, 1};
+  for (unsigned b = 0; b < gx; ++b) {
+    blockIdx = {b, 0, 0};
+    std::barrier<> barrier(bx * by);
+    host_barrier = &barrier;
+    std::vector<std::thread> threads;
+    for (unsigned y = 0; y < by; ++y)
+      for (unsigned x = 0; x < bx; ++x)
+        threads.emplace_back([=] { threadIdx = {x, y, 0}; kernel(); });
+    for (auto& t : threads) t.join();
+  }
+}
 "#;
 
 /// One built-in call: its spec, input bytes per parameter, merge bytes, and its launches.
@@ -327,8 +348,18 @@ const HOST_LIMITS: LaunchLimits = LaunchLimits {
     multiprocessor_count: 1,
 };
 
-/// Every built-in for `dtype` over random inputs, plus every half-precision bit pattern
-/// through `scale` (both conversions, all rounding cases).
+/// Blocks that hold a matmul tile (2-D blocks, `__syncthreads`), at most 2 per grid.
+const HOST_TILED_LIMITS: LaunchLimits = LaunchLimits {
+    max_threads_per_block: 256,
+    max_block: [16, 16, 1],
+    max_grid: [2, 1, 1],
+    max_shared_mem_per_block: 48 * 1024,
+    multiprocessor_count: 1,
+};
+
+/// Every built-in for `dtype` over random inputs, each launched with [`HOST_LIMITS`] and
+/// [`HOST_TILED_LIMITS`], plus every half-precision bit pattern through `scale` (both
+/// conversions, all rounding cases).
 fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
     let t = |dims: &[usize]| TensorNode::new("t", dtype, dims.to_vec());
     let mut specs = Vec::new();
@@ -355,12 +386,22 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
             kernels::matmul_nt(&t(&[m, n]), &t(&[m, k]), &t(&[n, k])),
         ]);
     }
+    // Several tiles, striding blocks, and a last partial slice of `k`.
+    let (m, k, n) = (37, 35, 20);
+    specs.extend([
+        kernels::matmul(&t(&[m, n]), &t(&[m, k]), &t(&[k, n])),
+        kernels::matmul_tn(&t(&[m, n]), &t(&[k, m]), &t(&[k, n])),
+        kernels::matmul_nt(&t(&[m, n]), &t(&[m, k]), &t(&[n, k])),
+    ]);
     if matches!(dtype, DType::F16 | DType::BF16) {
         specs.push(kernels::scale(&t(&[65536]), &t(&[65536]), 1.0));
         specs.push(kernels::scale(&t(&[65536]), &t(&[65536]), 0.3));
     }
     let mut cases = Vec::new();
-    for spec in specs {
+    for (spec, limits) in specs
+        .into_iter()
+        .flat_map(|s| [(s.clone(), HOST_LIMITS), (s, HOST_TILED_LIMITS)])
+    {
         let spec = match spec {
             Ok(spec) => spec,
             Err(tributary::Error::DTypeMismatch { .. }) => continue, // not for this dtype
@@ -409,7 +450,7 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
             .map(|(i, p)| binding(i, &p.node, p.access))
             .collect();
         let merge_binding = spec.merge.as_ref().map(|m| binding(99, m, Access::Read));
-        let launches = kernel_launches(&spec.kernel, &args, merge_binding.as_ref(), &HOST_LIMITS)
+        let launches = kernel_launches(&spec.kernel, &args, merge_binding.as_ref(), &limits)
             .unwrap_or_else(|e| panic!("{}: {e}", spec.name));
         cases.push(HostCase {
             spec,
@@ -431,8 +472,7 @@ fn declarations<'s>(source: &'s str, entry: &str) -> Vec<&'s str> {
 
 /// A C++ program running `cases` of `source` and writing every written buffer, in order,
 /// to the file named by its second argument; inputs come from the file named first.
-/// Blocks run in order; threads of a block run last to first, which is a valid schedule
-/// for these kernels' single barrier (only thread 0 reads after it).
+/// Blocks run one after the other, the threads of a block concurrently (`host_launch`).
 fn host_driver(source: &str, cases: &[HostCase]) -> (String, Vec<u8>) {
     let mut inputs = Vec::new();
     let mut c = String::from(HOST_SHIM);
@@ -483,17 +523,15 @@ fn host_driver(source: &str, cases: &[HostCase]) -> (String, Vec<u8>) {
                     }
                 })
                 .collect();
+            assert_eq!(l.grid[1..], [1, 1], "{}: 1-D grids", l.entry_point);
+            assert_eq!(l.block[2], 1, "{}: 1-D or 2-D blocks", l.entry_point);
             c.push_str(&format!(
-                "  gridDim.x = {g}; blockDim.x = {b};\n\
-                 \x20 for (unsigned int bx = 0; bx < {g}; ++bx)\n\
-                 \x20   for (unsigned int tx = {b}; tx-- > 0;) {{\n\
-                 \x20     blockIdx.x = bx; threadIdx.x = tx;\n\
-                 \x20     {}({});\n\
-                 \x20   }}\n",
+                "  host_launch({}, {}, {}, [&] {{ {}({}); }});\n",
+                l.grid[0],
+                l.block[0],
+                l.block[1],
                 l.entry_point,
                 args.join(", "),
-                g = l.grid[0],
-                b = l.block[0],
             ));
         }
         for (i, (p, bytes)) in case.spec.params.iter().zip(&case.inputs).enumerate() {
@@ -515,6 +553,10 @@ fn softmax_tolerance(dtype: DType) -> f64 {
         DType::F16 => 1e-3,
         _ => 8e-3,
     }
+}
+
+fn dtype_is_float(dtype: DType) -> bool {
+    !matches!(dtype, DType::I32 | DType::U8)
 }
 
 fn as_f64(dtype: DType, bytes: &[u8]) -> Vec<f64> {
@@ -566,6 +608,16 @@ fn builtin_cuda_c_run_on_the_host_matches_the_cpu_backend() {
     let mut checked = 0;
     for dtype in DType::ALL {
         let cases = host_cases(dtype, &mut rng);
+        let tiled = cases
+            .iter()
+            .flat_map(|c| &c.launches)
+            .filter(|l| l.entry_point.contains("_tiled_"))
+            .count();
+        assert_eq!(
+            tiled > 0,
+            matches!(dtype, DType::F32 | DType::F64),
+            "{dtype}: tiled"
+        );
         let source = Program::Builtins(dtype)
             .cuda_c()
             .expect("CUDA C")
@@ -580,7 +632,8 @@ fn builtin_cuda_c_run_on_the_host_matches_the_cpu_backend() {
         std::fs::write(&input_file, inputs).unwrap();
         let build = Command::new(&cxx)
             .args([
-                "-std=c++17",
+                "-std=c++20",
+                "-pthread",
                 "-O1",
                 "-ffp-contract=off",
                 "-fno-fast-math",
@@ -629,18 +682,23 @@ fn builtin_cuda_c_run_on_the_host_matches_the_cpu_backend() {
                         );
                     }
                 } else if got != want[i].as_slice() {
+                    // Bitwise, except that any NaN equals any NaN: which operand's sign
+                    // and payload a NaN result carries depends on the compiler's operand
+                    // order on the host, and GPUs return the canonical NaN anyway.
                     let size = dtype.size_in_bytes();
-                    let j = (0..got.len() / size)
-                        .find(|&j| {
-                            got[j * size..(j + 1) * size] != want[i][j * size..(j + 1) * size]
-                        })
-                        .unwrap_or(0);
-                    panic!(
-                        "{what}: not bitwise equal to the CPU backend; element {j}: got {:02x?}, \
-                         want {:02x?}",
-                        &got[j * size..(j + 1) * size],
-                        &want[i][j * size..(j + 1) * size]
-                    );
+                    let (g, w) = (as_f64(dtype, got), as_f64(dtype, &want[i]));
+                    let differs = |j: usize| {
+                        got[j * size..(j + 1) * size] != want[i][j * size..(j + 1) * size]
+                            && !(g[j].is_nan() && w[j].is_nan() && dtype_is_float(dtype))
+                    };
+                    if let Some(j) = (0..got.len() / size).find(|&j| differs(j)) {
+                        panic!(
+                            "{what}: not bitwise equal to the CPU backend; element {j}: got \
+                             {:02x?}, want {:02x?}",
+                            &got[j * size..(j + 1) * size],
+                            &want[i][j * size..(j + 1) * size]
+                        );
+                    }
                 }
             }
             checked += 1;

@@ -203,8 +203,9 @@ pub struct Launch {
     pub shared_mem_bytes: u32,
     /// The parameters, in order.
     pub params: Vec<LaunchParam>,
-    /// For built-ins, the items the kernel's loop covers (elements, rows or columns; a
-    /// trace label); for user kernels, the threads launched.
+    /// For built-ins, the items the kernel's loop covers: per thread (elements, rows or
+    /// columns) for 1-D blocks, per block (output tiles) for the tiled matmuls' 2-D blocks;
+    /// for user kernels, the threads launched.
     pub items: u64,
 }
 
@@ -486,7 +487,7 @@ pub fn builtin_launches(
             let dims = [m as u64, k as u64, cols as u64].map(U64);
             let mut params = vec![Buffer(0), Buffer(1), Buffer(2)];
             params.extend(dims);
-            plan.grid_stride_by(source::MATMUL_BLOCK, name, params, n)
+            plan.matmul(name, params, m as u64, cols as u64)
         }
         Builtin::AddRowBias { m, n: cols } => {
             expect("dst", n, prod(m, cols)?)?;
@@ -574,6 +575,16 @@ impl Planner<'_> {
         format!("{kernel}_{}", self.dtype.name())
     }
 
+    /// The most blocks a built-in launches: 32 per multiprocessor, within the limit.
+    fn grid_cap(&self) -> u32 {
+        self.limits
+            .multiprocessor_count
+            .max(1)
+            .saturating_mul(BLOCKS_PER_MULTIPROCESSOR)
+            .min(self.limits.max_grid[0])
+            .max(1)
+    }
+
     /// Threads per block: `want`, lowered to the device's limits (to a multiple of a warp
     /// when at least one warp fits).
     fn block(&self, want: u32) -> u32 {
@@ -605,15 +616,31 @@ impl Planner<'_> {
             return Vec::new();
         }
         let block = self.block(block);
-        let cap = self
-            .limits
-            .multiprocessor_count
-            .max(1)
-            .saturating_mul(BLOCKS_PER_MULTIPROCESSOR)
-            .min(self.limits.max_grid[0])
-            .max(1);
-        let blocks = items.div_ceil(u64::from(block)).min(u64::from(cap)) as u32;
+        let blocks = items
+            .div_ceil(u64::from(block))
+            .min(u64::from(self.grid_cap())) as u32;
         vec![self.launch(kernel, params, blocks, block, items)]
+    }
+
+    /// A matmul over an `m` x `n` output: the tiled kernel (blocks of `TILE` x `TILE`
+    /// threads striding over the tiles) where the device's blocks hold a tile, else the
+    /// simple one (a thread per output).
+    fn matmul(&self, kernel: &str, params: Vec<LaunchParam>, m: u64, n: u64) -> Vec<Launch> {
+        let tile = source::TILE;
+        let fits = self.limits.max_block[0] >= tile
+            && self.limits.max_block[1] >= tile
+            && self.limits.max_threads_per_block >= tile * tile;
+        if !fits {
+            return self.grid_stride_by(source::MATMUL_BLOCK, kernel, params, m * n);
+        }
+        let tiles = m.div_ceil(u64::from(tile)) * n.div_ceil(u64::from(tile));
+        if tiles == 0 {
+            return Vec::new();
+        }
+        let blocks = tiles.min(u64::from(self.grid_cap())) as u32;
+        let mut launch = self.launch(&format!("{kernel}_tiled"), params, blocks, tile, tiles);
+        launch.block = [tile, tile, 1];
+        vec![launch]
     }
 
     /// A kernel run by one block whose threads stride by the block size over `items`.

@@ -13,8 +13,8 @@
 //! multiply-adds, in the order the CPU backend uses (`src/kernels/cpu.rs`). `f16`/`bf16`
 //! widen to `float` and round back with the same integer code as [`crate::F16`] and
 //! [`crate::Bf16`] (no `cuda_fp16.h`: the programs include no header at all). So the
-//! element-wise kernels, `sum_rows` and the matmuls (one thread per output, summing in
-//! increasing `p`) are bitwise equal to the CPU's; `softmax_xent` uses CUDA's `expf`/`logf`
+//! element-wise kernels, `sum_rows` and the matmuls (each output summed by one thread in
+//! increasing `p`, tiled through shared memory or not) are bitwise equal to the CPU's; `softmax_xent` uses CUDA's `expf`/`logf`
 //! (`exp`/`log` for `f64`), within a few ulp of Rust's, and sums the rows' losses in
 //! another order than the CPU (per-thread partial sums, then in thread order). One
 //! exception to "bitwise": a NaN produced by arithmetic is the GPU's canonical NaN, where
@@ -333,8 +333,9 @@ extern "C" __global__ void softmax_xent_loss_{T}({S}* loss, const {S}* logits,
 }
 "#;
 
-/// The matmuls (`f32`, `f64`): one thread per output element, summing in increasing `p`
-/// from zero, which is the CPU's order for every loop order it uses.
+/// The matmuls' simple kernels (`f32`, `f64`): one thread per output element, summing in
+/// increasing `p` from zero, which is the CPU's order for every loop order it uses. Used on
+/// devices whose blocks cannot hold a 16 x 16 tile.
 const MATMUL: &str = r#"
 extern "C" __global__ void matmul_{T}({S}* c, const {S}* a, const {S}* b, u64 m, u64 k,
                                       u64 n) {
@@ -373,6 +374,56 @@ extern "C" __global__ void matmul_nt_{T}({S}* c, const {S}* a, const {S}* b, u64
 }
 "#;
 
+/// Side of the square output tile of the tiled matmuls (blocks of `TILE` x `TILE`
+/// threads).
+pub(super) const TILE: u32 = 16;
+
+/// A tiled matmul: each block computes `TILE` x `TILE` outputs (blocks stride over the
+/// tiles), staging `TILE`-wide slices of `a` and `b` in shared memory. Each thread still
+/// sums its output in increasing `p` from zero, so the result is the simple kernel's, bit
+/// for bit. `{LOAD_A}`/`{LOAD_B}` fill `at[i][p]` and `bt[p][j]` (coalesced reads of the
+/// operand's layout; the `+ 1` column avoids bank conflicts on transposed stores).
+const MATMUL_TILED: &str = r#"
+extern "C" __global__ void {NAME}_tiled_{T}({S}* c, const {S}* a, const {S}* b, u64 m,
+                                            u64 k, u64 n) {
+  __shared__ {S} at[{TILE}][{TILE} + 1];
+  __shared__ {S} bt[{TILE}][{TILE} + 1];
+  u64 tiles_m = (m + {TILE} - 1) / {TILE}, tiles_n = (n + {TILE} - 1) / {TILE};
+  u32 tx = threadIdx.x, ty = threadIdx.y;
+  for (u64 tile = blockIdx.x; tile < tiles_m * tiles_n; tile += gridDim.x) {
+    u64 i0 = tile / tiles_n * {TILE}, j0 = tile % tiles_n * {TILE};
+    u64 i = i0 + ty, j = j0 + tx;
+    {C} acc = ({C})0;
+    for (u64 p0 = 0; p0 < k; p0 += {TILE}) {
+      {LOAD_A}
+      {LOAD_B}
+      __syncthreads();
+      u64 steps = k - p0 < {TILE} ? k - p0 : {TILE};
+      for (u64 q = 0; q < steps; ++q) {
+        acc = ADD(acc, MUL(at[ty][q], bt[q][tx]));
+      }
+      __syncthreads();
+    }
+    if (i < m && j < n) {
+      c[i * n + j] = acc;
+    }
+  }
+}
+"#;
+
+/// `at[i - i0][p - p0] = a(i, p)` for `a: [m, k]` (row-major).
+const LOAD_A_ROWS: &str =
+    "{ u64 p = p0 + tx; at[ty][tx] = (i < m && p < k) ? a[i * k + p] : ({S})0; }";
+/// `at[i - i0][p - p0] = a(p, i)` for `a: [k, m]` (the transposed operand of `matmul_tn`).
+const LOAD_A_COLUMNS: &str = "{ u64 ii = i0 + tx, p = p0 + ty; \
+     at[tx][ty] = (ii < m && p < k) ? a[p * m + ii] : ({S})0; }";
+/// `bt[p - p0][j - j0] = b(p, j)` for `b: [k, n]`.
+const LOAD_B_ROWS: &str =
+    "{ u64 p = p0 + ty; bt[ty][tx] = (p < k && j < n) ? b[p * n + j] : ({S})0; }";
+/// `bt[p - p0][j - j0] = b(j, p)` for `b: [n, k]` (the transposed operand of `matmul_nt`).
+const LOAD_B_COLUMNS: &str = "{ u64 jj = j0 + ty, p = p0 + tx; \
+     bt[tx][ty] = (p < k && jj < n) ? b[jj * k + p] : ({S})0; }";
+
 /// The C type of `fill`'s value parameter: the element's bits, widened to `u32` except
 /// for 8-byte elements.
 pub(super) const fn fill_value_is_u64(dtype: DType) -> bool {
@@ -398,6 +449,19 @@ pub(super) fn builtin_source(dtype: DType) -> String {
             out.push_str(&FLOAT.replace("{LOSS_BLOCK}", &LOSS_BLOCK.to_string()));
             if matches!(dtype, DType::F32 | DType::F64) {
                 out.push_str(MATMUL);
+                for (name, load_a, load_b) in [
+                    ("matmul", LOAD_A_ROWS, LOAD_B_ROWS),
+                    ("matmul_tn", LOAD_A_COLUMNS, LOAD_B_ROWS),
+                    ("matmul_nt", LOAD_A_ROWS, LOAD_B_COLUMNS),
+                ] {
+                    out.push_str(
+                        &MATMUL_TILED
+                            .replace("{LOAD_A}", load_a)
+                            .replace("{LOAD_B}", load_b)
+                            .replace("{NAME}", name)
+                            .replace("{TILE}", &TILE.to_string()),
+                    );
+                }
             }
         }
     }

@@ -17,6 +17,13 @@ const BIG: LaunchLimits = LaunchLimits {
     ..LaunchLimits::MINIMUM
 };
 
+/// A device with the usual blocks but at most 2 blocks per grid, so that every loop
+/// strides (tiled matmuls included).
+const TWO_BLOCKS: LaunchLimits = LaunchLimits {
+    max_grid: [2, 65535, 65535],
+    ..LaunchLimits::MINIMUM
+};
+
 /// A device with tiny limits, so that caps and block lowering show.
 const TINY: LaunchLimits = LaunchLimits {
     max_threads_per_block: 48,
@@ -155,18 +162,35 @@ fn cases(dtype: DType, m: usize, k: usize, n: usize) -> Vec<(RoutineSpec, Vec<u6
         .collect()
 }
 
-/// Simulates the grid-stride loop of `launch`: every item is visited exactly once.
+/// Simulates the loop of `launch`: every item is visited exactly once. Threads stride by
+/// the grid's thread count over 1-D blocks' items, blocks by the grid's block count over
+/// 2-D blocks' items (tiles).
 fn covers_each_item_once(launch: &Launch) -> bool {
-    let threads = u64::from(launch.grid[0]) * u64::from(launch.block[0]);
+    let stride = if launch.block[1] > 1 {
+        u64::from(launch.grid[0])
+    } else {
+        u64::from(launch.grid[0]) * u64::from(launch.block[0])
+    };
     let mut seen = vec![0u8; launch.items as usize];
-    for t in 0..threads {
+    for t in 0..stride {
         let mut i = t;
         while i < launch.items {
             seen[i as usize] += 1;
-            i += threads;
+            i += stride;
         }
     }
     seen.iter().all(|&c| c == 1)
+}
+
+/// The output tiles of a tiled matmul launch of `b`.
+fn tiles(b: &Builtin) -> u64 {
+    let tile = u64::from(source::TILE);
+    match *b {
+        Builtin::Matmul { m, n, .. }
+        | Builtin::MatmulTn { m, n, .. }
+        | Builtin::MatmulNt { m, n, .. } => (m as u64).div_ceil(tile) * (n as u64).div_ceil(tile),
+        _ => panic!("{} is not tiled", b.name()),
+    }
 }
 
 fn check_launch(launch: &Launch, dtype: DType, args: usize, merge: bool, limits: &LaunchLimits) {
@@ -200,7 +224,7 @@ fn check_launch(launch: &Launch, dtype: DType, args: usize, merge: bool, limits:
 #[test]
 fn every_builtin_launches_what_its_signature_takes_and_covers_its_items() {
     let mut checked = 0;
-    for limits in [BIG, TINY, LaunchLimits::MINIMUM] {
+    for limits in [BIG, TINY, TWO_BLOCKS, LaunchLimits::MINIMUM] {
         for dtype in DType::ALL {
             for (m, k, n) in [(3, 5, 7), (1, 1, 1), (0, 4, 3), (2, 0, 3), (40, 3, 33)] {
                 for (spec, items) in cases(dtype, m, k, n) {
@@ -211,6 +235,11 @@ fn every_builtin_launches_what_its_signature_takes_and_covers_its_items() {
                     let launches = kernel_launches(&spec.kernel, &args, merge.as_ref(), &limits)
                         .unwrap_or_else(|e| panic!("{} {dtype} {m}x{k}x{n}: {e}", spec.name));
                     let got: Vec<u64> = launches.iter().map(|l| l.items).collect();
+                    // Tiled matmuls cover tiles, the others what `cases` says.
+                    let items: Vec<u64> = match launches.first() {
+                        Some(l) if l.block[1] > 1 => vec![tiles(b)],
+                        _ => items,
+                    };
                     assert_eq!(got, items, "{} {dtype} {m}x{k}x{n}: items", b.name());
                     for l in &launches {
                         assert!(l.entry_point.ends_with(&format!("_{}", dtype.name())));
@@ -223,7 +252,7 @@ fn every_builtin_launches_what_its_signature_takes_and_covers_its_items() {
     }
     // Per shape and limits: 3 built-ins for u8, 5 for i32 (add_merge and add_into too),
     // 15 for f16 and bf16 (no matmuls), all 18 for f32 and f64.
-    assert_eq!(checked, 3 * 5 * (3 + 5 + 15 * 2 + 18 * 2));
+    assert_eq!(checked, 4 * 5 * (3 + 5 + 15 * 2 + 18 * 2));
 }
 
 #[test]
@@ -236,10 +265,12 @@ fn every_entry_point_of_the_source_is_used_by_some_builtin() {
             .map(|s| s.split('(').next().unwrap().to_string())
             .collect();
         let mut used = std::collections::BTreeSet::new();
-        for (spec, _) in cases(dtype, 2, 3, 4) {
-            let (args, merge) = bindings(&spec);
-            for l in kernel_launches(&spec.kernel, &args, merge.as_ref(), &BIG).unwrap() {
-                used.insert(l.entry_point);
+        for limits in [BIG, TINY] {
+            for (spec, _) in cases(dtype, 2, 3, 4) {
+                let (args, merge) = bindings(&spec);
+                for l in kernel_launches(&spec.kernel, &args, merge.as_ref(), &limits).unwrap() {
+                    used.insert(l.entry_point);
+                }
             }
         }
         assert_eq!(used, defined, "{dtype}");
@@ -482,16 +513,32 @@ fn closures_and_shaders_are_not_cuda_kernels() {
 fn block_sizes_are_chosen_per_kernel() {
     let f = |i, shape: &[usize], access| binding(i, DType::F32, shape, access);
     let (r, w) = (Access::Read, Access::Write);
-    let block = |b: Builtin, args: Vec<ArgBinding>| -> Vec<u32> {
-        builtin_launches(&b, &args, None, &BIG)
-            .unwrap()
-            .iter()
-            .map(|l| l.block[0])
-            .collect()
+    let launch = |b: &Builtin, args: &[ArgBinding], limits: &LaunchLimits| {
+        builtin_launches(b, args, None, limits).unwrap()
     };
-    let mm = Builtin::Matmul { m: 64, k: 8, n: 64 };
-    let mm_args = vec![f(0, &[64, 64], w), f(1, &[64, 8], r), f(2, &[8, 64], r)];
-    assert_eq!(block(mm, mm_args), vec![source::MATMUL_BLOCK]);
+    let block = |b: Builtin, args: Vec<ArgBinding>| -> Vec<u32> {
+        launch(&b, &args, &BIG).iter().map(|l| l.block[0]).collect()
+    };
+    // Matmuls: 16 x 16 tiles where a block holds one, else a thread per output.
+    let mm = Builtin::Matmul { m: 40, k: 8, n: 33 };
+    let mm_args = vec![f(0, &[40, 33], w), f(1, &[40, 8], r), f(2, &[8, 33], r)];
+    let tiled = launch(&mm, &mm_args, &BIG);
+    assert_eq!(tiled[0].entry_point, "matmul_tiled_f32");
+    assert_eq!(tiled[0].block, [source::TILE, source::TILE, 1]);
+    assert_eq!((tiled[0].items, tiled[0].grid[0]), (3 * 3, 9));
+    let capped = launch(&mm, &mm_args, &TWO_BLOCKS);
+    assert_eq!((capped[0].items, capped[0].grid[0]), (9, 2));
+    let simple = launch(&mm, &mm_args, &TINY);
+    assert_eq!(simple[0].entry_point, "matmul_f32");
+    assert_eq!((simple[0].block, simple[0].items), ([32, 1, 1], 40 * 33));
+    let no_tile = LaunchLimits {
+        max_threads_per_block: 255,
+        ..LaunchLimits::MINIMUM
+    };
+    assert_eq!(
+        launch(&mm, &mm_args, &no_tile)[0].block,
+        [source::MATMUL_BLOCK, 1, 1]
+    );
     let sum = Builtin::SumRows { m: 100, n: 1000 };
     assert_eq!(
         block(sum, vec![f(0, &[1000], w), f(1, &[100, 1000], r)]),
