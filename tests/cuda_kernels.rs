@@ -1,12 +1,17 @@
-//! The CUDA kernels checked without a GPU: every built-in program (one per dtype) and a
-//! user CUDA C kernel are compiled to PTX by NVRTC for `compute_80` and `compute_90`, and
-//! each PTX is assembled by `ptxas -v` for `sm_80` and `sm_90`; any compile or assembly
-//! error, any spill, or an entry point of the source that `ptxas` did not assemble fails
-//! the test.
+//! The CUDA kernels checked without a GPU, two ways:
 //!
-//! Needs `libnvrtc` on the library path (`LD_LIBRARY_PATH`) and `ptxas` (`TRIBUTARY_PTXAS`,
-//! else `PATH`); `.ci/run` installs both from NVIDIA's PyPI wheels. Without them the test
-//! prints `skipping CUDA kernel check: <reason>` and passes, unless
+//! - every built-in program (one per dtype) and a user CUDA C kernel are compiled to PTX by
+//!   NVRTC for `compute_80` and `compute_90`, and each PTX is assembled by `ptxas -v` for
+//!   `sm_80` and `sm_90`; any compile or assembly error, any spill, or an entry point of the
+//!   source that `ptxas` did not assemble fails the test. Needs `libnvrtc` on the library
+//!   path (`LD_LIBRARY_PATH`) and `ptxas` (`TRIBUTARY_PTXAS`, else `PATH`); `.ci/run`
+//!   installs both from NVIDIA's PyPI wheels.
+//! - the built-ins' CUDA C is built for the host by `c++` (`CXX`), with the CUDA intrinsics
+//!   shimmed as IEEE operations and each block's threads run concurrently, and every
+//!   built-in's launches run over random inputs must equal the CPU backend bit for bit
+//!   (`softmax_xent` within the conformance tolerance; any NaN equals any NaN).
+//!
+//! Without the tools a test prints `skipping CUDA kernel check: <reason>` and passes, unless
 //! `TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK=1`, which makes a missing tool a failure (CI).
 
 use std::{
