@@ -32,8 +32,16 @@
 //!   [`LaunchParam::c_type`].
 //!
 //! Buffers must be aligned to their element size (pools are; the runtime refuses a
-//! misaligned pointer). Built-ins loop grid-stride over their elements, so a launch never
-//! needs more blocks than `max_grid[0]`; grids are capped at 32 blocks per multiprocessor.
+//! misaligned pointer). Grids are 1-D. Built-ins loop grid-stride over their elements
+//! (blocks of 256 threads element-wise, 64 for the per-row and per-column kernels), so a
+//! launch never needs more blocks than `max_grid[0]`; grids are capped at 32 blocks per
+//! multiprocessor. The matmuls use 16 x 16 blocks whose blocks stride over 16 x 16 output
+//! tiles (a thread per output, 128-thread blocks, where a block cannot hold 256 threads).
+//! `softmax_xent` is two launches: the gradient (a thread per row), then the loss (one
+//! block). Built-ins use no dynamic shared memory.
+//!
+//! The CUDA C itself is generated in `source.rs` (see its doc for how results match the
+//! CPU backend); `nvrtc.rs` compiles it (feature `cuda`).
 //!
 //! # Kernels that cannot run here
 //!
