@@ -416,6 +416,7 @@ impl World {
                 Kernel::Cpu(_) if &**name == FAILING_KERNEL => Op::Fail,
                 Kernel::Cpu(_) => panic!("model bug: custom kernel {name} is not modelled"),
                 Kernel::Shader(_) => panic!("model bug: shader kernel {name} is not modelled"),
+                Kernel::Cuda(_) => panic!("model bug: CUDA kernel {name} is not modelled"),
             },
             Work::Copy { src, dst, bytes } => Op::Copy {
                 src: self.region(*src, *bytes),

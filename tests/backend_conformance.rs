@@ -19,7 +19,9 @@ mod support;
 
 use support::{all, backend, failing, slow_copy_on, slow_fill_on, slow_fill_wgsl, Kind, N};
 use tributary::{
-    kernels::{self, from_bytes, to_bytes, Access, RoutineSpec, ShaderKernel},
+    kernels::{
+        self, from_bytes, to_bytes, Access, CudaKernel, CudaScalar, RoutineSpec, ShaderKernel,
+    },
     memory::PoolConfig,
     protocol::Context,
     Bf16, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode, F16,
@@ -623,35 +625,52 @@ fn failure_propagates_with_its_root_cause(kind: Kind) {
     assert!(matches!(first, Err(Error::Failed(_))) || first.is_ok());
 }
 
+/// A CUDA C kernel writing 1.0 to `n` floats (for the CUDA backend; refused elsewhere).
+const CUDA_FILL_ONES: &str = r#"
+extern "C" __global__ void fill_ones(float* x, unsigned long long n) {
+  for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) x[i] = 1.0f;
+}
+"#;
+
 fn foreign_kernels_are_refused_at_link(kind: Kind) {
     let Some(mut e) = engine(kind, "foreign_kernels_are_refused_at_link") else {
         return;
     };
     let x = f32_node("x", MemoryMode::on_device());
     let ctx = e.context(0, 0).unwrap();
+    let write_x = || vec![(x.clone(), Access::Write)];
+    let shader = RoutineSpec::shader(
+        "shader",
+        write_x(),
+        None,
+        ShaderKernel::wgsl(slow_fill_wgsl(), [1, 1, 1]),
+    );
+    let closure = RoutineSpec::custom("closure", write_x(), None, |_| Ok(()));
+    let cuda = RoutineSpec::cuda(
+        "cuda",
+        write_x(),
+        None,
+        CudaKernel::cuda_c(CUDA_FILL_ONES, "fill_ones", [1, 1, 1], [32, 1, 1])
+            .with_scalars([CudaScalar::U64(N as u64)]),
+    );
+    // The kernels of the other backends.
     let foreign = match kind {
-        Kind::Cpu => RoutineSpec::shader(
-            "shader",
-            vec![(x.clone(), Access::Write)],
-            None,
-            ShaderKernel::wgsl(slow_fill_wgsl(), [1, 1, 1]),
-        ),
-        _ => RoutineSpec::custom(
-            "closure",
-            vec![(x.clone(), Access::Write)],
-            None,
-            |_| Ok(()),
-        ),
-    }
-    .unwrap();
-    match e.link(&ctx, foreign) {
-        Err(Error::InvalidRoutine { reason, .. }) => {
-            assert!(reason.contains("cannot run it"), "{reason}")
+        Kind::Cpu => [shader, cuda],
+        Kind::Vulkan | Kind::VulkanStaging => [closure, cuda],
+    };
+    for spec in foreign {
+        let spec = spec.unwrap();
+        let name = spec.name.clone();
+        match e.link(&ctx, spec) {
+            Err(Error::InvalidRoutine { reason, routine }) => {
+                assert_eq!(routine, name);
+                assert!(reason.contains("cannot run it"), "{name}: {reason}")
+            }
+            other => panic!(
+                "{name}: expected InvalidRoutine, got {:?}",
+                other.map(|r| r.name().to_string())
+            ),
         }
-        other => panic!(
-            "expected InvalidRoutine, got {:?}",
-            other.map(|r| r.name().to_string())
-        ),
     }
     // The context is still usable.
     let ok = e.link(&ctx, kernels::fill(&x, 1.0).unwrap()).unwrap();

@@ -296,6 +296,12 @@ impl Backend for CpuBackend {
                 "cpu",
                 crate::kernels::SHADER_ON_CPU,
             )),
+            Kernel::Cuda(_) => Err(super::unsupported_kernel(
+                routine,
+                device,
+                "cpu",
+                crate::kernels::CUDA_ON_CPU,
+            )),
             Kernel::Builtin(_) | Kernel::Cpu(_) => Ok(()),
         }
     }

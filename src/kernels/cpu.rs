@@ -16,11 +16,15 @@ use crate::node::{Bf16, DType, Element, F16};
 pub(crate) const SHADER_ON_CPU: &str =
     "shader kernels (WGSL or SPIR-V) run on Vulkan devices only, not on the CPU";
 
+/// Why a [`Kernel::Cuda`] cannot run on the CPU.
+pub(crate) const CUDA_ON_CPU: &str =
+    "CUDA kernels (CUDA C or PTX) run on CUDA devices only, not on the CPU";
+
 /// Runs `kernel` over `args` on the calling thread.
 ///
 /// Built-ins dispatch on the dtype of their first parameter and check every view against
 /// their declared accesses, dtypes and dimensions (an error, never a panic, when the views
-/// disagree); [`Kernel::Cpu`] calls the closure; [`Kernel::Shader`] is an error. A panic inside the kernel is caught and
+/// disagree); [`Kernel::Cpu`] calls the closure; [`Kernel::Shader`] and [`Kernel::Cuda`] are errors. A panic inside the kernel is caught and
 /// returned as `Err("kernel panicked: ...")`, so a failing kernel never unwinds into the
 /// caller (DESIGN.md §3, rule 6); what it wrote before failing is left as it is.
 pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>) -> Result<(), String> {
@@ -31,6 +35,7 @@ pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>) -> Result<(), String> {
         Kernel::Builtin(b) => run_builtin(b, args).map_err(|e| format!("{}: {e}", b.name())),
         Kernel::Cpu(k) => k.call(args),
         Kernel::Shader(_) => Err(SHADER_ON_CPU.to_string()),
+        Kernel::Cuda(_) => Err(CUDA_ON_CPU.to_string()),
     }));
     match outcome {
         Ok(result) => result,

@@ -19,6 +19,8 @@
 //!   ([`RoutineSpec::custom`]).
 //! - [`ShaderKernel`]: a compute shader (WGSL or SPIR-V) for the Vulkan backend
 //!   ([`RoutineSpec::shader`]).
+//! - [`CudaKernel`]: a CUDA kernel (CUDA C or PTX) for the CUDA backend
+//!   ([`RoutineSpec::cuda`]).
 //!
 //! [`run_cpu`] runs either kind over [`KernelArgs`]; [`run_on_host`] runs a spec on plain
 //! byte vectors (tests, the engine's sequential reference interpreter).
@@ -33,10 +35,11 @@ mod cpu;
 mod spec;
 
 pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
-pub(crate) use cpu::SHADER_ON_CPU;
 pub use cpu::{run_cpu, run_on_host};
+pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
 pub use spec::{
     add_into, add_merge, add_row_bias, axpy, copy, copy_range, fill, matmul, matmul_nt, matmul_tn,
     mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows, Access,
-    Builtin, CpuKernel, CpuKernelFn, Kernel, Param, RoutineSpec, ShaderKernel, ShaderSource,
+    Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, Param,
+    RoutineSpec, ShaderKernel, ShaderSource,
 };

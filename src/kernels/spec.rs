@@ -79,6 +79,8 @@ pub enum Kernel {
     Cpu(CpuKernel),
     /// A compute shader (WGSL or SPIR-V); runs on Vulkan devices only.
     Shader(ShaderKernel),
+    /// A CUDA kernel (CUDA C or PTX); runs on CUDA devices only.
+    Cuda(CudaKernel),
 }
 
 /// The code of a [`ShaderKernel`].
@@ -140,6 +142,105 @@ impl ShaderKernel {
     /// Sets the entry point.
     pub fn with_entry_point(mut self, name: impl Into<String>) -> ShaderKernel {
         self.entry_point = name.into();
+        self
+    }
+}
+
+/// The code of a [`CudaKernel`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CudaSource {
+    /// CUDA C source, compiled to PTX by the backend (NVRTC, once per device, cached).
+    /// It is compiled without headers: use the built-in device functions only.
+    CudaC(Arc<str>),
+    /// PTX text, loaded as it is.
+    Ptx(Arc<str>),
+}
+
+/// A scalar argument of a [`CudaKernel`], passed by value after the buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CudaScalar {
+    /// C `unsigned int`.
+    U32(u32),
+    /// C `unsigned long long`.
+    U64(u64),
+    /// C `int`.
+    I32(i32),
+    /// C `long long`.
+    I64(i64),
+    /// C `float`.
+    F32(f32),
+    /// C `double`.
+    F64(f64),
+}
+
+/// A user kernel for CUDA devices.
+///
+/// Parameter interface (C): parameter `i` of the routine is a device pointer to the node's
+/// buffer (`T* p_i`, in argument order), then the merge buffer's pointer if the routine
+/// reads one, then `scalars` by value in order; for example `extern "C" __global__ void
+/// f(float* y, const float* x, unsigned long long n, float alpha)`. Buffers are aligned to
+/// at least their element size. The backend launches `grid` blocks of `block` threads with
+/// `shared_mem_bytes` of dynamic shared memory once; the kernel must bound its own indices
+/// and, like every kernel, write every element of its `Write` parameters. A grid or block
+/// with a zero dimension launches nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaKernel {
+    /// The code.
+    pub source: CudaSource,
+    /// The entry point (an `extern "C" __global__` function).
+    pub entry_point: String,
+    /// Blocks along x, y and z.
+    pub grid: [u32; 3],
+    /// Threads per block along x, y and z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_mem_bytes: u32,
+    /// Scalar arguments, after the buffers.
+    pub scalars: Vec<CudaScalar>,
+}
+
+impl CudaKernel {
+    /// CUDA C source with entry point `entry_point`, launched as `grid` blocks of `block`
+    /// threads.
+    pub fn cuda_c(
+        source: impl Into<Arc<str>>,
+        entry_point: impl Into<String>,
+        grid: [u32; 3],
+        block: [u32; 3],
+    ) -> CudaKernel {
+        CudaKernel {
+            source: CudaSource::CudaC(source.into()),
+            entry_point: entry_point.into(),
+            grid,
+            block,
+            shared_mem_bytes: 0,
+            scalars: Vec::new(),
+        }
+    }
+
+    /// PTX text with entry point `entry_point`, launched as `grid` blocks of `block`
+    /// threads.
+    pub fn ptx(
+        source: impl Into<Arc<str>>,
+        entry_point: impl Into<String>,
+        grid: [u32; 3],
+        block: [u32; 3],
+    ) -> CudaKernel {
+        CudaKernel {
+            source: CudaSource::Ptx(source.into()),
+            ..CudaKernel::cuda_c("", entry_point, grid, block)
+        }
+    }
+
+    /// Sets the scalar arguments.
+    pub fn with_scalars(mut self, scalars: impl Into<Vec<CudaScalar>>) -> CudaKernel {
+        self.scalars = scalars.into();
+        self
+    }
+
+    /// Sets the dynamic shared memory per block.
+    pub fn with_shared_mem_bytes(mut self, bytes: u32) -> CudaKernel {
+        self.shared_mem_bytes = bytes;
         self
     }
 }
@@ -451,6 +552,21 @@ impl RoutineSpec {
             .map(|(node, access)| Param { node, access })
             .collect();
         RoutineSpec::new(name, params, merge, Kernel::Shader(shader))
+    }
+
+    /// A spec running a CUDA kernel (CUDA devices only); see [`CudaKernel`] for the
+    /// parameter interface and [`RoutineSpec::new`] for the checks.
+    pub fn cuda(
+        name: impl Into<String>,
+        params: Vec<(TensorNode, Access)>,
+        merge: Option<TensorNode>,
+        kernel: CudaKernel,
+    ) -> Result<RoutineSpec> {
+        let params = params
+            .into_iter()
+            .map(|(node, access)| Param { node, access })
+            .collect();
+        RoutineSpec::new(name, params, merge, Kernel::Cuda(kernel))
     }
 
     /// The nodes it reads (`Read` or `ReadWrite`), in argument order. The merge node is

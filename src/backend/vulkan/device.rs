@@ -7,7 +7,7 @@ use std::{
 
 use super::{
     instance::{create_instance, lock, DeviceCore, InstanceCore},
-    kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN},
+    kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN, CUDA_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
     recording::StreamTrace,
     stream::{StreamShared, VulkanStream},
@@ -289,6 +289,12 @@ impl Backend for VulkanBackend {
                 device,
                 "vulkan",
                 CPU_KERNEL_ON_VULKAN,
+            )),
+            Kernel::Cuda(_) => Err(unsupported_kernel(
+                routine,
+                device,
+                "vulkan",
+                CUDA_KERNEL_ON_VULKAN,
             )),
             Kernel::Builtin(_) | Kernel::Shader(_) => Ok(()),
         }

@@ -396,6 +396,7 @@ impl Lowering<'_> {
                 .map_err(|e| format!("{}: {e}", b.name())),
             Kernel::Shader(s) => self.shader(s, args, merge),
             Kernel::Cpu(_) => Err(CPU_KERNEL_ON_VULKAN.to_string()),
+            Kernel::Cuda(_) => Err(CUDA_KERNEL_ON_VULKAN.to_string()),
         }
     }
 
@@ -769,3 +770,8 @@ fn regions(args: &[Arg]) -> Vec<Region> {
 pub(super) const CPU_KERNEL_ON_VULKAN: &str =
     "Rust closure kernels (Kernel::Cpu) run on CPU devices only; a Vulkan device runs \
      built-ins and shader kernels (Kernel::Shader)";
+
+/// Why a [`Kernel::Cuda`] cannot run here (the failure message of such a plan).
+pub(super) const CUDA_KERNEL_ON_VULKAN: &str =
+    "CUDA kernels (CUDA C or PTX) run on CUDA devices only; a Vulkan device runs built-ins \
+     and shader kernels (Kernel::Shader)";

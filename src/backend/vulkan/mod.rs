@@ -79,7 +79,8 @@
 //! needs more than `maxComputeWorkGroupCount[0]` workgroups. `f16`/`bf16` buffers are read
 //! as `u32` words, two elements each, converted with the same integer code as the CPU
 //! backend, and each invocation owns whole words (no write races on packed halves). `f64`
-//! needs `shaderFloat64`. [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures cannot run
+//! needs `shaderFloat64`. [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and
+//! [`Kernel::Cuda`](crate::kernels::Kernel::Cuda) kernels cannot run
 //! here: [`Backend::check_kernel`] refuses them at link time and the stream fails their
 //! event if one arrives anyway. [`Kernel::Shader`](crate::kernels::Kernel::Shader) runs
 //! user WGSL or SPIR-V (parameters at bindings `0..n`, the merge buffer at `n`).
