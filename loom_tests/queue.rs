@@ -48,8 +48,11 @@ fn stream() -> (Arc<Timeline>, StdArc<dyn StreamQueue>) {
         index: 0,
     };
     let timeline = Timeline::new(sid);
+    // SAFETY: a fresh timeline, completed by this queue only; the plans submitted are
+    // `counted`'s, each on its own word of the pool, made under `Plan::from_parts`'s
+    // contract.
     let queue: StdArc<dyn StreamQueue> =
-        StdArc::from(backend.start_stream(sid, timeline.clone()).unwrap());
+        StdArc::from(unsafe { backend.start_stream(sid, timeline.clone()) }.unwrap());
     (timeline, queue)
 }
 
@@ -62,29 +65,30 @@ fn counted(timeline: &Arc<Timeline>, seq: u64) -> (Plan, StdArc<Runs>) {
         r.0.with_mut(|p| unsafe { *p += 1 });
         Ok(())
     }));
-    let arg = ArgBinding {
-        loc: GlobalLoc {
+    let arg = ArgBinding::new(
+        GlobalLoc {
             device: DEVICE,
             loc: BufferLoc {
                 pool: POOL,
                 offset: 4 * seq,
             },
         },
-        bytes: 4,
-        dtype: DType::F32,
-        shape: [1].into(),
-        access: Access::Write,
-    };
-    let plan = Plan {
-        stream: timeline.stream(),
-        event: Event::new(timeline.clone(), seq),
-        deps: Vec::new(),
-        work: Work::Run {
-            name: format!("counted#{seq}").into(),
-            kernel,
-            args: vec![arg],
-            merge: None,
-        },
+        4,
+        DType::F32,
+        [1].into(),
+        Access::Write,
+    );
+    let work = Work::run(format!("counted#{seq}"), kernel, vec![arg], None);
+    // SAFETY: `seq` is issued once, to this plan, on `timeline`, whose queue it is
+    // submitted to; it has no dependencies because no other plan touches its 4 bytes
+    // (each plan writes its own word of the pool), which exist in the live pool `POOL`.
+    let plan = unsafe {
+        Plan::from_parts(
+            timeline.stream(),
+            Event::new(timeline.clone(), seq),
+            Vec::new(),
+            work,
+        )
     };
     (plan, runs)
 }
@@ -118,8 +122,8 @@ fn submit_vs_shutdown() {
         let (p2, r2) = counted(&timeline, 2);
         let q = queue.clone();
         let owner = thread::spawn(move || {
-            let e1 = p1.event.clone();
-            let e2 = p2.event.clone();
+            let e1 = p1.event().clone();
+            let e2 = p2.event().clone();
             let s1 = q.submit(p1);
             let s2 = q.submit(p2);
             let w1 = e1.wait();
@@ -141,7 +145,7 @@ fn shutdown_drains_queued_work() {
         let (timeline, queue) = stream();
         let (p1, r1) = counted(&timeline, 1);
         let (p2, r2) = counted(&timeline, 2);
-        let (e1, e2) = (p1.event.clone(), p2.event.clone());
+        let (e1, e2) = (p1.event().clone(), p2.event().clone());
         queue.submit(p1).unwrap();
         queue.shutdown();
         assert!(
@@ -161,7 +165,7 @@ fn idle_worker_is_woken() {
     run_model("queue::idle_worker_is_woken", builder(None), || {
         let (timeline, queue) = stream();
         let (p1, r1) = counted(&timeline, 1);
-        let e1 = p1.event.clone();
+        let e1 = p1.event().clone();
         thread::yield_now(); // let the worker reach its empty queue first, sometimes
         queue.submit(p1).unwrap();
         check(Ok(()), e1.wait(), &r1);

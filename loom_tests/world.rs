@@ -32,7 +32,7 @@ use tributary::{
     sync::{
         channel::{self, Sender},
         thread::{self, JoinHandle},
-        UnsafeCell,
+        Arc, UnsafeCell,
     },
     DType, DeviceId, Error, Failure, MemoryMode, MergeBufferUse, PoolId, StreamId, TensorNode,
     Timeline,
@@ -181,6 +181,8 @@ impl Op {
 
 struct Job {
     stream: StreamId,
+    /// The timeline of `stream`, which this executor completes.
+    timeline: Arc<Timeline>,
     event: Event,
     deps: Vec<Dep>,
     label: String,
@@ -191,7 +193,7 @@ struct Job {
 /// (`src/backend/cpu.rs`, `run_item`).
 fn run_job(job: Job) {
     let seq = job.event.seq();
-    let timeline: &Timeline = job.event.timeline();
+    let timeline: &Timeline = &job.timeline;
     if let Err(root) = await_deps(&job.deps) {
         timeline.fail(seq, root);
         return;
@@ -243,6 +245,8 @@ pub struct World {
     devices: Vec<DeviceState>,
     host: HostTable,
     queues: Vec<Vec<Sender<Job>>>,
+    /// `timelines[d][i]`: the timeline of stream `i` of device `d`, completed by its worker.
+    timelines: Vec<Vec<Arc<Timeline>>>,
     workers: Vec<JoinHandle<()>>,
     pools: BTreeMap<(DeviceId, PoolId), StdArc<Words>>,
     /// Pool operations the devices asked for, carried out before the next submission.
@@ -265,6 +269,7 @@ impl World {
         let mut queues = Vec::new();
         let mut workers = Vec::new();
         let pool_log = PoolLog::shared();
+        let mut all_timelines = Vec::new();
         for (d, &n) in streams.iter().enumerate() {
             let device = DeviceId(d as u32);
             let timelines: Vec<_> = (0..n as u32)
@@ -284,6 +289,7 @@ impl World {
                 device,
                 log: pool_log.clone(),
             };
+            all_timelines.push(timelines.clone());
             devices.push(DeviceState::new(
                 device,
                 timelines,
@@ -296,6 +302,7 @@ impl World {
             devices,
             host: HostTable::default(),
             queues,
+            timelines: all_timelines,
             workers,
             pools: BTreeMap::new(),
             pool_log,
@@ -407,30 +414,40 @@ impl World {
                 kernel,
                 args,
                 merge,
+                ..
             } => match kernel {
                 Kernel::Builtin(b) => Op::Builtin {
                     builtin: b.clone(),
-                    args: args.iter().map(|a| self.region(a.loc, a.bytes)).collect(),
-                    merge: merge.as_ref().map(|m| self.region(m.loc, m.bytes)),
+                    args: args
+                        .iter()
+                        .map(|a| self.region(a.loc(), a.bytes()))
+                        .collect(),
+                    merge: merge.as_ref().map(|m| self.region(m.loc(), m.bytes())),
                 },
                 Kernel::Cpu(_) if &**name == FAILING_KERNEL => Op::Fail,
                 Kernel::Cpu(_) => panic!("model bug: custom kernel {name} is not modelled"),
                 Kernel::Shader(_) => panic!("model bug: shader kernel {name} is not modelled"),
                 Kernel::Cuda(_) => panic!("model bug: CUDA kernel {name} is not modelled"),
             },
-            Work::Copy { src, dst, bytes } => Op::Copy {
+            Work::Copy {
+                src, dst, bytes, ..
+            } => Op::Copy {
                 src: self.region(*src, *bytes),
                 dst: self.region(*dst, *bytes),
             },
-            Work::FromHost { host, dst, bytes } => Op::Copy {
+            Work::FromHost {
+                host, dst, bytes, ..
+            } => Op::Copy {
                 src: self.host_region(host, *bytes),
                 dst: self.region(*dst, *bytes),
             },
-            Work::ToHost { src, host, bytes } => Op::Copy {
+            Work::ToHost {
+                src, host, bytes, ..
+            } => Op::Copy {
                 src: self.region(*src, *bytes),
                 dst: self.host_region(host, *bytes),
             },
-            Work::Memset { dst, bytes } => Op::Memset {
+            Work::Memset { dst, bytes, .. } => Op::Memset {
                 dst: self.region(*dst, *bytes),
             },
             Work::Marker => Op::Marker,
@@ -444,19 +461,21 @@ impl World {
         self.apply_pool_ops();
         let mut last = None;
         for plan in plans {
-            let op = self.resolve(&plan.work);
+            let op = self.resolve(plan.work());
+            let stream = plan.stream();
+            let (device, index) = (stream.device.0 as usize, stream.index as usize);
             let job = Job {
-                stream: plan.stream,
-                event: plan.event.clone(),
-                deps: plan.deps,
-                label: plan.work.label(),
+                stream,
+                timeline: self.timelines[device][index].clone(),
+                event: plan.event().clone(),
+                deps: plan.deps().to_vec(),
+                label: plan.work().label(),
                 op,
             };
-            let q = &self.queues[plan.stream.device.0 as usize][plan.stream.index as usize];
-            if q.send(job).is_err() {
-                panic!("stream {} is gone", plan.stream);
+            if self.queues[device][index].send(job).is_err() {
+                panic!("stream {stream} is gone");
             }
-            last = Some(plan.event);
+            last = Some(plan.event().clone());
         }
         last
     }
@@ -555,7 +574,7 @@ impl World {
         for e in self.host.pending_writes(node)? {
             e.wait()?;
         }
-        let array = self.host.record(node)?.array.clone();
+        let array = self.host.record(node)?.array().clone();
         let bytes = node.size_in_bytes()?;
         Ok(self.host_region(&array, bytes).read())
     }
@@ -568,7 +587,7 @@ impl World {
             // Order only: a failed transfer still must not overlap our write.
             let _ = e.wait();
         }
-        let array = self.host.record(node).unwrap().array.clone();
+        let array = self.host.record(node).unwrap().array().clone();
         let bytes = node.size_in_bytes().unwrap();
         self.host_region(&array, bytes).write(data);
         let raw: Vec<u8> = data

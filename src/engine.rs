@@ -113,7 +113,11 @@ impl Engine {
                 .collect();
             let mut qs = Vec::new();
             for t in &timelines {
-                qs.push(backend.start_stream(t.stream(), t.clone())?);
+                // SAFETY: `t` is a fresh timeline that only this queue completes; the
+                // plans this engine submits to it are those of the `DeviceState` made
+                // below from the same timelines, whose pool memory is `backend`'s
+                // `device`; every other device's state lives on such queues too.
+                qs.push(unsafe { backend.start_stream(t.stream(), t.clone()) }?);
             }
             let memory = crate::backend::BackendMemory::new(backend.clone(), device);
             devices.push(DeviceState::new(device, timelines, pools, Box::new(memory)));
@@ -179,17 +183,17 @@ impl Engine {
     fn submit(&mut self, plans: Vec<Plan>) -> Result<Option<Event>> {
         let mut last = None;
         for plan in plans {
-            let d = self.device_index(plan.stream.device)?;
-            let event = plan.event.clone();
-            tracing::trace!(stream = %plan.stream, seq = event.seq(), op = ?plan.work, deps = plan.deps.len(), "submit");
-            match self.queues[d].get(plan.stream.index as usize) {
+            let d = self.device_index(plan.stream().device)?;
+            let event = plan.event().clone();
+            tracing::trace!(stream = %plan.stream(), seq = event.seq(), op = ?plan.work(), deps = plan.deps().len(), "submit");
+            match self.queues[d].get(plan.stream().index as usize) {
                 Some(q) => {
                     // A dead queue fails the event itself; the error reaches waiters.
                     let _ = q.submit(plan);
                 }
                 None => {
                     return Err(Error::Unknown {
-                        what: format!("stream {}", plan.stream),
+                        what: format!("stream {}", plan.stream()),
                     })
                 }
             }
@@ -273,7 +277,7 @@ impl Engine {
     }
 
     fn submit_one(&mut self, plan: Plan) -> Result<Event> {
-        let event = plan.event.clone();
+        let event = plan.event().clone();
         self.submit(vec![plan])?;
         Ok(event)
     }

@@ -271,6 +271,28 @@ pub enum Error {
         /// The panic's payload.
         panic: String,
     },
+    /// The host array of a hosted node was to be written (or read) while a device
+    /// operation that reads or writes it (or writes it) was still pending: wait for the
+    /// events of `HostTable::begin_write` (or `pending_writes`) first.
+    #[error("host array of {node} is in use by {pending} pending device operation(s)")]
+    HostArrayBusy {
+        /// The node.
+        node: String,
+        /// How many device operations were still pending.
+        pending: usize,
+    },
+    /// A plan was submitted to the queue of a stream that does not complete its event
+    /// (another stream, or the same stream of another engine). The plan is not run and its
+    /// event is left to the queue that owns it.
+    #[error("{operation}: a plan of stream {plan} was submitted to the queue of {queue}")]
+    WrongStream {
+        /// The plan's stream.
+        plan: StreamId,
+        /// The stream of the queue it was submitted to.
+        queue: StreamId,
+        /// The plan's operation.
+        operation: String,
+    },
 }
 
 impl Error {

@@ -537,7 +537,12 @@ impl Event {
     }
 
     /// The timeline the event belongs to.
-    pub fn timeline(&self) -> &Arc<Timeline> {
+    ///
+    /// Crate-private: whoever holds a timeline can signal it, and a queue's timeline must
+    /// be completed by that queue only (the contract of
+    /// [`Backend::start_stream`](crate::backend::Backend::start_stream)); an event handed
+    /// to a user can be waited for, not completed.
+    pub(crate) fn timeline(&self) -> &Arc<Timeline> {
         &self.timeline
     }
 

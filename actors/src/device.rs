@@ -120,7 +120,7 @@ impl DeviceActor {
     fn submit(&mut self, plans: Vec<Plan>) {
         let mut batch: Vec<Plan> = Vec::new();
         for plan in plans {
-            if batch.last().is_some_and(|p| p.stream != plan.stream) {
+            if batch.last().is_some_and(|p| p.stream() != plan.stream()) {
                 self.flush(std::mem::take(&mut batch));
             }
             batch.push(plan);
@@ -130,28 +130,20 @@ impl DeviceActor {
 
     fn flush(&self, batch: Vec<Plan>) {
         let Some(first) = batch.first() else { return };
-        match self.streams.get(first.stream.index as usize) {
+        match self.streams.get(first.stream().index as usize) {
             // Same arbiter: do_send cannot be refused for capacity by a live actor, and
             // the device mailbox above it is what applies back-pressure to the host.
             Some(addr) => addr.do_send(Submit(batch)),
             None => {
                 for plan in batch {
-                    plan.event.timeline().fail(
-                        plan.event.seq(),
-                        Arc::new(tributary::Failure {
-                            stream: plan.stream,
-                            seq: plan.event.seq(),
-                            operation: plan.work.label(),
-                            message: "no stream actor".into(),
-                        }),
-                    );
+                    plan.fail_unsubmitted("no stream actor");
                 }
             }
         }
     }
 
     fn last_event(plans: &[Plan]) -> Option<Event> {
-        plans.last().map(|p| p.event.clone())
+        plans.last().map(|p| p.event().clone())
     }
 
     fn sweep(&mut self) {
@@ -286,7 +278,7 @@ impl Handler<FromHost> for DeviceActor {
                 host.set_order(order);
                 this.state.from_host(&ctx, &node, &mut host)?
             };
-            let e = plan.event.clone();
+            let e = plan.event().clone();
             this.submit(vec![plan]);
             Ok(e)
         });
@@ -311,7 +303,7 @@ impl Handler<ToHost> for DeviceActor {
                 host.set_order(order);
                 this.state.to_host(&ctx, &node, &mut host)?
             };
-            let e = plan.event.clone();
+            let e = plan.event().clone();
             this.submit(vec![plan]);
             Ok(e)
         });
@@ -366,7 +358,7 @@ impl Handler<ReadInto> for DeviceActor {
                 });
             }
             let plan = this.state.read_into(&msg.ctx, &msg.node, msg.into)?;
-            let e = plan.event.clone();
+            let e = plan.event().clone();
             this.submit(vec![plan]);
             Ok(e)
         })
@@ -386,7 +378,7 @@ impl Handler<TransferToHost> for DeviceActor {
                 this.state
                     .plan_to_host(msg.stream, &msg.node, msg.loc, &mut host)?
             };
-            let e = plan.event.clone();
+            let e = plan.event().clone();
             this.submit(vec![plan]);
             Ok(e)
         })
@@ -414,7 +406,7 @@ impl Handler<CopyIn> for DeviceActor {
                     .copy_in(&msg.dst, &msg.source, msg.into_merge, &mut host)?
             };
             Ok(plan.map(|p| {
-                let e = p.event.clone();
+                let e = p.event().clone();
                 this.submit(vec![p]);
                 e
             }))

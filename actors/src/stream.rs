@@ -91,15 +91,7 @@ impl Handler<Submit> for StreamActor {
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) {
         let Some(queue) = &self.queue else {
             for plan in msg.0 {
-                plan.event.timeline().fail(
-                    plan.event.seq(),
-                    std::sync::Arc::new(tributary::Failure {
-                        stream: plan.stream,
-                        seq: plan.event.seq(),
-                        operation: plan.work.label(),
-                        message: "stream stopped".into(),
-                    }),
-                );
+                plan.fail_unsubmitted("stream stopped");
             }
             return;
         };
@@ -107,7 +99,7 @@ impl Handler<Submit> for StreamActor {
         let actor = format!("stream actor {}", self.stream);
         let outcome = crate::guard::catch(&actor, "Submit", || {
             for plan in msg.0 {
-                *submitted = (*submitted).max(plan.event.seq());
+                *submitted = (*submitted).max(plan.event().seq());
                 // A dead queue fails the plan's event itself.
                 let _ = queue.submit(plan);
             }

@@ -1006,7 +1006,11 @@ fn start_actors(
         for index in 0..streams as u32 {
             let stream = StreamId { device, index };
             let timeline = Timeline::new(stream);
-            let queue = backend.start_stream(stream, timeline.clone())?;
+            // SAFETY: `timeline` is fresh and completed only by this queue (its stream
+            // actor fails events only of plans it cannot submit); the plans the stream
+            // actor submits are those of the `DeviceState` made below from these timelines,
+            // whose pool memory is `backend`'s `device`; every device lives on such queues.
+            let queue = unsafe { backend.start_stream(stream, timeline.clone()) }?;
             let t = timeline.clone();
             stream_addrs.push(StreamActor::start_in_arbiter(
                 &arbiter.handle(),

@@ -9,6 +9,20 @@
 //! kernel fails its event and the worker keeps serving (rule 6). All CPU devices share the
 //! host's memory, so any device can stream any other device's buffer in place.
 //!
+//! Soundness: the worker dereferences raw pointers into pools and host arrays. What makes
+//! that sound is stated once here and named by every `// SAFETY:` comment below:
+//!
+//! - *resolved*: a [`Region`] is bounds-checked against its allocation when the plan is
+//!   submitted and holds an `Arc` to it, so every pointer is in bounds of live memory;
+//! - *protocol-made*: a [`Plan`] is made only by the protocol or by the `unsafe`
+//!   [`Plan::from_parts`] whose contract is the protocol's promise, so its dependencies
+//!   order it after every conflicting use and its writable bindings do not alias;
+//! - *own timeline*: `submit` accepts only plans of this queue's timeline
+//!   ([`Plan::check_queue`]), and the queue exists only through the `unsafe`
+//!   [`Backend::start_stream`], whose caller promises that those plans come from the one
+//!   protocol instance that owns the pools they name and that nothing else completes the
+//!   timeline; so "a dependency completed" means "that operation finished".
+//!
 //! The queue, its lock and the worker thread come from [`crate::sync`] (crossbeam and std
 //! threads normally, loom under `tributary_loom`), so the submission / shutdown hand-off
 //! is model-checked on this very code (`loom_tests/queue.rs`). Memory (pools and host
@@ -86,10 +100,12 @@ struct Region {
 }
 
 impl Region {
+    /// A whole host array, which must be exactly `bytes` long: a transfer of another size
+    /// would be truncated or overrun, so it is a bug to report.
     fn host(buf: Arc<AlignedBuffer>, bytes: u64) -> std::result::Result<Region, String> {
-        if bytes as usize > buf.len() {
+        if bytes != buf.len() as u64 {
             return Err(format!(
-                "host array of {} bytes, {} requested",
+                "size mismatch: host array of {} bytes, transfer of {} bytes",
                 buf.len(),
                 bytes
             ));
@@ -102,8 +118,8 @@ impl Region {
     }
 
     fn ptr(&self) -> *mut u8 {
-        // SAFETY: `resolve`/`host` checked offset + bytes <= len, so the offset stays
-        // inside (or one past the end of) the allocation.
+        // SAFETY (resolved): `resolve`/`host` checked offset + bytes <= len, so the offset
+        // stays inside (or one past the end of) the allocation, which `buf` keeps alive.
         unsafe { self.buf.as_ptr().add(self.offset) }
     }
 }
@@ -237,9 +253,18 @@ impl Backend for CpuBackend {
             .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))?;
         let len =
             usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
-        let buf = AlignedBuffer::new(len, align.max(1) as usize)?;
-        pools.lock().insert(pool, Arc::new(buf));
-        Ok(())
+        if pools.lock().contains_key(&pool) {
+            return Err(pool_exists(device, pool));
+        }
+        let buf = Arc::new(AlignedBuffer::new(len, align.max(1) as usize)?);
+        use std::collections::hash_map::Entry;
+        match pools.lock().entry(pool) {
+            Entry::Occupied(_) => Err(pool_exists(device, pool)),
+            Entry::Vacant(v) => {
+                v.insert(buf);
+                Ok(())
+            }
+        }
     }
 
     fn release_pool(&self, device: DeviceId, pool: PoolId) {
@@ -248,7 +273,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn start_stream(
+    unsafe fn start_stream(
         &self,
         stream: StreamId,
         timeline: SyncArc<Timeline>,
@@ -323,6 +348,7 @@ pub struct CpuStream {
 
 impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
+        plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
         let label = plan.work.label();
         let job = self.backend.resolve(&plan.work);
@@ -554,29 +580,44 @@ fn execute(job: Job) -> std::result::Result<(), String> {
         } => {
             let views = args.iter().map(view).collect();
             let merge = merge.as_ref().map(view);
-            // SAFETY: every view points into a live pool (`args` holds the `Arc`s for the
-            // duration of the call), ranges were bounds-checked at resolution, pools are
-            // aligned to at least the element size, distinct nodes have disjoint buffers,
-            // and the protocol made this job wait for every other use of the buffers it
-            // writes and for every writer of the buffers it reads.
+            // SAFETY: resolved: every view points into a live pool (`args` holds the
+            // `Arc`s for the duration of the call) within bounds, and pools are aligned to
+            // at least the element size. Protocol-made: the writable bindings of the plan
+            // do not alias any other binding. Own timeline: the dependencies awaited in
+            // `run_item` are those operations themselves, so every other use of a buffer
+            // this job writes, and every writer of a buffer it reads, has finished.
             let kargs = unsafe { KernelArgs::new(views, merge) };
             run_cpu(&kernel, &kargs)
         }
         Job::Copy { src, dst } => {
-            let n = src.bytes.min(dst.bytes);
-            // SAFETY: both ranges are in bounds of live allocations (checked at
-            // resolution); `ptr::copy` tolerates overlap; the protocol orders this copy
-            // after the writers of `src` and after every use of `dst`.
-            unsafe { std::ptr::copy(src.ptr(), dst.ptr(), n) };
+            if src.bytes != dst.bytes {
+                return Err(size_mismatch(src.bytes as u64, dst.bytes as u64));
+            }
+            // SAFETY: resolved: both ranges, of `src.bytes` bytes each, are in bounds of
+            // live allocations; `ptr::copy` tolerates overlap. Protocol-made and own
+            // timeline: the awaited dependencies were the writers of `src` and every use of
+            // `dst`, all finished, and later ones wait for this job.
+            unsafe { std::ptr::copy(src.ptr(), dst.ptr(), src.bytes) };
             Ok(())
         }
         Job::Memset { dst } => {
-            // SAFETY: in-bounds range of a live allocation, no concurrent use (protocol).
+            // SAFETY: resolved (in-bounds range of a live allocation); protocol-made and own
+            // timeline: every other use of `dst` finished before and waits after.
             unsafe { std::ptr::write_bytes(dst.ptr(), 0, dst.bytes) };
             Ok(())
         }
         Job::Marker => Ok(()),
     }
+}
+
+/// The error of a copy whose source and destination differ in size.
+fn size_mismatch(src: u64, dst: u64) -> String {
+    format!("size mismatch: copy from {src} bytes into {dst} bytes (not truncated)")
+}
+
+/// The error of a pool created twice.
+fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
+    DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
 /// The host's physical memory (Linux: `MemTotal` of `/proc/meminfo`), `None` elsewhere.

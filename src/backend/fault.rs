@@ -313,12 +313,16 @@ impl Backend for FaultBackend {
         self.inner.device_info(device)
     }
 
-    fn start_stream(
+    unsafe fn start_stream(
         &self,
         stream: StreamId,
         timeline: Arc<Timeline>,
     ) -> Result<Box<dyn StreamQueue>, DeviceError> {
-        let inner = self.inner.start_stream(stream, timeline.clone())?;
+        // SAFETY: our caller's promise, passed on: the plans `FaultQueue` forwards are the
+        // caller's plans, with the same event, the same bindings (an injected kernel runs
+        // over the operation's own bindings, or none) and at least the same dependencies
+        // (a delay adds one), so they keep the protocol's ordering.
+        let inner = unsafe { self.inner.start_stream(stream, timeline.clone()) }?;
         Ok(Box::new(FaultQueue {
             inner,
             rules: self.rules.clone(),

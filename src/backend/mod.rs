@@ -11,7 +11,35 @@
 //! - a plan completes (ok or failed) only after *all* its dependencies completed;
 //! - a failed [`crate::protocol::DepKind::Data`] dependency fails the plan with the same
 //!   root cause, without running its work;
-//! - `submit` never blocks on the work itself.
+//! - `submit` never blocks on the work itself;
+//! - `submit` refuses, with [`Error::WrongStream`] and without touching it, a plan whose
+//!   event is not on the queue's own timeline ([`Plan::check_queue`]);
+//! - a copy whose two sides differ in size (a host array of another size than the
+//!   transfer, say) fails its plan with a message naming both sizes: it is never
+//!   truncated to the smaller one.
+//!
+//! # Soundness
+//!
+//! Backends touch memory through raw pointers (CPU) or let the device do it (Vulkan), and
+//! rely on the protocol for the absence of races: a plan waits for every conflicting
+//! earlier use, and its bindings do not alias. The types make that reliance sound:
+//!
+//! - a [`Plan`] is made only by the protocol or by the `unsafe` [`Plan::from_parts`]
+//!   (see [`crate::protocol`]'s plan documentation);
+//! - [`Backend::start_stream`] is `unsafe`: its caller promises that the plans submitted
+//!   to the queue are those of the one protocol instance that issues the timeline's
+//!   events and owns the device's pools, and that nothing else completes the timeline.
+//!   The engine and the actor system are its only safe wrappers; a user gets no queue;
+//! - [`Backend::create_pool`] refuses a pool id that is live on the device, so two owners
+//!   (two engines on one backend) cannot share memory unknowingly;
+//! - a host array is written or read by the host only through the checked calls of
+//!   [`HostTable`](crate::protocol::HostTable), which refuse while a device use is
+//!   pending.
+//!
+//! For a backend author (the contract a [`StreamQueue`] implementation keeps): call
+//! [`Plan::check_queue`] first in `submit`; read the plan through its accessors (or, in
+//! this crate, its fields); rely on its dependencies for ordering and on its bindings not
+//! aliasing unless both are read-only; state those facts in the `// SAFETY:` comments.
 //!
 //! Backends: [`cpu`] (always built) and [`vulkan`] (its types always exist; without the
 //! `vulkan` cargo feature, [`vulkan::VulkanBackend::new`] reports
@@ -36,7 +64,9 @@ use crate::{
 /// A queue of work on one stream.
 pub trait StreamQueue: Send + Sync {
     /// Enqueues a plan. Never waits for the work. If the queue is dead the plan's event is
-    /// failed (so nobody waits forever) and an error is returned.
+    /// failed (so nobody waits forever) and an error is returned. A plan for another
+    /// stream's timeline is refused with [`Error::WrongStream`] ([`Plan::check_queue`]) and
+    /// its event left alone (it belongs to another queue).
     fn submit(&self, plan: Plan) -> Result<()>;
 
     /// Stops accepting work, lets queued work finish, and joins the worker.
@@ -59,7 +89,9 @@ pub trait Backend: Send + Sync + 'static {
     /// The devices this backend drives, in order.
     fn devices(&self) -> Vec<DeviceId>;
 
-    /// Creates the memory of a pool.
+    /// Creates the memory of a pool. A `pool` that is live on `device` already is refused
+    /// ([`DeviceError::Unexpected`] naming it): each pool has one owner, the protocol
+    /// instance of its device, and memory never changes under its plans.
     fn create_pool(
         &self,
         device: DeviceId,
@@ -72,7 +104,22 @@ pub trait Backend: Send + Sync + 'static {
     fn release_pool(&self, device: DeviceId, pool: PoolId);
 
     /// Starts the queue of one stream, which completes events on `timeline`.
-    fn start_stream(
+    ///
+    /// # Safety
+    ///
+    /// The backend runs what the queue receives with raw memory accesses ordered only by
+    /// plan dependencies, so the caller promises that:
+    ///
+    /// - every plan submitted to the returned queue was made by the one protocol instance
+    ///   ([`DeviceState`](crate::protocol::DeviceState)) that issues `timeline`'s sequence
+    ///   numbers, whose pool memory is this backend's `stream.device` (its
+    ///   [`BackendMemory`]) and which is the only one making plans that name those pools;
+    /// - `timeline` is completed by the returned queue only: no other queue is started on
+    ///   it, and nothing else signals, fails or poisons it (failing the event of a plan
+    ///   that could not be submitted excepted);
+    /// - every protocol instance whose plans this queue's plans depend on lives on
+    ///   timelines completed by such queues too.
+    unsafe fn start_stream(
         &self,
         stream: StreamId,
         timeline: Arc<Timeline>,

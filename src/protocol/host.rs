@@ -5,11 +5,20 @@
 //! (`to_host`). A host *write* bumps the node's version; a device buffer whose recorded
 //! version is older is lagging and is re-uploaded before a routine reads it. A device write
 //! makes the node's latest value live on that device: a host *read* first transfers it.
+//!
+//! The host array is plain memory that backends read (`from_host`) and write (`to_host`)
+//! on their own threads. The host side touches it only through [`HostTable::commit_write`]
+//! and [`HostTable::read_bytes`], which *check* (under `&mut self`, so no new device use
+//! can be planned meanwhile) that every conflicting device use has completed and refuse
+//! with [`Error::HostArrayBusy`] otherwise; the use records themselves can only be changed
+//! inside the crate. That makes both safe to call in any order: waiting first
+//! ([`HostTable::begin_write`], [`HostTable::pending_writes`]) is how to succeed, not what
+//! soundness rests on.
 
 use std::{collections::HashMap, sync::Arc};
 
 use crate::{
-    error::{DeviceError, Result},
+    error::{DeviceError, Error, Result},
     event::Event,
     ids::{NodeId, StreamId},
     memory::AlignedBuffer,
@@ -30,11 +39,11 @@ pub struct DeviceCopy {
 #[derive(Debug)]
 pub struct HostRecord {
     /// The host array (zero-initialised when created).
-    pub array: Arc<AlignedBuffer>,
+    pub(crate) array: Arc<AlignedBuffer>,
     /// Incremented by every host write; device buffers remember the version they hold.
-    pub version: u64,
+    pub(crate) version: u64,
     /// Pending device operations reading (`from_host`) and writing (`to_host`) the array.
-    pub uses: BufferUses,
+    pub(crate) uses: BufferUses,
     /// The latest device write of the node in program order, with its stamp.
     newest_write: Option<(DeviceCopy, u64)>,
     /// Stamp of the latest host write or transfer that made the host array current
@@ -45,6 +54,22 @@ pub struct HostRecord {
 }
 
 impl HostRecord {
+    /// The host array (zero-initialised when created). Reading it needs `unsafe`
+    /// ([`AlignedBuffer::bytes`]); [`HostTable::read_bytes`] is the checked way.
+    pub fn array(&self) -> &Arc<AlignedBuffer> {
+        &self.array
+    }
+
+    /// Incremented by every host write; device buffers remember the version they hold.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Pending device operations reading (`from_host`) and writing (`to_host`) the array.
+    pub fn uses(&self) -> &BufferUses {
+        &self.uses
+    }
+
     /// The device buffer holding a value newer than the host array, if any: the latest
     /// device write in program order, unless a later transfer or host write caught up.
     ///
@@ -59,7 +84,7 @@ impl HostRecord {
     }
 
     /// A device operation with program-order stamp `order` wrote the node at `copy`.
-    pub fn device_wrote(&mut self, copy: DeviceCopy, order: u64) {
+    pub(crate) fn device_wrote(&mut self, copy: DeviceCopy, order: u64) {
         if self.newest_write.is_none_or(|(_, o)| order >= o) {
             self.newest_write = Some((copy, order));
             // Catch-ups older than the newest write can never matter again.
@@ -70,7 +95,7 @@ impl HostRecord {
     /// The host array caught up with the device at program-order stamp `order`: with the
     /// buffer at `at` (a transfer between it and the host), or with every buffer (`None`:
     /// a host write, or a transfer that makes the host array the reference).
-    pub fn host_caught_up(&mut self, at: Option<GlobalLoc>, order: u64) {
+    pub(crate) fn host_caught_up(&mut self, at: Option<GlobalLoc>, order: u64) {
         match at {
             None => self.caught_up_all = self.caught_up_all.max(order),
             Some(loc) => {
@@ -138,12 +163,32 @@ impl HostTable {
 
     /// Finishes a host write after the events of [`HostTable::begin_write`] completed:
     /// copies `data` into the host array and makes every device copy lag.
+    ///
+    /// [`Error::HostArrayBusy`] (nothing written) while a device use of the array is still
+    /// pending; [`Error::SizeMismatch`] unless `data` is exactly the node's size.
     pub fn commit_write(&mut self, node: &TensorNode, data: &[u8]) -> Result<()> {
         let order = self.order;
+        let expected = node.size_in_bytes()?;
+        if data.len() as u64 != expected {
+            return Err(Error::SizeMismatch {
+                node: node.to_string(),
+                expected: format!("{expected} bytes"),
+                found: format!("{} bytes", data.len()),
+            });
+        }
         let record = self.record(node)?;
+        let pending = record.uses.all_events();
+        let busy = pending.iter().filter(|e| !e.is_done()).count();
+        if busy > 0 {
+            return Err(Error::HostArrayBusy {
+                node: node.to_string(),
+                pending: busy,
+            });
+        }
         record.uses.clear_all();
-        // SAFETY: the caller waited for every pending device use of the host array
-        // (`begin_write`), and new uses are only issued through `&mut self`.
+        // SAFETY: every device use of the host array recorded in `uses` has completed
+        // (checked just above), and a device use is only planned through `&mut self`
+        // (the records are crate-private), so no backend touches the array during the copy.
         unsafe { record.array.bytes_mut(0, data.len()) }
             .map_err(DeviceError::from)?
             .copy_from_slice(data);
@@ -164,10 +209,27 @@ impl HostTable {
     }
 
     /// Copies the host array of `node` out, after [`HostTable::pending_writes`] completed.
+    ///
+    /// [`Error::HostArrayBusy`] while a device write of the array is still pending.
     pub fn read_bytes(&mut self, node: &TensorNode) -> Result<Vec<u8>> {
         let bytes = node.size_in_bytes()? as usize;
         let record = self.record(node)?;
-        // SAFETY: the caller waited for every pending device write of the host array;
+        record.uses.prune();
+        let busy = record
+            .uses
+            .writers
+            .events()
+            .iter()
+            .filter(|e| !e.is_done())
+            .count();
+        if busy > 0 {
+            return Err(Error::HostArrayBusy {
+                node: node.to_string(),
+                pending: busy,
+            });
+        }
+        // SAFETY: every device write of the host array recorded in `uses` has completed
+        // (checked just above) and new ones are only planned through `&mut self`;
         // concurrent device reads are fine for a shared read.
         let data = unsafe { record.array.bytes(0, bytes) }.map_err(DeviceError::from)?;
         Ok(data.to_vec())

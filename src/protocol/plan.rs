@@ -5,6 +5,29 @@
 //! (buffer locations, the merge-buffer source, host arrays) are resolved when the plan is
 //! made, i.e. at schedule time, never at execution time (OCANNL read some of them at
 //! execution time on the CPU and at launch time on CUDA; DESIGN.md §1).
+//!
+//! # Plans are made by the protocol only
+//!
+//! A backend executes a plan with raw memory accesses whose soundness rests on two facts
+//! the protocol establishes when it makes the plan: the plan waits for every earlier use
+//! that conflicts with it ([`Plan::deps`]), and the buffers it binds are the disjoint
+//! buffers of distinct nodes (no two writable bindings of one plan overlap). A plan built
+//! by hand could break either (two write bindings at one location give aliasing `&mut`;
+//! two plans on two streams without dependencies race). So the types make the protocol
+//! the only maker of plans:
+//!
+//! - [`Plan`], [`ArgBinding`] and [`Dep`] have private fields (read accessors only) and
+//!   [`Plan`] is not `Clone`: an owned `Plan` is the one permission to run its operation
+//!   and complete its event, consumed by [`StreamQueue::submit`];
+//! - the variants of [`Work`] are `#[non_exhaustive]`: code outside this crate can match
+//!   on them but not construct them;
+//! - outside the protocol ([`DeviceState`](crate::protocol::DeviceState)) the only
+//!   constructor is the `unsafe` [`Plan::from_parts`], whose contract is the protocol's
+//!   promise (for model checkers and backend tests);
+//! - a queue refuses a plan for another stream ([`Error::WrongStream`]), so a plan cannot
+//!   complete an event of a timeline that its queue does not own.
+//!
+//! [`StreamQueue::submit`]: crate::backend::StreamQueue::submit
 
 use std::{fmt, sync::Arc};
 
@@ -46,31 +69,90 @@ pub enum DepKind {
 /// One event an operation waits for.
 #[derive(Clone, Debug)]
 pub struct Dep {
+    pub(crate) event: Event,
+    pub(crate) kind: DepKind,
+}
+
+impl Dep {
+    /// A dependency on `event` of the given kind.
+    ///
+    /// Safe: a dependency alone does nothing; only a [`Plan`] (made by the protocol, or
+    /// by the `unsafe` [`Plan::from_parts`]) makes a backend wait for it.
+    pub fn new(event: Event, kind: DepKind) -> Dep {
+        Dep { event, kind }
+    }
+
     /// The event.
-    pub event: Event,
-    /// Why.
-    pub kind: DepKind,
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// Why the operation waits for it.
+    pub fn kind(&self) -> DepKind {
+        self.kind
+    }
 }
 
 /// A buffer bound as a kernel argument.
 #[derive(Clone, Debug)]
 pub struct ArgBinding {
+    pub(crate) loc: GlobalLoc,
+    pub(crate) bytes: u64,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Shape,
+    pub(crate) access: Access,
+}
+
+impl ArgBinding {
+    /// A binding of `bytes` bytes at `loc`, holding `dtype` elements of `shape`, used as
+    /// `access` says.
+    ///
+    /// Safe: a binding alone does nothing; only a [`Plan`] (made by the protocol, or by
+    /// the `unsafe` [`Plan::from_parts`], whose contract covers its bindings) is executed.
+    pub fn new(loc: GlobalLoc, bytes: u64, dtype: DType, shape: Shape, access: Access) -> Self {
+        ArgBinding {
+            loc,
+            bytes,
+            dtype,
+            shape,
+            access,
+        }
+    }
+
     /// Where the buffer is.
-    pub loc: GlobalLoc,
+    pub fn loc(&self) -> GlobalLoc {
+        self.loc
+    }
+
     /// Its size in bytes.
-    pub bytes: u64,
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// Its element type.
-    pub dtype: DType,
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Its shape.
-    pub shape: Shape,
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
     /// How the kernel uses it.
-    pub access: Access,
+    pub fn access(&self) -> Access {
+        self.access
+    }
 }
 
 /// The work of one operation.
+///
+/// Its variants are `#[non_exhaustive]`: code outside this crate can inspect work but not
+/// make it (see the [module documentation](self)).
 #[derive(Clone)]
 pub enum Work {
     /// Run a kernel over bound buffers.
+    #[non_exhaustive]
     Run {
         /// Routine name (for errors and traces).
         name: Arc<str>,
@@ -82,6 +164,7 @@ pub enum Work {
         merge: Option<ArgBinding>,
     },
     /// Copy `bytes` from one buffer to another (possibly on another device).
+    #[non_exhaustive]
     Copy {
         /// Source buffer.
         src: GlobalLoc,
@@ -91,6 +174,7 @@ pub enum Work {
         bytes: u64,
     },
     /// Copy a host array into a buffer.
+    #[non_exhaustive]
     FromHost {
         /// The host array.
         host: Arc<AlignedBuffer>,
@@ -100,6 +184,7 @@ pub enum Work {
         bytes: u64,
     },
     /// Copy a buffer into a host array.
+    #[non_exhaustive]
     ToHost {
         /// Source buffer.
         src: GlobalLoc,
@@ -109,6 +194,7 @@ pub enum Work {
         bytes: u64,
     },
     /// Zero a buffer.
+    #[non_exhaustive]
     Memset {
         /// The buffer.
         dst: GlobalLoc,
@@ -117,6 +203,45 @@ pub enum Work {
     },
     /// Nothing: only completes an event (used to mark a point on a stream).
     Marker,
+}
+
+/// Constructors, for the `unsafe` [`Plan::from_parts`] (the protocol builds the variants
+/// directly). Safe: work does nothing until a plan carries it.
+impl Work {
+    /// [`Work::Run`]: `kernel` (called `name`) over `args`, with the merge buffer `merge`.
+    pub fn run(
+        name: impl Into<Arc<str>>,
+        kernel: Kernel,
+        args: Vec<ArgBinding>,
+        merge: Option<ArgBinding>,
+    ) -> Work {
+        Work::Run {
+            name: name.into(),
+            kernel,
+            args,
+            merge,
+        }
+    }
+
+    /// [`Work::Copy`] of `bytes` bytes from `src` to `dst`.
+    pub fn copy(src: GlobalLoc, dst: GlobalLoc, bytes: u64) -> Work {
+        Work::Copy { src, dst, bytes }
+    }
+
+    /// [`Work::FromHost`]: `bytes` bytes of `host` into `dst`.
+    pub fn from_host(host: Arc<AlignedBuffer>, dst: GlobalLoc, bytes: u64) -> Work {
+        Work::FromHost { host, dst, bytes }
+    }
+
+    /// [`Work::ToHost`]: `bytes` bytes of `src` into `host`.
+    pub fn to_host(src: GlobalLoc, host: Arc<AlignedBuffer>, bytes: u64) -> Work {
+        Work::ToHost { src, host, bytes }
+    }
+
+    /// [`Work::Memset`]: zero `bytes` bytes at `dst`.
+    pub fn memset(dst: GlobalLoc, bytes: u64) -> Work {
+        Work::Memset { dst, bytes }
+    }
 }
 
 impl Work {
@@ -152,18 +277,116 @@ impl fmt::Debug for Work {
 }
 
 /// Everything a stream must do for one operation.
-#[derive(Clone, Debug)]
+///
+/// Made by the protocol ([`DeviceState`](crate::protocol::DeviceState)) and consumed by
+/// [`StreamQueue::submit`](crate::backend::StreamQueue::submit); not `Clone`, fields
+/// private: see the [module documentation](self) for why.
+#[derive(Debug)]
 pub struct Plan {
     /// The stream that runs it.
-    pub stream: StreamId,
+    pub(crate) stream: StreamId,
     /// The event it completes (its sequence number on `stream`).
-    pub event: Event,
+    pub(crate) event: Event,
     /// What it waits for first. Every dependency is waited for, even after one failed, so
     /// that an operation completes only after all its dependencies completed: this is what
     /// makes pruning the tables sound (a completed write implies completed earlier uses).
-    pub deps: Vec<Dep>,
+    pub(crate) deps: Vec<Dep>,
     /// The work.
-    pub work: Work,
+    pub(crate) work: Work,
+}
+
+impl Plan {
+    /// A plan made outside the protocol: `work` on `stream`, completing `event` after
+    /// `deps`. For model checkers and backend tests that drive a queue directly.
+    ///
+    /// # Safety
+    ///
+    /// The plan must be one the protocol could have made, which is what every backend
+    /// relies on when it touches memory:
+    ///
+    /// - `event` is the next unissued sequence number of `stream`'s timeline, issued to
+    ///   this plan only, and the plan is submitted to the queue of `stream` that completes
+    ///   that timeline;
+    /// - `deps` order the plan after every operation, on any stream, that writes a buffer
+    ///   (or host array) this plan reads or that uses a buffer (or host array) this plan
+    ///   writes, and no such operation is issued later without depending on this plan;
+    /// - no two bindings of `work` overlap unless both only read, and every location names
+    ///   a live pool of the queue's backend with the stated size in bounds;
+    /// - a host array in `work` is not accessed by the caller until `event` completes.
+    pub unsafe fn from_parts(stream: StreamId, event: Event, deps: Vec<Dep>, work: Work) -> Plan {
+        Plan {
+            stream,
+            event,
+            deps,
+            work,
+        }
+    }
+
+    /// The stream that runs it.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The event it completes (its sequence number on [`Plan::stream`]).
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// What it waits for first (see [`await_deps`]).
+    pub fn deps(&self) -> &[Dep] {
+        &self.deps
+    }
+
+    /// The work.
+    pub fn work(&self) -> &Work {
+        &self.work
+    }
+
+    /// Fails this plan's event with `message` without running it: for a plan that cannot
+    /// be submitted (its stream's queue or actor is gone). Consumes the plan, which was
+    /// the one permission to complete that event.
+    ///
+    /// The event completes at once, possibly before the plan's dependencies: use it only
+    /// where the stream is gone for good (shutdown), as the queues themselves do.
+    pub fn fail_unsubmitted(self, message: impl Into<String>) {
+        let seq = self.event.seq();
+        self.event.timeline().fail(
+            seq,
+            std::sync::Arc::new(Failure {
+                stream: self.stream,
+                seq,
+                operation: self.work.label(),
+                message: message.into(),
+            }),
+        );
+    }
+
+    /// Whether `timeline` is the one this plan completes an event of: the check every
+    /// [`StreamQueue::submit`](crate::backend::StreamQueue::submit) makes before accepting
+    /// it ([`Plan::check_queue`]).
+    pub fn completes_on(&self, timeline: &crate::sync::Arc<crate::event::Timeline>) -> bool {
+        crate::sync::Arc::ptr_eq(self.event.timeline(), timeline)
+    }
+
+    /// [`Error::WrongStream`] unless this plan's event is on `timeline`, the timeline of
+    /// the queue it is submitted to (whose stream is `queue`). Every queue calls it first:
+    /// a plan on a queue that does not complete its timeline would run unordered with the
+    /// operations it was ordered against.
+    pub fn check_queue(
+        &self,
+        queue: StreamId,
+        timeline: &crate::sync::Arc<crate::event::Timeline>,
+    ) -> Result<(), Error> {
+        if self.stream == queue && self.completes_on(timeline) {
+            Ok(())
+        } else {
+            Err(Error::WrongStream {
+                plan: self.stream,
+                queue,
+                operation: self.work.label(),
+            })
+        }
+    }
 }
 
 /// Waits for every dependency of a plan, as every executor must before running its work.

@@ -115,6 +115,11 @@ pub fn probe() -> Result<VulkanInfo, DeviceError> {
     })
 }
 
+/// The error of a pool created twice (each pool has one owner).
+fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
+    DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
+}
+
 fn no_device(refused: &[String]) -> DeviceError {
     DeviceError::Unavailable(if refused.is_empty() {
         "no Vulkan physical device".into()
@@ -223,9 +228,21 @@ impl Backend for VulkanBackend {
         if let Some(cause) = gpu.core.lost() {
             return Err(DeviceError::Lost(cause));
         }
-        let buffer = Buffer::pool(&gpu.core, bytes, self.shared.config.force_staging)?;
-        lock(&gpu.pools).insert(pool, Arc::new(buffer));
-        Ok(())
+        if lock(&gpu.pools).contains_key(&pool) {
+            return Err(pool_exists(device, pool));
+        }
+        let buffer = Arc::new(Buffer::pool(
+            &gpu.core,
+            bytes,
+            self.shared.config.force_staging,
+        )?);
+        match lock(&gpu.pools).entry(pool) {
+            std::collections::hash_map::Entry::Occupied(_) => Err(pool_exists(device, pool)),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(buffer);
+                Ok(())
+            }
+        }
     }
 
     fn release_pool(&self, device: DeviceId, pool: PoolId) {
@@ -235,7 +252,7 @@ impl Backend for VulkanBackend {
         }
     }
 
-    fn start_stream(
+    unsafe fn start_stream(
         &self,
         stream: StreamId,
         timeline: SyncArc<Timeline>,

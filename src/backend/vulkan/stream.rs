@@ -399,6 +399,7 @@ impl VulkanStream {
 
 impl StreamQueue for VulkanStream {
     fn submit(&self, plan: Plan) -> Result<()> {
+        plan.check_queue(self.shared.id, &self.shared.timeline)?;
         let seq = plan.event.seq();
         let label = plan.work.label();
         let job = self.resolve(&plan.work);
