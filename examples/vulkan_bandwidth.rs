@@ -79,6 +79,7 @@ fn vulkan_rows(sizes: &[usize], reps: usize, staging: bool) -> Result<Vec<Row>> 
         VulkanConfig {
             devices: Some(2),
             force_staging: staging,
+            ..VulkanConfig::default()
         },
     )?;
     let pools = PoolConfig {

@@ -77,6 +77,7 @@ fn vulkan_for(setup: &Setup, staging: bool) -> VulkanConfig {
     VulkanConfig {
         devices: Some(setup.devices),
         force_staging: staging,
+        ..VulkanConfig::default()
     }
 }
 

@@ -121,6 +121,7 @@ pub fn vulkan_config(kind: Kind, devices: usize, test: &str) -> Option<VulkanCon
     Some(VulkanConfig {
         devices: Some(devices),
         force_staging: staging,
+        ..VulkanConfig::default()
     })
 }
 

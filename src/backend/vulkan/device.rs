@@ -11,7 +11,7 @@ use super::{
     memory::{Buffer, Region},
     recording::StreamTrace,
     stream::{StreamShared, VulkanStream},
-    VulkanConfig, VulkanInfo,
+    VulkanConfig, VulkanInfo, WaitFault,
 };
 use crate::{
     backend::{unsupported_kernel, Backend, StreamQueue},
@@ -149,7 +149,7 @@ impl VulkanBackend {
         let mut gpus = Vec::with_capacity(n);
         for i in 0..n {
             let physical = usable[i % usable.len()].clone();
-            let core = DeviceCore::new(instance.clone(), physical)?;
+            let core = DeviceCore::new(instance.clone(), physical, config.device_timeout)?;
             let id = u32::try_from(i)
                 .ok()
                 .and_then(|i| first.0.checked_add(i))
@@ -198,6 +198,30 @@ impl VulkanBackend {
     /// The configuration it was created with.
     pub fn config(&self) -> &VulkanConfig {
         &self.shared.config
+    }
+
+    /// Makes the waits of `device` fail as `fault` says, from now on (a test seam for a
+    /// hung or lost GPU; see [`WaitFault`]). Other devices are unaffected.
+    pub fn inject_wait_fault(&self, device: DeviceId, fault: WaitFault) -> Result<(), DeviceError> {
+        self.gpu_of(device)?.core.inject(fault);
+        Ok(())
+    }
+
+    /// Why `device` is lost, if it is ([`DeviceError::Lost`]'s cause).
+    pub fn lost_cause(&self, device: DeviceId) -> Result<Option<String>, DeviceError> {
+        Ok(self.gpu_of(device)?.core.lost())
+    }
+
+    /// How many objects of `device` were deliberately leaked, not freed, because the device
+    /// stopped answering while it might still use them (see [`VulkanConfig::device_timeout`]).
+    pub fn leaked_objects(&self, device: DeviceId) -> Result<usize, DeviceError> {
+        Ok(self.gpu_of(device)?.core.leaked())
+    }
+
+    fn gpu_of(&self, device: DeviceId) -> Result<&Arc<Gpu>, DeviceError> {
+        self.shared
+            .gpu(device)
+            .ok_or_else(|| DeviceError::Unexpected(format!("unknown device {device}")))
     }
 }
 

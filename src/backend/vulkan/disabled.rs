@@ -1,6 +1,6 @@
 //! The Vulkan backend's API when the `vulkan` cargo feature is off: it cannot be created.
 
-use super::{not_built, VulkanConfig, VulkanInfo};
+use super::{not_built, VulkanConfig, VulkanInfo, WaitFault};
 use crate::{
     backend::{Backend, StreamQueue},
     error::DeviceError,
@@ -36,6 +36,21 @@ impl VulkanBackend {
 
     /// Names of the physical devices (none: this value cannot exist).
     pub fn device_names(&self) -> Vec<String> {
+        match self.never {}
+    }
+
+    /// Injects a wait fault (this value cannot exist).
+    pub fn inject_wait_fault(&self, _: DeviceId, _: WaitFault) -> Result<(), DeviceError> {
+        match self.never {}
+    }
+
+    /// Why a device is lost (this value cannot exist).
+    pub fn lost_cause(&self, _: DeviceId) -> Result<Option<String>, DeviceError> {
+        match self.never {}
+    }
+
+    /// Leaked objects (this value cannot exist).
+    pub fn leaked_objects(&self, _: DeviceId) -> Result<usize, DeviceError> {
         match self.never {}
     }
 }

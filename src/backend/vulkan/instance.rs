@@ -6,17 +6,39 @@
 //! `Drop`; `DeviceCore`'s `Drop` therefore runs after all of them, waits for the device to
 //! go idle, drops the allocator and destroys the device; `InstanceCore` outlives every
 //! device the same way.
+//!
+//! Bounded waits: every wait for submitted device work ([`DeviceCore::wait_semaphores`],
+//! [`DeviceCore::wait_fence`]) gives up after [`VulkanConfig::device_timeout`]: the device
+//! is then marked lost ([`DeviceError::Lost`], "timed out ..."), and so is it after any
+//! other wait error (the state of the work is then unknown). Whatever such work might
+//! still use is *leaked* ([`DeviceCore::leak`]): never freed, never reused, and the
+//! `DeviceCore` itself is never destroyed (a leaked object keeps it alive), since
+//! destroying a device with pending work, or memory under it, is undefined behaviour.
+//! Tests inject a stuck or lost device through [`DeviceCore::inject`].
+//!
+//! [`VulkanConfig::device_timeout`]: super::VulkanConfig::device_timeout
 
 use std::{
     ffi::CStr,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
+    time::{Duration, Instant},
 };
 
 use ash::vk;
 use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 
-use super::conv::{map_alloc_err, map_init_err, map_loading_err, map_oom_and_lost};
+use super::{
+    conv::{map_alloc_err, map_init_err, map_loading_err, map_oom_and_lost},
+    WaitFault,
+};
 use crate::error::DeviceError;
+
+/// How long one blocking Vulkan wait lasts before the waiter looks around again (lost
+/// device, deadline).
+const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Locks a mutex, ignoring poisoning (the data behind our mutexes stays consistent: every
 /// critical section either completes or only drops values).
@@ -222,6 +244,23 @@ pub(super) struct DeviceCore {
     helper: Mutex<Helper>,
     /// Set when the device is lost: the root cause every later operation fails with.
     lost: Mutex<Option<String>>,
+    /// How long one wait for submitted work may block ([`super::VulkanConfig::device_timeout`]).
+    timeout: Duration,
+    /// Injected wait results ([`DeviceCore::inject`]).
+    injected: Mutex<Injected>,
+    /// Objects leaked because the device might still use them ([`DeviceCore::leak`]).
+    leaked: AtomicUsize,
+    /// Whether a leak has pinned this `DeviceCore` (one extra `Arc` forgotten).
+    pinned: AtomicBool,
+}
+
+/// What the next waits report instead of asking the driver (test seam).
+#[derive(Default)]
+struct Injected {
+    /// Every wait times out (a device that stopped answering).
+    stuck: bool,
+    /// The next wait reports `VK_ERROR_DEVICE_LOST`.
+    lose_next: bool,
 }
 
 struct Helper {
@@ -235,6 +274,7 @@ impl DeviceCore {
     pub(super) fn new(
         instance: Arc<InstanceCore>,
         physical: PhysicalInfo,
+        timeout: Duration,
     ) -> Result<Arc<DeviceCore>, DeviceError> {
         let inst = &instance.instance;
         let priorities = [1.0f32];
@@ -263,6 +303,10 @@ impl DeviceCore {
                 allocator: Mutex::new(Some(allocator)),
                 helper: Mutex::new(helper),
                 lost: Mutex::new(None),
+                timeout,
+                injected: Mutex::new(Injected::default()),
+                leaked: AtomicUsize::new(0),
+                pinned: AtomicBool::new(false),
             })),
             Err(e) => {
                 // SAFETY: `finish` destroyed whatever it created before failing; nothing
@@ -347,9 +391,12 @@ impl DeviceCore {
     }
 
     /// Records commands with `record`, submits them and waits for them (staging copies).
-    pub(super) fn run_sync(
-        &self,
+    /// `keep` is what the commands use (staging and pool buffers): if the wait fails the
+    /// device may still use it, so it is leaked with the command buffer, not freed.
+    pub(super) fn run_sync<K>(
+        self: &Arc<Self>,
         record: impl FnOnce(vk::CommandBuffer),
+        keep: K,
     ) -> Result<(), DeviceError> {
         if let Some(cause) = self.lost() {
             return Err(DeviceError::Lost(cause));
@@ -363,6 +410,8 @@ impl DeviceCore {
         // SAFETY: the pool belongs to this device and is only used under `helper`'s lock.
         let cbs = unsafe { d.allocate_command_buffers(&alloc) }
             .map_err(|r| map_oom_and_lost("vkAllocateCommandBuffers", 0, r))?;
+        // Whether the device may still be executing the command buffer.
+        let mut pending = false;
         let result = (|| {
             let cb = *cbs
                 .first()
@@ -381,26 +430,140 @@ impl DeviceCore {
             {
                 let queue = self.queue();
                 // SAFETY: the queue is externally synchronised by its mutex; the command
-                // buffer is fully recorded; the fence is unsignalled (reset after each use).
+                // buffer is fully recorded; the fence is unsignalled (reset after each
+                // use, and never reused after a failed wait: the device is lost then).
                 unsafe { d.queue_submit(*queue, &submit, helper.fence) }
                     .map_err(|r| self.fail(map_oom_and_lost("vkQueueSubmit", 0, r)))?;
             }
-            loop {
-                // SAFETY: the fence belongs to this device.
-                match unsafe { d.wait_for_fences(&[helper.fence], true, 1_000_000_000) } {
-                    Ok(()) => break,
-                    Err(vk::Result::TIMEOUT) => continue,
-                    Err(r) => return Err(self.fail(map_oom_and_lost("vkWaitForFences", 0, r))),
-                }
-            }
+            pending = true;
+            self.wait_fence(helper.fence, "a staging copy (vkWaitForFences)")?;
+            pending = false;
             // SAFETY: the fence is signalled and no longer in use by the queue.
             unsafe { d.reset_fences(&[helper.fence]) }
                 .map_err(|r| map_oom_and_lost("vkResetFences", 0, r))
         })();
-        // SAFETY: either the submission completed (fence waited) or it never happened, so
-        // the command buffer is not in use.
+        if pending {
+            // The wait failed (the device is marked lost): the copy may still be pending.
+            // Its command buffer and everything it uses stay allocated for good.
+            self.leak(cbs, "a staging command buffer");
+            self.leak(keep, "the buffers of a staging copy");
+            return result;
+        }
+        // SAFETY: `pending` is false: either the submission completed (fence waited) or
+        // it never happened, so the command buffer is not in use.
         unsafe { d.free_command_buffers(helper.pool, &cbs) };
+        drop(keep);
         result
+    }
+
+    /// Waits until every `(semaphore, value)` is reached, for at most the device timeout;
+    /// `what` names the wait in the error.
+    pub(super) fn wait_semaphores(
+        &self,
+        waits: &[(vk::Semaphore, u64)],
+        what: &str,
+    ) -> Result<(), DeviceError> {
+        if waits.is_empty() {
+            return Ok(());
+        }
+        let sems: Vec<_> = waits.iter().map(|w| w.0).collect();
+        let vals: Vec<_> = waits.iter().map(|w| w.1).collect();
+        let info = vk::SemaphoreWaitInfo::default()
+            .semaphores(&sems)
+            .values(&vals);
+        self.bounded_wait(what, |ns| {
+            // SAFETY: the semaphores belong to this device and are kept alive by the
+            // caller for the duration of the call.
+            unsafe { self.device.wait_semaphores(&info, ns) }
+        })
+    }
+
+    /// Waits until `fence` is signalled, for at most the device timeout.
+    pub(super) fn wait_fence(&self, fence: vk::Fence, what: &str) -> Result<(), DeviceError> {
+        self.bounded_wait(what, |ns| {
+            // SAFETY: the fence belongs to this device and lives as long as it.
+            unsafe { self.device.wait_for_fences(&[fence], true, ns) }
+        })
+    }
+
+    /// Calls `wait_for(ns)` in slices until it succeeds, the device is lost, or the device
+    /// timeout has passed. A timeout, or any error of the wait, marks the device lost:
+    /// the work waited for may still be running, and whoever waited must leak what it uses.
+    fn bounded_wait(
+        &self,
+        what: &str,
+        mut wait_for: impl FnMut(u64) -> ash::prelude::VkResult<()>,
+    ) -> Result<(), DeviceError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(cause) = self.lost() {
+                return Err(DeviceError::Lost(cause));
+            }
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(WAIT_SLICE);
+            let result = match self.injected_result() {
+                Some(vk::Result::TIMEOUT) => {
+                    // A device that stopped answering: the wait blocks for its slice.
+                    std::thread::sleep(slice);
+                    Err(vk::Result::TIMEOUT)
+                }
+                Some(r) => Err(r),
+                None => wait_for(u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX)),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(vk::Result::TIMEOUT) if Instant::now() < deadline => continue,
+                Err(vk::Result::TIMEOUT) => {
+                    return Err(self.fail(DeviceError::Lost(format!(
+                        "timed out: {what} did not complete within {:?} \
+                         (VulkanConfig::device_timeout); the device stopped answering",
+                        self.timeout
+                    ))))
+                }
+                Err(r) => return Err(self.fail(DeviceError::Lost(format!("{what}: {r}")))),
+            }
+        }
+    }
+
+    /// What the next wait reports instead of asking the driver, if a fault was injected.
+    fn injected_result(&self) -> Option<vk::Result> {
+        let mut injected = lock(&self.injected);
+        if injected.lose_next {
+            injected.lose_next = false;
+            return Some(vk::Result::ERROR_DEVICE_LOST);
+        }
+        injected.stuck.then_some(vk::Result::TIMEOUT)
+    }
+
+    /// Makes later waits on this device fail as `fault` says (see [`WaitFault`]).
+    pub(super) fn inject(&self, fault: WaitFault) {
+        let mut injected = lock(&self.injected);
+        match fault {
+            WaitFault::Stuck => injected.stuck = true,
+            WaitFault::Lost => injected.lose_next = true,
+        }
+    }
+
+    /// Leaks `thing` (its `Drop` never runs) because the device might still use what it
+    /// owns, and pins this `DeviceCore` (it is never destroyed: a device with pending work
+    /// cannot be). Counted in [`DeviceCore::leaked`].
+    pub(super) fn leak<T>(self: &Arc<Self>, thing: T, what: &str) {
+        std::mem::forget(thing);
+        self.leaked.fetch_add(1, Ordering::Relaxed);
+        if !self.pinned.swap(true, Ordering::Relaxed) {
+            std::mem::forget(self.clone());
+        }
+        tracing::warn!(
+            device = %self.physical.name,
+            what,
+            "leaked: the device may still use it"
+        );
+    }
+
+    /// How many objects were leaked because the device might still use them.
+    pub(super) fn leaked(&self) -> usize {
+        self.leaked.load(Ordering::Relaxed)
     }
 
     /// Records a lost device for `Lost` errors, then returns the error.

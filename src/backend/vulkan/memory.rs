@@ -187,9 +187,10 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: a `Buffer` is only dropped when no recorded work refers to it any more
-        // (in-flight work holds an `Arc` to it until its completion is observed), so the
-        // buffer can be destroyed; then its memory is returned to the allocator.
+        // SAFETY: a `Buffer` is only dropped when no recorded work refers to it any more:
+        // in-flight work holds an `Arc` to it until its completion is observed, and leaks
+        // that `Arc` (`DeviceCore::leak`) when it cannot observe it. So the buffer can be
+        // destroyed; then its memory is returned to the allocator.
         unsafe { self.core.device.destroy_buffer(self.buffer, None) };
         if let Some(a) = lock(&self.allocation).take() {
             let _ = self
@@ -223,13 +224,15 @@ impl Region {
         }
     }
 
-    /// Copies `self` into `out` (the first `out.len()` bytes of the region), on the host.
+    /// Copies `self` into `out`, which must be exactly as long (a size mismatch is a bug,
+    /// reported as [`DeviceError::Unexpected`] naming both sizes, never a truncation), on
+    /// the host.
     ///
     /// The caller guarantees that every writer of the region has completed (its event
     /// observed, which makes its writes visible to the host) and that nobody writes it
     /// during the call.
     pub(super) fn read_to_host(&self, out: &mut [u8]) -> Result<(), DeviceError> {
-        let n = (out.len() as u64).min(self.bytes);
+        let n = same_size(self.bytes, out.len() as u64)?;
         if let Some(p) = self.buffer.host_ptr(self.offset, n) {
             // SAFETY: `p` points to `n` mapped, coherent bytes (checked by `host_ptr`);
             // `out` is a distinct host allocation; the caller excludes concurrent writers.
@@ -237,18 +240,23 @@ impl Region {
             return Ok(());
         }
         let core = self.buffer.core().clone();
-        let staging = Buffer::staging(&core, n)?;
+        let staging = Arc::new(Buffer::staging(&core, n)?);
         let (src, dst, off) = (self.buffer.handle(), staging.handle(), self.offset);
-        core.run_sync(|cb| {
-            let region = [vk::BufferCopy {
-                src_offset: off,
-                dst_offset: 0,
-                size: n,
-            }];
-            // SAFETY: `cb` is recording; both buffers are live for the call (owned here);
-            // the ranges are in bounds (region checked at creation, staging sized `n`).
-            unsafe { core.device.cmd_copy_buffer(cb, src, dst, &region) };
-        })?;
+        core.run_sync(
+            |cb| {
+                let region = [vk::BufferCopy {
+                    src_offset: off,
+                    dst_offset: 0,
+                    size: n,
+                }];
+                // SAFETY: `cb` is recording; both buffers are live until the copy is
+                // observed complete (`run_sync` holds them, and leaks them if it cannot
+                // observe that); the ranges are in bounds (region checked at creation,
+                // staging sized `n`).
+                unsafe { core.device.cmd_copy_buffer(cb, src, dst, &region) };
+            },
+            (staging.clone(), self.buffer.clone()),
+        )?;
         staging
             .host_ptr(0, n)
             .map(|p| {
@@ -259,12 +267,13 @@ impl Region {
             .ok_or_else(|| DeviceError::Unexpected("staging buffer not mapped".into()))
     }
 
-    /// Copies `data` into the start of `self`, on the host (direct or staged).
+    /// Copies `data` into `self`, which must be exactly as long (see
+    /// [`read_to_host`](Self::read_to_host)), on the host (direct or staged).
     ///
     /// The caller guarantees that every other use of the region has completed and that
     /// nobody uses it during the call.
     pub(super) fn write_from_host(&self, data: &[u8]) -> Result<(), DeviceError> {
-        let n = (data.len() as u64).min(self.bytes);
+        let n = same_size(data.len() as u64, self.bytes)?;
         if let Some(p) = self.buffer.host_ptr(self.offset, n) {
             // SAFETY: `p` points to `n` mapped, coherent bytes; `data` is a distinct host
             // allocation; the caller excludes every concurrent use of the region. The next
@@ -273,27 +282,32 @@ impl Region {
             return Ok(());
         }
         let core = self.buffer.core().clone();
-        let staging = Buffer::staging(&core, n)?;
+        let staging = Arc::new(Buffer::staging(&core, n)?);
         let p = staging
             .host_ptr(0, n)
             .ok_or_else(|| DeviceError::Unexpected("staging buffer not mapped".into()))?;
         // SAFETY: `p` covers `n` bytes of the staging buffer, which nobody else uses.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, n as usize) };
         let (src, dst, off) = (staging.handle(), self.buffer.handle(), self.offset);
-        core.run_sync(|cb| {
-            let region = [vk::BufferCopy {
-                src_offset: 0,
-                dst_offset: off,
-                size: n,
-            }];
-            // SAFETY: `cb` is recording; both buffers are live; ranges in bounds.
-            unsafe { core.device.cmd_copy_buffer(cb, src, dst, &region) };
-        })
+        core.run_sync(
+            |cb| {
+                let region = [vk::BufferCopy {
+                    src_offset: 0,
+                    dst_offset: off,
+                    size: n,
+                }];
+                // SAFETY: `cb` is recording; both buffers are live until the copy is
+                // observed complete (held, or leaked, by `run_sync`); ranges in bounds.
+                unsafe { core.device.cmd_copy_buffer(cb, src, dst, &region) };
+            },
+            (staging.clone(), self.buffer.clone()),
+        )
     }
 
     /// Copies `bytes` from `self` to `dst` through the host, for regions on different
     /// devices: one `memcpy` when both are mapped, otherwise staged legs through `host`, a
     /// buffer the caller keeps between calls (so its pages are touched once, not per copy).
+    /// Both regions must be `bytes` long (a mismatch is an error, not a truncation).
     ///
     /// The caller guarantees what [`read_to_host`](Self::read_to_host) and
     /// [`write_from_host`](Self::write_from_host) require.
@@ -303,7 +317,8 @@ impl Region {
         bytes: u64,
         host: &mut Vec<u8>,
     ) -> Result<(), DeviceError> {
-        let n = bytes.min(self.bytes).min(dst.bytes);
+        same_size(self.bytes, bytes)?;
+        let n = same_size(bytes, dst.bytes)?;
         let direct = (
             self.buffer.host_ptr(self.offset, n),
             dst.buffer.host_ptr(dst.offset, n),
@@ -340,5 +355,17 @@ impl Region {
     /// Whether the region lives on the device `core`.
     pub(super) fn on_device(&self, core: &Arc<DeviceCore>) -> bool {
         Arc::ptr_eq(self.buffer.core(), core)
+    }
+}
+
+/// `src`, if it equals `dst`: the two sides of a copy must have the same size, and a
+/// mismatch that reaches a copy is a bug to report, never a reason to copy less.
+pub(super) fn same_size(src: u64, dst: u64) -> Result<u64, DeviceError> {
+    if src == dst {
+        Ok(src)
+    } else {
+        Err(DeviceError::Unexpected(format!(
+            "size mismatch: copy from {src} bytes into {dst} bytes (not truncated)"
+        )))
     }
 }

@@ -69,6 +69,17 @@
 //! device (the consumer binds the source buffer); across devices it is refused
 //! ([`Backend::can_stream`] is false).
 //!
+//! **A device that stops answering.** Every wait for submitted work (the completion
+//! thread's semaphore wait, a host transfer's wait for its dependencies, a staging copy's
+//! fence) is bounded by [`VulkanConfig::device_timeout`]. A wait that times out or fails
+//! marks the device lost: that operation and every later one of the device fail with
+//! [`DeviceError::Lost`] ("timed out ..."), dependents on any device with that root cause.
+//! Events complete in order, only after the submit thread is done with their host work.
+//! What the device might still be using (command buffers, pool and staging buffers,
+//! semaphores, the device itself) is deliberately leaked, never freed:
+//! [`VulkanBackend::leaked_objects`] counts it. Other devices and backends keep serving.
+//! [`VulkanBackend::inject_wait_fault`] makes a device stuck or lost, for tests.
+//!
 //! **Kernels.** Every built-in is a WGSL template instantiated per dtype, compiled by naga
 //! to SPIR-V once per process and turned into a compute pipeline once per device (both
 //! cached). Buffers are bound with `VK_KHR_push_descriptor` as storage-buffer ranges at
@@ -112,6 +123,8 @@
 //! keeping a ring; there is no pipeline cache on disk (lavapipe's first dispatch of a
 //! pipeline compiles it, 35-80 ms).
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "vulkan")]
@@ -145,7 +158,7 @@ use crate::{backend::Backend, event::Timeline};
 pub use imp::{probe, VulkanBackend};
 
 /// Configuration of the Vulkan backend.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct VulkanConfig {
     /// Number of logical devices. `None`: one per suitable physical device. `Some(n)`:
@@ -155,7 +168,28 @@ pub struct VulkanConfig {
     /// Never touch pool memory from the host even where it is mapped: host transfers and
     /// cross-device copies go through staging buffers, as on a discrete GPU.
     pub force_staging: bool,
+    /// The longest one wait for submitted device work may block (default 60 s; serde: `{
+    /// secs, nanos }`). Past it the device counts as lost: the waiting operation and every
+    /// later one of the device fail with [`DeviceError::Lost`] ("timed out ..."), their
+    /// dependents with that root cause, and what the device might still use is leaked,
+    /// never freed (see the module documentation). A wait covers one batch for the
+    /// completion thread, but a host transfer first waits for everything its stream queued
+    /// before it: set the deadline above the longest such backlog.
+    pub device_timeout: Duration,
 }
+
+impl Default for VulkanConfig {
+    fn default() -> Self {
+        VulkanConfig {
+            devices: None,
+            force_staging: false,
+            device_timeout: DEFAULT_DEVICE_TIMEOUT,
+        }
+    }
+}
+
+/// [`VulkanConfig::device_timeout`] by default.
+pub const DEFAULT_DEVICE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl VulkanConfig {
     /// `n` logical devices (see [`VulkanConfig::devices`]).
@@ -165,6 +199,18 @@ impl VulkanConfig {
             ..VulkanConfig::default()
         }
     }
+}
+
+/// A failure injected into the waits of one device
+/// ([`VulkanBackend::inject_wait_fault`]), to test what a hung or lost GPU does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitFault {
+    /// From now on every wait on the device (timeline semaphores, fences) reports
+    /// `VK_TIMEOUT` after blocking for its slice, as a device that stopped answering
+    /// would: after [`VulkanConfig::device_timeout`] the device is lost.
+    Stuck,
+    /// The next wait on the device reports `VK_ERROR_DEVICE_LOST`.
+    Lost,
 }
 
 /// What [`probe`] found: the physical devices a backend would use.

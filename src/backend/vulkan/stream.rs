@@ -1,5 +1,18 @@
 //! Streams: a submit thread and a completion thread around one timeline semaphore (see the
 //! [module documentation](super) for the scheme).
+//!
+//! Soundness: the `// SAFETY:` comments below name these facts, which the types enforce:
+//!
+//! - *protocol-made*: a [`Plan`] is made only by the protocol or the `unsafe`
+//!   [`Plan::from_parts`], so its dependencies order it after every conflicting use (of
+//!   pool buffers and host arrays) and its writable bindings do not alias;
+//! - *own timeline*: `submit` accepts only plans of this stream's timeline
+//!   ([`Plan::check_queue`]) and the queue exists only through the `unsafe`
+//!   [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller
+//!   promises that nothing else completes that timeline: an event completes only after
+//!   its work (host work included) is done, so a completed dependency is finished work;
+//! - *kept*: whatever a batch uses is held in its `Keep`s until the completion thread
+//!   observes the batch done, and leaked (never dropped) if it cannot observe that.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -16,8 +29,8 @@ use super::{
     device::{Gpu, Shared},
     instance::{host_visibility_barrier, lock, DeviceCore},
     kernels::{Arg, Lowered, Lowering, Pipeline},
-    memory::{Buffer, Region},
-    recording::{OpTrace, StreamTrace},
+    memory::{same_size, Buffer, Region},
+    recording::{CompletionTrace, OpTrace, StreamTrace},
 };
 use crate::{
     backend::StreamQueue,
@@ -29,9 +42,6 @@ use crate::{
     protocol::{Dep, DepKind, Plan, Work},
     sync::Arc as SyncArc,
 };
-
-/// How long one blocking Vulkan wait lasts before the waiter looks around again.
-const WAIT_SLICE_NS: u64 = 200_000_000;
 
 /// What every stream of a device can see of one stream: its semaphore and its decisions.
 pub(super) struct StreamShared {
@@ -136,36 +146,25 @@ impl StreamShared {
 
 impl Drop for StreamShared {
     fn drop(&mut self) {
-        // SAFETY: every batch that waits on or signals this semaphore holds an `Arc` to it
-        // until its completion is observed, so no pending queue operation refers to it.
+        // SAFETY: kept: a batch of another stream that waits on this semaphore holds an
+        // `Arc` to it (`Keep::Stream`) until its completion is observed; this stream's own
+        // batches are observed by the completion thread, which holds an `Arc` meanwhile and
+        // leaks one if it cannot observe them. So no pending queue operation refers to it.
         unsafe { self.core.device.destroy_semaphore(self.semaphore, None) };
     }
 }
 
-/// Waits on the host until every `(semaphore, value)` is reached.
+/// Waits on the host until every `(semaphore, value)` is reached, for at most the device
+/// timeout ([`DeviceCore::wait_semaphores`]); past it the device is lost.
 fn host_wait(
     core: &DeviceCore,
     waits: &[(vk::Semaphore, u64)],
+    what: impl FnOnce() -> String,
 ) -> std::result::Result<(), DeviceError> {
     if waits.is_empty() {
         return Ok(());
     }
-    let sems: Vec<_> = waits.iter().map(|w| w.0).collect();
-    let vals: Vec<_> = waits.iter().map(|w| w.1).collect();
-    let info = vk::SemaphoreWaitInfo::default()
-        .semaphores(&sems)
-        .values(&vals);
-    loop {
-        if let Some(cause) = core.lost() {
-            return Err(DeviceError::Lost(cause));
-        }
-        // SAFETY: the semaphores belong to this device and are kept alive by the caller.
-        match unsafe { core.device.wait_semaphores(&info, WAIT_SLICE_NS) } {
-            Ok(()) => return Ok(()),
-            Err(vk::Result::TIMEOUT) => continue,
-            Err(r) => return Err(core.fail(map_oom_and_lost("vkWaitSemaphores", 0, r))),
-        }
-    }
+    core.wait_semaphores(waits, &what())
 }
 
 /// A plan resolved to buffers at submission.
@@ -316,10 +315,11 @@ impl VulkanStream {
                 binding: a.clone(),
             })
         };
+        // A transfer must cover its whole host array: anything else would be truncated.
         let host_len = |host: &AlignedBuffer, bytes: u64| {
-            if bytes > host.len() as u64 {
+            if bytes != host.len() as u64 {
                 Err(format!(
-                    "host array of {} bytes, {bytes} requested",
+                    "size mismatch: host array of {} bytes, transfer of {bytes} bytes",
                     host.len()
                 ))
             } else {
@@ -484,10 +484,22 @@ impl Submitter {
     fn drain(&mut self) {
         let core = self.gpu.core.clone();
         if self.last > 0 {
-            let _ = host_wait(&core, &[(self.me.semaphore, self.last)]);
+            let id = self.me.id;
+            let last = self.last;
+            if host_wait(&core, &[(self.me.semaphore, last)], || {
+                format!("the last batch of stream {id} (value {last}) at shutdown")
+            })
+            .is_err()
+            {
+                // The device may still execute command buffers of the pool: never free it.
+                core.leak(self.pool, "a stream's command pool");
+                self.free.clear();
+                self.in_flight.clear();
+                return;
+            }
         }
-        // SAFETY: every command buffer of the pool has completed (waited above) or the
-        // device is lost (its work will never run); the pool is used by this thread only.
+        // SAFETY: every command buffer of the pool has completed (waited above, within the
+        // deadline); the pool is used by this thread only.
         unsafe { core.device.destroy_command_pool(self.pool, None) };
         self.free.clear();
         self.in_flight.clear();
@@ -686,7 +698,8 @@ impl Submitter {
             Job::Copy { src, dst, bytes } if local(src) && local(dst) => {
                 keep.push(Keep::Buffer(src.buffer.clone()));
                 keep.push(Keep::Buffer(dst.buffer.clone()));
-                let n = *bytes;
+                same_size(src.bytes, *bytes).map_err(|e| e.to_string())?;
+                let n = same_size(*bytes, dst.bytes).map_err(|e| e.to_string())?;
                 if n == 0 {
                     return Ok(None);
                 }
@@ -725,7 +738,11 @@ impl Submitter {
                 if self.last > 0 {
                     all.push((self.me.semaphore, self.last));
                 }
-                host_wait(&core, &all).map_err(|e| e.to_string())?;
+                let id = self.me.id;
+                host_wait(&core, &all, || {
+                    format!("the dependencies of a host transfer on stream {id}")
+                })
+                .map_err(|e| e.to_string())?;
                 self.host_job(job).map_err(|e| e.to_string())?;
                 match job {
                     Job::FromHost { host, .. } | Job::ToHost { host, .. } => {
@@ -741,16 +758,19 @@ impl Submitter {
     fn host_job(&mut self, job: &Job) -> std::result::Result<(), DeviceError> {
         match job {
             Job::FromHost { host, dst, bytes } => {
-                // SAFETY: the protocol made this transfer wait for every writer of the host
-                // array (host writes completed before the plan was made, device-to-host
-                // transfers are among its dependencies), so nobody writes it now.
+                // SAFETY: protocol-made and own timeline: the dependencies just waited for
+                // include every device writer of the host array, finished; the host writes
+                // it only through `HostTable::commit_write`, which refuses while this
+                // transfer (a recorded use) has not completed.
                 let data = unsafe { host.bytes(0, *bytes as usize) }
                     .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
                 dst.write_from_host(data)
             }
             Job::ToHost { src, host, bytes } => {
-                // SAFETY: the protocol made this transfer wait for every other use of the
-                // host array, and no one reads it until this event completes.
+                // SAFETY: protocol-made and own timeline: every other device use of the host
+                // array finished (waited for just above) or waits for this transfer; the
+                // host reads or writes it only through `HostTable`, which refuses while
+                // this transfer (a recorded write) has not completed.
                 let out = unsafe { host.bytes_mut(0, *bytes as usize) }
                     .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
                 src.read_to_host(out)
@@ -883,16 +903,18 @@ fn compute_barrier(core: &DeviceCore, cb: vk::CommandBuffer) {
     };
 }
 
-/// Records a buffer copy.
+/// Records a copy of `bytes` bytes, which both regions hold (checked by the callers: a
+/// `Work::Copy` above, `Lowering::copy` for copy kernels, both of exactly `bytes`).
 fn copy_cmd(core: &DeviceCore, cb: vk::CommandBuffer, src: &Region, dst: &Region, bytes: u64) {
+    debug_assert!(bytes <= src.bytes && bytes <= dst.bytes);
     let region = [vk::BufferCopy {
         src_offset: src.offset,
         dst_offset: dst.offset,
-        size: bytes.min(src.bytes).min(dst.bytes),
+        size: bytes,
     }];
-    // SAFETY: `cb` is recording on this device; both buffers are kept alive until the
-    // batch completes; ranges were checked against the buffers at resolution; distinct
-    // nodes never overlap.
+    // SAFETY: `cb` is recording on this device; kept: both buffers are held until the
+    // batch is observed complete; the ranges were checked against the buffers at
+    // resolution; protocol-made: the source and destination bindings do not overlap.
     unsafe {
         core.device
             .cmd_copy_buffer(cb, src.buffer.handle(), dst.buffer.handle(), &region)
@@ -917,9 +939,15 @@ impl Drop for CloseOnExit {
 }
 
 /// Completes the timeline in order as the semaphore advances.
+///
+/// Once a wait fails (the device timed out or is lost, see [`DeviceCore::wait_semaphores`])
+/// every operation still to come is failed in order, the ones whose work was submitted
+/// with the loss as root cause, and what their batches use is leaked (the device might
+/// still use it), with the semaphore: nothing is freed under the device.
 fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>, trace: StreamTrace) {
     let mut trace = trace.completions();
     let mut queue: VecDeque<Pending> = VecDeque::new();
+    let mut lost: Option<Arc<Failure>> = None;
     loop {
         if queue.is_empty() {
             match rx.recv() {
@@ -930,18 +958,28 @@ fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>, trace: StreamTr
         while let Ok(p) = rx.try_recv() {
             queue.push_back(p);
         }
+        if let Some(cause) = &lost {
+            for p in queue.drain(..) {
+                complete_lost(&me, p, cause, &mut trace);
+            }
+            continue;
+        }
         let Some(front) = queue.front() else {
             continue;
         };
         if front.signalled {
-            if let Err(e) = host_wait(&me.core, &[(me.semaphore, front.seq)]) {
-                me.timeline.poison(Arc::new(Failure {
+            let (id, seq) = (me.id, front.seq);
+            if let Err(e) = host_wait(&me.core, &[(me.semaphore, seq)], || {
+                format!("operation {seq} of stream {id}")
+            }) {
+                lost = Some(Arc::new(Failure {
                     stream: me.id,
-                    seq: front.seq,
+                    seq,
                     operation: "device".into(),
                     message: e.to_string(),
                 }));
-                queue.clear();
+                // Pending batches may still wait on or signal the semaphore.
+                me.core.leak(me.clone(), "a stream's timeline semaphore");
                 continue;
             }
         }
@@ -962,4 +1000,25 @@ fn completion_loop(me: Arc<StreamShared>, rx: Receiver<Pending>, trace: StreamTr
             }
         }
     }
+}
+
+/// Completes `p` on a device that stopped answering: fails it (with its own root cause if
+/// it had one, else with the loss) after leaking what its batch, if submitted, uses.
+fn complete_lost(
+    me: &Arc<StreamShared>,
+    p: Pending,
+    lost: &Arc<Failure>,
+    trace: &mut CompletionTrace,
+) {
+    if let Some(op) = p.trace {
+        trace.completed(op, false);
+    }
+    let failure = match p.outcome {
+        Err(f) => f,
+        Ok(()) => lost.clone(),
+    };
+    if p.signalled {
+        me.core.leak(p._keep, "the resources of a pending batch");
+    }
+    me.timeline.fail(p.seq, failure);
 }
