@@ -43,6 +43,7 @@ for_each_backend!(staging:
     foreign_kernels_are_refused_at_link,
     pools_are_reused_under_endless_work,
     long_reductions_are_exact_or_refused,
+    queues_check_plans_and_never_truncate,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -734,4 +735,97 @@ fn long_reductions_are_exact_or_refused(kind: Kind) {
         }
         Err(other) => panic!("{other}"),
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// What a queue checks (issue 12, items 1 and 5), with plans made by the `unsafe`
+// constructor: a plan of another timeline is refused, and a host transfer whose host array
+// is not exactly its size fails, naming both sizes, instead of copying the smaller one.
+
+fn queues_check_plans_and_never_truncate(kind: Kind) {
+    use std::{sync::Arc, time::Duration};
+    use tributary::{
+        protocol::{Dep, DepKind, GlobalLoc, Plan, Work},
+        BufferLoc, DeviceError, DeviceId, Event, PoolId, StreamId, Timeline,
+    };
+    let test = "queues_check_plans_and_never_truncate";
+    let Some(b) = backend(kind, 1, test) else {
+        return;
+    };
+    let (device, pool) = (DeviceId(0), PoolId(0));
+    b.create_pool(device, pool, 64, 64).unwrap();
+    // A pool has one owner: creating it again is refused.
+    match b.create_pool(device, pool, 64, 64) {
+        Err(DeviceError::Unexpected(m)) => assert!(m.contains("already exists"), "{m}"),
+        other => panic!("a second pool 0 was accepted: {other:?}"),
+    }
+    let s0 = StreamId { device, index: 0 };
+    let s1 = StreamId { device, index: 1 };
+    let (t0, t1) = (Timeline::new(s0), Timeline::new(s1));
+    // SAFETY: fresh timelines, completed only by these queues; every plan below is made
+    // under `Plan::from_parts`'s contract.
+    let q0 = unsafe { b.start_stream(s0, t0.clone()) }.unwrap();
+    let at = GlobalLoc {
+        device,
+        loc: BufferLoc { pool, offset: 0 },
+    };
+    let host = |bytes: usize| Arc::new(tributary::memory::AlignedBuffer::new(bytes, 64).unwrap());
+    // SAFETY (every plan below): each sequence number is issued once, to its plan; the
+    // plans on `t0` run in order on `q0` and each one also depends on the one before, so
+    // none overlaps another's use of the pool or of a host array; the host arrays are read
+    // only after their plan's event completed.
+    let plan = |t: &Arc<Timeline>, seq: u64, deps: Vec<Dep>, work: Work| unsafe {
+        Plan::from_parts(t.stream(), Event::new(t.clone(), seq), deps, work)
+    };
+    let bound = Duration::from_secs(20);
+    let after =
+        |t: &Arc<Timeline>, seq: u64| vec![Dep::new(Event::new(t.clone(), seq), DepKind::Order)];
+
+    // Another stream's plan, and the same stream's plan of another engine, are refused and
+    // their events left alone.
+    let foreign = Timeline::new(s0);
+    for (t, stream) in [(&t1, s1), (&foreign, s0)] {
+        match q0.submit(plan(t, 1, Vec::new(), Work::memset(at, 16))) {
+            Err(Error::WrongStream { plan, queue, .. }) => assert_eq!((plan, queue), (stream, s0)),
+            other => panic!("a plan of another timeline was accepted: {other:?}"),
+        }
+        assert!(!t.is_done(1), "a refused plan's event was completed");
+    }
+
+    // Host arrays of 32 and 8 bytes for transfers of 16: both fail, naming both sizes.
+    let (long, short) = (host(32), host(8));
+    q0.submit(plan(&t0, 1, Vec::new(), Work::from_host(long, at, 16)))
+        .unwrap();
+    q0.submit(plan(&t0, 2, after(&t0, 1), Work::to_host(at, short, 16)))
+        .unwrap();
+    for (seq, sizes) in [(1, ["32 bytes", "16 bytes"]), (2, ["8 bytes", "16 bytes"])] {
+        match t0.wait_timeout(seq, bound) {
+            Err(Error::Failed(f)) => {
+                assert!(f.message.contains("size mismatch"), "{f}");
+                assert!(sizes.iter().all(|s| f.message.contains(s)), "{f}");
+            }
+            other => panic!("transfer {seq} of a mismatched size: {other:?}"),
+        }
+    }
+
+    // Exact sizes still go through, both ways, on the same queue.
+    let (up, down) = (host(16), host(16));
+    let data: Vec<u8> = (1..=16).collect();
+    // SAFETY: `up` is not used by any plan yet.
+    unsafe { up.bytes_mut(0, 16) }
+        .unwrap()
+        .copy_from_slice(&data);
+    q0.submit(plan(&t0, 3, after(&t0, 2), Work::from_host(up, at, 16)))
+        .unwrap();
+    q0.submit(plan(
+        &t0,
+        4,
+        after(&t0, 3),
+        Work::to_host(at, down.clone(), 16),
+    ))
+    .unwrap();
+    t0.wait_timeout(4, bound).unwrap();
+    // SAFETY: the transfer into `down` completed; nothing else uses it.
+    assert_eq!(unsafe { down.bytes(0, 16) }.unwrap(), &data[..]);
+    q0.shutdown();
 }

@@ -6,6 +6,11 @@
 //! `Error::Failed` naming the root cause; unrelated work completes with correct values;
 //! every wait is bounded and the tests assert the bound is never hit; after the failed
 //! work is finalized and synced, memory accounting is back to its baseline.
+//!
+//! And a Vulkan device that stops answering or is lost (injected into its waits): its
+//! operation fails with `device lost` after `VulkanConfig::device_timeout`, dependents on
+//! other devices with that root cause, what it may still use is leaked, and the other
+//! device and other backends keep serving.
 
 mod common;
 mod support;
@@ -617,4 +622,139 @@ fn failed_pool_creation_keeps_the_stream_in_order() {
     if let Err(err @ Error::Timeout { .. }) = e.sync_all_timeout(BOUND) {
         panic!("sync hit its bound: {err}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// A Vulkan device that stops answering (issue 12, item 3). The fault is injected into the
+// device's waits (`VulkanBackend::inject_wait_fault`); the work itself still runs on
+// lavapipe, so these tests show the bookkeeping, not a real hang.
+
+/// A Vulkan engine of 2 logical devices x 1 stream whose waits give up after `timeout`,
+/// with its backend (to inject faults), or `None` (skipped) without Vulkan.
+fn vulkan_engine(
+    test: &str,
+    timeout: Duration,
+) -> Option<(Engine, Arc<tributary::backend::vulkan::VulkanBackend>)> {
+    use tributary::backend::vulkan::{VulkanBackend, VulkanConfig};
+    let config = VulkanConfig {
+        device_timeout: timeout,
+        ..support::vulkan_config(support::Kind::Vulkan, 2, test)?
+    };
+    let vk = Arc::new(VulkanBackend::new(DeviceId(0), config).expect("vulkan backend"));
+    let e = Engine::with_backend(vk.clone(), 1, small_pools()).expect("engine");
+    Some((e, vk))
+}
+
+/// Checks that `d0` is lost with `cause` while `d1` of the same backend, and a CPU engine,
+/// keep serving.
+fn others_keep_serving(
+    e: &mut Engine,
+    vk: &tributary::backend::vulkan::VulkanBackend,
+    c1: &Context,
+    cause: &Failure,
+) {
+    // Later work on the lost device fails at once, naming the loss.
+    let c0 = e.context(0, 0).unwrap();
+    let later = node("later", MemoryMode::on_device());
+    // (Or is refused when it needs a new pool: the lost device allocates nothing.)
+    let refused = match e.link(&c0, kernels::fill(&later, 1.0).unwrap()) {
+        Ok(r) => match e.schedule(&r) {
+            Ok(ev) => failed(&ev).message,
+            Err(err) => err.to_string(),
+        },
+        Err(err) => err.to_string(),
+    };
+    assert!(refused.contains(&cause.message), "{refused} vs {cause}");
+    assert!(vk.lost_cause(DeviceId(1)).unwrap().is_none());
+    assert_eq!(vk.leaked_objects(DeviceId(1)).unwrap(), 0);
+    let z = node("z", MemoryMode::on_device());
+    let r = e.link(c1, kernels::fill(&z, 8.0).unwrap()).unwrap();
+    ok(&e.schedule(&r).unwrap());
+    assert!(all(&e.read::<f32>(r.context(), &z).unwrap(), 8.0));
+    let mut cpu = Engine::cpu(Default::default()).unwrap();
+    let cc = cpu.context(0, 0).unwrap();
+    let r = cpu.link(&cc, kernels::fill(&z, 3.0).unwrap()).unwrap();
+    ok(&cpu.schedule(&r).unwrap());
+    assert!(all(&cpu.read::<f32>(r.context(), &z).unwrap(), 3.0));
+}
+
+#[test]
+fn stuck_vulkan_device_is_lost_after_its_deadline() {
+    use tributary::backend::vulkan::WaitFault;
+    let _w = Watchdog::arm(Duration::from_secs(120), || "stuck Vulkan device".into());
+    let timeout = Duration::from_millis(300);
+    let Some((mut e, vk)) = vulkan_engine("stuck_vulkan_device", timeout) else {
+        return;
+    };
+    let g = node("g", MemoryMode::on_device());
+    let (c0, c1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
+    let before = e.link(&c0, kernels::fill(&g, 2.0).unwrap()).unwrap();
+    ok(&e.schedule(&before).unwrap());
+    assert!(all(&e.read::<f32>(before.context(), &g).unwrap(), 2.0));
+    let dst = e.link(&c1, kernels::fill(&g, 0.0).unwrap()).unwrap();
+    ok(&e.schedule(&dst).unwrap());
+    assert_eq!(vk.leaked_objects(DeviceId(0)).unwrap(), 0);
+
+    vk.inject_wait_fault(DeviceId(0), WaitFault::Stuck).unwrap();
+    let stuck = e
+        .link(before.context(), kernels::fill(&g, 5.0).unwrap())
+        .unwrap();
+    let start = std::time::Instant::now();
+    let ev = e.schedule(&stuck).unwrap();
+    // A dependent on the other device: it reads what the stuck operation writes.
+    let copy = e
+        .device_to_device(&g, stuck.context(), dst.context(), MergeBufferUse::No)
+        .unwrap()
+        .expect("a copy between devices");
+    let cause = failed(&ev);
+    // The deadline had to pass before the wait gave up (a lower bound: no timing luck).
+    assert!(
+        start.elapsed() >= timeout,
+        "lost after {:?}",
+        start.elapsed()
+    );
+    assert!(cause.message.contains("device lost: timed out"), "{cause}");
+    assert!(cause.message.contains("device_timeout"), "{cause}");
+    assert_eq!(
+        failed(&copy),
+        cause,
+        "the dependent fails with the root cause"
+    );
+    assert_eq!(root(e.read::<f32>(dst.context(), &g)), cause);
+    let lost = vk
+        .lost_cause(DeviceId(0))
+        .unwrap()
+        .expect("device 0 is lost");
+    assert!(lost.contains("timed out"), "{lost}");
+    // What the device might still use (the batch's buffers and pipeline, the semaphore)
+    // was leaked, not freed.
+    assert!(vk.leaked_objects(DeviceId(0)).unwrap() > 0);
+    others_keep_serving(&mut e, &vk, &c1, &cause);
+    // Shutting down does not wait for the lost device (the watchdog would fire).
+    drop(e);
+}
+
+#[test]
+fn lost_vulkan_device_fails_its_dependents() {
+    use tributary::backend::vulkan::WaitFault;
+    let _w = Watchdog::arm(Duration::from_secs(120), || "lost Vulkan device".into());
+    let Some((mut e, vk)) = vulkan_engine("lost_vulkan_device", Duration::from_secs(60)) else {
+        return;
+    };
+    let g = node("g", MemoryMode::on_device());
+    let (c0, c1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
+    let dst = e.link(&c1, kernels::fill(&g, 0.0).unwrap()).unwrap();
+    ok(&e.schedule(&dst).unwrap());
+    vk.inject_wait_fault(DeviceId(0), WaitFault::Lost).unwrap();
+    let src = e.link(&c0, kernels::fill(&g, 5.0).unwrap()).unwrap();
+    let ev = e.schedule(&src).unwrap();
+    let copy = e
+        .device_to_device(&g, src.context(), dst.context(), MergeBufferUse::No)
+        .unwrap()
+        .expect("a copy between devices");
+    let cause = failed(&ev);
+    assert!(cause.message.contains("ERROR_DEVICE_LOST"), "{cause}");
+    assert_eq!(failed(&copy), cause);
+    assert!(vk.leaked_objects(DeviceId(0)).unwrap() > 0);
+    others_keep_serving(&mut e, &vk, &c1, &cause);
 }

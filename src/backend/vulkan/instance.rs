@@ -521,7 +521,7 @@ impl DeviceCore {
                         self.timeout
                     ))))
                 }
-                Err(r) => return Err(self.fail(DeviceError::Lost(format!("{what}: {r}")))),
+                Err(r) => return Err(self.fail(DeviceError::Lost(format!("{what}: {r:?}")))),
             }
         }
     }

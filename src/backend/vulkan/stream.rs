@@ -571,6 +571,8 @@ impl Submitter {
             .collect();
         if let Some(cause) = self.gpu.core.lost() {
             let f = self.failure(&item, format!("device lost: {cause}"));
+            // Published like every decision: later plans of the device wait for it.
+            self.me.decide(item.seq, Some(f.clone()));
             self.report(item.seq, Err(f), false, keep, None);
             return;
         }
