@@ -257,3 +257,67 @@ impl HostTable {
         self.records.values().map(|r| r.uses.len()).sum()
     }
 }
+
+#[cfg(all(test, not(tributary_loom)))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{
+        event::Timeline,
+        ids::{DeviceId, StreamId},
+        node::DType,
+    };
+
+    fn pending_event() -> (crate::sync::Arc<Timeline>, Event) {
+        let t = Timeline::new(StreamId {
+            device: DeviceId(0),
+            index: 0,
+        });
+        let e = Event::new(t.clone(), 1);
+        (t, e)
+    }
+
+    #[test]
+    fn host_array_access_is_refused_while_a_device_use_is_pending() {
+        let node = TensorNode::new("h", DType::F32, [2]);
+        let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let mut table = HostTable::default();
+
+        // A pending upload (a device read of the array): writing is refused, nothing changes.
+        let (upload, read_event) = pending_event();
+        table.record(&node).unwrap().uses.record_read(read_event);
+        match table.commit_write(&node, &data) {
+            Err(Error::HostArrayBusy { pending: 1, .. }) => {}
+            other => panic!("a write under a pending upload: {other:?}"),
+        }
+        assert_eq!(table.version(node.id()), 0);
+        assert_eq!(
+            table.read_bytes(&node).unwrap(),
+            vec![0; 8],
+            "reads may overlap reads"
+        );
+        upload.signal(1);
+        table.commit_write(&node, &data).unwrap();
+        assert_eq!(table.version(node.id()), 1);
+
+        // A pending download (a device write of the array): reading and writing are refused.
+        let (download, write_event) = pending_event();
+        table.record(&node).unwrap().uses.record_write(write_event);
+        assert!(matches!(
+            table.read_bytes(&node),
+            Err(Error::HostArrayBusy { pending: 1, .. })
+        ));
+        assert!(matches!(
+            table.commit_write(&node, &data),
+            Err(Error::HostArrayBusy { .. })
+        ));
+        download.signal(1);
+        assert_eq!(table.read_bytes(&node).unwrap(), data.to_vec());
+
+        // A write of another size than the node's is refused, not truncated.
+        assert!(matches!(
+            table.commit_write(&node, &data[..4]),
+            Err(Error::SizeMismatch { .. })
+        ));
+    }
+}
