@@ -12,7 +12,7 @@
 //! Soundness: the worker dereferences raw pointers into pools and host arrays. What makes
 //! that sound is stated once here and named by every `// SAFETY:` comment below:
 //!
-//! - *resolved*: a [`Region`] is bounds-checked against its allocation when the plan is
+//! - *resolved*: a `Region` is bounds-checked against its allocation when the plan is
 //!   submitted and holds an `Arc` to it, so every pointer is in bounds of live memory;
 //! - *protocol-made*: a [`Plan`] is made only by the protocol or by the `unsafe`
 //!   [`Plan::from_parts`] whose contract is the protocol's promise, so its dependencies

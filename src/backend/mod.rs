@@ -25,7 +25,7 @@
 //! earlier use, and its bindings do not alias. The types make that reliance sound:
 //!
 //! - a [`Plan`] is made only by the protocol or by the `unsafe` [`Plan::from_parts`]
-//!   (see [`crate::protocol`]'s plan documentation);
+//!   (see [`Plan`]);
 //! - [`Backend::start_stream`] is `unsafe`: its caller promises that the plans submitted
 //!   to the queue are those of the one protocol instance that issues the timeline's
 //!   events and owns the device's pools, and that nothing else completes the timeline.

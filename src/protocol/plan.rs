@@ -6,28 +6,7 @@
 //! made, i.e. at schedule time, never at execution time (OCANNL read some of them at
 //! execution time on the CPU and at launch time on CUDA; DESIGN.md §1).
 //!
-//! # Plans are made by the protocol only
-//!
-//! A backend executes a plan with raw memory accesses whose soundness rests on two facts
-//! the protocol establishes when it makes the plan: the plan waits for every earlier use
-//! that conflicts with it ([`Plan::deps`]), and the buffers it binds are the disjoint
-//! buffers of distinct nodes (no two writable bindings of one plan overlap). A plan built
-//! by hand could break either (two write bindings at one location give aliasing `&mut`;
-//! two plans on two streams without dependencies race). So the types make the protocol
-//! the only maker of plans:
-//!
-//! - [`Plan`], [`ArgBinding`] and [`Dep`] have private fields (read accessors only) and
-//!   [`Plan`] is not `Clone`: an owned `Plan` is the one permission to run its operation
-//!   and complete its event, consumed by [`StreamQueue::submit`];
-//! - the variants of [`Work`] are `#[non_exhaustive]`: code outside this crate can match
-//!   on them but not construct them;
-//! - outside the protocol ([`DeviceState`](crate::protocol::DeviceState)) the only
-//!   constructor is the `unsafe` [`Plan::from_parts`], whose contract is the protocol's
-//!   promise (for model checkers and backend tests);
-//! - a queue refuses a plan for another stream ([`Error::WrongStream`]), so a plan cannot
-//!   complete an event of a timeline that its queue does not own.
-//!
-//! [`StreamQueue::submit`]: crate::backend::StreamQueue::submit
+//! Plans are made by the protocol only: see [`Plan`] for why and how the types ensure it.
 
 use std::{fmt, sync::Arc};
 
@@ -148,7 +127,7 @@ impl ArgBinding {
 /// The work of one operation.
 ///
 /// Its variants are `#[non_exhaustive]`: code outside this crate can inspect work but not
-/// make it (see the [module documentation](self)).
+/// make it (see [`Plan`]).
 #[derive(Clone)]
 pub enum Work {
     /// Run a kernel over bound buffers.
@@ -279,8 +258,32 @@ impl fmt::Debug for Work {
 /// Everything a stream must do for one operation.
 ///
 /// Made by the protocol ([`DeviceState`](crate::protocol::DeviceState)) and consumed by
-/// [`StreamQueue::submit`](crate::backend::StreamQueue::submit); not `Clone`, fields
-/// private: see the [module documentation](self) for why.
+/// [`StreamQueue::submit`](crate::backend::StreamQueue::submit).
+///
+/// # Made by the protocol only
+///
+/// A backend executes a plan with raw memory accesses whose soundness rests on two facts
+/// the protocol establishes when it makes the plan: the plan waits for every earlier use
+/// that conflicts with it ([`Plan::deps`]), and the buffers it binds are the disjoint
+/// buffers of distinct nodes (no two writable bindings of one plan overlap). A plan built
+/// by hand could break either (two write bindings at one location give aliasing `&mut`;
+/// two plans on two streams without dependencies race). So the types make the protocol
+/// the only maker of plans:
+///
+/// - a `Plan` has private fields (read accessors only) and is not `Clone`: an owned
+///   `Plan` is the one permission to run its operation and complete its event, consumed
+///   by [`StreamQueue::submit`];
+/// - its parts, [`Work`] (whose variants are `#[non_exhaustive]`), [`ArgBinding`] and
+///   [`Dep`] (private fields), are made only through their constructors, which are safe
+///   because a part does nothing until a plan carries it, and cannot be changed inside a
+///   plan;
+/// - outside the protocol ([`DeviceState`](crate::protocol::DeviceState)) the only
+///   constructor is the `unsafe` [`Plan::from_parts`], whose contract is the protocol's
+///   promise (for model checkers and backend tests);
+/// - a queue refuses a plan for another stream ([`Error::WrongStream`]), so a plan cannot
+///   complete an event of a timeline that its queue does not own.
+///
+/// [`StreamQueue::submit`]: crate::backend::StreamQueue::submit
 #[derive(Debug)]
 pub struct Plan {
     /// The stream that runs it.
