@@ -230,7 +230,7 @@ impl Handler<DeviceToDevice> for Coordinator {
                     }
                 }
                 let source = source_of(&src, &msg.src, &msg.node).await?;
-                let loc = source.loc.loc;
+                let loc = source.loc().loc;
                 let event = match msg.mode {
                     MergeBufferUse::No | MergeBufferUse::Copy => dst
                         .send(CopyIn {
@@ -307,7 +307,7 @@ impl Handler<AllReduce> for Coordinator {
                         };
                         let source =
                             source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
-                        let loc = source.loc.loc;
+                        let loc = source.loc().loc;
                         let routine = msg.merge[dst][chunk].clone();
                         let reader = if streaming {
                             let e = addrs[dst]
@@ -347,7 +347,7 @@ impl Handler<AllReduce> for Coordinator {
                     Step::Broadcast { chunk, src, dst } => {
                         let source =
                             source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
-                        let loc = source.loc.loc;
+                        let loc = source.loc().loc;
                         if let Some(e) = addrs[dst]
                             .send(CopyIn {
                                 order: msg.order,

@@ -48,18 +48,48 @@ static NEXT_INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 const SWEEP_EVERY: u32 = 1024;
 
 /// A buffer read by a device-to-device operation, as seen by its source device.
+///
+/// Made only by [`DeviceState::source`] (private fields): the plans made from it read
+/// `loc` after `deps`, so a hand-made one could read a buffer while it is written.
 #[derive(Clone, Debug)]
 pub struct Source {
     /// The node.
-    pub node: TensorNode,
+    pub(crate) node: TensorNode,
     /// Where the source buffer is.
-    pub loc: GlobalLoc,
+    pub(crate) loc: GlobalLoc,
     /// Its size in bytes.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// What a reader of it must wait for (its last write).
-    pub deps: Vec<Dep>,
+    pub(crate) deps: Vec<Dep>,
     /// The host version its content corresponds to (see [`HostTable`]).
-    pub host_version: Option<u64>,
+    pub(crate) host_version: Option<u64>,
+}
+
+impl Source {
+    /// The node.
+    pub fn node(&self) -> &TensorNode {
+        &self.node
+    }
+
+    /// Where the source buffer is.
+    pub fn loc(&self) -> GlobalLoc {
+        self.loc
+    }
+
+    /// Its size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// What a reader of it must wait for (its last write).
+    pub fn deps(&self) -> &[Dep] {
+        &self.deps
+    }
+
+    /// The host version its content corresponds to (see [`HostTable`]).
+    pub fn host_version(&self) -> Option<u64> {
+        self.host_version
+    }
 }
 
 /// Sizes of the protocol tables, to check that they stay bounded.

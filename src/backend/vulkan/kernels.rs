@@ -220,7 +220,8 @@ impl Drop for Pipeline {
     fn drop(&mut self) {
         let d = &self.core.device;
         // SAFETY: a pipeline is dropped only when no in-flight work holds it (work keeps an
-        // `Arc<Pipeline>` until its completion is observed); null handles are ignored.
+        // `Arc<Pipeline>` until its completion is observed, and leaks it when it cannot
+        // observe that: `DeviceCore::leak`); null handles are ignored.
         unsafe {
             d.destroy_pipeline(self.pipeline, None);
             d.destroy_pipeline_layout(self.layout, None);
