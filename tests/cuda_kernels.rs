@@ -435,18 +435,20 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
             .merge
             .as_ref()
             .map(|m| host_input(dtype, m.numel(), rng));
-        let binding = |i: usize, node: &TensorNode, access: Access| ArgBinding {
-            loc: GlobalLoc {
-                device: DeviceId(0),
-                loc: BufferLoc {
-                    pool: PoolId(0),
-                    offset: i as u64 * 1024,
+        let binding = |i: usize, node: &TensorNode, access: Access| {
+            ArgBinding::new(
+                GlobalLoc {
+                    device: DeviceId(0),
+                    loc: BufferLoc {
+                        pool: PoolId(0),
+                        offset: i as u64 * 1024,
+                    },
                 },
-            },
-            bytes: node.size_in_bytes().expect("size"),
-            dtype,
-            shape: node.shape().clone(),
-            access,
+                node.size_in_bytes().expect("size"),
+                dtype,
+                node.shape().clone(),
+                access,
+            )
         };
         let args: Vec<ArgBinding> = spec
             .params
