@@ -4,12 +4,14 @@
 //!
 //! "Write the tests once, run them on every backend present": a test body is a function of
 //! a [`Kind`]; [`for_each_backend!`] turns a list of such functions into one `#[test]` per
-//! backend kind (`cpu::name`, `vulkan::name`, and `vulkan_staging::name` where asked). When
-//! Vulkan is not available, its tests print `skipping Vulkan (<test>): <reason>` and pass,
-//! unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` once lavapipe is installed): then
-//! they fail. Every Vulkan test that runs prints one line saying so; both lines go straight
-//! to the process's stderr, past the test harness's output capture, so the run log shows
-//! what ran where.
+//! backend kind (`cpu::name`, `vulkan::name`, `cuda::name`, and `vulkan_staging::name` where
+//! asked). When Vulkan is not available, its tests print `skipping Vulkan (<test>):
+//! <reason>` and pass, unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` once lavapipe
+//! is installed): then they fail. CUDA likewise: `skipping CUDA (<test>): <reason>` where
+//! there is no GPU, a failure under `TRIBUTARY_REQUIRE_CUDA=1` (set by
+//! `scripts/gpu-check.sh`). Every GPU test that runs prints one line saying so; all these
+//! lines go straight to the process's stderr, past the test harness's output capture, so
+//! the run log shows what ran where.
 #![allow(dead_code)] // each test binary uses its own part of this module
 #![allow(unused_macros)]
 
@@ -23,6 +25,7 @@ use std::{
 use tributary::{
     backend::{
         cpu::CpuBackend,
+        cuda::{CudaBackend, CudaConfig},
         vulkan::{VulkanBackend, VulkanConfig},
         Backend, BackendKind,
     },
@@ -71,11 +74,30 @@ pub enum Kind {
     Vulkan,
     /// Vulkan with every host transfer staged (as on a discrete GPU).
     VulkanStaging,
+    /// CUDA, on as many logical devices as the test asks for (round-robin over the GPUs).
+    Cuda,
 }
 
 impl Kind {
     pub fn is_vulkan(self) -> bool {
-        self != Kind::Cpu
+        matches!(self, Kind::Vulkan | Kind::VulkanStaging)
+    }
+
+    /// Whether a kernel on one device can read another device's memory in place
+    /// (`StreamingFor` across devices): always on the CPU, never across `VkDevice`s, where
+    /// peer access is on for CUDA (asked of a CUDA backend of two devices, once).
+    pub fn streams_across_devices(self) -> bool {
+        match self {
+            Kind::Cpu => true,
+            Kind::Vulkan | Kind::VulkanStaging => false,
+            Kind::Cuda => {
+                static ANSWER: OnceLock<bool> = OnceLock::new();
+                *ANSWER.get_or_init(|| {
+                    CudaBackend::new(DeviceId(0), CudaConfig::with_devices(2))
+                        .is_ok_and(|b| b.can_stream(DeviceId(0), DeviceId(1)))
+                })
+            }
+        }
     }
 }
 
@@ -124,6 +146,46 @@ pub fn vulkan_config(kind: Kind, devices: usize, test: &str) -> Option<VulkanCon
     })
 }
 
+/// `Ok(description)` when CUDA is usable here, `Err(reason)` otherwise (probed once).
+pub fn cuda_available() -> Result<String, String> {
+    static PROBE: OnceLock<Result<String, String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            tributary::backend::cuda::probe()
+                .map(|info| {
+                    format!(
+                        "CUDA {} on {}",
+                        info.driver_version,
+                        info.devices.join(", ")
+                    )
+                })
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+fn require_cuda() -> bool {
+    std::env::var("TRIBUTARY_REQUIRE_CUDA").is_ok_and(|v| v == "1")
+}
+
+/// The CUDA configuration with `devices` logical devices, or `None` after logging why the
+/// test is skipped (a failure instead under `TRIBUTARY_REQUIRE_CUDA=1`).
+pub fn cuda_config(devices: usize, test: &str) -> Option<CudaConfig> {
+    if let Err(reason) = cuda_available() {
+        assert!(
+            !require_cuda(),
+            "TRIBUTARY_REQUIRE_CUDA=1 but CUDA is unavailable: {reason}"
+        );
+        log(&format!("skipping CUDA ({test}): {reason}"));
+        return None;
+    }
+    log(&format!(
+        "cuda: running {test} on {devices} logical devices ({})",
+        cuda_available().unwrap_or_default()
+    ));
+    Some(CudaConfig::with_devices(devices))
+}
+
 /// The backend of `kind` with `devices` devices, or `None` when it is not available.
 pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend>> {
     match kind {
@@ -134,6 +196,12 @@ pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend
                 VulkanBackend::new(DeviceId(0), config).expect("vulkan backend"),
             ))
         }
+        Kind::Cuda => {
+            let config = cuda_config(devices, test)?;
+            Some(Arc::new(
+                CudaBackend::new(DeviceId(0), config).expect("cuda backend"),
+            ))
+        }
     }
 }
 
@@ -141,12 +209,13 @@ pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend
 pub fn backend_kind(kind: Kind, devices: usize, test: &str) -> Option<BackendKind> {
     match kind {
         Kind::Cpu => Some(BackendKind::Cpu),
+        Kind::Cuda => cuda_config(devices, test).map(BackendKind::Cuda),
         _ => vulkan_config(kind, devices, test).map(BackendKind::Vulkan),
     }
 }
 
 /// One `#[test]` per backend kind for every listed test body `fn name(kind: Kind)`:
-/// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, ...; `for_each_backend!(staging:
+/// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, `cuda::a`; `for_each_backend!(staging:
 /// a)` also makes `vulkan_staging::a`.
 macro_rules! for_each_backend {
     (staging: $($name:ident),* $(,)?) => {
@@ -162,11 +231,16 @@ macro_rules! for_each_backend {
         mod vulkan {
             $( #[test] fn $name() { super::$name($crate::support::Kind::Vulkan) } )*
         }
+        mod cuda {
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Cuda) } )*
+        }
     };
 }
 
 // ---------------------------------------------------------------------------------------
-// Kernels that behave alike on every backend.
+// Kernels that behave alike on every backend. (On CUDA they need user CUDA kernels, which
+// arrive with the CUDA kernels module; until then the GPU arms below give CUDA a shader,
+// which it refuses at link time, so these tests fail where a GPU is present.)
 
 /// How long a slow CPU kernel sleeps.
 pub const DELAY: Duration = Duration::from_millis(60);
