@@ -8,8 +8,9 @@
 //! cargo run --release --features cuda --example cuda_bench -- --quick # 1 MiB, fewer reps
 //! ```
 //!
-//! `scripts/gpu-check.sh` runs it after the test suites. Without a GPU it prints why and
-//! exits with status 2. Tributary uses two logical devices on GPU 0 (its primary context
+//! `scripts/gpu-check.sh` runs it after the test suites (and first with `--probe`, which
+//! only prints what the driver reports). Without a GPU it prints why and exits with
+//! status 2. Tributary uses two logical devices on GPU 0 (its primary context
 //! and a second context, as the test suites do); the raw side uses the same two contexts'
 //! worth of calls: `cuLaunchKernel` + `cuStreamSynchronize`, `cuEventRecord` +
 //! `cuStreamWaitEvent`, `cuMemcpy*Async` from pinned memory, `cuMemcpyPeerAsync`.
@@ -372,6 +373,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if std::env::args().any(|a| a == "--probe") {
+        println!(
+            "CUDA {} on {} (NVRTC {})",
+            info.driver_version,
+            info.devices.join(", "),
+            if info.nvrtc { "found" } else { "not found" }
+        );
+        return ExitCode::SUCCESS;
+    }
     let (reps, sizes): (usize, Vec<usize>) = if quick {
         (5, vec![1 << 20])
     } else {
