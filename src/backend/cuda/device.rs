@@ -6,12 +6,12 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use cudarc::driver::{sys, CudaContext, CudaModule};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 
 use super::{
     instance::{driver_error, guarded, lock, nvrtc_present, open_driver, version_string},
     memory::{can_address, copy_route, CopyRoute, DevicePool, Region, RouteFacts},
-    stream::{CudaStreamQueue, EventPool, StreamShared},
+    stream::{CudaStreamQueue, EventPool, ProgramSource, StreamShared},
     CudaConfig, CudaInfo,
 };
 use crate::{
@@ -35,15 +35,26 @@ pub(super) const SHADER_ON_CUDA: &str =
     "shader kernels (WGSL or SPIR-V) run on Vulkan devices only; a CUDA device runs built-ins \
      and CUDA kernels";
 
-/// What the backend knows of a GPU's limits.
+/// What the backend knows of a GPU's limits (the kernels module's launch limits are
+/// these).
 #[derive(Clone, Debug)]
+#[allow(dead_code)] // the grid and block limits are read by the kernels module's launches
 pub(super) struct GpuLimits {
     pub(super) max_threads_per_block: u32,
+    /// Most threads per block along x, y and z.
+    pub(super) max_block: [u32; 3],
+    /// Most blocks along x, y and z.
+    pub(super) max_grid: [u32; 3],
     pub(super) shared_memory_per_block: u64,
-    #[allow(dead_code)] // read by the kernels module's launch limits (grid sizes)
     pub(super) multiprocessors: u32,
     /// `(major, minor)` compute capability.
     pub(super) compute_capability: (i32, i32),
+}
+
+/// A program loaded in a context, and its entry points looked up so far.
+pub(super) struct LoadedProgram {
+    pub(super) module: Arc<CudaModule>,
+    pub(super) functions: HashMap<String, CudaFunction>,
 }
 
 /// One tributary device: a CUDA context with its pools, modules, events and streams.
@@ -54,8 +65,8 @@ pub(super) struct Gpu {
     pub(super) total_memory: u64,
     pub(super) limits: GpuLimits,
     pools: Mutex<HashMap<PoolId, Arc<DevicePool>>>,
-    /// Compiled and loaded programs, by their source.
-    pub(super) modules: Mutex<HashMap<Arc<str>, Arc<CudaModule>>>,
+    /// Compiled and loaded programs, with the entry points looked up so far.
+    pub(super) modules: Mutex<HashMap<ProgramSource, LoadedProgram>>,
     pub(super) events: Arc<EventPool>,
     /// The streams of this device, to turn dependencies on them into event waits.
     streams: Mutex<Vec<Arc<StreamShared>>>,
@@ -198,7 +209,24 @@ fn open_gpu(id: DeviceId, ordinal: usize, primary: bool, driver: i32) -> Result<
     // this turns off; it orders all work itself with events.
     unsafe { ctx.disable_event_tracking() };
     use sys::CUdevice_attribute as A;
+    let dims = |x, y, z| -> Result<[u32; 3], DeviceError> {
+        Ok([
+            attribute(&ctx, x)?.max(1) as u32,
+            attribute(&ctx, y)?.max(1) as u32,
+            attribute(&ctx, z)?.max(1) as u32,
+        ])
+    };
     let limits = GpuLimits {
+        max_block: dims(
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X,
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y,
+            A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z,
+        )?,
+        max_grid: dims(
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X,
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y,
+            A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z,
+        )?,
         max_threads_per_block: attribute(&ctx, A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?.max(1)
             as u32,
         shared_memory_per_block: attribute(

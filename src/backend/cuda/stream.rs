@@ -3,7 +3,7 @@
 //! those events complete (see the [module documentation](super) for the scheme).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     ops::Deref,
     sync::{Arc, Condvar, Mutex},
     thread::JoinHandle,
@@ -12,12 +12,12 @@ use std::{
 
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::{
-    driver::{result, sys, CudaContext, CudaEvent, CudaModule, CudaStream},
-    nvrtc::{CompileOptions, Ptx},
+    driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream},
+    nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx},
 };
 
 use super::{
-    device::{Gpu, Shared, CPU_KERNEL_ON_CUDA, SHADER_ON_CUDA},
+    device::{Gpu, LoadedProgram, Shared, CPU_KERNEL_ON_CUDA, SHADER_ON_CUDA},
     instance::{driver_error, lock},
     memory::{CopyRoute, DevicePool, PinnedMemory, Region, StagingRing},
 };
@@ -201,24 +201,45 @@ impl StreamShared {
 // ---------------------------------------------------------------------------------------
 // Kernel launches.
 
-/// A program to load: CUDA C (compiled by NVRTC) or PTX.
-#[derive(Clone, Debug)]
+/// A program to load: CUDA C (compiled by NVRTC) or PTX. It is its own cache key; its
+/// methods are those of the kernels module's program type, which takes its place when that
+/// module is part of the build.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[allow(dead_code)] // built by `lower` once the kernels module is part of the build
 pub(super) enum ProgramSource {
-    /// CUDA C, its name for NVRTC's messages, and NVRTC options besides the architecture.
-    CudaC {
-        source: Arc<str>,
-        name: String,
-        options: Vec<String>,
-    },
+    /// CUDA C.
+    CudaC(Arc<str>),
     /// PTX, loaded as it is.
     Ptx(Arc<str>),
 }
 
 impl ProgramSource {
-    fn text(&self) -> &Arc<str> {
+    /// The CUDA C to compile, or `None` for PTX.
+    fn cuda_c(&self) -> Option<std::borrow::Cow<'_, str>> {
         match self {
-            ProgramSource::CudaC { source, .. } | ProgramSource::Ptx(source) => source,
+            ProgramSource::CudaC(src) => Some(std::borrow::Cow::Borrowed(src)),
+            ProgramSource::Ptx(_) => None,
+        }
+    }
+
+    /// The PTX of a PTX program.
+    fn ptx(&self) -> Option<&str> {
+        match self {
+            ProgramSource::Ptx(ptx) => Some(ptx),
+            ProgramSource::CudaC(_) => None,
+        }
+    }
+
+    /// NVRTC options besides the architecture.
+    fn nvrtc_options(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// A short name, for NVRTC's messages.
+    fn name(&self) -> String {
+        match self {
+            ProgramSource::CudaC(_) => "user_kernel.cu".into(),
+            ProgramSource::Ptx(_) => "user_kernel.ptx".into(),
         }
     }
 }
@@ -452,6 +473,7 @@ impl CudaStreamQueue {
             ring,
             recorder,
             last_end: None,
+            copy_failure: None,
         };
         let watching = spawn(
             format!("tributary-cuda-done-{id}"),
@@ -1105,60 +1127,84 @@ impl Submitter {
         self.bind()
     }
 
-    /// The module of a program, compiled and loaded on first use.
-    fn module(&self, program: &ProgramSource) -> std::result::Result<Arc<CudaModule>, String> {
-        let key = program.text().clone();
-        if let Some(m) = lock(&self.gpu.modules).get(&key) {
-            return Ok(m.clone());
+    /// The entry point `entry` of a program, compiled and loaded on first use (once per
+    /// device; the module is kept for the device's lifetime).
+    fn function(
+        &self,
+        program: &ProgramSource,
+        entry: &str,
+    ) -> std::result::Result<(Arc<CudaModule>, CudaFunction), String> {
+        if entry.is_empty() || entry.contains('\0') {
+            return Err(format!(
+                "entry point {entry:?} is empty or contains a NUL byte"
+            ));
         }
-        if key.contains('\0') {
-            return Err("the kernel's source contains a NUL byte".into());
+        let mut modules = lock(&self.gpu.modules);
+        if !modules.contains_key(program) {
+            let module = self.load(program)?;
+            modules.insert(
+                program.clone(),
+                LoadedProgram {
+                    module,
+                    functions: HashMap::new(),
+                },
+            );
         }
-        let ptx = match program {
-            ProgramSource::Ptx(text) => Ptx::from_src(text.to_string()),
-            ProgramSource::CudaC {
-                source,
-                name,
-                options,
-            } => {
+        let loaded = modules
+            .get_mut(program)
+            .ok_or("a loaded program vanished")?;
+        if let Some(f) = loaded.functions.get(entry) {
+            return Ok((loaded.module.clone(), f.clone()));
+        }
+        let f = loaded
+            .module
+            .load_function(entry)
+            .map_err(|e| format!("no entry point {entry}: {}", driver_error(e)))?;
+        loaded.functions.insert(entry.to_string(), f.clone());
+        Ok((loaded.module.clone(), f))
+    }
+
+    /// Compiles (CUDA C, with NVRTC for this device's `compute_XY`) and loads a program.
+    fn load(&self, program: &ProgramSource) -> std::result::Result<Arc<CudaModule>, String> {
+        let ptx = match (program.cuda_c(), program.ptx()) {
+            (_, Some(text)) => {
+                if text.contains('\0') {
+                    return Err("the PTX contains a NUL byte".into());
+                }
+                Ptx::from_src(text.to_string())
+            }
+            (Some(source), None) => {
                 if !self.backend.nvrtc {
                     return Err("CUDA C needs NVRTC (libnvrtc.so), which was not found".into());
                 }
+                if source.contains('\0') {
+                    return Err("the CUDA C contains a NUL byte".into());
+                }
                 let (major, minor) = self.gpu.limits.compute_capability;
-                let mut opts = vec![format!("--gpu-architecture=compute_{major}{minor}")];
-                opts.extend(options.iter().cloned());
-                cudarc::nvrtc::compile_ptx_with_opts(
-                    source,
+                let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}")];
+                options.extend(program.nvrtc_options().iter().map(|o| o.to_string()));
+                let name = program.name();
+                compile_ptx_with_opts(
+                    &source,
                     CompileOptions {
-                        options: opts,
+                        options,
                         name: Some(name.clone()),
                         ..CompileOptions::default()
                     },
                 )
                 .map_err(|e| format!("NVRTC cannot compile {name}: {e}"))?
             }
+            (None, None) => return Err("a program with neither CUDA C nor PTX".into()),
         };
-        let module = self
-            .gpu
+        self.gpu
             .ctx
             .load_module(ptx)
-            .map_err(|e| format!("cuModuleLoadData: {}", driver_error(e)))?;
-        lock(&self.gpu.modules).insert(key, module.clone());
-        Ok(module)
+            .map_err(|e| format!("cuModuleLoadData: {}", driver_error(e)))
     }
 
     /// Launches one kernel on the stream: the adapter every kernel goes through.
     fn launch(&self, l: &DeviceLaunch, keep: &mut Vec<Keep>) -> std::result::Result<(), String> {
-        if l.entry_point.is_empty() || l.entry_point.contains('\0') {
-            return Err(format!(
-                "entry point {:?} is empty or contains a NUL byte",
-                l.entry_point
-            ));
-        }
-        let module = self.module(&l.program)?;
-        let function = module
-            .load_function(&l.entry_point)
-            .map_err(|e| format!("no entry point {}: {}", l.entry_point, driver_error(e)))?;
+        let (module, function) = self.function(&l.program, &l.entry_point)?;
         let mut cells: Vec<ParamCell> = l.params.iter().copied().map(ParamCell::of).collect();
         let mut addresses: Vec<*mut std::ffi::c_void> =
             cells.iter_mut().map(ParamCell::address).collect();
@@ -1209,6 +1255,9 @@ struct Watcher {
     recorder: Option<Arc<Recorder>>,
     /// When the previous operation's completion was observed.
     last_end: Option<Instant>,
+    /// Why copying a staging slot into its host array failed, for the plan it belongs to
+    /// (the next completion).
+    copy_failure: Option<String>,
 }
 
 impl Watcher {
@@ -1228,13 +1277,14 @@ impl Watcher {
             None => Ok(()),
         };
         if let (Ok(()), Some(out)) = (&waited, &w.copy_out) {
-            if let Some(staging) = out.memory.at(out.slot_offset, out.len) {
-                // SAFETY: the copy into the slot completed (event synchronised above), the
-                // slot is not released yet, and the protocol made this transfer wait for
-                // every other use of the host array, which nobody reads before the plan
-                // completes (below, later in this thread).
-                if let Ok(dst) = unsafe { out.host.bytes_mut(out.host_offset, out.len) } {
-                    // SAFETY: `staging` holds `len` bytes (checked by `at`).
+            // SAFETY: the copy into the slot completed (event synchronised above), the slot
+            // is not released yet, and the protocol made this transfer wait for every other
+            // use of the host array, which nobody reads before the plan completes (below,
+            // later in this thread).
+            let host = unsafe { out.host.bytes_mut(out.host_offset, out.len) };
+            match (out.memory.at(out.slot_offset, out.len), host) {
+                (Some(staging), Ok(dst)) => {
+                    // SAFETY: `staging` holds `len` bytes (checked by `at`), `dst` too.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             staging.cast_const(),
@@ -1242,6 +1292,13 @@ impl Watcher {
                             out.len,
                         )
                     };
+                }
+                (None, _) => {
+                    self.copy_failure
+                        .get_or_insert_with(|| "a staging slot outside the ring".into());
+                }
+                (_, Err(e)) => {
+                    self.copy_failure.get_or_insert_with(|| e.to_string());
                 }
             }
         }
@@ -1252,8 +1309,18 @@ impl Watcher {
             return;
         };
         let lost = self.gpu.lost();
+        let copy_failure = self.copy_failure.take();
         let outcome = match (c.outcome, waited, lost) {
             (Err(f), _, _) => Err(f),
+            (Ok(()), Ok(()), None) if copy_failure.is_some() => Err(Arc::new(Failure {
+                stream: self.me.id,
+                seq: c.seq,
+                operation: c.label.clone(),
+                message: format!(
+                    "copying out of the staging ring: {}",
+                    copy_failure.unwrap_or_default()
+                ),
+            })),
             (Ok(()), Err(cause), _) | (Ok(()), Ok(()), Some(cause)) => Err(Arc::new(Failure {
                 stream: self.me.id,
                 seq: c.seq,
