@@ -180,3 +180,27 @@ pub struct CudaInfo {
 fn not_built() -> DeviceError {
     DeviceError::Unavailable("tributary was built without the `cuda` cargo feature".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendKind;
+
+    #[test]
+    fn config_reads_from_json_with_defaults_and_refuses_unknown_fields() {
+        let kind: BackendKind =
+            serde_json::from_str(r#"{ "Cuda": { "devices": 2, "force_staging": true } }"#)
+                .expect("a CUDA configuration");
+        let BackendKind::Cuda(config) = kind else {
+            panic!("not CUDA: {kind:?}");
+        };
+        assert_eq!(config.devices, Some(2));
+        assert!(config.force_staging);
+        assert_eq!(config.gpus, None);
+        assert_eq!(config.staging_bytes, DEFAULT_STAGING_BYTES);
+        let err = serde_json::from_str::<BackendKind>(r#"{ "Cuda": { "device": 2 } }"#)
+            .expect_err("a misspelt field");
+        assert!(err.to_string().contains("device"), "{err}");
+        assert_eq!(CudaConfig::with_devices(3).devices, Some(3));
+    }
+}
