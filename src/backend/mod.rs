@@ -21,6 +21,8 @@
 pub mod cpu;
 pub mod cuda;
 pub mod fault;
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+pub(crate) mod recording;
 pub mod vulkan;
 
 use serde::{Deserialize, Serialize};

@@ -87,10 +87,12 @@
 //! run here: [`Backend::check_kernel`] refuses them at link time.
 //!
 //! **Timelines.** With a [`Recorder`](crate::trace::Recorder)
-//! ([`CudaBackend::with_recorder`]), host waits are recorded as waits, and every operation
-//! as work from when the stream could start it (enqueued, and the previous operation done)
-//! to when its completion was observed: events have timing disabled, so this is the host's
-//! view, within the watcher's wake-up latency of the GPU's.
+//! ([`CudaBackend::with_recorder`]) streams record as Vulkan's do (the shared
+//! `backend::recording`): waits on the host as waits; each operation as work from when the
+//! submit thread started it (or the previous operation was seen done) to when the watcher
+//! saw it complete; and a wait on another stream of the device that was still running as a
+//! wait from when the stream was ready to when the producer was seen done. Events have
+//! timing disabled, so these are the host's view, within a wake-up of the GPU's.
 //!
 //! **Not done (yet).** Host transfers from the user's memory go through the ring (one
 //! extra `memcpy`); registering host arrays (`cuMemHostRegister`) would skip it.

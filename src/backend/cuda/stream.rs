@@ -22,7 +22,10 @@ use super::{
     memory::{CopyRoute, DevicePool, PinnedMemory, Region, StagingRing},
 };
 use crate::{
-    backend::StreamQueue,
+    backend::{
+        recording::{CompletionTrace, OpTrace, StreamTrace},
+        StreamQueue,
+    },
     error::{DeviceError, Error, Failure, Result},
     event::{EventStatus, Timeline},
     ids::StreamId,
@@ -30,7 +33,7 @@ use crate::{
     memory::AlignedBuffer,
     protocol::{ArgBinding, Dep, DepKind, Plan, Work},
     sync::Arc as SyncArc,
-    trace::{Recorder, TraceKind, TraceRecord},
+    trace::Recorder,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -411,9 +414,8 @@ struct Completion {
     seq: u64,
     outcome: std::result::Result<(), Arc<Failure>>,
     label: String,
-    bytes: u64,
-    /// When the work was enqueued.
-    enqueued: Instant,
+    /// What the timeline records of it (`None` when nothing is recorded).
+    trace: Option<OpTrace>,
 }
 
 /// One item for the watcher, handled in order: wait for `event`, copy out, release the
@@ -450,6 +452,7 @@ impl CudaStreamQueue {
         let ring = Arc::new(StagingRing::new(gpu.ctx.clone(), capacity));
         let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
         let (watch_tx, watch_rx) = crossbeam_channel::unbounded::<Watch>();
+        let trace = StreamTrace::new(recorder, shared.id);
         let submitter = Submitter {
             backend: backend.clone(),
             gpu: gpu.clone(),
@@ -458,7 +461,7 @@ impl CudaStreamQueue {
             ring: ring.clone(),
             watcher: watch_tx,
             last: 0,
-            recorder: recorder.clone(),
+            trace: trace.clone(),
         };
         let id = shared.id;
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -471,8 +474,7 @@ impl CudaStreamQueue {
             me: shared.clone(),
             gpu,
             ring,
-            recorder,
-            last_end: None,
+            trace: trace.completions(),
             copy_failure: None,
         };
         let watching = spawn(
@@ -655,7 +657,7 @@ struct Submitter {
     watcher: Sender<Watch>,
     /// The last sequence number handled.
     last: u64,
-    recorder: Option<Arc<Recorder>>,
+    trace: StreamTrace,
 }
 
 /// How the dependencies of one plan are to be waited for.
@@ -688,22 +690,7 @@ impl Submitter {
 
     /// Waits on the host for `dep`, recording the wait; the failure it ended with, if any.
     fn host_wait(&self, item: &Submitted, dep: &Dep) -> Option<Arc<Failure>> {
-        let since = Instant::now();
-        let result = dep.event.wait();
-        if let Some(rec) = &self.recorder {
-            rec.record(TraceRecord {
-                kind: TraceKind::Wait,
-                name: item.label.clone(),
-                stream: self.me.id,
-                seq: item.seq,
-                start_ns: rec.ns(since),
-                end_ns: rec.ns(Instant::now()),
-                bytes: 0,
-                waited_for: Some((dep.event.stream(), dep.event.seq())),
-                ok: result.is_ok(),
-            });
-        }
-        match result {
+        match self.trace.host_wait(dep, &item.label, item.seq) {
             Err(Error::Failed(f)) => Some(f),
             _ => None,
         }
@@ -769,13 +756,12 @@ impl Submitter {
     }
 
     fn process(&mut self, item: Submitted) {
-        let enqueued = Instant::now();
-        let complete = |item: &Submitted, outcome| Completion {
+        let arrived = Instant::now();
+        let complete = |item: &Submitted, outcome, trace| Completion {
             seq: item.seq,
             outcome,
             label: item.label.clone(),
-            bytes: item.bytes,
-            enqueued,
+            trace,
         };
         if item.seq <= self.last {
             let f = self.failure(
@@ -784,7 +770,7 @@ impl Submitter {
             );
             tracing::warn!(%f, "out-of-order plan");
             self.send(Watch {
-                complete: Some(complete(&item, Err(f))),
+                complete: Some(complete(&item, Err(f), None)),
                 ..Watch::default()
             });
             return;
@@ -792,6 +778,9 @@ impl Submitter {
         self.last = item.seq;
         let on_host = item.job.as_ref().is_ok_and(Job::needs_host_waits);
         let waits = self.classify(&item, on_host);
+        let mut op = self
+            .trace
+            .start(item.seq, &item.label, &item.deps, item.bytes, arrived);
         let mut keep: Vec<Keep> = Vec::new();
         let mut outcome: std::result::Result<(), Arc<Failure>> = Ok(());
         if let Some(cause) = self.gpu.lost() {
@@ -834,7 +823,7 @@ impl Submitter {
                 );
                 self.send(Watch {
                     event: Some(event),
-                    complete: Some(complete(&item, outcome)),
+                    complete: Some(complete(&item, outcome, op.take())),
                     keep,
                     ..Watch::default()
                 });
@@ -847,7 +836,7 @@ impl Submitter {
                 };
                 self.me.decide(item.seq, Decision::Failed(f.clone()));
                 self.send(Watch {
-                    complete: Some(complete(&item, Err(f))),
+                    complete: Some(complete(&item, Err(f), op.take())),
                     keep,
                     ..Watch::default()
                 });
@@ -1252,9 +1241,7 @@ struct Watcher {
     me: Arc<StreamShared>,
     gpu: Arc<Gpu>,
     ring: Arc<StagingRing>,
-    recorder: Option<Arc<Recorder>>,
-    /// When the previous operation's completion was observed.
-    last_end: Option<Instant>,
+    trace: CompletionTrace,
     /// Why copying a staging slot into its host array failed, for the plan it belongs to
     /// (the next completion).
     copy_failure: Option<String>,
@@ -1329,24 +1316,10 @@ impl Watcher {
             })),
             (Ok(()), Ok(()), None) => Ok(()),
         };
-        let end = Instant::now();
-        if let Some(rec) = &self.recorder {
-            let start = self
-                .last_end
-                .map_or(c.enqueued, |prev| prev.max(c.enqueued));
-            rec.record(TraceRecord {
-                kind: TraceKind::Work,
-                name: c.label.clone(),
-                stream: self.me.id,
-                seq: c.seq,
-                start_ns: rec.ns(start),
-                end_ns: rec.ns(end),
-                bytes: c.bytes,
-                waited_for: None,
-                ok: outcome.is_ok(),
-            });
+        if let Some(op) = c.trace {
+            // Recorded before the event completes, so waiters always end after it.
+            self.trace.completed(op, outcome.is_ok());
         }
-        self.last_end = Some(end);
         match outcome {
             Ok(()) => self.me.timeline.signal(c.seq),
             Err(f) => self.me.timeline.fail(c.seq, f),

@@ -9,12 +9,11 @@ use super::{
     instance::{create_instance, lock, DeviceCore, InstanceCore},
     kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN, CUDA_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
-    recording::StreamTrace,
     stream::{StreamShared, VulkanStream},
     VulkanConfig, VulkanInfo,
 };
 use crate::{
-    backend::{unsupported_kernel, Backend, StreamQueue},
+    backend::{recording::StreamTrace, unsupported_kernel, Backend, StreamQueue},
     error::{DeviceError, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},

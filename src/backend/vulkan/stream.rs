@@ -17,10 +17,12 @@ use super::{
     instance::{host_visibility_barrier, lock, DeviceCore},
     kernels::{Arg, Lowered, Lowering, Pipeline},
     memory::{Buffer, Region},
-    recording::{OpTrace, StreamTrace},
 };
 use crate::{
-    backend::StreamQueue,
+    backend::{
+        recording::{OpTrace, StreamTrace},
+        StreamQueue,
+    },
     error::{DeviceError, Error, Failure, Result},
     event::{EventStatus, Timeline},
     ids::StreamId,
