@@ -22,6 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use cudarc::{
     driver::{result, CudaContext, CudaSlice, LaunchConfig, PushKernelArg},
     nvrtc::compile_ptx,
@@ -37,6 +38,17 @@ use tributary::{
     DType, DeviceId, Engine, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode,
 };
 use tributary_actors::{AllReducePlan, StreamConfig, System};
+
+#[derive(Parser, Debug)]
+#[command(about = "CUDA backend beside raw cudarc: launch, event wait, transfers, all-reduce")]
+struct Args {
+    /// One size (1 MiB) and fewer repetitions.
+    #[arg(long)]
+    quick: bool,
+    /// Only print what the CUDA driver reports (exit status 2 when CUDA is unavailable).
+    #[arg(long)]
+    probe: bool,
+}
 
 type Measured = Result<f64, String>;
 
@@ -365,7 +377,8 @@ fn row(
 }
 
 fn main() -> ExitCode {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args = Args::parse();
+    let quick = args.quick;
     let info = match probe() {
         Ok(info) => info,
         Err(e) => {
@@ -373,7 +386,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if std::env::args().any(|a| a == "--probe") {
+    if args.probe {
         println!(
             "CUDA {} on {} (NVRTC {})",
             info.driver_version,
