@@ -1374,6 +1374,32 @@ mod tests {
     }
 
     #[test]
+    fn launch_parameters_are_stored_at_their_c_size() {
+        // cuLaunchKernel reads each parameter from its address at the size of the entry
+        // point's parameter type: the bytes there must be the value's own, in native order.
+        let read = |p: KernelParam, size: usize| -> Vec<u8> {
+            let mut cell = ParamCell::of(p);
+            let at = cell.address().cast::<u8>();
+            // SAFETY: `at` points at the cell's value, at least `size` bytes (checked by
+            // the expectations below, each the size of the stored type).
+            unsafe { std::slice::from_raw_parts(at, size) }.to_vec()
+        };
+        assert_eq!(
+            read(KernelParam::Pointer(0x1234_5678_9abc), 8),
+            0x1234_5678_9abcu64.to_ne_bytes()
+        );
+        assert_eq!(read(KernelParam::U32(7), 4), 7u32.to_ne_bytes());
+        assert_eq!(
+            read(KernelParam::U64(u64::MAX - 1), 8),
+            (u64::MAX - 1).to_ne_bytes()
+        );
+        assert_eq!(read(KernelParam::I32(-3), 4), (-3i32).to_ne_bytes());
+        assert_eq!(read(KernelParam::I64(-5), 8), (-5i64).to_ne_bytes());
+        assert_eq!(read(KernelParam::F32(1.5), 4), 1.5f32.to_ne_bytes());
+        assert_eq!(read(KernelParam::F64(-2.25), 8), (-2.25f64).to_ne_bytes());
+    }
+
+    #[test]
     fn a_failing_factory_is_an_error() {
         let pool: Arc<Recycler<u32>> = Arc::new(Recycler::new(|| Err("no events".to_string())));
         assert_eq!(pool.acquire().err().as_deref(), Some("no events"));
