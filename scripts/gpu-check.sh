@@ -29,8 +29,8 @@ step "backend-parametric suites on CUDA (TRIBUTARY_REQUIRE_CUDA=1)"
 export TRIBUTARY_REQUIRE_CUDA=1
 export TRIBUTARY_PROPTEST_CASES="${TRIBUTARY_PROPTEST_CASES:-400}"
 cargo test --features cuda --lib backend::cuda
-cargo test --features cuda --test cuda_unavailable
-for suite in backend_conformance engine_protocol system_e2e data_parallel; do
+cargo test --features cuda --test cuda_unavailable --test cuda_harness_kernels --test cuda_kernels
+for suite in backend_conformance engine_protocol system_e2e data_parallel trace; do
   step "suite $suite (CUDA tests)"
   cargo test --features cuda --test "$suite" cuda::
 done

@@ -29,7 +29,7 @@ use tributary::{
         vulkan::{VulkanBackend, VulkanConfig},
         Backend, BackendKind,
     },
-    kernels::{Access, RoutineSpec, ShaderKernel},
+    kernels::{Access, CudaKernel, CudaScalar, RoutineSpec, ShaderKernel},
     DType, DeviceId, MemoryMode, Sharing, TensorNode,
 };
 
@@ -238,9 +238,8 @@ macro_rules! for_each_backend {
 }
 
 // ---------------------------------------------------------------------------------------
-// Kernels that behave alike on every backend. (On CUDA they need user CUDA kernels, which
-// arrive with the CUDA kernels module; until then the GPU arms below give CUDA a shader,
-// which it refuses at link time, so these tests fail where a GPU is present.)
+// Kernels that behave alike on every backend: Rust closures on the CPU, WGSL on Vulkan,
+// CUDA C on CUDA.
 
 /// How long a slow CPU kernel sleeps.
 pub const DELAY: Duration = Duration::from_millis(60);
@@ -277,6 +276,34 @@ fn spin_immediates(n: usize, value: f32) -> Vec<u8> {
     b
 }
 
+/// Iterations of the spinning CUDA kernels' xorshift loop per unit of work: tens of
+/// milliseconds on a current GPU (one thread; the loop's steps depend on each other).
+const SPIN_CUDA: u64 = 5_000_000;
+
+/// A CUDA kernel of one thread that spins `iters` xorshift steps, then stores `expr` (of
+/// `s`, `v`, `z`) into `d[i]` for every `i < n`; `zero` (0.0 at run time) keeps the spin
+/// from being optimised away.
+fn spin_cuda(name: &str, params: &str, expr: &str) -> String {
+    format!(
+        r#"extern "C" __global__ void {name}({params}unsigned long long n, unsigned long long iters, float v, float zero) {{
+    unsigned int x = 1u;
+    for (unsigned long long i = 0; i < iters; ++i) {{ x ^= x << 13; x ^= x >> 17; x ^= x << 5; }}
+    float z = (float)(x >> 31) * zero;
+    for (unsigned long long i = 0; i < n; ++i) {{ d[i] = {expr}; }}
+}}"#
+    )
+}
+
+/// The scalars of a spinning CUDA kernel.
+fn spin_cuda_scalars(n: usize, times: u32, value: f32) -> [CudaScalar; 4] {
+    [
+        CudaScalar::U64(n as u64),
+        CudaScalar::U64(SPIN_CUDA * u64::from(times.max(1))),
+        CudaScalar::F32(value),
+        CudaScalar::F32(0.0),
+    ]
+}
+
 /// The WGSL of [`slow_fill`] (also a shader the CPU backend refuses).
 pub fn slow_fill_wgsl() -> String {
     spin_wgsl(
@@ -295,6 +322,18 @@ pub fn slow_fill_times(kind: Kind, dst: &TensorNode, value: f32, times: u32) -> 
             a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
             Ok(())
         }),
+        Kind::Cuda => RoutineSpec::cuda(
+            "slow_fill",
+            params,
+            None,
+            CudaKernel::cuda_c(
+                spin_cuda("slow_fill", "float* d, ", "v + z"),
+                "slow_fill",
+                [1, 1, 1],
+                [1, 1, 1],
+            )
+            .with_scalars(spin_cuda_scalars(dst.numel(), times, value)),
+        ),
         _ => RoutineSpec::shader(
             "slow_fill",
             params,
@@ -328,6 +367,18 @@ pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSp
                 .copy_from_slice(&s);
             Ok(())
         }),
+        Kind::Cuda => RoutineSpec::cuda(
+            "slow_copy",
+            params,
+            None,
+            CudaKernel::cuda_c(
+                spin_cuda("slow_copy", "float* d, const float* s, ", "s[i] + z"),
+                "slow_copy",
+                [1, 1, 1],
+                [1, 1, 1],
+            )
+            .with_scalars(spin_cuda_scalars(dst.numel(), 1, 0.0)),
+        ),
         _ => RoutineSpec::shader(
             "slow_copy",
             params,
@@ -348,11 +399,23 @@ pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSp
 
 /// A kernel named `name` that fails when it runs, with `message` in its failure: a
 /// panicking closure on the CPU, a shader that does not compile on Vulkan (the message is
-/// in the WGSL, which the compile error quotes).
+/// in the WGSL, which the compile error quotes), CUDA C stopped by an `#error` directive
+/// carrying the message on CUDA (NVRTC's log quotes it).
 pub fn failing(kind: Kind, name: &str, dst: &TensorNode, message: &'static str) -> RoutineSpec {
     let params = vec![(dst.clone(), Access::Write)];
     match kind {
         Kind::Cpu => RoutineSpec::custom(name, params, None, move |_| panic!("{message}")),
+        Kind::Cuda => RoutineSpec::cuda(
+            name,
+            params,
+            None,
+            CudaKernel::cuda_c(
+                format!("#error {message}\nextern \"C\" __global__ void boom(float* d) {{}}"),
+                "boom",
+                [1, 1, 1],
+                [1, 1, 1],
+            ),
+        ),
         _ => RoutineSpec::shader(
             name,
             params,

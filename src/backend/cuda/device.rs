@@ -9,9 +9,10 @@ use std::{
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 
 use super::{
-    instance::{driver_error, guarded, lock, nvrtc_present, open_driver, version_string},
+    instance::{driver_error, guarded, lock, open_driver, version_string},
+    kernels::{unsupported_on_cuda, LaunchLimits, Program},
     memory::{can_address, copy_route, CopyRoute, DevicePool, Region, RouteFacts},
-    stream::{CudaStreamQueue, EventPool, ProgramSource, StreamShared},
+    stream::{CudaStreamQueue, EventPool, StreamShared},
     CudaConfig, CudaInfo,
 };
 use crate::{
@@ -26,19 +27,9 @@ use crate::{
     trace::Recorder,
 };
 
-/// Why a Rust closure cannot run on a CUDA device.
-pub(super) const CPU_KERNEL_ON_CUDA: &str =
-    "Rust closure kernels (Kernel::Cpu) run on CPU devices only; a CUDA device runs built-ins \
-     and CUDA kernels";
-/// Why a shader cannot run on a CUDA device.
-pub(super) const SHADER_ON_CUDA: &str =
-    "shader kernels (WGSL or SPIR-V) run on Vulkan devices only; a CUDA device runs built-ins \
-     and CUDA kernels";
-
 /// What the backend knows of a GPU's limits (the kernels module's launch limits are
 /// these).
 #[derive(Clone, Debug)]
-#[allow(dead_code)] // the grid and block limits are read by the kernels module's launches
 pub(super) struct GpuLimits {
     pub(super) max_threads_per_block: u32,
     /// Most threads per block along x, y and z.
@@ -49,6 +40,20 @@ pub(super) struct GpuLimits {
     pub(super) multiprocessors: u32,
     /// `(major, minor)` compute capability.
     pub(super) compute_capability: (i32, i32),
+}
+
+impl GpuLimits {
+    /// The limits the kernels module sizes launches by.
+    pub(super) fn launch_limits(&self) -> LaunchLimits {
+        LaunchLimits {
+            max_threads_per_block: self.max_threads_per_block,
+            max_block: self.max_block,
+            max_grid: self.max_grid,
+            max_shared_mem_per_block: u32::try_from(self.shared_memory_per_block)
+                .unwrap_or(u32::MAX),
+            multiprocessor_count: self.multiprocessors,
+        }
+    }
 }
 
 /// A program loaded in a context, and its entry points looked up so far.
@@ -66,7 +71,7 @@ pub(super) struct Gpu {
     pub(super) limits: GpuLimits,
     pools: Mutex<HashMap<PoolId, Arc<DevicePool>>>,
     /// Compiled and loaded programs, with the entry points looked up so far.
-    pub(super) modules: Mutex<HashMap<ProgramSource, LoadedProgram>>,
+    pub(super) modules: Mutex<HashMap<Program, LoadedProgram>>,
     pub(super) events: Arc<EventPool>,
     /// The streams of this device, to turn dependencies on them into event waits.
     streams: Mutex<Vec<Arc<StreamShared>>>,
@@ -102,7 +107,6 @@ pub(super) struct Shared {
     pub(super) config: CudaConfig,
     /// `peer[dst][src]`: device `dst`'s context has peer access to `src`'s (by index).
     peer: Vec<Vec<bool>>,
-    pub(super) nvrtc: bool,
     driver_version: i32,
 }
 
@@ -183,7 +187,7 @@ pub fn probe() -> Result<CudaInfo, DeviceError> {
     Ok(CudaInfo {
         driver_version: version_string(version),
         devices,
-        nvrtc: nvrtc_present(),
+        nvrtc: super::kernels::nvrtc::nvrtc_available().is_ok(),
     })
 }
 
@@ -349,7 +353,6 @@ impl CudaBackend {
                 gpus,
                 config,
                 peer,
-                nvrtc: nvrtc_present(),
                 driver_version: driver,
             }),
             recorder: None,
@@ -473,15 +476,9 @@ impl Backend for CudaBackend {
     }
 
     fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
-        match kernel {
-            Kernel::Cpu(_) => Err(unsupported_kernel(
-                routine,
-                device,
-                "cuda",
-                CPU_KERNEL_ON_CUDA,
-            )),
-            Kernel::Shader(_) => Err(unsupported_kernel(routine, device, "cuda", SHADER_ON_CUDA)),
-            Kernel::Builtin(_) => Ok(()),
+        match unsupported_on_cuda(kernel) {
+            Some(why) => Err(unsupported_kernel(routine, device, "cuda", why)),
+            None => Ok(()),
         }
     }
 }

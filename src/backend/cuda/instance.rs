@@ -130,15 +130,6 @@ pub(super) fn open_driver() -> Result<(i32, usize), DeviceError> {
     driver_verdict(&answers)
 }
 
-/// Whether NVRTC loads (compiling CUDA C needs it).
-pub(super) fn nvrtc_present() -> bool {
-    // SAFETY: only tries to open the library, calling nothing in it.
-    guarded("probing NVRTC", || unsafe {
-        cudarc::nvrtc::sys::is_culib_present()
-    })
-    .unwrap_or(false)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -77,14 +77,17 @@
 //! (a kernel reading another device's buffer in place) is allowed where the destination
 //! can address the source: same context, or peer access enabled.
 //!
-//! **Kernels.** A kernel becomes a list of launches (program, entry point, grid, block,
-//! dynamic shared memory, ordered parameters: device pointers `base + offset` and scalars);
-//! each program is compiled by NVRTC for the device's `compute_XY` once per device, loaded
-//! as a module and cached. The launch list comes from the kernels module (the CUDA C of
-//! the built-ins and the launch geometry, a separate piece of work); until it is part of
-//! this build, the stream fails the event of every kernel with a message saying so.
-//! [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and WGSL/SPIR-V shaders cannot
-//! run here: [`Backend::check_kernel`] refuses them at link time.
+//! **Kernels** ([`kernels`]). A kernel becomes a list of [`kernels::Launch`]es (program,
+//! entry point, grid, block, dynamic shared memory, ordered parameters) computed without a
+//! driver by [`kernels::kernel_launches`] from the bindings and the device's limits; the
+//! stream resolves each `Buffer(i)` parameter to argument `i`'s `base + offset` (and
+//! `Merge` to the merge buffer's), compiles each program with NVRTC for the device's
+//! `compute_XY` once per device (the built-ins are one CUDA C program per dtype; PTX loads
+//! as it is), keeps the module and its entry points, and launches with `cuLaunchKernel`.
+//! [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and WGSL/SPIR-V shaders cannot run
+//! here: [`Backend::check_kernel`] refuses them at link time. `tests/cuda_kernels.rs`
+//! compiles every program with NVRTC and assembles it with `ptxas` for `sm_80` and `sm_90`
+//! where those tools are installed (CI installs them).
 //!
 //! **Timelines.** With a [`Recorder`](crate::trace::Recorder)
 //! ([`CudaBackend::with_recorder`]) streams record as Vulkan's do (the shared

@@ -13,12 +13,13 @@ use std::{
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::{
     driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream},
-    nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx},
+    nvrtc::Ptx,
 };
 
 use super::{
-    device::{Gpu, LoadedProgram, Shared, CPU_KERNEL_ON_CUDA, SHADER_ON_CUDA},
+    device::{Gpu, LoadedProgram, Shared},
     instance::{driver_error, lock},
+    kernels::{kernel_launches, nvrtc, LaunchParam, Program},
     memory::{CopyRoute, DevicePool, PinnedMemory, Region, StagingRing},
 };
 use crate::{
@@ -204,52 +205,8 @@ impl StreamShared {
 // ---------------------------------------------------------------------------------------
 // Kernel launches.
 
-/// A program to load: CUDA C (compiled by NVRTC) or PTX. It is its own cache key; its
-/// methods are those of the kernels module's program type, which takes its place when that
-/// module is part of the build.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[allow(dead_code)] // built by `lower` once the kernels module is part of the build
-pub(super) enum ProgramSource {
-    /// CUDA C.
-    CudaC(Arc<str>),
-    /// PTX, loaded as it is.
-    Ptx(Arc<str>),
-}
-
-impl ProgramSource {
-    /// The CUDA C to compile, or `None` for PTX.
-    fn cuda_c(&self) -> Option<std::borrow::Cow<'_, str>> {
-        match self {
-            ProgramSource::CudaC(src) => Some(std::borrow::Cow::Borrowed(src)),
-            ProgramSource::Ptx(_) => None,
-        }
-    }
-
-    /// The PTX of a PTX program.
-    fn ptx(&self) -> Option<&str> {
-        match self {
-            ProgramSource::Ptx(ptx) => Some(ptx),
-            ProgramSource::CudaC(_) => None,
-        }
-    }
-
-    /// NVRTC options besides the architecture.
-    fn nvrtc_options(&self) -> &'static [&'static str] {
-        &[]
-    }
-
-    /// A short name, for NVRTC's messages.
-    fn name(&self) -> String {
-        match self {
-            ProgramSource::CudaC(_) => "user_kernel.cu".into(),
-            ProgramSource::Ptx(_) => "user_kernel.ptx".into(),
-        }
-    }
-}
-
-/// One parameter of a launch, by value.
+/// One parameter of a launch, by value, buffers resolved to device pointers.
 #[derive(Clone, Copy, Debug, PartialEq)]
-#[allow(dead_code)] // built by `lower` once the kernels module is part of the build
 pub(super) enum KernelParam {
     /// A device pointer (`base + offset` of a resolved buffer).
     Pointer(sys::CUdeviceptr),
@@ -267,12 +224,12 @@ pub(super) enum KernelParam {
     F64(f64),
 }
 
-/// A kernel launch with its buffers resolved: what the kernels module's launch
-/// description (program, entry point, grid, block, shared memory, ordered parameters)
-/// becomes in the stream, where `Buffer(i)` is argument `i`'s device pointer.
+/// A kernel launch with its buffers resolved: a [`Launch`] of the kernels module whose
+/// `Buffer(i)` parameters became argument `i`'s device pointer (`Merge`: the merge
+/// buffer's).
 #[derive(Clone, Debug)]
 pub(super) struct DeviceLaunch {
-    pub(super) program: ProgramSource,
+    pub(super) program: Program,
     pub(super) entry_point: String,
     pub(super) grid: [u32; 3],
     pub(super) block: [u32; 3],
@@ -280,25 +237,70 @@ pub(super) struct DeviceLaunch {
     pub(super) params: Vec<KernelParam>,
 }
 
-/// Why a built-in cannot run yet.
-pub(super) const BUILTINS_NOT_BUILT: &str =
-    "the CUDA built-in kernels (src/backend/cuda/kernels.rs) are not part of this build yet";
-
-/// The launches that run `kernel` over its resolved arguments: the adapter between the
-/// kernels module (which computes launches from bindings and the device's limits) and the
-/// stream (which resolves `Buffer(i)` to `args[i]`'s device pointer).
+/// The launches that run `kernel` over its resolved arguments: the kernels module computes
+/// them from the bindings and the device's limits (and checks arity, accesses, dtypes and
+/// sizes), the stream resolves their buffers.
 fn lower(
     kernel: &Kernel,
     args: &[(ArgBinding, Region)],
     merge: Option<&(ArgBinding, Region)>,
     gpu: &Gpu,
 ) -> std::result::Result<Vec<DeviceLaunch>, String> {
-    let _ = (args, merge, &gpu.limits);
-    match kernel {
-        Kernel::Builtin(b) => Err(format!("{}: {BUILTINS_NOT_BUILT}", b.name())),
-        Kernel::Cpu(_) => Err(CPU_KERNEL_ON_CUDA.into()),
-        Kernel::Shader(_) => Err(SHADER_ON_CUDA.into()),
-    }
+    let bindings: Vec<ArgBinding> = args.iter().map(|(b, _)| b.clone()).collect();
+    let launches = kernel_launches(
+        kernel,
+        &bindings,
+        merge.map(|(b, _)| b),
+        &gpu.limits.launch_limits(),
+    )?;
+    launches
+        .into_iter()
+        .map(|l| {
+            let params = resolve_params(
+                &l.params,
+                |i| args.get(i).map(|(_, r)| r.ptr()),
+                merge.map(|(_, r)| r.ptr()),
+            )?;
+            Ok(DeviceLaunch {
+                program: l.program,
+                entry_point: l.entry_point,
+                grid: l.grid,
+                block: l.block,
+                shared_mem_bytes: l.shared_mem_bytes,
+                params,
+            })
+        })
+        .collect()
+}
+
+/// A launch's parameters with `Buffer(i)` as `arg(i)`'s device pointer and `Merge` as the
+/// merge buffer's; an error when one names a buffer that is not bound.
+fn resolve_params(
+    params: &[LaunchParam],
+    arg: impl Fn(usize) -> Option<sys::CUdeviceptr>,
+    merge: Option<sys::CUdeviceptr>,
+) -> std::result::Result<Vec<KernelParam>, String> {
+    params
+        .iter()
+        .map(|p| {
+            Ok(match *p {
+                LaunchParam::Buffer(i) => {
+                    KernelParam::Pointer(arg(i).ok_or_else(|| {
+                        format!("a launch parameter names argument {i}, not bound")
+                    })?)
+                }
+                LaunchParam::Merge => KernelParam::Pointer(
+                    merge.ok_or("a launch parameter names the merge buffer, not bound")?,
+                ),
+                LaunchParam::U32(x) => KernelParam::U32(x),
+                LaunchParam::U64(x) => KernelParam::U64(x),
+                LaunchParam::I32(x) => KernelParam::I32(x),
+                LaunchParam::I64(x) => KernelParam::I64(x),
+                LaunchParam::F32(x) => KernelParam::F32(x),
+                LaunchParam::F64(x) => KernelParam::F64(x),
+            })
+        })
+        .collect()
 }
 
 /// Storage for one parameter, whose address `cuLaunchKernel` reads.
@@ -1120,7 +1122,7 @@ impl Submitter {
     /// device; the module is kept for the device's lifetime).
     fn function(
         &self,
-        program: &ProgramSource,
+        program: &Program,
         entry: &str,
     ) -> std::result::Result<(Arc<CudaModule>, CudaFunction), String> {
         if entry.is_empty() || entry.contains('\0') {
@@ -1154,7 +1156,7 @@ impl Submitter {
     }
 
     /// Compiles (CUDA C, with NVRTC for this device's `compute_XY`) and loads a program.
-    fn load(&self, program: &ProgramSource) -> std::result::Result<Arc<CudaModule>, String> {
+    fn load(&self, program: &Program) -> std::result::Result<Arc<CudaModule>, String> {
         let ptx = match (program.cuda_c(), program.ptx()) {
             (_, Some(text)) => {
                 if text.contains('\0') {
@@ -1163,25 +1165,15 @@ impl Submitter {
                 Ptx::from_src(text.to_string())
             }
             (Some(source), None) => {
-                if !self.backend.nvrtc {
-                    return Err("CUDA C needs NVRTC (libnvrtc.so), which was not found".into());
-                }
-                if source.contains('\0') {
-                    return Err("the CUDA C contains a NUL byte".into());
-                }
                 let (major, minor) = self.gpu.limits.compute_capability;
-                let mut options = vec![format!("--gpu-architecture=compute_{major}{minor}")];
-                options.extend(program.nvrtc_options().iter().map(|o| o.to_string()));
-                let name = program.name();
-                compile_ptx_with_opts(
+                let arch = nvrtc::virtual_arch_for(major.max(0) as u32, minor.max(0) as u32)?;
+                let options = program.nvrtc_options();
+                Ptx::from_src(nvrtc::compile_to_ptx(
                     &source,
-                    CompileOptions {
-                        options,
-                        name: Some(name.clone()),
-                        ..CompileOptions::default()
-                    },
-                )
-                .map_err(|e| format!("NVRTC cannot compile {name}: {e}"))?
+                    &program.name(),
+                    &arch,
+                    options,
+                )?)
             }
             (None, None) => return Err("a program with neither CUDA C nor PTX".into()),
         };
