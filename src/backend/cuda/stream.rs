@@ -1392,6 +1392,33 @@ mod tests {
     }
 
     #[test]
+    fn launch_buffers_resolve_to_their_pointers() {
+        let ptrs = [0x1000u64, 0x2000];
+        let arg = |i: usize| ptrs.get(i).copied();
+        let params = [
+            LaunchParam::Buffer(1),
+            LaunchParam::Merge,
+            LaunchParam::Buffer(0),
+            LaunchParam::U64(9),
+            LaunchParam::F32(0.5),
+        ];
+        assert_eq!(
+            resolve_params(&params, arg, Some(0x3000)),
+            Ok(vec![
+                KernelParam::Pointer(0x2000),
+                KernelParam::Pointer(0x3000),
+                KernelParam::Pointer(0x1000),
+                KernelParam::U64(9),
+                KernelParam::F32(0.5),
+            ])
+        );
+        let missing = resolve_params(&[LaunchParam::Buffer(2)], arg, None).expect_err("unbound");
+        assert!(missing.contains("argument 2"), "{missing}");
+        let no_merge = resolve_params(&params, arg, None).expect_err("no merge buffer");
+        assert!(no_merge.contains("merge"), "{no_merge}");
+    }
+
+    #[test]
     fn a_failing_factory_is_an_error() {
         let pool: Arc<Recycler<u32>> = Arc::new(Recycler::new(|| Err("no events".to_string())));
         assert_eq!(pool.acquire().err().as_deref(), Some("no events"));
