@@ -497,7 +497,7 @@ fn cross_device_copies_in_all_merge_modes(kind: Kind) {
     let Some(mut e) = engine(kind, "cross_device_copies_in_all_merge_modes") else {
         return;
     };
-    let backend_streams_across = kind == Kind::Cpu;
+    let backend_streams_across = kind.streams_across_devices();
     for (src_dev, src_stream) in [(1usize, 0usize), (0, 1)] {
         let g = f32_node("g", MemoryMode::on_device());
         let c0 = e.context(0, 0).unwrap();
@@ -658,6 +658,7 @@ fn foreign_kernels_are_refused_at_link(kind: Kind) {
     let foreign = match kind {
         Kind::Cpu => [shader, cuda],
         Kind::Vulkan | Kind::VulkanStaging => [closure, cuda],
+        Kind::Cuda => [closure, shader],
     };
     for spec in foreign {
         let spec = spec.unwrap();

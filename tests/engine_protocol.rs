@@ -218,8 +218,9 @@ fn streaming_for_reads_source_in_place_before_it_is_overwritten(kind: Kind) {
     let g = node("g", MemoryMode::on_device());
     let z = node("z", MemoryMode::on_device());
     let c0 = e.context(0, 0).unwrap();
-    // Vulkan reads in place only on one device (separate VkDevices share no memory).
-    let c1 = if kind.is_vulkan() {
+    // Vulkan reads in place only on one device (separate VkDevices share no memory), CUDA
+    // only where peer access is on.
+    let c1 = if !kind.streams_across_devices() {
         e.context(0, 1).unwrap()
     } else {
         e.context(1, 0).unwrap()

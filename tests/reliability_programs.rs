@@ -1,11 +1,12 @@
-//! Random programs on the engine and the actor system, on the CPU and on Vulkan, compared
+//! Random programs on the engine and the actor system, on the CPU, Vulkan and CUDA, compared
 //! bitwise with the sequential reference (DESIGN.md §1: any program behaves as if its
 //! operations ran one after another).
 //!
 //! `TRIBUTARY_PROPTEST_CASES` sets the number of CPU programs (split over the tests: 40%
 //! small, 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system);
 //! Vulkan, where it runs, adds 50% on the engine and 5% on the actor system (lavapipe in
-//! CI, where `TRIBUTARY_REQUIRE_VULKAN=1` makes a skip a failure);
+//! CI, where `TRIBUTARY_REQUIRE_VULKAN=1` makes a skip a failure), and CUDA the same where
+//! a GPU is (`TRIBUTARY_REQUIRE_CUDA=1` in `scripts/gpu-check.sh`);
 //! `TRIBUTARY_PROPTEST_SEED` (a number) replays a run. A failure prints the shrunk program
 //! with the first operation whose result differs.
 
@@ -27,6 +28,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, Test
 use tributary::{
     backend::{
         cpu::CpuBackend,
+        cuda::{CudaBackend, CudaConfig},
         fault::{Fault, FaultBackend, FaultRule, FaultRules, Target},
         vulkan::{VulkanBackend, VulkanConfig},
         BackendKind,
@@ -275,6 +277,60 @@ fn vulkan_programs_match_the_reference() {
 fn vulkan_system_programs_match_the_reference() {
     if vulkan_runs_here("vulkan_system_programs_match_the_reference") {
         run("vulkan-system", VULKAN_PROFILE, 5, check_system_vulkan);
+    }
+}
+
+/// The CUDA configuration for a program's setup: one logical device per program device
+/// (round-robin over the GPUs), every other program with copies across devices staged.
+fn cuda_for(setup: &Setup, staging: bool) -> CudaConfig {
+    CudaConfig {
+        devices: Some(setup.devices),
+        force_staging: staging,
+        ..CudaConfig::default()
+    }
+}
+
+/// What CUDA computes: the CPU's values, streaming across devices only with peer access.
+fn cuda_reference() -> ReferenceRunner {
+    if support::Kind::Cuda.streams_across_devices() {
+        ReferenceRunner::default()
+    } else {
+        ReferenceRunner::streaming(Streaming::SameDevice)
+    }
+}
+
+/// The engine on CUDA.
+fn check_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let staging = abs.ops.len() % 2 == 1;
+    let mut runner = EngineRunner::with("engine(cuda)", move |setup| {
+        let backend = CudaBackend::new(DeviceId(0), cuda_for(setup, staging))?;
+        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    });
+    check_against(abs, cuda_reference(), &mut runner)
+}
+
+/// The actor system on CUDA.
+fn check_system_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let staging = abs.ops.len() % 2 == 0;
+    let mut runner = SystemRunner::with("system(cuda)", move |setup| {
+        BackendKind::Cuda(cuda_for(setup, staging))
+    });
+    check_against(abs, cuda_reference(), &mut runner)
+}
+
+/// The engine on CUDA where a GPU is, with the Vulkan tests' profile.
+#[test]
+fn cuda_programs_match_the_reference() {
+    if support::cuda_config(4, "cuda_programs_match_the_reference").is_some() {
+        run("cuda", VULKAN_PROFILE, 50, check_cuda);
+    }
+}
+
+/// The actor system on CUDA where a GPU is.
+#[test]
+fn cuda_system_programs_match_the_reference() {
+    if support::cuda_config(4, "cuda_system_programs_match_the_reference").is_some() {
+        run("cuda-system", VULKAN_PROFILE, 5, check_system_cuda);
     }
 }
 

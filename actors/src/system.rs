@@ -316,7 +316,7 @@ impl System {
     }
 
     /// The timeline recorder, when the system records one
-    /// ([`SystemBuilder::record_timeline`], CPU and Vulkan backends); export it with
+    /// ([`SystemBuilder::record_timeline`], CPU, Vulkan and CUDA backends); export it with
     /// `write_chrome_trace`, summarise it with `summary`.
     pub fn timeline(&self) -> Option<Arc<Recorder>> {
         self.shared.recorder.clone()

@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use clap::ValueEnum;
-use tributary::backend::{vulkan::VulkanConfig, BackendKind};
+use tributary::backend::{cuda::CudaConfig, vulkan::VulkanConfig, BackendKind};
 
 /// The backend an example runs on (`--backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -17,7 +17,8 @@ pub enum BackendArg {
     /// Vulkan devices; on a machine without a GPU, Mesa's lavapipe
     /// (`VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.x86_64.json`).
     Vulkan,
-    /// NVIDIA GPUs through CUDA (not in this build yet).
+    /// NVIDIA GPUs through CUDA (several logical devices per GPU when more devices than
+    /// GPUs are asked for).
     Cuda,
 }
 
@@ -31,9 +32,10 @@ impl BackendArg {
                 devices,
                 ..VulkanConfig::default()
             })),
-            BackendArg::Cuda => {
-                Err("the CUDA backend is not in this build yet (no BackendKind::Cuda)".into())
-            }
+            BackendArg::Cuda => Ok(BackendKind::Cuda(CudaConfig {
+                devices,
+                ..CudaConfig::default()
+            })),
         }
     }
 

@@ -254,12 +254,12 @@ impl Backend for CpuBackend {
         let len =
             usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
         if pools.lock().contains_key(&pool) {
-            return Err(pool_exists(device, pool));
+            return Err(crate::backend::pool_exists(device, pool));
         }
         let buf = Arc::new(AlignedBuffer::new(len, align.max(1) as usize)?);
         use std::collections::hash_map::Entry;
         match pools.lock().entry(pool) {
-            Entry::Occupied(_) => Err(pool_exists(device, pool)),
+            Entry::Occupied(_) => Err(crate::backend::pool_exists(device, pool)),
             Entry::Vacant(v) => {
                 v.insert(buf);
                 Ok(())
@@ -613,11 +613,6 @@ fn execute(job: Job) -> std::result::Result<(), String> {
 /// The error of a copy whose source and destination differ in size.
 fn size_mismatch(src: u64, dst: u64) -> String {
     format!("size mismatch: copy from {src} bytes into {dst} bytes (not truncated)")
-}
-
-/// The error of a pool created twice.
-fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
-    DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
 /// The host's physical memory (Linux: `MemTotal` of `/proc/meminfo`), `None` elsewhere.

@@ -41,13 +41,16 @@
 //! this crate, its fields); rely on its dependencies for ordering and on its bindings not
 //! aliasing unless both are read-only; state those facts in the `// SAFETY:` comments.
 //!
-//! Backends: [`cpu`] (always built) and [`vulkan`] (its types always exist; without the
-//! `vulkan` cargo feature, [`vulkan::VulkanBackend::new`] reports
-//! [`DeviceError::Unavailable`]). [`BackendKind`] picks one from configuration.
+//! Backends: [`cpu`] (always built), [`vulkan`] and [`cuda`] (their types always exist;
+//! without the `vulkan` or `cuda` cargo feature, [`vulkan::VulkanBackend::new`] or
+//! [`cuda::CudaBackend::new`] reports [`DeviceError::Unavailable`]). [`BackendKind`] picks
+//! one from configuration.
 
 pub mod cpu;
 pub mod cuda;
 pub mod fault;
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+pub(crate) mod recording;
 pub mod vulkan;
 
 use serde::{Deserialize, Serialize};
@@ -253,7 +256,8 @@ impl crate::memory::PoolMemory for BackendMemory {
 }
 
 /// Which backend a system or an engine runs on (serde: `"Cpu"` or
-/// `{ "Vulkan": { ... } }`; TOML `backend = "Cpu"` or `[backend.Vulkan]`).
+/// `{ "Vulkan": { ... } }` or `{ "Cuda": { ... } }`; TOML `backend = "Cpu"`,
+/// `[backend.Vulkan]` or `[backend.Cuda]`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BackendKind {
     /// Virtual CPU devices (their number is configured beside this, e.g.
@@ -262,18 +266,25 @@ pub enum BackendKind {
     Cpu,
     /// Vulkan devices ([`vulkan::VulkanConfig`]).
     Vulkan(vulkan::VulkanConfig),
+    /// CUDA devices ([`cuda::CudaConfig`]).
+    Cuda(cuda::CudaConfig),
 }
 
 impl BackendKind {
     /// Creates the backend, its devices numbered from `DeviceId(0)`; `cpu_devices` is the
-    /// number of CPU devices (ignored by other kinds). A Vulkan backend that cannot start
-    /// (no loader, no driver, no suitable device) is [`DeviceError::Unavailable`].
+    /// number of CPU devices (ignored by other kinds). A Vulkan or CUDA backend that cannot
+    /// start (no loader or driver library, too old a driver, no suitable device) is
+    /// [`DeviceError::Unavailable`].
     pub fn create(&self, cpu_devices: usize) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
         // A plain `std` Arc: loom's cannot hold a trait object.
         use std::sync::Arc;
         match self {
             BackendKind::Cpu => Ok(Arc::new(cpu::CpuBackend::new(DeviceId(0), cpu_devices))),
             BackendKind::Vulkan(config) => Ok(Arc::new(vulkan::VulkanBackend::new(
+                DeviceId(0),
+                config.clone(),
+            )?)),
+            BackendKind::Cuda(config) => Ok(Arc::new(cuda::CudaBackend::new(
                 DeviceId(0),
                 config.clone(),
             )?)),
@@ -298,8 +309,16 @@ impl BackendKind {
             BackendKind::Vulkan(config) => Ok(Arc::new(
                 vulkan::VulkanBackend::new(DeviceId(0), config.clone())?.with_recorder(recorder),
             )),
+            BackendKind::Cuda(config) => Ok(Arc::new(
+                cuda::CudaBackend::new(DeviceId(0), config.clone())?.with_recorder(recorder),
+            )),
         }
     }
+}
+
+/// The [`Backend::create_pool`] error for a pool id that is already live on `device`.
+pub(crate) fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
+    DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
 /// The [`Backend::check_kernel`] error of a backend that cannot run `kernel` at all.

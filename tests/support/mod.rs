@@ -4,12 +4,14 @@
 //!
 //! "Write the tests once, run them on every backend present": a test body is a function of
 //! a [`Kind`]; [`for_each_backend!`] turns a list of such functions into one `#[test]` per
-//! backend kind (`cpu::name`, `vulkan::name`, and `vulkan_staging::name` where asked). When
-//! Vulkan is not available, its tests print `skipping Vulkan (<test>): <reason>` and pass,
-//! unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` once lavapipe is installed): then
-//! they fail. Every Vulkan test that runs prints one line saying so; both lines go straight
-//! to the process's stderr, past the test harness's output capture, so the run log shows
-//! what ran where.
+//! backend kind (`cpu::name`, `vulkan::name`, `cuda::name`, and `vulkan_staging::name` where
+//! asked). When Vulkan is not available, its tests print `skipping Vulkan (<test>):
+//! <reason>` and pass, unless `TRIBUTARY_REQUIRE_VULKAN=1` (set by `.ci/run` once lavapipe
+//! is installed): then they fail. CUDA likewise: `skipping CUDA (<test>): <reason>` where
+//! there is no GPU, a failure under `TRIBUTARY_REQUIRE_CUDA=1` (set by
+//! `scripts/gpu-check.sh`). Every GPU test that runs prints one line saying so; all these
+//! lines go straight to the process's stderr, past the test harness's output capture, so
+//! the run log shows what ran where.
 #![allow(dead_code)] // each test binary uses its own part of this module
 #![allow(unused_macros)]
 
@@ -23,10 +25,11 @@ use std::{
 use tributary::{
     backend::{
         cpu::CpuBackend,
+        cuda::{CudaBackend, CudaConfig},
         vulkan::{VulkanBackend, VulkanConfig},
         Backend, BackendKind,
     },
-    kernels::{Access, RoutineSpec, ShaderKernel},
+    kernels::{Access, CudaKernel, CudaScalar, RoutineSpec, ShaderKernel},
     DType, DeviceId, MemoryMode, Sharing, TensorNode,
 };
 
@@ -71,11 +74,30 @@ pub enum Kind {
     Vulkan,
     /// Vulkan with every host transfer staged (as on a discrete GPU).
     VulkanStaging,
+    /// CUDA, on as many logical devices as the test asks for (round-robin over the GPUs).
+    Cuda,
 }
 
 impl Kind {
     pub fn is_vulkan(self) -> bool {
-        self != Kind::Cpu
+        matches!(self, Kind::Vulkan | Kind::VulkanStaging)
+    }
+
+    /// Whether a kernel on one device can read another device's memory in place
+    /// (`StreamingFor` across devices): always on the CPU, never across `VkDevice`s, where
+    /// peer access is on for CUDA (asked of a CUDA backend of two devices, once).
+    pub fn streams_across_devices(self) -> bool {
+        match self {
+            Kind::Cpu => true,
+            Kind::Vulkan | Kind::VulkanStaging => false,
+            Kind::Cuda => {
+                static ANSWER: OnceLock<bool> = OnceLock::new();
+                *ANSWER.get_or_init(|| {
+                    CudaBackend::new(DeviceId(0), CudaConfig::with_devices(2))
+                        .is_ok_and(|b| b.can_stream(DeviceId(0), DeviceId(1)))
+                })
+            }
+        }
     }
 }
 
@@ -125,6 +147,46 @@ pub fn vulkan_config(kind: Kind, devices: usize, test: &str) -> Option<VulkanCon
     })
 }
 
+/// `Ok(description)` when CUDA is usable here, `Err(reason)` otherwise (probed once).
+pub fn cuda_available() -> Result<String, String> {
+    static PROBE: OnceLock<Result<String, String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            tributary::backend::cuda::probe()
+                .map(|info| {
+                    format!(
+                        "CUDA {} on {}",
+                        info.driver_version,
+                        info.devices.join(", ")
+                    )
+                })
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+fn require_cuda() -> bool {
+    std::env::var("TRIBUTARY_REQUIRE_CUDA").is_ok_and(|v| v == "1")
+}
+
+/// The CUDA configuration with `devices` logical devices, or `None` after logging why the
+/// test is skipped (a failure instead under `TRIBUTARY_REQUIRE_CUDA=1`).
+pub fn cuda_config(devices: usize, test: &str) -> Option<CudaConfig> {
+    if let Err(reason) = cuda_available() {
+        assert!(
+            !require_cuda(),
+            "TRIBUTARY_REQUIRE_CUDA=1 but CUDA is unavailable: {reason}"
+        );
+        log(&format!("skipping CUDA ({test}): {reason}"));
+        return None;
+    }
+    log(&format!(
+        "cuda: running {test} on {devices} logical devices ({})",
+        cuda_available().unwrap_or_default()
+    ));
+    Some(CudaConfig::with_devices(devices))
+}
+
 /// The backend of `kind` with `devices` devices, or `None` when it is not available.
 pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend>> {
     match kind {
@@ -135,6 +197,12 @@ pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend
                 VulkanBackend::new(DeviceId(0), config).expect("vulkan backend"),
             ))
         }
+        Kind::Cuda => {
+            let config = cuda_config(devices, test)?;
+            Some(Arc::new(
+                CudaBackend::new(DeviceId(0), config).expect("cuda backend"),
+            ))
+        }
     }
 }
 
@@ -142,12 +210,13 @@ pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend
 pub fn backend_kind(kind: Kind, devices: usize, test: &str) -> Option<BackendKind> {
     match kind {
         Kind::Cpu => Some(BackendKind::Cpu),
+        Kind::Cuda => cuda_config(devices, test).map(BackendKind::Cuda),
         _ => vulkan_config(kind, devices, test).map(BackendKind::Vulkan),
     }
 }
 
 /// One `#[test]` per backend kind for every listed test body `fn name(kind: Kind)`:
-/// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, ...; `for_each_backend!(staging:
+/// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, `cuda::a`; `for_each_backend!(staging:
 /// a)` also makes `vulkan_staging::a`.
 macro_rules! for_each_backend {
     (staging: $($name:ident),* $(,)?) => {
@@ -163,11 +232,15 @@ macro_rules! for_each_backend {
         mod vulkan {
             $( #[test] fn $name() { super::$name($crate::support::Kind::Vulkan) } )*
         }
+        mod cuda {
+            $( #[test] fn $name() { super::$name($crate::support::Kind::Cuda) } )*
+        }
     };
 }
 
 // ---------------------------------------------------------------------------------------
-// Kernels that behave alike on every backend.
+// Kernels that behave alike on every backend: Rust closures on the CPU, WGSL on Vulkan,
+// CUDA C on CUDA.
 
 /// How long a slow CPU kernel sleeps.
 pub const DELAY: Duration = Duration::from_millis(60);
@@ -204,6 +277,34 @@ fn spin_immediates(n: usize, value: f32) -> Vec<u8> {
     b
 }
 
+/// Iterations of the spinning CUDA kernels' xorshift loop per unit of work: tens of
+/// milliseconds on a current GPU (one thread; the loop's steps depend on each other).
+const SPIN_CUDA: u64 = 5_000_000;
+
+/// A CUDA kernel of one thread that spins `iters` xorshift steps, then stores `expr` (of
+/// `s`, `v`, `z`) into `d[i]` for every `i < n`; `zero` (0.0 at run time) keeps the spin
+/// from being optimised away.
+fn spin_cuda(name: &str, params: &str, expr: &str) -> String {
+    format!(
+        r#"extern "C" __global__ void {name}({params}unsigned long long n, unsigned long long iters, float v, float zero) {{
+    unsigned int x = 1u;
+    for (unsigned long long i = 0; i < iters; ++i) {{ x ^= x << 13; x ^= x >> 17; x ^= x << 5; }}
+    float z = (float)(x >> 31) * zero;
+    for (unsigned long long i = 0; i < n; ++i) {{ d[i] = {expr}; }}
+}}"#
+    )
+}
+
+/// The scalars of a spinning CUDA kernel.
+fn spin_cuda_scalars(n: usize, times: u32, value: f32) -> [CudaScalar; 4] {
+    [
+        CudaScalar::U64(n as u64),
+        CudaScalar::U64(SPIN_CUDA * u64::from(times.max(1))),
+        CudaScalar::F32(value),
+        CudaScalar::F32(0.0),
+    ]
+}
+
 /// The WGSL of [`slow_fill`] (also a shader the CPU backend refuses).
 pub fn slow_fill_wgsl() -> String {
     spin_wgsl(
@@ -222,6 +323,18 @@ pub fn slow_fill_times(kind: Kind, dst: &TensorNode, value: f32, times: u32) -> 
             a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
             Ok(())
         }),
+        Kind::Cuda => RoutineSpec::cuda(
+            "slow_fill",
+            params,
+            None,
+            CudaKernel::cuda_c(
+                spin_cuda("slow_fill", "float* d, ", "v + z"),
+                "slow_fill",
+                [1, 1, 1],
+                [1, 1, 1],
+            )
+            .with_scalars(spin_cuda_scalars(dst.numel(), times, value)),
+        ),
         _ => RoutineSpec::shader(
             "slow_fill",
             params,
@@ -255,6 +368,18 @@ pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSp
                 .copy_from_slice(&s);
             Ok(())
         }),
+        Kind::Cuda => RoutineSpec::cuda(
+            "slow_copy",
+            params,
+            None,
+            CudaKernel::cuda_c(
+                spin_cuda("slow_copy", "float* d, const float* s, ", "s[i] + z"),
+                "slow_copy",
+                [1, 1, 1],
+                [1, 1, 1],
+            )
+            .with_scalars(spin_cuda_scalars(dst.numel(), 1, 0.0)),
+        ),
         _ => RoutineSpec::shader(
             "slow_copy",
             params,
@@ -275,11 +400,23 @@ pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSp
 
 /// A kernel named `name` that fails when it runs, with `message` in its failure: a
 /// panicking closure on the CPU, a shader that does not compile on Vulkan (the message is
-/// in the WGSL, which the compile error quotes).
+/// in the WGSL, which the compile error quotes), CUDA C stopped by an `#error` directive
+/// carrying the message on CUDA (NVRTC's log quotes it).
 pub fn failing(kind: Kind, name: &str, dst: &TensorNode, message: &'static str) -> RoutineSpec {
     let params = vec![(dst.clone(), Access::Write)];
     match kind {
         Kind::Cpu => RoutineSpec::custom(name, params, None, move |_| panic!("{message}")),
+        Kind::Cuda => RoutineSpec::cuda(
+            name,
+            params,
+            None,
+            CudaKernel::cuda_c(
+                format!("#error {message}\nextern \"C\" __global__ void boom(float* d) {{}}"),
+                "boom",
+                [1, 1, 1],
+                [1, 1, 1],
+            ),
+        ),
         _ => RoutineSpec::shader(
             name,
             params,

@@ -9,12 +9,11 @@ use super::{
     instance::{create_instance, lock, DeviceCore, InstanceCore},
     kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN, CUDA_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
-    recording::StreamTrace,
     stream::{StreamShared, VulkanStream},
     VulkanConfig, VulkanInfo, WaitFault,
 };
 use crate::{
-    backend::{unsupported_kernel, Backend, StreamQueue},
+    backend::{recording::StreamTrace, unsupported_kernel, Backend, StreamQueue},
     error::{DeviceError, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
@@ -113,11 +112,6 @@ pub fn probe() -> Result<VulkanInfo, DeviceError> {
         ),
         devices: usable.into_iter().map(|p| p.name).collect(),
     })
-}
-
-/// The error of a pool created twice (each pool has one owner).
-fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
-    DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
 fn no_device(refused: &[String]) -> DeviceError {
@@ -253,7 +247,7 @@ impl Backend for VulkanBackend {
             return Err(DeviceError::Lost(cause));
         }
         if lock(&gpu.pools).contains_key(&pool) {
-            return Err(pool_exists(device, pool));
+            return Err(crate::backend::pool_exists(device, pool));
         }
         let buffer = Arc::new(Buffer::pool(
             &gpu.core,
@@ -261,7 +255,9 @@ impl Backend for VulkanBackend {
             self.shared.config.force_staging,
         )?);
         match lock(&gpu.pools).entry(pool) {
-            std::collections::hash_map::Entry::Occupied(_) => Err(pool_exists(device, pool)),
+            std::collections::hash_map::Entry::Occupied(_) => {
+                Err(crate::backend::pool_exists(device, pool))
+            }
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(buffer);
                 Ok(())

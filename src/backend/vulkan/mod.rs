@@ -140,8 +140,6 @@ mod kernels;
 #[cfg(feature = "vulkan")]
 mod memory;
 #[cfg(feature = "vulkan")]
-mod recording;
-#[cfg(feature = "vulkan")]
 mod shaders;
 #[cfg(feature = "vulkan")]
 mod stream;

@@ -30,10 +30,12 @@ use super::{
     instance::{host_visibility_barrier, lock, DeviceCore},
     kernels::{Arg, Lowered, Lowering, Pipeline},
     memory::{same_size, Buffer, Region},
-    recording::{CompletionTrace, OpTrace, StreamTrace},
 };
 use crate::{
-    backend::StreamQueue,
+    backend::{
+        recording::{CompletionTrace, OpTrace, StreamTrace},
+        StreamQueue,
+    },
     error::{DeviceError, Error, Failure, Result},
     event::{EventStatus, Timeline},
     ids::StreamId,

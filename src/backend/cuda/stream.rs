@@ -1,0 +1,1459 @@
+//! Streams: a submit thread that enqueues work on a non-blocking CUDA stream and records one
+//! pooled event per sequence number, and a watcher thread that completes the timeline as
+//! those events complete (see the [module documentation](super) for the scheme).
+//!
+//! The `unsafe` code here rests on the contracts the types enforce (`src/backend/mod.rs`):
+//! a [`Plan`] is made by the protocol (or by an `unsafe` [`Plan::from_parts`] whose caller
+//! promises the same), so its dependencies order it after every conflicting use and its
+//! writable bindings do not alias; `submit` accepts only plans of this stream's timeline
+//! ([`Plan::check_queue`]), and the queue exists only through the `unsafe`
+//! [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller promises
+//! that nothing else completes that timeline.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    ops::Deref,
+    sync::{Arc, Condvar, Mutex},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crossbeam_channel::{Receiver, Sender};
+use cudarc::{
+    driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream},
+    nvrtc::Ptx,
+};
+
+use super::{
+    device::{Gpu, LoadedProgram, Shared},
+    instance::{driver_error, lock},
+    kernels::{kernel_launches, nvrtc, LaunchParam, Program},
+    memory::{CopyRoute, DevicePool, PinnedMemory, Region, StagingRing},
+};
+use crate::{
+    backend::{
+        recording::{CompletionTrace, OpTrace, StreamTrace},
+        StreamQueue,
+    },
+    error::{DeviceError, Error, Failure, Result},
+    event::{EventStatus, Timeline},
+    ids::StreamId,
+    kernels::Kernel,
+    memory::AlignedBuffer,
+    protocol::{ArgBinding, Dep, DepKind, Plan, Work},
+    sync::Arc as SyncArc,
+    trace::Recorder,
+};
+
+// ---------------------------------------------------------------------------------------
+// Pooled events.
+
+/// A pool of values made on demand and handed back on drop (CUDA events: creating one is a
+/// driver call, recording a pooled one is not).
+pub(super) struct Recycler<T> {
+    free: Mutex<Vec<T>>,
+    make: Box<dyn Fn() -> std::result::Result<T, String> + Send + Sync>,
+}
+
+impl<T> Recycler<T> {
+    /// A pool whose new values come from `make`.
+    pub(super) fn new(
+        make: impl Fn() -> std::result::Result<T, String> + Send + Sync + 'static,
+    ) -> Recycler<T> {
+        Recycler {
+            free: Mutex::new(Vec::new()),
+            make: Box::new(make),
+        }
+    }
+
+    /// A free value, or a new one.
+    pub(super) fn acquire(self: &Arc<Self>) -> std::result::Result<Pooled<T>, String> {
+        let item = match lock(&self.free).pop() {
+            Some(item) => item,
+            None => (self.make)()?,
+        };
+        Ok(Pooled {
+            item: Some(item),
+            home: self.clone(),
+        })
+    }
+
+    /// Values waiting for reuse.
+    #[cfg(test)]
+    pub(super) fn idle(&self) -> usize {
+        lock(&self.free).len()
+    }
+}
+
+/// A value on loan from a [`Recycler`]; dropping it hands it back.
+pub(super) struct Pooled<T> {
+    item: Option<T>,
+    home: Arc<Recycler<T>>,
+}
+
+impl<T> Deref for Pooled<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match &self.item {
+            Some(item) => item,
+            // `item` is `None` only inside `drop`.
+            None => unreachable!("a pooled value used during its drop"),
+        }
+    }
+}
+
+impl<T> Drop for Pooled<T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            lock(&self.home.free).push(item);
+        }
+    }
+}
+
+/// The CUDA events of one context (timing disabled).
+pub(super) type EventPool = Recycler<CudaEvent>;
+
+/// A pooled event, shared by the stream that recorded it and the streams that wait on it;
+/// it goes back to the pool (and may be recorded again) only when all of them let go: the
+/// recording stream after observing its completion, the waiters after their own
+/// completion (their `cuStreamWaitEvent` captured the recorded work long before).
+type SharedEvent = Arc<Pooled<CudaEvent>>;
+
+impl Recycler<CudaEvent> {
+    /// Events of `ctx`, created with `CU_EVENT_DISABLE_TIMING`.
+    pub(super) fn for_context(ctx: Arc<CudaContext>) -> EventPool {
+        Recycler::new(move || ctx.new_event(None).map_err(driver_error))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// What streams of one device see of each other.
+
+/// What every stream of a device can see of one stream: its decisions.
+pub(super) struct StreamShared {
+    pub(super) id: StreamId,
+    pub(super) timeline: SyncArc<Timeline>,
+    decided: Mutex<Decided>,
+    cond: Condvar,
+}
+
+/// The decisions a stream's submit thread took, for the other streams of its device.
+#[derive(Default)]
+struct Decided {
+    /// Every sequence number up to this one is decided.
+    upto: u64,
+    /// The decided sequence numbers not yet completed.
+    open: BTreeMap<u64, Decision>,
+    /// The submit thread is gone: nothing more will be decided.
+    closed: bool,
+}
+
+/// What a stream decided for one of its sequence numbers.
+#[derive(Clone)]
+enum Decision {
+    /// Its event is recorded (after its work, or after the waits of a failed plan), and
+    /// `failure` is set when it fails.
+    Recorded {
+        event: SharedEvent,
+        failure: Option<Arc<Failure>>,
+    },
+    /// It failed and no event was recorded (the device is lost).
+    Failed(Arc<Failure>),
+    /// It completed already: its timeline says how.
+    Completed,
+    /// The stream stopped before deciding: only its timeline can say.
+    Gone,
+}
+
+impl StreamShared {
+    pub(super) fn new(id: StreamId, timeline: SyncArc<Timeline>) -> StreamShared {
+        StreamShared {
+            id,
+            timeline,
+            decided: Mutex::new(Decided::default()),
+            cond: Condvar::new(),
+        }
+    }
+
+    /// Publishes the decision for `seq` (and everything before it).
+    fn decide(&self, seq: u64, decision: Decision) {
+        let mut d = lock(&self.decided);
+        d.upto = d.upto.max(seq);
+        d.open.insert(seq, decision);
+        drop(d);
+        self.cond.notify_all();
+    }
+
+    /// Forgets the decisions up to `seq`: their timeline is complete.
+    fn completed(&self, seq: u64) {
+        let mut d = lock(&self.decided);
+        d.open = d.open.split_off(&(seq + 1));
+    }
+
+    fn close(&self) {
+        lock(&self.decided).closed = true;
+        self.cond.notify_all();
+    }
+
+    /// Waits until `seq` is decided.
+    fn decision(&self, seq: u64) -> Decision {
+        let mut d = lock(&self.decided);
+        loop {
+            if d.upto >= seq {
+                return d.open.get(&seq).cloned().unwrap_or(Decision::Completed);
+            }
+            if d.closed {
+                return Decision::Gone;
+            }
+            d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernel launches.
+
+/// One parameter of a launch, by value, buffers resolved to device pointers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum KernelParam {
+    /// A device pointer (`base + offset` of a resolved buffer).
+    Pointer(sys::CUdeviceptr),
+    /// `unsigned int`.
+    U32(u32),
+    /// `unsigned long long`.
+    U64(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+    /// `double`.
+    F64(f64),
+}
+
+/// A kernel launch with its buffers resolved: a [`Launch`] of the kernels module whose
+/// `Buffer(i)` parameters became argument `i`'s device pointer (`Merge`: the merge
+/// buffer's).
+#[derive(Clone, Debug)]
+pub(super) struct DeviceLaunch {
+    pub(super) program: Program,
+    pub(super) entry_point: String,
+    pub(super) grid: [u32; 3],
+    pub(super) block: [u32; 3],
+    pub(super) shared_mem_bytes: u32,
+    pub(super) params: Vec<KernelParam>,
+}
+
+/// The launches that run `kernel` over its resolved arguments: the kernels module computes
+/// them from the bindings and the device's limits (and checks arity, accesses, dtypes and
+/// sizes), the stream resolves their buffers.
+fn lower(
+    kernel: &Kernel,
+    args: &[(ArgBinding, Region)],
+    merge: Option<&(ArgBinding, Region)>,
+    gpu: &Gpu,
+) -> std::result::Result<Vec<DeviceLaunch>, String> {
+    let bindings: Vec<ArgBinding> = args.iter().map(|(b, _)| b.clone()).collect();
+    let launches = kernel_launches(
+        kernel,
+        &bindings,
+        merge.map(|(b, _)| b),
+        &gpu.limits.launch_limits(),
+    )?;
+    launches
+        .into_iter()
+        .map(|l| {
+            let params = resolve_params(
+                &l.params,
+                |i| args.get(i).map(|(_, r)| r.ptr()),
+                merge.map(|(_, r)| r.ptr()),
+            )?;
+            Ok(DeviceLaunch {
+                program: l.program,
+                entry_point: l.entry_point,
+                grid: l.grid,
+                block: l.block,
+                shared_mem_bytes: l.shared_mem_bytes,
+                params,
+            })
+        })
+        .collect()
+}
+
+/// A launch's parameters with `Buffer(i)` as `arg(i)`'s device pointer and `Merge` as the
+/// merge buffer's; an error when one names a buffer that is not bound.
+fn resolve_params(
+    params: &[LaunchParam],
+    arg: impl Fn(usize) -> Option<sys::CUdeviceptr>,
+    merge: Option<sys::CUdeviceptr>,
+) -> std::result::Result<Vec<KernelParam>, String> {
+    params
+        .iter()
+        .map(|p| {
+            Ok(match *p {
+                LaunchParam::Buffer(i) => {
+                    KernelParam::Pointer(arg(i).ok_or_else(|| {
+                        format!("a launch parameter names argument {i}, not bound")
+                    })?)
+                }
+                LaunchParam::Merge => KernelParam::Pointer(
+                    merge.ok_or("a launch parameter names the merge buffer, not bound")?,
+                ),
+                LaunchParam::U32(x) => KernelParam::U32(x),
+                LaunchParam::U64(x) => KernelParam::U64(x),
+                LaunchParam::I32(x) => KernelParam::I32(x),
+                LaunchParam::I64(x) => KernelParam::I64(x),
+                LaunchParam::F32(x) => KernelParam::F32(x),
+                LaunchParam::F64(x) => KernelParam::F64(x),
+            })
+        })
+        .collect()
+}
+
+/// Storage for one parameter, whose address `cuLaunchKernel` reads.
+enum ParamCell {
+    U32(u32),
+    U64(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+impl ParamCell {
+    fn of(p: KernelParam) -> ParamCell {
+        match p {
+            KernelParam::Pointer(ptr) => ParamCell::U64(ptr),
+            KernelParam::U32(x) => ParamCell::U32(x),
+            KernelParam::U64(x) => ParamCell::U64(x),
+            KernelParam::I32(x) => ParamCell::I32(x),
+            KernelParam::I64(x) => ParamCell::I64(x),
+            KernelParam::F32(x) => ParamCell::F32(x),
+            KernelParam::F64(x) => ParamCell::F64(x),
+        }
+    }
+
+    fn address(&mut self) -> *mut std::ffi::c_void {
+        match self {
+            ParamCell::U32(x) => (x as *mut u32).cast(),
+            ParamCell::U64(x) => (x as *mut u64).cast(),
+            ParamCell::I32(x) => (x as *mut i32).cast(),
+            ParamCell::I64(x) => (x as *mut i64).cast(),
+            ParamCell::F32(x) => (x as *mut f32).cast(),
+            ParamCell::F64(x) => (x as *mut f64).cast(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The stream.
+
+/// A plan resolved to regions at submission.
+enum Job {
+    Run {
+        kernel: Kernel,
+        args: Vec<(ArgBinding, Region)>,
+        merge: Option<(ArgBinding, Region)>,
+    },
+    Copy {
+        src: Region,
+        dst: Region,
+        route: CopyRoute,
+        bytes: u64,
+    },
+    FromHost {
+        host: Arc<AlignedBuffer>,
+        dst: Region,
+        bytes: u64,
+    },
+    ToHost {
+        src: Region,
+        host: Arc<AlignedBuffer>,
+        bytes: u64,
+    },
+    Memset {
+        dst: Region,
+        bytes: u64,
+    },
+    Marker,
+}
+
+impl Job {
+    /// Whether the submit thread touches host memory the dependencies may write, so that
+    /// every dependency must have completed on the host first.
+    fn needs_host_waits(&self) -> bool {
+        matches!(
+            self,
+            Job::FromHost { .. }
+                | Job::Copy {
+                    route: CopyRoute::Staged,
+                    ..
+                }
+        )
+    }
+}
+
+struct Submitted {
+    label: String,
+    seq: u64,
+    bytes: u64,
+    deps: Vec<Dep>,
+    job: std::result::Result<Job, String>,
+}
+
+/// Things work uses, kept alive until its completion is observed.
+enum Keep {
+    Pool(#[allow(dead_code)] Arc<DevicePool>),
+    Event(#[allow(dead_code)] SharedEvent),
+    Module(#[allow(dead_code)] Arc<CudaModule>),
+    Host(#[allow(dead_code)] Arc<AlignedBuffer>),
+}
+
+/// A device-to-host slot to copy into the host array once its copy completed.
+struct CopyOut {
+    memory: Arc<PinnedMemory>,
+    slot_offset: usize,
+    host: Arc<AlignedBuffer>,
+    host_offset: usize,
+    len: usize,
+}
+
+/// The completion of a sequence number.
+struct Completion {
+    seq: u64,
+    outcome: std::result::Result<(), Arc<Failure>>,
+    label: String,
+    /// What the timeline records of it (`None` when nothing is recorded).
+    trace: Option<OpTrace>,
+}
+
+/// One item for the watcher, handled in order: wait for `event`, copy out, release the
+/// staging slots, complete.
+#[derive(Default)]
+struct Watch {
+    event: Option<SharedEvent>,
+    copy_out: Option<CopyOut>,
+    release_slots_upto: Option<u64>,
+    complete: Option<Completion>,
+    keep: Vec<Keep>,
+}
+
+/// One CUDA stream: the sending side of its submit thread, and both threads.
+pub(super) struct CudaStreamQueue {
+    backend: Arc<Shared>,
+    shared: Arc<StreamShared>,
+    tx: Mutex<Option<Sender<Submitted>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl CudaStreamQueue {
+    pub(super) fn start(
+        backend: Arc<Shared>,
+        gpu: Arc<Gpu>,
+        shared: Arc<StreamShared>,
+        recorder: Option<Arc<Recorder>>,
+    ) -> std::result::Result<CudaStreamQueue, DeviceError> {
+        let stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| DeviceError::Unexpected(format!("cuStreamCreate: {}", driver_error(e))))?;
+        let capacity = usize::try_from(backend.config.staging_bytes.max(1)).unwrap_or(usize::MAX);
+        let ring = Arc::new(StagingRing::new(gpu.ctx.clone(), capacity));
+        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
+        let (watch_tx, watch_rx) = crossbeam_channel::unbounded::<Watch>();
+        let trace = StreamTrace::new(recorder, shared.id);
+        let submitter = Submitter {
+            backend: backend.clone(),
+            gpu: gpu.clone(),
+            me: shared.clone(),
+            stream,
+            ring: ring.clone(),
+            watcher: watch_tx,
+            last: 0,
+            trace: trace.clone(),
+        };
+        let id = shared.id;
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
+        };
+        let watcher = Watcher {
+            me: shared.clone(),
+            gpu,
+            ring,
+            trace: trace.completions(),
+            copy_failure: None,
+        };
+        let watching = spawn(
+            format!("tributary-cuda-done-{id}"),
+            Box::new(move || watcher.run(watch_rx)),
+        )?;
+        let submit = match spawn(
+            format!("tributary-cuda-{id}"),
+            Box::new(move || submitter.run(rx)),
+        ) {
+            Ok(h) => h,
+            Err(e) => {
+                // The submitter (and its sender to the watcher) was dropped with the
+                // closure: the watcher ends by itself.
+                let _ = watching.join();
+                return Err(e);
+            }
+        };
+        Ok(CudaStreamQueue {
+            backend,
+            shared,
+            tx: Mutex::new(Some(tx)),
+            threads: Mutex::new(vec![submit, watching]),
+        })
+    }
+
+    fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
+        let b = &self.backend;
+        let arg = |a: &ArgBinding| -> std::result::Result<(ArgBinding, Region), String> {
+            Ok((a.clone(), b.resolve(a.loc, a.bytes)?))
+        };
+        let host_len = |host: &AlignedBuffer, bytes: u64| {
+            if bytes > host.len() as u64 {
+                Err(format!(
+                    "host array of {} bytes, {bytes} requested",
+                    host.len()
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        Ok(match work {
+            Work::Run {
+                kernel,
+                args,
+                merge,
+                ..
+            } => Job::Run {
+                kernel: kernel.clone(),
+                args: args
+                    .iter()
+                    .map(arg)
+                    .collect::<std::result::Result<_, _>>()?,
+                merge: merge.as_ref().map(arg).transpose()?,
+            },
+            Work::Copy { src, dst, bytes } => Job::Copy {
+                route: b.route(src.device, dst.device).ok_or_else(|| {
+                    format!(
+                        "a copy between {} and {}, not both CUDA devices of this backend",
+                        src.device, dst.device
+                    )
+                })?,
+                src: b.resolve(*src, *bytes)?,
+                dst: b.resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::FromHost { host, dst, bytes } => {
+                host_len(host, *bytes)?;
+                Job::FromHost {
+                    host: host.clone(),
+                    dst: b.resolve(*dst, *bytes)?,
+                    bytes: *bytes,
+                }
+            }
+            Work::ToHost { src, host, bytes } => {
+                host_len(host, *bytes)?;
+                Job::ToHost {
+                    src: b.resolve(*src, *bytes)?,
+                    host: host.clone(),
+                    bytes: *bytes,
+                }
+            }
+            Work::Memset { dst, bytes } => Job::Memset {
+                dst: b.resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::Marker => Job::Marker,
+        })
+    }
+
+    fn stop(&self, deadline: Option<Instant>) -> bool {
+        drop(lock(&self.tx).take());
+        let mut threads = lock(&self.threads);
+        if let Some(deadline) = deadline {
+            while threads.iter().any(|h| !h.is_finished()) {
+                if Instant::now() >= deadline {
+                    // Detach: the threads own what they use (context, pools, ring) and
+                    // finish the queued work on their own.
+                    threads.clear();
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        for h in threads.drain(..) {
+            if h.join().is_err() {
+                self.shared.timeline.poison(Arc::new(Failure {
+                    stream: self.shared.id,
+                    seq: self.shared.timeline.completed() + 1,
+                    operation: "worker".into(),
+                    message: "CUDA stream thread panicked".into(),
+                }));
+            }
+        }
+        true
+    }
+}
+
+impl StreamQueue for CudaStreamQueue {
+    fn submit(&self, plan: Plan) -> Result<()> {
+        plan.check_queue(self.shared.id, &self.shared.timeline)?;
+        let seq = plan.event.seq();
+        let label = plan.work.label();
+        let bytes = match &plan.work {
+            Work::Copy { bytes, .. }
+            | Work::FromHost { bytes, .. }
+            | Work::ToHost { bytes, .. }
+            | Work::Memset { bytes, .. } => *bytes,
+            Work::Run { args, .. } => args.iter().map(|a| a.bytes).sum(),
+            Work::Marker => 0,
+        };
+        let job = self.resolve(&plan.work);
+        let item = Submitted {
+            label: label.clone(),
+            seq,
+            bytes,
+            deps: plan.deps,
+            job,
+        };
+        let sent = match lock(&self.tx).as_ref() {
+            Some(tx) => tx.send(item).is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.shared.timeline.fail(
+                seq,
+                Arc::new(Failure {
+                    stream: self.shared.id,
+                    seq,
+                    operation: label,
+                    message: "stream is shut down".into(),
+                }),
+            );
+            return Err(Error::ShutDown(format!("stream {}", self.shared.id)));
+        }
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        self.stop(None);
+    }
+
+    fn shutdown_within(&self, timeout: Duration) -> bool {
+        self.stop(Some(Instant::now() + timeout))
+    }
+}
+
+impl Drop for CudaStreamQueue {
+    fn drop(&mut self) {
+        self.stop(None);
+    }
+}
+
+/// The submit thread's state.
+struct Submitter {
+    backend: Arc<Shared>,
+    gpu: Arc<Gpu>,
+    me: Arc<StreamShared>,
+    stream: Arc<CudaStream>,
+    ring: Arc<StagingRing>,
+    watcher: Sender<Watch>,
+    /// The last sequence number handled.
+    last: u64,
+    trace: StreamTrace,
+}
+
+/// How the dependencies of one plan are to be waited for.
+#[derive(Default)]
+struct Waits {
+    /// Events of other streams of this device to wait for on the GPU.
+    gpu: Vec<SharedEvent>,
+    /// The root cause of the first failed data dependency.
+    failed: Option<Arc<Failure>>,
+}
+
+impl Submitter {
+    fn run(mut self, rx: Receiver<Submitted>) {
+        let _close = CloseOnExit(self.me.clone());
+        while let Ok(item) = rx.recv() {
+            let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = item.seq, op = %item.label);
+            let _e = span.enter();
+            self.process(item);
+        }
+    }
+
+    fn failure(&self, item: &Submitted, message: String) -> Arc<Failure> {
+        Arc::new(Failure {
+            stream: self.me.id,
+            seq: item.seq,
+            operation: item.label.clone(),
+            message,
+        })
+    }
+
+    /// Waits on the host for `dep`, recording the wait; the failure it ended with, if any.
+    fn host_wait(&self, item: &Submitted, dep: &Dep) -> Option<Arc<Failure>> {
+        match self.trace.host_wait(dep, &item.label, item.seq) {
+            Err(Error::Failed(f)) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Sorts the dependencies: those on other streams of this device become event waits
+    /// (after their stream decided them) unless `on_host`; the others are waited for here.
+    fn classify(&self, item: &Submitted, on_host: bool) -> Waits {
+        let mut w = Waits::default();
+        for dep in &item.deps {
+            let data = dep.kind == DepKind::Data;
+            let mut note = |f: Arc<Failure>| {
+                if data {
+                    w.failed.get_or_insert(f);
+                }
+            };
+            match dep.event.status() {
+                EventStatus::Done => continue,
+                EventStatus::Failed(f) => {
+                    note(f);
+                    continue;
+                }
+                EventStatus::Pending => {}
+            }
+            let local = if on_host {
+                None
+            } else {
+                self.gpu.stream_of(dep.event.timeline())
+            };
+            let decision = match &local {
+                // This stream's own earlier work is before this plan already.
+                Some(s) if Arc::ptr_eq(s, &self.me) => continue,
+                Some(s) => s.decision(dep.event.seq()),
+                None => Decision::Gone,
+            };
+            match decision {
+                Decision::Recorded { event, failure } => {
+                    if let Some(f) = failure {
+                        note(f);
+                    }
+                    w.gpu.push(event);
+                }
+                Decision::Failed(f) => note(f),
+                Decision::Completed => {
+                    if let EventStatus::Failed(f) = dep.event.status() {
+                        note(f);
+                    }
+                }
+                Decision::Gone => {
+                    if let Some(f) = self.host_wait(item, dep) {
+                        note(f);
+                    }
+                }
+            }
+        }
+        w
+    }
+
+    fn send(&self, watch: Watch) {
+        // The watcher lives until this sender is dropped, unless it panicked (then the
+        // timeline is poisoned already).
+        let _ = self.watcher.send(watch);
+    }
+
+    fn process(&mut self, item: Submitted) {
+        let arrived = Instant::now();
+        let complete = |item: &Submitted, outcome, trace| Completion {
+            seq: item.seq,
+            outcome,
+            label: item.label.clone(),
+            trace,
+        };
+        if item.seq <= self.last {
+            let f = self.failure(
+                &item,
+                format!("sequence number {} after {}", item.seq, self.last),
+            );
+            tracing::warn!(%f, "out-of-order plan");
+            self.send(Watch {
+                complete: Some(complete(&item, Err(f), None)),
+                ..Watch::default()
+            });
+            return;
+        }
+        self.last = item.seq;
+        let on_host = item.job.as_ref().is_ok_and(Job::needs_host_waits);
+        let waits = self.classify(&item, on_host);
+        let mut op = self
+            .trace
+            .start(item.seq, &item.label, &item.deps, item.bytes, arrived);
+        let mut keep: Vec<Keep> = Vec::new();
+        let mut outcome: std::result::Result<(), Arc<Failure>> = Ok(());
+        if let Some(cause) = self.gpu.lost() {
+            outcome = Err(self.failure(&item, format!("device lost: {cause}")));
+        }
+        for event in waits.gpu {
+            if outcome.is_ok() {
+                if let Err(e) = self.stream.wait(&event) {
+                    let cause = self
+                        .gpu
+                        .mark_lost(&format!("cuStreamWaitEvent: {}", driver_error(e)));
+                    outcome = Err(self.failure(&item, cause));
+                }
+            }
+            keep.push(Keep::Event(event));
+        }
+        if outcome.is_ok() {
+            outcome = match (&waits.failed, &item.job) {
+                (Some(root), _) => Err(root.clone()),
+                (None, Err(msg)) => Err(self.failure(&item, msg.clone())),
+                (None, Ok(job)) => self
+                    .execute(job, &mut keep)
+                    .map_err(|m| self.failure(&item, m)),
+            };
+        }
+        let recorded = self
+            .gpu
+            .events
+            .acquire()
+            .and_then(|ev| ev.record(&self.stream).map(|()| ev).map_err(driver_error));
+        match recorded {
+            Ok(event) => {
+                let event = Arc::new(event);
+                self.me.decide(
+                    item.seq,
+                    Decision::Recorded {
+                        event: event.clone(),
+                        failure: outcome.as_ref().err().cloned(),
+                    },
+                );
+                self.send(Watch {
+                    event: Some(event),
+                    complete: Some(complete(&item, outcome, op.take())),
+                    keep,
+                    ..Watch::default()
+                });
+            }
+            Err(e) => {
+                let cause = self.gpu.mark_lost(&format!("cuEventRecord: {e}"));
+                let f = match outcome {
+                    Err(f) => f,
+                    Ok(()) => self.failure(&item, format!("device lost: {cause}")),
+                };
+                self.me.decide(item.seq, Decision::Failed(f.clone()));
+                self.send(Watch {
+                    complete: Some(complete(&item, Err(f), op.take())),
+                    keep,
+                    ..Watch::default()
+                });
+            }
+        }
+    }
+
+    /// Whether `r` is memory of this stream's device.
+    fn local(&self, r: &Region) -> bool {
+        r.pool.context().cu_ctx() == self.gpu.ctx.cu_ctx()
+    }
+
+    /// Makes this stream's context current on this thread.
+    fn bind(&self) -> std::result::Result<(), String> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| format!("cuCtxSetCurrent: {}", driver_error(e)))
+    }
+
+    /// Enqueues the job's work on the stream (after the event waits already enqueued).
+    fn execute(&mut self, job: &Job, keep: &mut Vec<Keep>) -> std::result::Result<(), String> {
+        self.bind()?;
+        let cu_stream = self.stream.cu_stream();
+        match job {
+            Job::Marker => Ok(()),
+            Job::Memset { dst, bytes } => {
+                if !self.local(dst) {
+                    return Err("memset of a buffer of another device".into());
+                }
+                keep.push(Keep::Pool(dst.pool.clone()));
+                if *bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `dst` is a checked range of a live pool of this context, kept
+                // alive until the work completes; the stream belongs to this context.
+                unsafe { result::memset_d8_async(dst.ptr(), 0, *bytes as usize, cu_stream) }
+                    .map_err(|e| format!("cuMemsetD8Async: {}", driver_error(e)))
+            }
+            Job::Copy {
+                src,
+                dst,
+                route,
+                bytes,
+            } => {
+                keep.push(Keep::Pool(src.pool.clone()));
+                keep.push(Keep::Pool(dst.pool.clone()));
+                let n = (*bytes).min(src.bytes).min(dst.bytes) as usize;
+                if n == 0 {
+                    return Ok(());
+                }
+                match route {
+                    // SAFETY: both ranges are checked and their pools kept alive until the
+                    // work completes; one context addresses both; distinct nodes never
+                    // overlap.
+                    CopyRoute::Direct => {
+                        unsafe { result::memcpy_dtod_async(dst.ptr(), src.ptr(), n, cu_stream) }
+                            .map_err(|e| format!("cuMemcpyDtoDAsync: {}", driver_error(e)))
+                    }
+                    // SAFETY: as above, each pointer in its own (live) context.
+                    CopyRoute::Peer => unsafe {
+                        result::memcpy_peer_async(
+                            dst.pool.context().cu_ctx(),
+                            dst.ptr(),
+                            src.pool.context().cu_ctx(),
+                            src.ptr(),
+                            n,
+                            cu_stream,
+                        )
+                    }
+                    .map_err(|e| format!("cuMemcpyPeerAsync: {}", driver_error(e))),
+                    CopyRoute::Staged => self.staged_copy(src, dst, *bytes),
+                }
+            }
+            Job::FromHost { host, dst, bytes } => {
+                if !self.local(dst) {
+                    return Err("a host transfer into another device's buffer".into());
+                }
+                keep.push(Keep::Pool(dst.pool.clone()));
+                self.upload(host, dst, *bytes)
+            }
+            Job::ToHost { src, host, bytes } => {
+                if !self.local(src) {
+                    return Err("a host transfer out of another device's buffer".into());
+                }
+                keep.push(Keep::Pool(src.pool.clone()));
+                keep.push(Keep::Host(host.clone()));
+                self.download(src, host, *bytes)
+            }
+            Job::Run {
+                kernel,
+                args,
+                merge,
+            } => {
+                for (i, (_, region)) in args.iter().enumerate() {
+                    if !self.local(region) {
+                        return Err(format!("argument {i} lives on another device"));
+                    }
+                }
+                if let Some((binding, region)) = merge {
+                    let addressable = self.local(region)
+                        || self
+                            .backend
+                            .route_facts(binding.loc.device, self.gpu.id)
+                            .is_some_and(super::memory::can_address);
+                    if !addressable {
+                        return Err(format!(
+                            "the merge source lives on {}, which {} cannot address (no peer \
+                             access)",
+                            binding.loc.device, self.gpu.id
+                        ));
+                    }
+                }
+                for (_, region) in args.iter().chain(merge.iter()) {
+                    keep.push(Keep::Pool(region.pool.clone()));
+                }
+                for launch in lower(kernel, args, merge.as_ref(), &self.gpu)? {
+                    self.launch(&launch, keep)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Records a pooled event after the work enqueued so far, for the watcher.
+    fn chunk_event(&self) -> std::result::Result<SharedEvent, String> {
+        let ev = self.gpu.events.acquire()?;
+        ev.record(&self.stream)
+            .map_err(|e| format!("cuEventRecord: {}", driver_error(e)))?;
+        Ok(Arc::new(ev))
+    }
+
+    /// Host array → staging slots → device, slot by slot.
+    fn upload(
+        &self,
+        host: &AlignedBuffer,
+        dst: &Region,
+        bytes: u64,
+    ) -> std::result::Result<(), String> {
+        let total = bytes as usize;
+        let chunk = self.ring.chunk();
+        let mut at = 0usize;
+        while at < total {
+            let len = chunk.min(total - at);
+            let (slot, memory) = self.ring.take(len)?;
+            let staging = memory
+                .at(slot.offset, len)
+                .ok_or("a staging slot outside the ring")?;
+            // SAFETY: every dependency completed on the host (uploads wait for them there),
+            // so nobody writes the host array now; `at + len <= bytes <= host.len()`.
+            let data = unsafe { host.bytes(at, len) }.map_err(|e| e.to_string())?;
+            // SAFETY: the slot is this transfer's alone until the watcher releases it, which
+            // it does only after the copy below completed; `len` bytes fit (checked by `at`).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), staging, len) };
+            self.bind()?;
+            // SAFETY: `staging` is pinned memory that stays untouched until the chunk's event
+            // completed (see above); the destination range is checked and its pool kept alive.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst.ptr_at(at as u64),
+                    staging.cast_const().cast(),
+                    len,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|e| format!("cuMemcpyHtoDAsync: {}", driver_error(e)))?;
+            let event = self.chunk_event()?;
+            self.send(Watch {
+                event: Some(event),
+                release_slots_upto: Some(slot.ticket),
+                keep: vec![],
+                ..Watch::default()
+            });
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Device → staging slots → host array (the watcher copies each slot out once its copy
+    /// completed, before the plan completes).
+    fn download(
+        &self,
+        src: &Region,
+        host: &Arc<AlignedBuffer>,
+        bytes: u64,
+    ) -> std::result::Result<(), String> {
+        let total = bytes as usize;
+        let chunk = self.ring.chunk();
+        let mut at = 0usize;
+        while at < total {
+            let len = chunk.min(total - at);
+            let (slot, memory) = self.ring.take(len)?;
+            let staging = memory
+                .at(slot.offset, len)
+                .ok_or("a staging slot outside the ring")?;
+            self.bind()?;
+            // SAFETY: the slot is this transfer's alone until the watcher released it, after
+            // the chunk's event completed and it copied the slot out; the source range is
+            // checked and its pool kept alive.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    staging.cast(),
+                    src.ptr_at(at as u64),
+                    len,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|e| format!("cuMemcpyDtoHAsync: {}", driver_error(e)))?;
+            let event = self.chunk_event()?;
+            self.send(Watch {
+                event: Some(event),
+                copy_out: Some(CopyOut {
+                    memory,
+                    slot_offset: slot.offset,
+                    host: host.clone(),
+                    host_offset: at,
+                    len,
+                }),
+                release_slots_upto: Some(slot.ticket),
+                ..Watch::default()
+            });
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// A copy between contexts without peer access: download from the source and upload
+    /// to the destination through staging slots, synchronously, after this stream's
+    /// earlier work (every dependency completed on the host already).
+    fn staged_copy(
+        &self,
+        src: &Region,
+        dst: &Region,
+        bytes: u64,
+    ) -> std::result::Result<(), String> {
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("cuStreamSynchronize: {}", driver_error(e)))?;
+        let total = bytes as usize;
+        let chunk = self.ring.chunk();
+        let mut at = 0usize;
+        while at < total {
+            let len = chunk.min(total - at);
+            let (slot, memory) = self.ring.take(len)?;
+            let staging = memory
+                .at(slot.offset, len)
+                .ok_or("a staging slot outside the ring")?;
+            let off = at as u64;
+            src.pool
+                .context()
+                .bind_to_thread()
+                .map_err(|e| format!("cuCtxSetCurrent: {}", driver_error(e)))?;
+            // SAFETY: a synchronous copy into a slot this thread alone uses until the watcher
+            // releases it (after this function returned); the source range is checked, its
+            // pool alive, its context current, its writers complete.
+            unsafe { sys::cuMemcpyDtoH_v2(staging.cast(), src.ptr_at(off), len) }
+                .result()
+                .map_err(|e| format!("cuMemcpyDtoH: {}", driver_error(e)))?;
+            dst.pool
+                .context()
+                .bind_to_thread()
+                .map_err(|e| format!("cuCtxSetCurrent: {}", driver_error(e)))?;
+            // SAFETY: synchronous from pinned memory (it returns once the data is on the
+            // device); the destination range is checked, its pool alive, its context
+            // current, and this stream's earlier work on it complete (synchronised above).
+            unsafe { sys::cuMemcpyHtoD_v2(dst.ptr_at(off), staging.cast_const().cast(), len) }
+                .result()
+                .map_err(|e| format!("cuMemcpyHtoD: {}", driver_error(e)))?;
+            self.send(Watch {
+                release_slots_upto: Some(slot.ticket),
+                ..Watch::default()
+            });
+            at += len;
+        }
+        self.bind()
+    }
+
+    /// The entry point `entry` of a program, compiled and loaded on first use (once per
+    /// device; the module is kept for the device's lifetime).
+    fn function(
+        &self,
+        program: &Program,
+        entry: &str,
+    ) -> std::result::Result<(Arc<CudaModule>, CudaFunction), String> {
+        if entry.is_empty() || entry.contains('\0') {
+            return Err(format!(
+                "entry point {entry:?} is empty or contains a NUL byte"
+            ));
+        }
+        let mut modules = lock(&self.gpu.modules);
+        if !modules.contains_key(program) {
+            let module = self.load(program)?;
+            modules.insert(
+                program.clone(),
+                LoadedProgram {
+                    module,
+                    functions: HashMap::new(),
+                },
+            );
+        }
+        let loaded = modules
+            .get_mut(program)
+            .ok_or("a loaded program vanished")?;
+        if let Some(f) = loaded.functions.get(entry) {
+            return Ok((loaded.module.clone(), f.clone()));
+        }
+        let f = loaded
+            .module
+            .load_function(entry)
+            .map_err(|e| format!("no entry point {entry}: {}", driver_error(e)))?;
+        loaded.functions.insert(entry.to_string(), f.clone());
+        Ok((loaded.module.clone(), f))
+    }
+
+    /// Compiles (CUDA C, with NVRTC for this device's `compute_XY`) and loads a program.
+    fn load(&self, program: &Program) -> std::result::Result<Arc<CudaModule>, String> {
+        let ptx = match (program.cuda_c(), program.ptx()) {
+            (_, Some(text)) => {
+                if text.contains('\0') {
+                    return Err("the PTX contains a NUL byte".into());
+                }
+                Ptx::from_src(text.to_string())
+            }
+            (Some(source), None) => {
+                let (major, minor) = self.gpu.limits.compute_capability;
+                let arch = nvrtc::virtual_arch_for(major.max(0) as u32, minor.max(0) as u32)?;
+                let options = program.nvrtc_options();
+                Ptx::from_src(nvrtc::compile_to_ptx(
+                    &source,
+                    &program.name(),
+                    &arch,
+                    options,
+                )?)
+            }
+            (None, None) => return Err("a program with neither CUDA C nor PTX".into()),
+        };
+        self.gpu
+            .ctx
+            .load_module(ptx)
+            .map_err(|e| format!("cuModuleLoadData: {}", driver_error(e)))
+    }
+
+    /// Launches one kernel on the stream: the adapter every kernel goes through.
+    fn launch(&self, l: &DeviceLaunch, keep: &mut Vec<Keep>) -> std::result::Result<(), String> {
+        let (module, function) = self.function(&l.program, &l.entry_point)?;
+        let mut cells: Vec<ParamCell> = l.params.iter().copied().map(ParamCell::of).collect();
+        let mut addresses: Vec<*mut std::ffi::c_void> =
+            cells.iter_mut().map(ParamCell::address).collect();
+        self.bind()?;
+        // SAFETY: the function comes from a module of this context kept alive (below) until
+        // the launch completes; `addresses` points at `cells`, one value of the entry
+        // point's parameter type each (the launch description's contract), which outlive
+        // the call (the driver copies them); pointer parameters are checked ranges of
+        // pools kept alive until completion.
+        unsafe {
+            result::launch_kernel(
+                function.cu_function(),
+                (l.grid[0], l.grid[1], l.grid[2]),
+                (l.block[0], l.block[1], l.block[2]),
+                l.shared_mem_bytes,
+                self.stream.cu_stream(),
+                &mut addresses,
+            )
+        }
+        .map_err(|e| format!("cuLaunchKernel {}: {}", l.entry_point, driver_error(e)))?;
+        keep.push(Keep::Module(module));
+        Ok(())
+    }
+}
+
+/// Publishes "no more decisions" when the submit thread ends, however it ends.
+struct CloseOnExit(Arc<StreamShared>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.timeline.poison(Arc::new(Failure {
+                stream: self.0.id,
+                seq: self.0.timeline.completed() + 1,
+                operation: "worker".into(),
+                message: "CUDA submit thread died".into(),
+            }));
+        }
+        self.0.close();
+    }
+}
+
+/// The watcher thread's state.
+struct Watcher {
+    me: Arc<StreamShared>,
+    gpu: Arc<Gpu>,
+    ring: Arc<StagingRing>,
+    trace: CompletionTrace,
+    /// Why copying a staging slot into its host array failed, for the plan it belongs to
+    /// (the next completion).
+    copy_failure: Option<String>,
+}
+
+impl Watcher {
+    fn run(mut self, rx: Receiver<Watch>) {
+        let _close = CloseRingOnExit(self.ring.clone());
+        while let Ok(w) = rx.recv() {
+            self.handle(w);
+        }
+    }
+
+    fn handle(&mut self, w: Watch) {
+        let waited = match &w.event {
+            Some(event) => event.synchronize().map_err(|e| {
+                self.gpu
+                    .mark_lost(&format!("CUDA error: {}", driver_error(e)))
+            }),
+            None => Ok(()),
+        };
+        if let (Ok(()), Some(out)) = (&waited, &w.copy_out) {
+            // SAFETY: the copy into the slot completed (event synchronised above), the slot
+            // is not released yet, and the protocol made this transfer wait for every other
+            // use of the host array, which nobody reads before the plan completes (below,
+            // later in this thread).
+            let host = unsafe { out.host.bytes_mut(out.host_offset, out.len) };
+            match (out.memory.at(out.slot_offset, out.len), host) {
+                (Some(staging), Ok(dst)) => {
+                    // SAFETY: `staging` holds `len` bytes (checked by `at`), `dst` too.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            staging.cast_const(),
+                            dst.as_mut_ptr(),
+                            out.len,
+                        )
+                    };
+                }
+                (None, _) => {
+                    self.copy_failure
+                        .get_or_insert_with(|| "a staging slot outside the ring".into());
+                }
+                (_, Err(e)) => {
+                    self.copy_failure.get_or_insert_with(|| e.to_string());
+                }
+            }
+        }
+        if let Some(ticket) = w.release_slots_upto {
+            self.ring.release_upto(ticket);
+        }
+        let Some(c) = w.complete else {
+            return;
+        };
+        let lost = self.gpu.lost();
+        let copy_failure = self.copy_failure.take();
+        let outcome = match (c.outcome, waited, lost) {
+            (Err(f), _, _) => Err(f),
+            (Ok(()), Ok(()), None) if copy_failure.is_some() => Err(Arc::new(Failure {
+                stream: self.me.id,
+                seq: c.seq,
+                operation: c.label.clone(),
+                message: format!(
+                    "copying out of the staging ring: {}",
+                    copy_failure.unwrap_or_default()
+                ),
+            })),
+            (Ok(()), Err(cause), _) | (Ok(()), Ok(()), Some(cause)) => Err(Arc::new(Failure {
+                stream: self.me.id,
+                seq: c.seq,
+                operation: c.label.clone(),
+                message: format!("device lost: {cause}"),
+            })),
+            (Ok(()), Ok(()), None) => Ok(()),
+        };
+        if let Some(op) = c.trace {
+            // Recorded before the event completes, so waiters always end after it.
+            self.trace.completed(op, outcome.is_ok());
+        }
+        match outcome {
+            Ok(()) => self.me.timeline.signal(c.seq),
+            Err(f) => self.me.timeline.fail(c.seq, f),
+        }
+        self.me.completed(c.seq);
+        drop(w.keep);
+    }
+}
+
+/// Tells the ring nothing will be released any more when the watcher ends, however it ends.
+struct CloseRingOnExit(Arc<StagingRing>);
+
+impl Drop for CloseRingOnExit {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    fn counting_pool() -> (Arc<Recycler<u32>>, Arc<AtomicU32>) {
+        let made = Arc::new(AtomicU32::new(0));
+        let m = made.clone();
+        let pool = Arc::new(Recycler::new(move || Ok(m.fetch_add(1, Ordering::SeqCst))));
+        (pool, made)
+    }
+
+    #[test]
+    fn events_are_reused_only_after_every_holder_let_go() {
+        let (pool, made) = counting_pool();
+        let a = Arc::new(pool.acquire().expect("new"));
+        let waiter = a.clone();
+        let b = pool.acquire().expect("new");
+        assert_ne!(**a, *b, "two live loans are two events");
+        drop(a);
+        // A waiter still holds the first event: it is not handed out again.
+        let c = pool.acquire().expect("new");
+        assert_eq!(made.load(Ordering::SeqCst), 3);
+        assert_eq!(pool.idle(), 0);
+        let first = **waiter;
+        drop(waiter);
+        assert_eq!(pool.idle(), 1);
+        let d = pool.acquire().expect("reused");
+        assert_eq!(*d, first, "the released event comes back");
+        assert_eq!(made.load(Ordering::SeqCst), 3, "no new event was made");
+        drop((b, c, d));
+        assert_eq!(pool.idle(), 3);
+    }
+
+    #[test]
+    fn launch_parameters_are_stored_at_their_c_size() {
+        // cuLaunchKernel reads each parameter from its address at the size of the entry
+        // point's parameter type: the bytes there must be the value's own, in native order.
+        let read = |p: KernelParam, size: usize| -> Vec<u8> {
+            let mut cell = ParamCell::of(p);
+            let at = cell.address().cast::<u8>();
+            // SAFETY: `at` points at the cell's value, at least `size` bytes (checked by
+            // the expectations below, each the size of the stored type).
+            unsafe { std::slice::from_raw_parts(at, size) }.to_vec()
+        };
+        assert_eq!(
+            read(KernelParam::Pointer(0x1234_5678_9abc), 8),
+            0x1234_5678_9abcu64.to_ne_bytes()
+        );
+        assert_eq!(read(KernelParam::U32(7), 4), 7u32.to_ne_bytes());
+        assert_eq!(
+            read(KernelParam::U64(u64::MAX - 1), 8),
+            (u64::MAX - 1).to_ne_bytes()
+        );
+        assert_eq!(read(KernelParam::I32(-3), 4), (-3i32).to_ne_bytes());
+        assert_eq!(read(KernelParam::I64(-5), 8), (-5i64).to_ne_bytes());
+        assert_eq!(read(KernelParam::F32(1.5), 4), 1.5f32.to_ne_bytes());
+        assert_eq!(read(KernelParam::F64(-2.25), 8), (-2.25f64).to_ne_bytes());
+    }
+
+    #[test]
+    fn launch_buffers_resolve_to_their_pointers() {
+        let ptrs = [0x1000u64, 0x2000];
+        let arg = |i: usize| ptrs.get(i).copied();
+        let params = [
+            LaunchParam::Buffer(1),
+            LaunchParam::Merge,
+            LaunchParam::Buffer(0),
+            LaunchParam::U64(9),
+            LaunchParam::F32(0.5),
+        ];
+        assert_eq!(
+            resolve_params(&params, arg, Some(0x3000)),
+            Ok(vec![
+                KernelParam::Pointer(0x2000),
+                KernelParam::Pointer(0x3000),
+                KernelParam::Pointer(0x1000),
+                KernelParam::U64(9),
+                KernelParam::F32(0.5),
+            ])
+        );
+        let missing = resolve_params(&[LaunchParam::Buffer(2)], arg, None).expect_err("unbound");
+        assert!(missing.contains("argument 2"), "{missing}");
+        let no_merge = resolve_params(&params, arg, None).expect_err("no merge buffer");
+        assert!(no_merge.contains("merge"), "{no_merge}");
+    }
+
+    #[test]
+    fn a_failing_factory_is_an_error() {
+        let pool: Arc<Recycler<u32>> = Arc::new(Recycler::new(|| Err("no events".to_string())));
+        assert_eq!(pool.acquire().err().as_deref(), Some("no events"));
+    }
+
+    #[test]
+    fn decisions_are_published_and_forgotten_once_complete() {
+        let tl = Timeline::new(StreamId {
+            device: crate::DeviceId(0),
+            index: 0,
+        });
+        let s = Arc::new(StreamShared::new(tl.stream(), tl));
+        let f = Arc::new(Failure {
+            stream: s.id,
+            seq: 1,
+            operation: "op".into(),
+            message: "boom".into(),
+        });
+        s.decide(1, Decision::Failed(f));
+        assert!(matches!(s.decision(1), Decision::Failed(x) if x.message == "boom"));
+        s.completed(1);
+        assert!(matches!(s.decision(1), Decision::Completed));
+        // A waiter for an undecided number is released by the decision.
+        let s2 = s.clone();
+        let waiter = std::thread::spawn(move || matches!(s2.decision(2), Decision::Gone));
+        s.close();
+        assert!(waiter.join().expect("waiter"));
+    }
+}
