@@ -57,7 +57,7 @@ impl Backend for CudaBackend {
         match self.never {}
     }
 
-    fn start_stream(
+    unsafe fn start_stream(
         &self,
         _: StreamId,
         _: Arc<Timeline>,
