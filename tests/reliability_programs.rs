@@ -431,6 +431,40 @@ fn known_programs() -> Vec<(&'static str, Program)> {
     b.op(Op::Read { ctx: c3, node: w });
     b.op(Op::Teardown);
     known.push(("copy from a buffer that lags a host write", b.build()));
+
+    // Copies and reads of buffers that lag a host write read the stale device bytes: a
+    // `read`, a merge-buffer `Copy`, a `StreamingFor` consumer, a copy into a buffer.
+    let w = N(0);
+    let mut b = Builder::new(2, 1, vec![f32_node(&[4], Mode::Hosted(Share::PerStream))]);
+    let (c0, c1) = (b.root(0, 0), b.root(1, 0));
+    let (one, c2) = b.link(c0, Kernel::Fill { dst: w, value: 1.0 });
+    let (fill, c3) = b.link(c1, Kernel::Fill { dst: w, value: 0.0 });
+    let (merge, c4) = b.link(c3, Kernel::AddMerge { dst: w });
+    b.schedule(one).schedule(fill).op(Op::Sync);
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.op(Op::Read { ctx: c2, node: w });
+    b.d2d(w, c2, c4, D2d::Copy).schedule(merge);
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.d2d(w, c2, c4, D2d::StreamingFor(merge));
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.d2d(w, c2, c4, D2d::No);
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::Teardown);
+    known.push((
+        "copies and reads of buffers that lag a host write",
+        b.build(),
+    ));
     known
 }
 
@@ -458,12 +492,71 @@ fn known_programs_match_the_reference() {
     let out = ReferenceRunner::default().run(program);
     let read = &out.results[program.ops.len() - 2];
     assert_eq!(read, &Ok(Obs::Values(Values::f32s(&[0.1f32 + 0.1; 4]))));
-    // The third's: the host keeps its write; the copied buffer holds the stale 1s (a
-    // `read` shows a buffer as it is), which a routine would replace by an upload.
+    // The third's: the host keeps its write, and so does the copy: its source lagged the
+    // write, so it was uploaded before the copy read it.
     let (_, program) = &known_programs()[2];
     let out = ReferenceRunner::default().run(program);
     let n = program.ops.len();
     let written = Values::f32s(&Data::Ints(3).f32s(4));
-    assert_eq!(out.results[n - 3], Ok(Obs::Values(written)));
-    assert_eq!(out.results[n - 2], Ok(Obs::Values(Values::f32s(&[1.0; 4]))));
+    assert_eq!(out.results[n - 3], Ok(Obs::Values(written.clone())));
+    assert_eq!(out.results[n - 2], Ok(Obs::Values(written)));
+    // The fourth's: every copy and read after a host write of h sees h, never the stale
+    // 1s: h (read), h + h (merge copy; the consumer's own buffer lagged too, so it was
+    // uploaded), h + h (streamed), h (copy into a buffer).
+    let (_, program) = &known_programs()[3];
+    let out = ReferenceRunner::default().run(program);
+    let values: Vec<_> = out
+        .results
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Obs::Values(v)) => Some(v.clone()),
+            _ => None,
+        })
+        .collect();
+    let h = |k: f32| {
+        let v: Vec<f32> = Data::Ints(11).f32s(4).iter().map(|x| k * x).collect();
+        Values::f32s(&v)
+    };
+    assert_eq!(values, vec![h(1.0), h(2.0), h(2.0), h(1.0)]);
+}
+
+/// A raw device read is not a `read`: it shows the stale bytes of a buffer that lags a host
+/// write, where `read` shows the host's value (which a routine would upload first).
+#[test]
+fn read_device_raw_shows_the_stale_buffer() {
+    use tributary::{kernels, EngineConfig, HostedKind, MemoryMode, Sharing};
+    let mut e = Engine::cpu(EngineConfig::default()).expect("engine");
+    let w = tributary::TensorNode::new("w", tributary::DType::F32, vec![4])
+        .with_mode(MemoryMode::Hosted(HostedKind::ChangedOnDevices(
+            Sharing::Unset,
+        )))
+        .expect("mode");
+    let root = e.context(0, 0).expect("context");
+    let fill = e
+        .link(&root, kernels::fill(&w, 1.0).expect("spec"))
+        .expect("link");
+    e.schedule(&fill).expect("schedule");
+    e.host_write(&w, &[3.0f32; 4]).expect("host write");
+    let ctx = fill.context();
+    assert_eq!(e.read::<f32>(ctx, &w).expect("read"), vec![3.0; 4]);
+    assert_eq!(
+        e.read_device_raw::<f32>(ctx, &w).expect("raw"),
+        vec![1.0; 4]
+    );
+    // Reading changed nothing: the buffer still lags, a routine still uploads.
+    assert_eq!(
+        e.read_device_raw::<f32>(ctx, &w).expect("raw"),
+        vec![1.0; 4]
+    );
+    let sys = tributary_actors::System::builder().spawn().expect("system");
+    let root = sys.context(0, 0).expect("context");
+    let fill = root
+        .link(kernels::fill(&w, 1.0).expect("spec"))
+        .expect("link");
+    fill.schedule().expect("schedule").wait().expect("fill");
+    sys.host_write(&w, &[3.0f32; 4]).expect("host write");
+    let ctx = fill.context();
+    assert_eq!(ctx.read::<f32>(&w).expect("read"), vec![3.0; 4]);
+    assert_eq!(ctx.read_device_raw::<f32>(&w).expect("raw"), vec![1.0; 4]);
+    sys.shutdown().expect("shutdown");
 }
