@@ -16,9 +16,10 @@ mod support;
 use std::{sync::Arc, time::Duration, time::Instant};
 
 use common::{
-    engine_runner::{config, EngineRunner},
+    engine_runner::EngineRunner,
     env_count,
     generator::{arb_program, resolve_for, AbsProgram, Profile},
+    graph::GraphTotals,
     program::*,
     reference::{ReferenceRunner, Streaming},
     system_runner::SystemRunner,
@@ -41,7 +42,7 @@ use tributary::{
 const DEFAULT_CASES: u64 = 4000;
 
 fn check(abs: &AbsProgram) -> Result<(), TestCaseError> {
-    check_on(abs, &mut EngineRunner::cpu())
+    check_on(abs, &mut EngineRunner::recording_cpu())
 }
 
 /// The engine with some streams stalled: a plan of a stalled stream starts only 0.2 ms
@@ -51,7 +52,7 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
         .flat_map(|d| (0..abs.streams).map(move |s| (d, s)))
         .filter(|&(d, s)| (d * 7 + s * 3 + abs.ops.len()) % 3 == 0)
         .collect();
-    let mut runner = EngineRunner::with("engine(cpu, stalls)", move |setup| {
+    let mut runner = EngineRunner::recording("engine(cpu, stalls)", move |setup| {
         let rules = FaultRules::default();
         for &(device, index) in &stalled {
             rules.add(FaultRule::always(
@@ -63,8 +64,7 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
             ));
         }
         let cpu = CpuBackend::new(DeviceId(0), setup.devices);
-        let backend = FaultBackend::new(Arc::new(cpu), rules);
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+        Ok(Arc::new(FaultBackend::new(Arc::new(cpu), rules)))
     });
     check_on(abs, &mut runner)
 }
@@ -86,9 +86,11 @@ fn vulkan_for(setup: &Setup, staging: bool) -> VulkanConfig {
 /// The engine on Vulkan (lavapipe in CI): a fresh backend with the program's devices.
 fn check_vulkan(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 1;
-    let mut runner = EngineRunner::with("engine(vulkan)", move |setup| {
-        let backend = VulkanBackend::new(DeviceId(0), vulkan_for(setup, staging))?;
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    let mut runner = EngineRunner::recording("engine(vulkan)", move |setup| {
+        Ok(Arc::new(VulkanBackend::new(
+            DeviceId(0),
+            vulkan_for(setup, staging),
+        )?))
     });
     check_against(abs, vulkan_reference(), &mut runner)
 }
@@ -133,7 +135,37 @@ fn check_against(
     let shown = program.clone();
     let _watchdog = Watchdog::arm(Duration::from_secs(300), move || shown.to_string());
     let got = runner.run(&program);
+    // The graph first: a missing edge explains a wrong value, and is a bug even when the
+    // values came out right.
+    check_graph(&program, runner)?;
     compare(&program, &expected, &got).map_err(TestCaseError::fail)
+}
+
+thread_local! {
+    /// The graph checks of the current test (each test runs on its own thread).
+    static GRAPH: std::cell::RefCell<GraphTotals> = std::cell::RefCell::default();
+}
+
+/// Fails the program if the run's dependency graph misses a required ordering (for runners
+/// that record one), printing the program with the later operation marked and every
+/// missing edge; adds the counts to the test's totals.
+fn check_graph(program: &Program, runner: &dyn ProgramRunner) -> Result<(), TestCaseError> {
+    let Some(report) = runner.graph() else {
+        return Ok(());
+    };
+    GRAPH.with(|g| g.borrow_mut().add(&report));
+    let Some(first) = report.missing.first() else {
+        return Ok(());
+    };
+    let edges: Vec<String> = report.missing.iter().map(|m| m.to_string()).collect();
+    Err(TestCaseError::fail(format!(
+        "{}: {} of {} required orderings are not implied by the emitted dependency graph\n{}\n\n{}",
+        runner.name(),
+        report.missing.len(),
+        report.required,
+        edges.join("\n"),
+        program.marked(Some(first.after_op))
+    )))
 }
 
 fn run(
@@ -157,8 +189,15 @@ fn run(
     let mut runner = TestRunner::new_with_rng(config, rng);
     let start = Instant::now();
     eprintln!("{name}: {cases} programs, TRIBUTARY_PROPTEST_SEED={seed}");
+    GRAPH.with(|g| *g.borrow_mut() = GraphTotals::default());
     match runner.run(&arb_program(profile), |abs| check(&abs)) {
-        Ok(()) => eprintln!("{name}: {cases} programs in {:.1?}", start.elapsed()),
+        Ok(()) => {
+            eprintln!("{name}: {cases} programs in {:.1?}", start.elapsed());
+            let totals = GRAPH.with(|g| *g.borrow());
+            if totals.programs > 0 {
+                eprintln!("{name}: {totals}");
+            }
+        }
         Err(TestError::Fail(reason, _)) => {
             panic!("{name} (TRIBUTARY_PROPTEST_SEED={seed}): minimal failing program:\n{reason}")
         }
@@ -518,6 +557,50 @@ fn known_programs_match_the_reference() {
         Values::f32s(&v)
     };
     assert_eq!(values, vec![h(1.0), h(2.0), h(2.0), h(1.0)]);
+}
+
+/// The generator covers stale reads: host writes followed by reads of the buffers they made
+/// lag and by copies from them in all three modes, on backends that stream across devices
+/// and on those that stream only within one (Vulkan).
+#[test]
+fn generated_programs_read_and_copy_lagging_buffers_in_every_mode() {
+    use common::reference::Reference;
+    use proptest::strategy::{Strategy, ValueTree};
+    let profile = Profile {
+        max_devices: 2,
+        max_streams: 2,
+        max_nodes: 4,
+        max_ops: 60,
+        hosted: true,
+    };
+    for streaming in [Streaming::AnyDevice, Streaming::SameDevice] {
+        let mut runner = TestRunner::new_with_rng(
+            Config::default(),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]),
+        );
+        let mut counts = [0usize; 4];
+        for _ in 0..300 {
+            let abs = arb_program(profile)
+                .new_tree(&mut runner)
+                .expect("program")
+                .current();
+            let program = resolve_for(&abs, streaming);
+            let mut reference = Reference::with_streaming(&program.setup, streaming);
+            for op in &program.ops {
+                reference.apply(op).expect("a resolved program is valid");
+            }
+            for (c, n) in counts.iter_mut().zip(reference.lagging_reads) {
+                *c += n;
+            }
+        }
+        eprintln!(
+            "{streaming:?}: lagging reads, No, Copy, StreamingFor in 300 programs: {counts:?}"
+        );
+        assert!(
+            counts.iter().all(|&c| c > 0),
+            "{streaming:?}: lagging reads, No, Copy, StreamingFor: {counts:?}"
+        );
+    }
 }
 
 /// A raw device read is not a `read`: it shows the stale bytes of a buffer that lags a host

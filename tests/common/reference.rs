@@ -133,6 +133,9 @@ pub struct Reference {
     ctxs: Vec<Ctx>,
     routines: Vec<Routine>,
     hosts: Vec<Host>,
+    /// How many reads and copies found their buffer lagging a host write (the generator's
+    /// coverage of stale reads): `read`, `device_to_device` `No`, `Copy`, `StreamingFor`.
+    pub lagging_reads: [usize; 4],
 }
 
 type Res<T> = Result<T, String>;
@@ -168,6 +171,7 @@ impl Reference {
                     newer: None,
                 })
                 .collect(),
+            lagging_reads: [0; 4],
         }
     }
 
@@ -693,6 +697,12 @@ impl Reference {
         // The source is read: a lagging one is uploaded first, as for a routine.
         if self.hosted(n.0)? && self.lagging(sb) {
             self.upload(sb);
+            let mode = match mode {
+                D2d::No => 1,
+                D2d::Copy => 2,
+                D2d::StreamingFor(_) => 3,
+            };
+            self.lagging_reads[mode] += 1;
         }
         match (mode, db) {
             (D2d::No, Some(db)) => {
@@ -840,6 +850,9 @@ impl Reference {
             Op::HostWrite { node, data } => self.host_write(*node, *data),
             Op::Read { ctx, node } => {
                 let b = self.buf_of(*ctx, *node)?;
+                if self.hosted(node.0)? && self.lagging(b) {
+                    self.lagging_reads[0] += 1;
+                }
                 Ok(Obs::Values(self.value_of(b)))
             }
             Op::Finalize { ctx } => self.finalize(*ctx),
