@@ -12,7 +12,9 @@
 //!    [`BufferUses::read_deps`] / [`BufferUses::write_deps`];
 //! 2. host transfers: [`DeviceState::from_host`], [`DeviceState::to_host`] and the
 //!    [`HostTable`] (host writes and reads are driven by the engine);
-//! 3. device-to-device: [`DeviceState::source`] + [`DeviceState::copy_in`] +
+//! 3. device-to-device ([`device_to_device`]): [`DeviceState::source`] +
+//!    [`DeviceState::upload_lagging_source`] (a copy never reads a stale value) +
+//!    [`DeviceState::copy_in`] or [`DeviceState::schedule_streaming`] +
 //!    [`DeviceState::record_remote_read`];
 //! 4. merge buffer: the per-stream slot checked in `schedule`, its uses in `copy_in`;
 //! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
@@ -1131,6 +1133,8 @@ impl DeviceState {
                 if source.host_version == current {
                     hrec.device_wrote(DeviceCopy { stream, loc: dst }, order);
                 } else {
+                    // Not reached through `device_to_device`, which uploads a lagging
+                    // source first; kept for a caller that composes the steps itself.
                     // The source lags the host array (a host write came after its value),
                     // so what it holds counts as the host's value: it would be uploaded
                     // before any routine read it (rule 2). So does the copy: it lags too,
