@@ -341,9 +341,11 @@ fn cuda_reference() -> ReferenceRunner {
 /// The engine on CUDA.
 fn check_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 1;
-    let mut runner = EngineRunner::with("engine(cuda)", move |setup| {
-        let backend = CudaBackend::new(DeviceId(0), cuda_for(setup, staging))?;
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    let mut runner = EngineRunner::recording("engine(cuda)", move |setup| {
+        Ok(Arc::new(CudaBackend::new(
+            DeviceId(0),
+            cuda_for(setup, staging),
+        )?))
     });
     check_against(abs, cuda_reference(), &mut runner)
 }
