@@ -543,7 +543,7 @@ impl World {
     ) -> Result<Option<Event>> {
         self.host.next_order();
         let (si, di) = (src.device().0 as usize, dst.device().0 as usize);
-        let plans = tributary::protocol::device_to_device(
+        let planned = tributary::protocol::device_to_device(
             &mut self.devices,
             si,
             di,
@@ -554,6 +554,10 @@ impl World {
             true,
             &mut self.host,
         )?;
+        if let Some(upload) = planned.upload {
+            self.submit(vec![upload]);
+        }
+        let plans = planned.destination?;
         if plans.is_empty() {
             return Ok(None);
         }

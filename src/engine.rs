@@ -295,7 +295,7 @@ impl Engine {
         let si = self.device_index(src.device())?;
         let di = self.device_index(dst.device())?;
         let can_stream = self.backend.can_stream(src.device(), dst.device());
-        let plans = crate::protocol::device_to_device(
+        let planned = crate::protocol::device_to_device(
             &mut self.devices,
             si,
             di,
@@ -306,6 +306,12 @@ impl Engine {
             can_stream,
             &mut self.host,
         )?;
+        // The upload of a lagging source is an operation of the source device, recorded in
+        // its tables: it runs even if the destination step failed.
+        if let Some(upload) = planned.upload {
+            self.submit(vec![upload])?;
+        }
+        let plans = planned.destination?;
         if plans.is_empty() {
             return Ok(None);
         }
@@ -329,10 +335,7 @@ impl Engine {
                 self.devices[i].plan_to_host(copy.stream, node, copy.loc.loc, &mut self.host)?;
             self.submit(vec![plan])?;
         }
-        for e in self.host.pending_writes(node)? {
-            e.wait()?;
-        }
-        Ok(from_bytes(&self.host.read_bytes(node)?))
+        self.read_host_array(node)
     }
 
     /// Writes the host array of hosted `node` after every pending device read or write of
@@ -352,8 +355,27 @@ impl Engine {
         self.host.commit_write(node, as_bytes(data))
     }
 
-    /// Reads the buffer of `node` in `ctx` (any memory mode), waiting for its last write.
+    /// Reads the value of `node` in `ctx` (any memory mode): what a routine of `ctx` would
+    /// read. That is the buffer after its last write, or, for a hosted node whose buffer
+    /// lags a host write, the host array (which a routine would upload first; the buffer
+    /// is left as it is). [`Engine::read_device_raw`] shows the buffer's bytes instead.
     pub fn read<T: Element>(&mut self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
+        node.check_data(T::DTYPE, node.numel())?;
+        let i = self.device_index(ctx.device())?;
+        if self.devices[i].lags(ctx, node, &self.host)? {
+            return self.read_host_array(node);
+        }
+        self.read_device_raw(ctx, node)
+    }
+
+    /// The bytes of `node`'s buffer in `ctx` as they are, after its last write, for
+    /// debugging: unlike [`Engine::read`], a buffer lagging a host write shows its stale
+    /// device value, which no routine would read.
+    pub fn read_device_raw<T: Element>(
+        &mut self,
+        ctx: &Context,
+        node: &TensorNode,
+    ) -> Result<Vec<T>> {
         node.check_data(T::DTYPE, node.numel())?;
         let bytes = node.size_in_bytes()? as usize;
         let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
@@ -364,6 +386,15 @@ impl Engine {
         // SAFETY: the copy into `into` completed (waited above) and nothing else refers to it.
         let data = unsafe { into.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
         Ok(from_bytes(data))
+    }
+
+    /// The host array of hosted `node` as it is now (no transfer from a device), after
+    /// every pending transfer into it.
+    fn read_host_array<T: Element>(&mut self, node: &TensorNode) -> Result<Vec<T>> {
+        for e in self.host.pending_writes(node)? {
+            e.wait()?;
+        }
+        Ok(from_bytes(&self.host.read_bytes(node)?))
     }
 
     /// Finalizes `ctx`: its buffers are freed once every pending use completed.

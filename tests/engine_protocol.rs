@@ -47,6 +47,7 @@ for_each_backend!(
     two_devices_two_streams_pipeline,
     host_write_waits_for_pending_uploads,
     odd_sized_nodes_transfer_and_compute_exactly_their_elements,
+    copies_and_reads_of_a_lagging_buffer_see_the_host_write,
 );
 
 fn raw_across_streams_waits_for_the_writer(kind: Kind) {
@@ -543,9 +544,10 @@ fn host_write_waits_for_pending_uploads(kind: Kind) {
     let busy = e.link(&c, slow_fill_on(kind, &z, 1.0)).unwrap();
     e.schedule(&busy).unwrap(); // the upload below queues behind this
     e.from_host(busy.context(), &h).unwrap();
-    // Program order: the upload read the host array before this write.
+    // Program order: the upload read the host array before this write. The buffer now
+    // lags the write (`read` would show the host's 2s): look at its bytes.
     e.host_write(&h, &vec![2.0f32; N]).unwrap();
-    let got: Vec<f32> = e.read(busy.context(), &h).unwrap();
+    let got: Vec<f32> = e.read_device_raw(busy.context(), &h).unwrap();
     assert!(
         all(&got, 1.0),
         "the pending upload read the later host write: {:?}",
@@ -581,4 +583,64 @@ fn odd_sized_nodes_transfer_and_compute_exactly_their_elements(kind: Kind) {
     e.schedule(&m).unwrap();
     assert_eq!(e.read::<f32>(m.context(), &g).unwrap(), vec![3.0, 5.0, 7.0]);
     assert_eq!(e.host_read::<f32>(&w).unwrap(), vec![1.0, 2.0, 3.0]);
+}
+
+/// A buffer that lags a host write stands for the host's value: a `read`, a merge-buffer
+/// `Copy`, a `StreamingFor` consumer and a copy into a buffer all see the host write, never
+/// the stale device bytes (the source is uploaded first); `read_device_raw` shows them.
+fn copies_and_reads_of_a_lagging_buffer_see_the_host_write(kind: Kind) {
+    let Some(mut e) = engine(
+        kind,
+        "copies_and_reads_of_a_lagging_buffer_see_the_host_write",
+    ) else {
+        return;
+    };
+    let w = node(
+        "w",
+        MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::PerStream)),
+    );
+    let src = e.context(0, 0).unwrap();
+    let src = e.link(&src, kernels::fill(&w, 1.0).unwrap()).unwrap();
+    e.schedule(&src).unwrap();
+    let src = src.context().clone();
+    let host = |k: f32| vec![k; N];
+
+    e.host_write(&w, &host(3.0)).unwrap();
+    let got: Vec<f32> = e.read(&src, &w).unwrap();
+    assert!(all(&got, 3.0), "read of a lagging buffer: {:?}", &got[..4]);
+    let raw: Vec<f32> = e.read_device_raw(&src, &w).unwrap();
+    assert!(all(&raw, 1.0), "the raw view shows the device bytes");
+
+    // Copy into the merge buffer of another device; the consumer's own (fresh) buffer is
+    // uploaded too: 3 + 3.
+    let d1 = e.context(1, 0).unwrap();
+    let merge = e.link(&d1, kernels::add_merge(&w).unwrap()).unwrap();
+    e.device_to_device(&w, &src, merge.context(), MergeBufferUse::Copy)
+        .unwrap();
+    e.schedule(&merge).unwrap();
+    let got: Vec<f32> = e.read(merge.context(), &w).unwrap();
+    assert!(all(&got, 6.0), "merge-buffer copy: {:?}", &got[..4]);
+
+    // Streamed on the source's device (every backend can read its own memory in place):
+    // both the source and the consumer's buffer lag the new write: 5 + 5.
+    e.host_write(&w, &host(5.0)).unwrap();
+    let s1 = e.context(0, 1).unwrap();
+    let streamed = e.link(&s1, kernels::add_merge(&w).unwrap()).unwrap();
+    e.device_to_device(
+        &w,
+        &src,
+        streamed.context(),
+        MergeBufferUse::StreamingFor(streamed.clone()),
+    )
+    .unwrap();
+    let got: Vec<f32> = e.read(streamed.context(), &w).unwrap();
+    assert!(all(&got, 10.0), "streamed consumer: {:?}", &got[..4]);
+
+    // Into the node's own buffer on another device.
+    e.host_write(&w, &host(7.0)).unwrap();
+    e.device_to_device(&w, &src, merge.context(), MergeBufferUse::No)
+        .unwrap();
+    let got: Vec<f32> = e.read_device_raw(merge.context(), &w).unwrap();
+    assert!(all(&got, 7.0), "copy into a buffer: {:?}", &got[..4]);
+    assert_eq!(e.host_read::<f32>(&w).unwrap(), host(7.0));
 }

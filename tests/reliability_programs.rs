@@ -16,9 +16,10 @@ mod support;
 use std::{sync::Arc, time::Duration, time::Instant};
 
 use common::{
-    engine_runner::{config, EngineRunner},
+    engine_runner::EngineRunner,
     env_count,
     generator::{arb_program, resolve_for, AbsProgram, Profile},
+    graph::GraphTotals,
     program::*,
     reference::{ReferenceRunner, Streaming},
     system_runner::SystemRunner,
@@ -41,7 +42,7 @@ use tributary::{
 const DEFAULT_CASES: u64 = 4000;
 
 fn check(abs: &AbsProgram) -> Result<(), TestCaseError> {
-    check_on(abs, &mut EngineRunner::cpu())
+    check_on(abs, &mut EngineRunner::recording_cpu())
 }
 
 /// The engine with some streams stalled: a plan of a stalled stream starts only 0.2 ms
@@ -51,7 +52,7 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
         .flat_map(|d| (0..abs.streams).map(move |s| (d, s)))
         .filter(|&(d, s)| (d * 7 + s * 3 + abs.ops.len()) % 3 == 0)
         .collect();
-    let mut runner = EngineRunner::with("engine(cpu, stalls)", move |setup| {
+    let mut runner = EngineRunner::recording("engine(cpu, stalls)", move |setup| {
         let rules = FaultRules::default();
         for &(device, index) in &stalled {
             rules.add(FaultRule::always(
@@ -63,8 +64,7 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
             ));
         }
         let cpu = CpuBackend::new(DeviceId(0), setup.devices);
-        let backend = FaultBackend::new(Arc::new(cpu), rules);
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+        Ok(Arc::new(FaultBackend::new(Arc::new(cpu), rules)))
     });
     check_on(abs, &mut runner)
 }
@@ -86,9 +86,11 @@ fn vulkan_for(setup: &Setup, staging: bool) -> VulkanConfig {
 /// The engine on Vulkan (lavapipe in CI): a fresh backend with the program's devices.
 fn check_vulkan(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 1;
-    let mut runner = EngineRunner::with("engine(vulkan)", move |setup| {
-        let backend = VulkanBackend::new(DeviceId(0), vulkan_for(setup, staging))?;
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    let mut runner = EngineRunner::recording("engine(vulkan)", move |setup| {
+        Ok(Arc::new(VulkanBackend::new(
+            DeviceId(0),
+            vulkan_for(setup, staging),
+        )?))
     });
     check_against(abs, vulkan_reference(), &mut runner)
 }
@@ -133,7 +135,37 @@ fn check_against(
     let shown = program.clone();
     let _watchdog = Watchdog::arm(Duration::from_secs(300), move || shown.to_string());
     let got = runner.run(&program);
+    // The graph first: a missing edge explains a wrong value, and is a bug even when the
+    // values came out right.
+    check_graph(&program, runner)?;
     compare(&program, &expected, &got).map_err(TestCaseError::fail)
+}
+
+thread_local! {
+    /// The graph checks of the current test (each test runs on its own thread).
+    static GRAPH: std::cell::RefCell<GraphTotals> = std::cell::RefCell::default();
+}
+
+/// Fails the program if the run's dependency graph misses a required ordering (for runners
+/// that record one), printing the program with the later operation marked and every
+/// missing edge; adds the counts to the test's totals.
+fn check_graph(program: &Program, runner: &dyn ProgramRunner) -> Result<(), TestCaseError> {
+    let Some(report) = runner.graph() else {
+        return Ok(());
+    };
+    GRAPH.with(|g| g.borrow_mut().add(&report));
+    let Some(first) = report.missing.first() else {
+        return Ok(());
+    };
+    let edges: Vec<String> = report.missing.iter().map(|m| m.to_string()).collect();
+    Err(TestCaseError::fail(format!(
+        "{}: {} of {} required orderings are not implied by the emitted dependency graph\n{}\n\n{}",
+        runner.name(),
+        report.missing.len(),
+        report.required,
+        edges.join("\n"),
+        program.marked(Some(first.after_op))
+    )))
 }
 
 fn run(
@@ -157,8 +189,15 @@ fn run(
     let mut runner = TestRunner::new_with_rng(config, rng);
     let start = Instant::now();
     eprintln!("{name}: {cases} programs, TRIBUTARY_PROPTEST_SEED={seed}");
+    GRAPH.with(|g| *g.borrow_mut() = GraphTotals::default());
     match runner.run(&arb_program(profile), |abs| check(&abs)) {
-        Ok(()) => eprintln!("{name}: {cases} programs in {:.1?}", start.elapsed()),
+        Ok(()) => {
+            eprintln!("{name}: {cases} programs in {:.1?}", start.elapsed());
+            let totals = GRAPH.with(|g| *g.borrow());
+            if totals.programs > 0 {
+                eprintln!("{name}: {totals}");
+            }
+        }
         Err(TestError::Fail(reason, _)) => {
             panic!("{name} (TRIBUTARY_PROPTEST_SEED={seed}): minimal failing program:\n{reason}")
         }
@@ -302,9 +341,11 @@ fn cuda_reference() -> ReferenceRunner {
 /// The engine on CUDA.
 fn check_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 1;
-    let mut runner = EngineRunner::with("engine(cuda)", move |setup| {
-        let backend = CudaBackend::new(DeviceId(0), cuda_for(setup, staging))?;
-        Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+    let mut runner = EngineRunner::recording("engine(cuda)", move |setup| {
+        Ok(Arc::new(CudaBackend::new(
+            DeviceId(0),
+            cuda_for(setup, staging),
+        )?))
     });
     check_against(abs, cuda_reference(), &mut runner)
 }
@@ -431,6 +472,40 @@ fn known_programs() -> Vec<(&'static str, Program)> {
     b.op(Op::Read { ctx: c3, node: w });
     b.op(Op::Teardown);
     known.push(("copy from a buffer that lags a host write", b.build()));
+
+    // Copies and reads of buffers that lag a host write read the stale device bytes: a
+    // `read`, a merge-buffer `Copy`, a `StreamingFor` consumer, a copy into a buffer.
+    let w = N(0);
+    let mut b = Builder::new(2, 1, vec![f32_node(&[4], Mode::Hosted(Share::PerStream))]);
+    let (c0, c1) = (b.root(0, 0), b.root(1, 0));
+    let (one, c2) = b.link(c0, Kernel::Fill { dst: w, value: 1.0 });
+    let (fill, c3) = b.link(c1, Kernel::Fill { dst: w, value: 0.0 });
+    let (merge, c4) = b.link(c3, Kernel::AddMerge { dst: w });
+    b.schedule(one).schedule(fill).op(Op::Sync);
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.op(Op::Read { ctx: c2, node: w });
+    b.d2d(w, c2, c4, D2d::Copy).schedule(merge);
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.d2d(w, c2, c4, D2d::StreamingFor(merge));
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::HostWrite {
+        node: w,
+        data: Data::Ints(11),
+    });
+    b.d2d(w, c2, c4, D2d::No);
+    b.op(Op::Read { ctx: c4, node: w });
+    b.op(Op::Teardown);
+    known.push((
+        "copies and reads of buffers that lag a host write",
+        b.build(),
+    ));
     known
 }
 
@@ -458,12 +533,115 @@ fn known_programs_match_the_reference() {
     let out = ReferenceRunner::default().run(program);
     let read = &out.results[program.ops.len() - 2];
     assert_eq!(read, &Ok(Obs::Values(Values::f32s(&[0.1f32 + 0.1; 4]))));
-    // The third's: the host keeps its write; the copied buffer holds the stale 1s (a
-    // `read` shows a buffer as it is), which a routine would replace by an upload.
+    // The third's: the host keeps its write, and so does the copy: its source lagged the
+    // write, so it was uploaded before the copy read it.
     let (_, program) = &known_programs()[2];
     let out = ReferenceRunner::default().run(program);
     let n = program.ops.len();
     let written = Values::f32s(&Data::Ints(3).f32s(4));
-    assert_eq!(out.results[n - 3], Ok(Obs::Values(written)));
-    assert_eq!(out.results[n - 2], Ok(Obs::Values(Values::f32s(&[1.0; 4]))));
+    assert_eq!(out.results[n - 3], Ok(Obs::Values(written.clone())));
+    assert_eq!(out.results[n - 2], Ok(Obs::Values(written)));
+    // The fourth's: every copy and read after a host write of h sees h, never the stale
+    // 1s: h (read), h + h (merge copy; the consumer's own buffer lagged too, so it was
+    // uploaded), h + h (streamed), h (copy into a buffer).
+    let (_, program) = &known_programs()[3];
+    let out = ReferenceRunner::default().run(program);
+    let values: Vec<_> = out
+        .results
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Obs::Values(v)) => Some(v.clone()),
+            _ => None,
+        })
+        .collect();
+    let h = |k: f32| {
+        let v: Vec<f32> = Data::Ints(11).f32s(4).iter().map(|x| k * x).collect();
+        Values::f32s(&v)
+    };
+    assert_eq!(values, vec![h(1.0), h(2.0), h(2.0), h(1.0)]);
+}
+
+/// The generator covers stale reads: host writes followed by reads of the buffers they made
+/// lag and by copies from them in all three modes, on backends that stream across devices
+/// and on those that stream only within one (Vulkan).
+#[test]
+fn generated_programs_read_and_copy_lagging_buffers_in_every_mode() {
+    use common::reference::Reference;
+    use proptest::strategy::{Strategy, ValueTree};
+    let profile = Profile {
+        max_devices: 2,
+        max_streams: 2,
+        max_nodes: 4,
+        max_ops: 60,
+        hosted: true,
+    };
+    for streaming in [Streaming::AnyDevice, Streaming::SameDevice] {
+        let mut runner = TestRunner::new_with_rng(
+            Config::default(),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]),
+        );
+        let mut counts = [0usize; 4];
+        for _ in 0..300 {
+            let abs = arb_program(profile)
+                .new_tree(&mut runner)
+                .expect("program")
+                .current();
+            let program = resolve_for(&abs, streaming);
+            let mut reference = Reference::with_streaming(&program.setup, streaming);
+            for op in &program.ops {
+                reference.apply(op).expect("a resolved program is valid");
+            }
+            for (c, n) in counts.iter_mut().zip(reference.lagging_reads) {
+                *c += n;
+            }
+        }
+        eprintln!(
+            "{streaming:?}: lagging reads, No, Copy, StreamingFor in 300 programs: {counts:?}"
+        );
+        assert!(
+            counts.iter().all(|&c| c > 0),
+            "{streaming:?}: lagging reads, No, Copy, StreamingFor: {counts:?}"
+        );
+    }
+}
+
+/// A raw device read is not a `read`: it shows the stale bytes of a buffer that lags a host
+/// write, where `read` shows the host's value (which a routine would upload first).
+#[test]
+fn read_device_raw_shows_the_stale_buffer() {
+    use tributary::{kernels, EngineConfig, HostedKind, MemoryMode, Sharing};
+    let mut e = Engine::cpu(EngineConfig::default()).expect("engine");
+    let w = tributary::TensorNode::new("w", tributary::DType::F32, vec![4])
+        .with_mode(MemoryMode::Hosted(HostedKind::ChangedOnDevices(
+            Sharing::Unset,
+        )))
+        .expect("mode");
+    let root = e.context(0, 0).expect("context");
+    let fill = e
+        .link(&root, kernels::fill(&w, 1.0).expect("spec"))
+        .expect("link");
+    e.schedule(&fill).expect("schedule");
+    e.host_write(&w, &[3.0f32; 4]).expect("host write");
+    let ctx = fill.context();
+    assert_eq!(e.read::<f32>(ctx, &w).expect("read"), vec![3.0; 4]);
+    assert_eq!(
+        e.read_device_raw::<f32>(ctx, &w).expect("raw"),
+        vec![1.0; 4]
+    );
+    // Reading changed nothing: the buffer still lags, a routine still uploads.
+    assert_eq!(
+        e.read_device_raw::<f32>(ctx, &w).expect("raw"),
+        vec![1.0; 4]
+    );
+    let sys = tributary_actors::System::builder().spawn().expect("system");
+    let root = sys.context(0, 0).expect("context");
+    let fill = root
+        .link(kernels::fill(&w, 1.0).expect("spec"))
+        .expect("link");
+    fill.schedule().expect("schedule").wait().expect("fill");
+    sys.host_write(&w, &[3.0f32; 4]).expect("host write");
+    let ctx = fill.context();
+    assert_eq!(ctx.read::<f32>(&w).expect("read"), vec![3.0; 4]);
+    assert_eq!(ctx.read_device_raw::<f32>(&w).expect("raw"), vec![1.0; 4]);
+    sys.shutdown().expect("shutdown");
 }

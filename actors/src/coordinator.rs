@@ -182,13 +182,16 @@ fn mailbox(e: actix::MailboxError) -> Error {
     Error::ShutDown(format!("device actor unreachable: {e}"))
 }
 
-/// Step 1 of a transfer: the source describes its buffer and what a reader waits for.
+/// Step 1 of a transfer: the source describes its buffer and what a reader waits for,
+/// after uploading it if it lags its host array (stamped `order`).
 async fn source_of(
     addr: &Addr<DeviceActor>,
     ctx: &tributary::protocol::Context,
     node: &tributary::TensorNode,
+    order: u64,
 ) -> Result<tributary::protocol::Source> {
     addr.send(GetSource {
+        order,
         ctx: ctx.clone(),
         node: node.clone(),
     })
@@ -210,26 +213,26 @@ impl Handler<DeviceToDevice> for Coordinator {
             "DeviceToDevice",
             async move {
                 let (src, dst) = (src?, dst?);
-                if let MergeBufferUse::StreamingFor(r) = &msg.mode {
-                    if r.context().stream() != msg.dst.stream() {
-                        return Err(Error::InvalidRoutine {
-                            routine: r.name().into(),
-                            reason: format!(
-                                "streaming consumer runs on {}, destination is {}",
-                                r.context().stream(),
-                                msg.dst.stream()
-                            ),
-                        });
-                    }
-                    if !can_stream {
-                        return Err(Error::StreamingUnsupported {
-                            src: msg.src.device(),
-                            dst: msg.dst.device(),
-                            reason: "the backend cannot read that memory in place".into(),
-                        });
+                tributary::protocol::check_streaming_placement(
+                    &msg.mode, &msg.src, &msg.dst, can_stream,
+                )?;
+                if let MergeBufferUse::No = msg.mode {
+                    // Nothing to do when both contexts share the buffer: checked before the
+                    // source may upload, as the engine does.
+                    let entry =
+                        msg.dst
+                            .array(msg.node.id())
+                            .ok_or_else(|| Error::NodeNotInContext {
+                                node: msg.node.to_string(),
+                                context: msg.dst.id(),
+                            })?;
+                    let shared = msg.src.device() == msg.dst.device()
+                        && msg.src.array(msg.node.id()).map(|a| a.loc) == Some(entry.loc);
+                    if shared {
+                        return Ok(None);
                     }
                 }
-                let source = source_of(&src, &msg.src, &msg.node).await?;
+                let source = source_of(&src, &msg.src, &msg.node, msg.order).await?;
                 let loc = source.loc().loc;
                 let event = match msg.mode {
                     MergeBufferUse::No | MergeBufferUse::Copy => dst
@@ -305,8 +308,13 @@ impl Handler<AllReduce> for Coordinator {
                             Transfer::Streaming => true,
                             Transfer::Auto => can_stream[src][dst],
                         };
-                        let source =
-                            source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
+                        let source = source_of(
+                            &addrs[src],
+                            &msg.contexts[src],
+                            &msg.nodes[chunk],
+                            msg.order,
+                        )
+                        .await?;
                         let loc = source.loc().loc;
                         let routine = msg.merge[dst][chunk].clone();
                         let reader = if streaming {
@@ -345,8 +353,13 @@ impl Handler<AllReduce> for Coordinator {
                         addrs[src].do_send(RecordRead { loc, event: reader });
                     }
                     Step::Broadcast { chunk, src, dst } => {
-                        let source =
-                            source_of(&addrs[src], &msg.contexts[src], &msg.nodes[chunk]).await?;
+                        let source = source_of(
+                            &addrs[src],
+                            &msg.contexts[src],
+                            &msg.nodes[chunk],
+                            msg.order,
+                        )
+                        .await?;
                         let loc = source.loc().loc;
                         if let Some(e) = addrs[dst]
                             .send(CopyIn {

@@ -344,23 +344,51 @@ impl Handler<InitFromHost> for DeviceActor {
     }
 }
 
+impl DeviceActor {
+    /// Plans the copy of `node`'s buffer in `ctx`, as it is, into `into` (the node's size).
+    fn read_buffer(
+        &mut self,
+        ctx: &Context,
+        node: &tributary::TensorNode,
+        into: Arc<tributary::memory::AlignedBuffer>,
+    ) -> Result<Event> {
+        let needed = node.size_in_bytes()?;
+        if into.len() as u64 != needed {
+            return Err(Error::SizeMismatch {
+                node: node.to_string(),
+                expected: format!("a destination of {needed} bytes"),
+                found: format!("{} bytes", into.len()),
+            });
+        }
+        let plan = self.state.read_into(ctx, node, into)?;
+        let e = plan.event().clone();
+        self.submit(vec![plan]);
+        Ok(e)
+    }
+}
+
+impl Handler<ReadNode> for DeviceActor {
+    type Result = Result<ReadValue>;
+    fn handle(&mut self, msg: ReadNode, _: &mut Self::Context) -> Self::Result {
+        let _s = span!(self, "read");
+        self.guarded("ReadNode", |this| {
+            // A lagging buffer stands for the host array's value (a routine would upload
+            // it first): the host reads that, and nothing is planned.
+            if this.state.lags(&msg.ctx, &msg.node, &this.host())? {
+                return Ok(ReadValue::Host);
+            }
+            this.read_buffer(&msg.ctx, &msg.node, msg.into)
+                .map(ReadValue::Device)
+        })
+    }
+}
+
 impl Handler<ReadInto> for DeviceActor {
     type Result = Result<Event>;
     fn handle(&mut self, msg: ReadInto, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "read");
         self.guarded("ReadInto", |this| {
-            let needed = msg.node.size_in_bytes()?;
-            if msg.into.len() as u64 != needed {
-                return Err(Error::SizeMismatch {
-                    node: msg.node.to_string(),
-                    expected: format!("a destination of {needed} bytes"),
-                    found: format!("{} bytes", msg.into.len()),
-                });
-            }
-            let plan = this.state.read_into(&msg.ctx, &msg.node, msg.into)?;
-            let e = plan.event().clone();
-            this.submit(vec![plan]);
-            Ok(e)
+            this.read_buffer(&msg.ctx, &msg.node, msg.into)
         })
     }
 }
@@ -389,7 +417,22 @@ impl Handler<GetSource> for DeviceActor {
     type Result = Result<Source>;
     fn handle(&mut self, msg: GetSource, _: &mut Self::Context) -> Self::Result {
         let _s = span!(self, "source");
-        self.guarded("GetSource", |this| this.state.source(&msg.ctx, &msg.node))
+        self.guarded("GetSource", |this| {
+            let mut source = this.state.source(&msg.ctx, &msg.node)?;
+            let host = this.host.clone();
+            let upload = {
+                let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
+                host.set_order(msg.order);
+                this.state
+                    .upload_lagging_source(&msg.ctx, &mut source, &mut host)?
+            };
+            // Submitted here, whatever the destination step does later: the upload is an
+            // operation of this device, already in its tables.
+            if let Some(plan) = upload {
+                this.submit(vec![plan]);
+            }
+            Ok(source)
+        })
     }
 }
 

@@ -34,8 +34,8 @@
 //! steps of a device-to-device operation: a forged source could copy from any buffer with
 //! any size, a forged reader record could make a buffer wait for an event that never
 //! completes), `TransferToHost` (copies a buffer chosen by the caller into a host array),
-//! `ReadInto` (copies into a caller-owned buffer that the caller could share with another
-//! copy), `Completed` / `Subscribe` (stream-to-device completion notices) and
+//! `ReadNode` / `ReadInto` (copy into a caller-owned buffer that the caller could share
+//! with another copy), `Completed` / `Subscribe` (stream-to-device completion notices) and
 //! `StopStreams` (stops the stream actors, after which submitted work would never run;
 //! [`crate::System::shutdown`] sends it).
 
@@ -129,7 +129,31 @@ pub struct InitFromHost {
     pub node: TensorNode,
 }
 
-/// Copy the buffer of `node` in `ctx` into a caller-owned host buffer.
+/// Read the value of `node` in `ctx` into a caller-owned host buffer: the buffer, unless
+/// it lags its host array ([`ReadValue::Host`]: the value is the host array's, which a
+/// routine would upload first; nothing is planned).
+#[derive(Message, Debug)]
+#[rtype(result = "Result<ReadValue>")]
+pub(crate) struct ReadNode {
+    /// The context.
+    pub ctx: Context,
+    /// The node.
+    pub node: TensorNode,
+    /// Destination (the node's size), for a read of the buffer.
+    pub into: Arc<AlignedBuffer>,
+}
+
+/// Where the value of a [`ReadNode`] comes from.
+#[derive(Debug)]
+pub(crate) enum ReadValue {
+    /// The buffer is copied into the caller's host buffer by this event.
+    Device(Event),
+    /// The buffer lags its host array: read the host array.
+    Host,
+}
+
+/// Copy the bytes of `node`'s buffer in `ctx`, as they are (stale or not), into a
+/// caller-owned host buffer (`read_device_raw`).
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Event>")]
 pub(crate) struct ReadInto {
@@ -156,10 +180,15 @@ pub(crate) struct TransferToHost {
     pub loc: BufferLoc,
 }
 
-/// Describe `node`'s buffer in `ctx` as the source of a device-to-device operation.
+/// Describe `node`'s buffer in `ctx` as the source of a device-to-device operation. If the
+/// buffer lags its host array, the device first uploads it (an operation of this device,
+/// on `ctx`'s stream, like `FromHost`): a copy never reads a stale value.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Source>")]
 pub(crate) struct GetSource {
+    /// Program-order stamp of the host call (see `System::next_order`): device actors
+    /// process messages independently, and the host table keeps the newest update.
+    pub order: u64,
     /// The source context.
     pub ctx: Context,
     /// The node.

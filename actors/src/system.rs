@@ -614,6 +614,11 @@ impl System {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<tributary::Event>> {
+        if node.mode().is_hosted() {
+            // The source device uploads the node first if its buffer lags the host array
+            // (a copy never reads a stale value): order that host-array transfer too.
+            self.order_host_arrays(src.device(), std::iter::once(node))?;
+        }
         if let MergeBufferUse::StreamingFor(routine) = &mode {
             // The consumer is scheduled by the coordinator and may upload the hosted nodes
             // it reads: order those host-array transfers like a direct `schedule`.
@@ -715,6 +720,12 @@ impl System {
             )
             .await??;
         }
+        self.read_host_array(node).await
+    }
+
+    /// The host array of hosted `node` as it is now (no transfer from a device), once
+    /// every pending transfer into it has completed.
+    async fn read_host_array<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         loop {
             let pending = self.host_table().pending_writes(node)?;
             if pending.iter().all(|e| e.is_done()) {
@@ -765,7 +776,10 @@ impl System {
         }
     }
 
-    /// Reads the buffer of `node` in `ctx` (any memory mode), after its last write.
+    /// Reads the value of `node` in `ctx` (any memory mode): what a routine of `ctx` would
+    /// read. That is the buffer after its last write, or, for a hosted node whose buffer
+    /// lags a host write, the host array (which a routine would upload first; the buffer
+    /// is left as it is). [`System::read_device_raw`] shows the buffer's bytes instead.
     pub fn read<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         block_on(self.read_async(ctx, node))
     }
@@ -773,24 +787,49 @@ impl System {
     /// Async [`System::read`].
     pub async fn read_async<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         node.check_data(T::DTYPE, node.numel())?;
+        if node.mode().is_hosted() {
+            // The value may be the host array's: every earlier transfer into it, on any
+            // device, must be in the host table first.
+            self.order_host_arrays(ctx.device(), std::iter::once(node))?;
+        }
         let bytes = node.size_in_bytes()? as usize;
         let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
         let addr = self.device_addr(ctx.device())?;
-        let event = self
-            .request(
-                addr,
-                ReadInto {
-                    ctx: ctx.clone(),
-                    node: node.clone(),
-                    into: into.clone(),
-                },
-            )
-            .await??;
-        event.wait_async().await?;
-        // SAFETY: the copy into `into` completed (awaited above); nothing else refers to it.
-        let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
-        tributary::kernels::from_bytes(data).map_err(|e| Error::Unknown {
-            what: e.to_string(),
+        let read = ReadNode {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            into: into.clone(),
+        };
+        match self.request(addr, read).await?? {
+            ReadValue::Host => self.read_host_array(node).await,
+            ReadValue::Device(event) => {
+                event.wait_async().await?;
+                read_back(&into, bytes)
+            }
+        }
+    }
+
+    /// The bytes of `node`'s buffer in `ctx` as they are, after its last write, for
+    /// debugging: unlike [`System::read`], a buffer lagging a host write shows its stale
+    /// device value, which no routine would read.
+    pub fn read_device_raw<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
+        block_on(async {
+            node.check_data(T::DTYPE, node.numel())?;
+            let bytes = node.size_in_bytes()? as usize;
+            let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
+            let addr = self.device_addr(ctx.device())?;
+            let event = self
+                .request(
+                    addr,
+                    ReadInto {
+                        ctx: ctx.clone(),
+                        node: node.clone(),
+                        into: into.clone(),
+                    },
+                )
+                .await??;
+            event.wait_async().await?;
+            read_back(&into, bytes)
         })
     }
 
@@ -973,6 +1012,16 @@ impl System {
     }
 }
 
+/// The elements of a host buffer that a completed device read filled.
+fn read_back<T: Element>(into: &AlignedBuffer, bytes: usize) -> Result<Vec<T>> {
+    // SAFETY: the copy into `into` completed (its event was awaited) and the device holds
+    // no other reference to it.
+    let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
+    tributary::kernels::from_bytes(data).map_err(|e| Error::Unknown {
+        what: e.to_string(),
+    })
+}
+
 /// The hosted nodes a routine reads (which it may upload before running).
 pub(crate) fn hosted_reads(routine: &Routine) -> impl Iterator<Item = &TensorNode> {
     routine
@@ -1116,9 +1165,16 @@ impl ContextHandle {
         self.sys.to_host(&self.ctx, node)
     }
 
-    /// Reads `node`'s buffer in this context.
+    /// Reads the value of `node` in this context: what a routine here would read (see
+    /// [`System::read`]).
     pub fn read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         self.sys.read(&self.ctx, node)
+    }
+
+    /// The bytes of `node`'s buffer in this context as they are, stale or not (see
+    /// [`System::read_device_raw`]).
+    pub fn read_device_raw<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
+        self.sys.read_device_raw(&self.ctx, node)
     }
 
     /// Finalizes this context.

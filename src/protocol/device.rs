@@ -12,7 +12,9 @@
 //!    [`BufferUses::read_deps`] / [`BufferUses::write_deps`];
 //! 2. host transfers: [`DeviceState::from_host`], [`DeviceState::to_host`] and the
 //!    [`HostTable`] (host writes and reads are driven by the engine);
-//! 3. device-to-device: [`DeviceState::source`] + [`DeviceState::copy_in`] +
+//! 3. device-to-device ([`device_to_device`]): [`DeviceState::source`] +
+//!    [`DeviceState::upload_lagging_source`] (a copy never reads a stale value) +
+//!    [`DeviceState::copy_in`] or [`DeviceState::schedule_streaming`] +
 //!    [`DeviceState::record_remote_read`];
 //! 4. merge buffer: the per-stream slot checked in `schedule`, its uses in `copy_in`;
 //! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
@@ -30,7 +32,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Dep, GlobalLoc, Plan, Work},
+        plan::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
         tables::BufferUses,
     },
     // Timelines are shared with the streams through the sync shim (loom under
@@ -669,21 +671,29 @@ impl DeviceState {
         self.schedule_inner(routine, MergeFrom::Source(source), host)
     }
 
-    fn schedule_inner(
-        &mut self,
+    /// Checks, without changing anything, that `routine` can be scheduled on this device
+    /// reading `source` in place (`StreamingFor`): the checks of
+    /// [`DeviceState::schedule_streaming`], made before a device-to-device operation
+    /// plans anything on the source device.
+    pub fn check_streaming(&self, routine: &Routine, source: &Source) -> Result<()> {
+        self.check_context(routine.context())?;
+        self.resolve(routine, &MergeFrom::Source(source))
+            .map(|_| ())
+    }
+
+    /// Resolves the bindings of `routine` and its merge argument, and checks everything
+    /// that can make scheduling it fail, without touching any table.
+    fn resolve(
+        &self,
         routine: &Routine,
-        merge_from: MergeFrom<'_>,
-        host: &mut HostTable,
-    ) -> Result<Vec<Plan>> {
-        let ctx = routine.context().clone();
-        self.check_context(&ctx)?;
+        merge_from: &MergeFrom<'_>,
+    ) -> Result<(Vec<ArgBinding>, Option<ArgBinding>)> {
+        let ctx = routine.context();
         let stream = ctx.stream();
         let spec = &routine.0.spec;
-
-        // Resolve every binding before touching any table.
         let mut bindings = Vec::with_capacity(spec.params.len());
         for p in &spec.params {
-            let e = self.entry(&ctx, &p.node)?;
+            let e = self.entry(ctx, &p.node)?;
             if !self.buffers.contains_key(&e.loc) {
                 return Err(Error::Unknown {
                     what: format!("buffer {} of {}", e.loc, p.node),
@@ -697,7 +707,7 @@ impl DeviceState {
                 access: p.access,
             });
         }
-        if let MergeFrom::Source(src) = &merge_from {
+        if let MergeFrom::Source(src) = merge_from {
             if spec.merge.is_none() {
                 return Err(Error::InvalidRoutine {
                     routine: spec.name.clone(),
@@ -723,7 +733,7 @@ impl DeviceState {
                 });
             }
         }
-        let merge = match (&spec.merge, &merge_from) {
+        let merge = match (&spec.merge, merge_from) {
             (None, _) => None,
             (Some(expected), MergeFrom::Slot) => {
                 let slot = &self.streams[stream.index as usize].merge;
@@ -763,6 +773,22 @@ impl DeviceState {
                 })
             }
         };
+        Ok((bindings, merge))
+    }
+
+    fn schedule_inner(
+        &mut self,
+        routine: &Routine,
+        merge_from: MergeFrom<'_>,
+        host: &mut HostTable,
+    ) -> Result<Vec<Plan>> {
+        let ctx = routine.context().clone();
+        self.check_context(&ctx)?;
+        let stream = ctx.stream();
+        let spec = &routine.0.spec;
+
+        // Resolve every binding before touching any table.
+        let (bindings, merge) = self.resolve(routine, &merge_from)?;
 
         // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
         let mut plans = Vec::new();
@@ -1017,6 +1043,46 @@ impl DeviceState {
         })
     }
 
+    /// Whether the buffer of hosted `node` in `ctx` lags its host array: a host write came
+    /// after the value it holds (or it was never uploaded), so what it stands for is the
+    /// host array's value, which a routine reading it would upload first (rule 2).
+    /// `false` for a node that is not hosted.
+    pub fn lags(&self, ctx: &Context, node: &TensorNode, host: &HostTable) -> Result<bool> {
+        self.check_context(ctx)?;
+        let loc = self.entry(ctx, node)?.loc;
+        Ok(node.mode().is_hosted()
+            && self
+                .buffers
+                .get(&loc)
+                .is_some_and(|r| r.host_version != Some(host.version(node.id()))))
+    }
+
+    /// Before a device-to-device operation reads `source` (described by
+    /// [`DeviceState::source`] for `ctx`): if its buffer lags the host array, plans the
+    /// upload that a routine reading it would do, on `ctx`'s stream, and makes the source's
+    /// readers wait for that upload instead of the buffer's last write.
+    ///
+    /// The upload is an operation of this device like any [`DeviceState::from_host`]: it
+    /// is recorded in the tables when planned, so the returned plan must be submitted
+    /// whatever happens to the destination step afterwards. `None` when nothing lags.
+    pub fn upload_lagging_source(
+        &mut self,
+        ctx: &Context,
+        source: &mut Source,
+        host: &mut HostTable,
+    ) -> Result<Option<Plan>> {
+        if !self.lags(ctx, &source.node, host)? {
+            return Ok(None);
+        }
+        let plan = self.plan_from_host(ctx.stream(), &source.node, source.loc.loc, host)?;
+        source.deps = vec![Dep {
+            event: plan.event.clone(),
+            kind: DepKind::Data,
+        }];
+        source.host_version = Some(host.version(source.node.id()));
+        Ok(Some(plan))
+    }
+
     /// Records that `event` (on any stream, any device) reads the buffer at `loc`.
     pub fn record_remote_read(&mut self, loc: BufferLoc, event: Event) {
         if mutant!("d2d_reader") {
@@ -1067,6 +1133,8 @@ impl DeviceState {
                 if source.host_version == current {
                     hrec.device_wrote(DeviceCopy { stream, loc: dst }, order);
                 } else {
+                    // Not reached through `device_to_device`, which uploads a lagging
+                    // source first; kept for a caller that composes the steps itself.
                     // The source lags the host array (a host write came after its value),
                     // so what it holds counts as the host's value: it would be uploaded
                     // before any routine read it (rule 2). So does the copy: it lags too,
@@ -1173,14 +1241,34 @@ impl DeviceState {
     }
 }
 
+/// What [`device_to_device`] planned. Submit `upload` (when there is one) whatever
+/// `destination` says: it is already recorded in the source device's tables.
+#[derive(Debug)]
+pub struct DeviceToDevicePlans {
+    /// The upload of a source buffer that lagged its host array, on the source's stream.
+    pub upload: Option<Plan>,
+    /// The copy or the streaming consumer (with the consumer's own uploads first), empty
+    /// when both contexts share the buffer; or why the destination step failed after the
+    /// upload was planned (a merge buffer that could not be allocated).
+    pub destination: Result<Vec<Plan>>,
+}
+
 /// Plans a device-to-device operation of `node` from `src` (on `devices[si]`) to `dst` (on
-/// `devices[di]`; may be the same device): the source describes its buffer, the destination
-/// plans the copy or the streaming consumer and assigns its event, and the source records
-/// that event as a reader (DESIGN.md §3, rule 3). Returns no plan when both contexts share
-/// the buffer. `can_stream` says whether the destination can read the source in place.
+/// `devices[di]`; may be the same device) (DESIGN.md §3, rule 3):
+///
+/// 1. every check that can refuse the operation, with nothing planned yet;
+/// 2. the source describes its buffer and, if it lags the host array, plans its upload (a
+///    copy never reads a stale value: a lagging buffer stands for the host's value);
+/// 3. the destination plans the copy or the streaming consumer and assigns its event;
+/// 4. the source records that event as a reader.
+///
+/// Nothing is planned when both contexts share the buffer (mode `No`). `can_stream` says
+/// whether the destination can read the source in place. An `Err` means nothing was
+/// planned; a failure after the upload was planned is in
+/// [`DeviceToDevicePlans::destination`].
 ///
 /// The single-owner composition used by [`crate::Engine`] and the loom models; the actor
-/// coordinator performs the same three steps with messages.
+/// coordinator performs the same steps with messages.
 #[allow(clippy::too_many_arguments)]
 pub fn device_to_device(
     devices: &mut [DeviceState],
@@ -1192,7 +1280,7 @@ pub fn device_to_device(
     mode: crate::engine::MergeBufferUse,
     can_stream: bool,
     host: &mut HostTable,
-) -> Result<Vec<Plan>> {
+) -> Result<DeviceToDevicePlans> {
     use crate::engine::MergeBufferUse;
     let unknown = |i: usize| Error::Unknown {
         what: format!("device index {i}"),
@@ -1201,42 +1289,75 @@ pub fn device_to_device(
         .get(di)
         .ok_or_else(|| unknown(di))?
         .check_context(dst)?;
-    let source = devices
+    check_streaming_placement(&mode, src, dst, can_stream)?;
+    let mut source = devices
         .get_mut(si)
         .ok_or_else(|| unknown(si))?
         .source(src, node)?;
-    let dst_state = devices.get_mut(di).ok_or_else(|| unknown(di))?;
-    let plans = match mode {
+    let dst_state = devices.get(di).ok_or_else(|| unknown(di))?;
+    match &mode {
+        MergeBufferUse::No => {
+            let loc = dst_state.entry(dst, node)?.loc;
+            if dst_state.global(loc) == source.loc {
+                return Ok(DeviceToDevicePlans {
+                    upload: None,
+                    destination: Ok(Vec::new()),
+                });
+            }
+        }
+        MergeBufferUse::Copy => {}
+        MergeBufferUse::StreamingFor(routine) => dst_state.check_streaming(routine, &source)?,
+    }
+    let upload = devices[si].upload_lagging_source(src, &mut source, host)?;
+    let dst_state = &mut devices[di];
+    let destination = match mode {
         MergeBufferUse::No | MergeBufferUse::Copy => {
             let into_merge = matches!(mode, MergeBufferUse::Copy);
-            match dst_state.copy_in(dst, &source, into_merge, host)? {
-                Some(plan) => vec![plan],
-                None => return Ok(Vec::new()),
-            }
+            dst_state
+                .copy_in(dst, &source, into_merge, host)
+                .map(|plan| plan.into_iter().collect::<Vec<_>>())
         }
         MergeBufferUse::StreamingFor(routine) => {
-            if routine.context().stream() != dst.stream() {
-                return Err(Error::InvalidRoutine {
-                    routine: routine.name().into(),
-                    reason: format!(
-                        "streaming consumer runs on {}, destination is {}",
-                        routine.context().stream(),
-                        dst.stream()
-                    ),
-                });
-            }
-            if !can_stream {
-                return Err(Error::StreamingUnsupported {
-                    src: src.device(),
-                    dst: dst.device(),
-                    reason: "the backend cannot read that memory in place".into(),
-                });
-            }
-            dst_state.schedule_streaming(&routine, &source, host)?
+            dst_state.schedule_streaming(&routine, &source, host)
         }
     };
-    if let Some(last) = plans.last() {
+    if let Some(last) = destination.as_ref().ok().and_then(|p| p.last()) {
         devices[si].record_remote_read(source.loc.loc, last.event.clone());
     }
-    Ok(plans)
+    Ok(DeviceToDevicePlans {
+        upload,
+        destination,
+    })
+}
+
+/// The checks of a `StreamingFor` operation that need no device state: the consumer runs
+/// on the destination stream, and the backend can read the source's memory there.
+/// Shared by [`device_to_device`] and the actor coordinator.
+pub fn check_streaming_placement(
+    mode: &crate::engine::MergeBufferUse,
+    src: &Context,
+    dst: &Context,
+    can_stream: bool,
+) -> Result<()> {
+    let crate::engine::MergeBufferUse::StreamingFor(routine) = mode else {
+        return Ok(());
+    };
+    if routine.context().stream() != dst.stream() {
+        return Err(Error::InvalidRoutine {
+            routine: routine.name().into(),
+            reason: format!(
+                "streaming consumer runs on {}, destination is {}",
+                routine.context().stream(),
+                dst.stream()
+            ),
+        });
+    }
+    if !can_stream {
+        return Err(Error::StreamingUnsupported {
+            src: src.device(),
+            dst: dst.device(),
+            reason: "the backend cannot read that memory in place".into(),
+        });
+    }
+    Ok(())
 }

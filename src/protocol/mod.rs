@@ -12,7 +12,10 @@ mod plan;
 mod tables;
 
 pub use context::{ArrayEntry, Context, Routine};
-pub use device::{device_to_device, DeviceState, Source, TableSizes};
+pub use device::{
+    check_streaming_placement, device_to_device, DeviceState, DeviceToDevicePlans, Source,
+    TableSizes,
+};
 pub use host::{DeviceCopy, HostRecord, HostTable};
 pub use plan::{await_deps, await_deps_observed, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work};
 pub use tables::{BufferUses, Uses};

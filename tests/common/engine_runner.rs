@@ -1,15 +1,19 @@
 //! Programs on the engine (`tributary::Engine`).
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use tributary::{
+    backend::{cpu::CpuBackend, Backend},
     kernels::{self, RoutineSpec},
     memory::{PoolKind, PoolStats},
     protocol::{Context, Routine, TableSizes},
-    DType, Engine, EngineConfig, Event, EventStatus, MergeBufferUse, NodeId, TensorNode,
+    DType, DeviceId, Engine, EngineConfig, Event, EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
 
-use super::program::*;
+use super::{
+    graph::{GraphRecorder, GraphReport, RecordingBackend},
+    program::*,
+};
 
 /// The longest any single wait of a program may take before the run counts as hung.
 pub const WAIT: Duration = Duration::from_secs(30);
@@ -97,11 +101,20 @@ pub fn probe_of(stats: &[PoolStats], tables: &[TableSizes], host_events: usize) 
 }
 
 type MakeEngine = Box<dyn FnMut(&Setup) -> tributary::Result<Engine>>;
+type MakeBackend = Box<dyn FnMut(&Setup) -> tributary::Result<Arc<dyn Backend>>>;
+
+enum Make {
+    Engine(MakeEngine),
+    /// A backend, wrapped in a [`RecordingBackend`] to check the dependency graph.
+    Recording(MakeBackend),
+}
 
 /// Runs programs on fresh engines.
 pub struct EngineRunner {
     name: String,
-    make: MakeEngine,
+    make: Make,
+    /// The recorder of the last run, when recording.
+    recorder: Option<Arc<GraphRecorder>>,
 }
 
 impl EngineRunner {
@@ -117,8 +130,30 @@ impl EngineRunner {
     ) -> EngineRunner {
         EngineRunner {
             name: name.into(),
-            make: Box::new(make),
+            make: Make::Engine(Box::new(make)),
+            recorder: None,
         }
+    }
+
+    /// Engines on the backend `make` creates for a setup (with the setup's streams and
+    /// pools), whose dependency graph is recorded and checked after each run
+    /// ([`ProgramRunner::graph`]).
+    pub fn recording(
+        name: &str,
+        make: impl FnMut(&Setup) -> tributary::Result<Arc<dyn Backend>> + 'static,
+    ) -> EngineRunner {
+        EngineRunner {
+            name: name.into(),
+            make: Make::Recording(Box::new(make)),
+            recorder: None,
+        }
+    }
+
+    /// CPU engines whose dependency graph is checked.
+    pub fn recording_cpu() -> EngineRunner {
+        EngineRunner::recording("engine(cpu)", |s| {
+            Ok(Arc::new(CpuBackend::new(DeviceId(0), s.devices)))
+        })
     }
 }
 
@@ -128,8 +163,29 @@ impl ProgramRunner for EngineRunner {
     }
 
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
-        let engine = (self.make)(setup).map_err(|e| describe(&e))?;
-        Ok(Box::new(EngineExecutor::new(engine, setup)?))
+        self.recorder = None;
+        let engine = match &mut self.make {
+            Make::Engine(make) => make(setup),
+            Make::Recording(make) if !super::graph::enabled() => make(setup).and_then(|backend| {
+                Engine::with_backend(backend, setup.streams, config(setup).pools)
+            }),
+            Make::Recording(make) => {
+                let recorder = GraphRecorder::new();
+                self.recorder = Some(recorder.clone());
+                make(setup).and_then(|backend| {
+                    let backend = RecordingBackend::new(backend, recorder);
+                    Engine::with_backend(Arc::new(backend), setup.streams, config(setup).pools)
+                })
+            }
+        }
+        .map_err(|e| describe(&e))?;
+        let mut exec = EngineExecutor::new(engine, setup)?;
+        exec.recorder = self.recorder.clone();
+        Ok(Box::new(exec))
+    }
+
+    fn graph(&self) -> Option<GraphReport> {
+        self.recorder.as_ref().map(|r| r.check())
     }
 }
 
@@ -143,6 +199,7 @@ pub struct EngineExecutor {
     ctxs: Vec<Context>,
     routines: Vec<Routine>,
     events: Vec<Event>,
+    recorder: Option<Arc<GraphRecorder>>,
 }
 
 fn err(e: tributary::Error) -> String {
@@ -161,6 +218,7 @@ impl EngineExecutor {
             ctxs: Vec::new(),
             routines: Vec::new(),
             events: Vec::new(),
+            recorder: None,
         })
     }
 
@@ -260,6 +318,12 @@ impl EngineExecutor {
 }
 
 impl Executor for EngineExecutor {
+    fn begin_op(&mut self, index: usize) {
+        if let Some(r) = &self.recorder {
+            r.begin_op(index);
+        }
+    }
+
     fn apply(&mut self, op: &Op) -> OpResult {
         match op {
             Op::Root { device, stream } => {

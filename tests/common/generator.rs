@@ -77,6 +77,17 @@ pub enum Abs {
     Copy { node: u8, src: u16, dst: u16 },
     /// Feed a merge routine: `Copy` then schedule, `Copy` only, or `StreamingFor`.
     Merge { routine: u16, src: u16, how: u8 },
+    /// A host write of a hosted node some context holds, then a read of that node's value
+    /// in a context (`then` 0), a copy into another context's buffer (1), or a merge
+    /// consumer fed by `Copy` (2) or `StreamingFor` (3): the source buffers lag the host
+    /// write, so these read what only the host array holds.
+    HostWriteThen {
+        node: u8,
+        data: Data,
+        then: u8,
+        a: u16,
+        b: u16,
+    },
     /// Finalize a context without live children.
     Finalize { ctx: u16 },
     /// Observe everything.
@@ -149,6 +160,9 @@ fn arb_abs() -> impl Strategy<Value = Abs> {
         4 => (ix(), nd()).prop_map(|(ctx, node)| Abs::Read { ctx, node }),
         8 => (nd(), ix(), ix()).prop_map(|(node, src, dst)| Abs::Copy { node, src, dst }),
         12 => (ix(), ix(), 0u8..3).prop_map(|(routine, src, how)| Abs::Merge { routine, src, how }),
+        5 => (nd(), arb_data(), 0u8..4, ix(), ix()).prop_map(|(node, data, then, a, b)| {
+            Abs::HostWriteThen { node, data, then, a, b }
+        }),
         6 => ix().prop_map(|ctx| Abs::Finalize { ctx }),
         1 => Just(Abs::Checkpoint),
         1 => Just(Abs::Sync),
@@ -349,6 +363,65 @@ impl Resolver {
                     _ => {
                         self.push(copy(D2d::StreamingFor(routine)));
                     }
+                }
+            }
+            Abs::HostWriteThen {
+                node,
+                data,
+                then,
+                a,
+                b,
+            } => {
+                let held = |n: N| r.live_contexts().into_iter().any(|c| r.contains(c, n));
+                let node = pick(&self.nodes(|n, d| d.mode.host_writable() && held(n)), node)?;
+                let holders: Vec<C> = r
+                    .live_contexts()
+                    .into_iter()
+                    .filter(|&c| r.contains(c, node))
+                    .collect();
+                let src = pick(&holders, a)?;
+                let mergers: Vec<R> = r
+                    .live_routines()
+                    .into_iter()
+                    .filter(|&x| r.kernel_of(x).merge() == Some(node))
+                    .collect();
+                let writable = setup.nodes[node.0].mode.device_writable();
+                let then = match then % 4 {
+                    1 if writable => Op::DeviceToDevice {
+                        node,
+                        src,
+                        dst: pick(&holders, b)?,
+                        mode: D2d::No,
+                    },
+                    2 | 3 if !mergers.is_empty() => {
+                        let routine = pick(&mergers, b)?;
+                        let mode = if then % 4 == 2 {
+                            D2d::Copy
+                        } else {
+                            D2d::StreamingFor(routine)
+                        };
+                        Op::DeviceToDevice {
+                            node,
+                            src,
+                            dst: r.context_of(routine),
+                            mode,
+                        }
+                    }
+                    _ => Op::Read { ctx: src, node },
+                };
+                if !self.push(Op::HostWrite { node, data }) {
+                    return None;
+                }
+                let copy_into_merge = matches!(
+                    then,
+                    Op::DeviceToDevice {
+                        mode: D2d::Copy,
+                        ..
+                    }
+                );
+                if self.push(then) && copy_into_merge {
+                    let routine = pick(&mergers, b)?;
+                    self.push(Op::Schedule { routine });
                 }
             }
             Abs::Finalize { ctx } => {

@@ -6,6 +6,7 @@
 
 pub mod engine_runner;
 pub mod generator;
+pub mod graph;
 pub mod program;
 pub mod reference;
 pub mod system_runner;

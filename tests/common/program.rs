@@ -587,6 +587,11 @@ pub trait Executor {
     /// Runs one operation.
     fn apply(&mut self, op: &Op) -> OpResult;
 
+    /// Operation `index` of the program is about to be applied (for recorders).
+    fn begin_op(&mut self, index: usize) {
+        let _ = index;
+    }
+
     /// Sizes of the system's bookkeeping, for boundedness checks (`None`: not available).
     fn probe(&self) -> Option<Probe> {
         None
@@ -618,6 +623,12 @@ pub trait ProgramRunner {
     /// Starts a fresh system for `setup`.
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String>;
 
+    /// The dependency-graph check of the last run, for runners that record one
+    /// ([`super::graph`]).
+    fn graph(&self) -> Option<super::graph::GraphReport> {
+        None
+    }
+
     /// Runs `program` on a fresh system.
     fn run(&mut self, program: &Program) -> Outcome {
         let mut exec = match self.start(&program.setup) {
@@ -628,9 +639,16 @@ pub trait ProgramRunner {
                 }
             }
         };
-        Outcome {
-            results: program.ops.iter().map(|op| exec.apply(op)).collect(),
-        }
+        let results = program
+            .ops
+            .iter()
+            .enumerate()
+            .map(|(i, op)| {
+                exec.begin_op(i);
+                exec.apply(op)
+            })
+            .collect();
+        Outcome { results }
     }
 }
 

@@ -27,7 +27,12 @@
 //!   into it; an `add_merge` consumer needs its node there. `StreamingFor` consumers read
 //!   the source buffer in place (after their own uploads) and leave the slot alone; a
 //!   source that is also one of the consumer's outputs cannot be streamed.
-//! - `read` returns a buffer's content as it is (no upload).
+//! - **A copy never reads a stale value.** `device_to_device` (every mode) of a hosted
+//!   node whose source buffer lags first uploads the host array into the source buffer,
+//!   as a routine reading it would, once every check of the operation passed.
+//! - `read` returns what a routine of the context would read: the buffer's content, or,
+//!   when a hosted buffer lags, the host array's (without uploading: a read changes
+//!   nothing).
 //!
 //! Errors are reported by variant name, like [`describe`](super::program::describe); the
 //! reference checks the misuses a generated program could contain, and the generator drops
@@ -128,6 +133,9 @@ pub struct Reference {
     ctxs: Vec<Ctx>,
     routines: Vec<Routine>,
     hosts: Vec<Host>,
+    /// How many reads and copies found their buffer lagging a host write (the generator's
+    /// coverage of stale reads): `read`, `device_to_device` `No`, `Copy`, `StreamingFor`.
+    pub lagging_reads: [usize; 4],
 }
 
 type Res<T> = Result<T, String>;
@@ -163,6 +171,7 @@ impl Reference {
                     newer: None,
                 })
                 .collect(),
+            lagging_reads: [0; 4],
         }
     }
 
@@ -656,67 +665,97 @@ impl Reference {
         Ok(self.hosts[n.0].data.values())
     }
 
+    /// The value a routine of the context holding buffer `b` would read: the buffer's, or
+    /// the host array's when the buffer lags it.
+    fn value_of(&self, b: usize) -> Values {
+        let n = self.bufs[b].node;
+        if self.setup.nodes[n].mode.is_hosted() && self.lagging(b) {
+            self.hosts[n].data.values()
+        } else {
+            self.bufs[b].data.values()
+        }
+    }
+
     fn device_to_device(&mut self, n: N, src: C, dst: C, mode: D2d) -> Res<Obs> {
         let d = self.live_ctx(dst)?.clone();
         let sb = self.buf_of(src, n)?;
-        match mode {
+        // Every check first: a refused operation changes nothing.
+        let db = match mode {
             D2d::No => {
                 let db = self.buf_of(dst, n)?;
                 if db == sb {
                     return Ok(Obs::NoOp);
                 }
-                let stale = self.hosted(n.0)? && self.lagging(sb);
+                Some(db)
+            }
+            D2d::Copy => None,
+            D2d::StreamingFor(r) => {
+                self.check_streaming(n, src, &d, sb, r)?;
+                None
+            }
+        };
+        // The source is read: a lagging one is uploaded first, as for a routine.
+        if self.hosted(n.0)? && self.lagging(sb) {
+            self.upload(sb);
+            let mode = match mode {
+                D2d::No => 1,
+                D2d::Copy => 2,
+                D2d::StreamingFor(_) => 3,
+            };
+            self.lagging_reads[mode] += 1;
+        }
+        match (mode, db) {
+            (D2d::No, Some(db)) => {
                 self.bufs[db].data = self.bufs[sb].data.clone();
                 self.bufs[db].host_version = self.bufs[sb].host_version;
                 if self.hosted(n.0)? {
-                    let h = &mut self.hosts[n.0];
-                    if !stale {
-                        h.newer = Some(db);
-                    } else if h.newer == Some(db) {
-                        // The source lags the host array, so its value is the host's (it
-                        // would be uploaded before any read); so is the copy's: it lags
-                        // too, and is no device value newer than the host.
-                        h.newer = None;
-                    }
+                    // The source holds the current host version now, so the copy is the
+                    // node's newest device value (equal to the host's).
+                    self.hosts[n.0].newer = Some(db);
                 }
                 Ok(Obs::Done)
             }
-            D2d::Copy => {
+            (D2d::Copy, _) => {
                 let v = self.bufs[sb].data.clone();
                 self.devices[d.device].merge[d.stream] = Some((n.0, v));
                 Ok(Obs::Done)
             }
-            D2d::StreamingFor(r) => {
-                let routine = self
-                    .routines
-                    .get(r.0)
-                    .ok_or_else(|| format!("Unknown: routine r{}", r.0))?;
-                let (rc, kernel) = (C(routine.ctx), routine.kernel.clone());
-                let consumer = self.live_ctx(rc)?;
-                if (consumer.device, consumer.stream) != (d.device, d.stream) {
-                    return Err("InvalidRoutine: consumer on another stream".into());
-                }
-                let src_device = self.live_ctx(src)?.device;
-                if self.streaming == Streaming::SameDevice && src_device != d.device {
-                    return Err("StreamingUnsupported: across devices".into());
-                }
-                match kernel.merge() {
-                    None => return Err("InvalidRoutine: the consumer reads no merge buffer".into()),
-                    Some(m) if m != n => {
-                        return Err(format!("MergeBufferMismatch: expects n{}", m.0))
-                    }
-                    Some(_) => {}
-                }
-                for (p, acc) in kernel.params() {
-                    if acc != Acc::Read && self.buf_of(rc, p)? == sb {
-                        return Err(
-                            "StreamingUnsupported: the source is the consumer's output".into()
-                        );
-                    }
-                }
+            (D2d::StreamingFor(r), _) => {
+                let (rc, kernel) = (C(self.routines[r.0].ctx), self.routines[r.0].kernel.clone());
                 self.run(rc, &kernel, MergeFrom::Source(sb))
             }
+            (D2d::No, None) => Err("Unknown: no destination buffer".into()),
         }
+    }
+
+    /// The checks of a `StreamingFor` of `n` from buffer `sb` (of context `src`) to the
+    /// consumer `r` on `dst`'s stream.
+    fn check_streaming(&self, n: N, src: C, dst: &Ctx, sb: usize, r: R) -> Res<()> {
+        let routine = self
+            .routines
+            .get(r.0)
+            .ok_or_else(|| format!("Unknown: routine r{}", r.0))?;
+        let (rc, kernel) = (C(routine.ctx), routine.kernel.clone());
+        let consumer = self.live_ctx(rc)?;
+        if (consumer.device, consumer.stream) != (dst.device, dst.stream) {
+            return Err("InvalidRoutine: consumer on another stream".into());
+        }
+        let src_device = self.live_ctx(src)?.device;
+        if self.streaming == Streaming::SameDevice && src_device != dst.device {
+            return Err("StreamingUnsupported: across devices".into());
+        }
+        match kernel.merge() {
+            None => return Err("InvalidRoutine: the consumer reads no merge buffer".into()),
+            Some(m) if m != n => return Err(format!("MergeBufferMismatch: expects n{}", m.0)),
+            Some(_) => {}
+        }
+        for (p, acc) in kernel.params() {
+            let pb = self.buf_of(rc, p)?;
+            if acc != Acc::Read && pb == sb {
+                return Err("StreamingUnsupported: the source is the consumer's output".into());
+            }
+        }
+        Ok(())
     }
 
     fn finalize(&mut self, c: C) -> Res<Obs> {
@@ -748,7 +787,7 @@ impl Reference {
                 continue;
             }
             for (&n, &(b, _)) in &ctx.arrays {
-                buffers.push((C(i), N(n), self.bufs[b].data.values()));
+                buffers.push((C(i), N(n), self.value_of(b)));
             }
         }
         let mut host = Vec::new();
@@ -811,7 +850,10 @@ impl Reference {
             Op::HostWrite { node, data } => self.host_write(*node, *data),
             Op::Read { ctx, node } => {
                 let b = self.buf_of(*ctx, *node)?;
-                Ok(Obs::Values(self.bufs[b].data.values()))
+                if self.hosted(node.0)? && self.lagging(b) {
+                    self.lagging_reads[0] += 1;
+                }
+                Ok(Obs::Values(self.value_of(b)))
             }
             Op::Finalize { ctx } => self.finalize(*ctx),
             Op::Sync => Ok(Obs::Done),
