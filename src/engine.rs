@@ -99,8 +99,10 @@ impl Engine {
         pools: PoolConfig,
     ) -> Result<Engine> {
         if streams == 0 {
-            return Err(Error::Unknown {
-                what: "configuration with zero streams per device".into(),
+            return Err(Error::InvalidConfig {
+                setting: "streams".into(),
+                value: streams.to_string(),
+                reason: "every device needs at least one stream".into(),
             });
         }
         let mut devices = Vec::new();
@@ -169,8 +171,9 @@ impl Engine {
         self.devices
             .iter()
             .position(|d| d.device() == device)
-            .ok_or_else(|| Error::Unknown {
-                what: format!("device {device}"),
+            .ok_or(Error::UnknownDevice {
+                device,
+                count: self.devices.len(),
             })
     }
 
@@ -186,14 +189,17 @@ impl Engine {
             let d = self.device_index(plan.stream().device)?;
             let event = plan.event().clone();
             tracing::trace!(stream = %plan.stream(), seq = event.seq(), op = ?plan.work(), deps = plan.deps().len(), "submit");
-            match self.queues[d].get(plan.stream().index as usize) {
+            let queues = &self.queues[d];
+            match queues.get(plan.stream().index as usize) {
                 Some(q) => {
                     // A dead queue fails the event itself; the error reaches waiters.
                     let _ = q.submit(plan);
                 }
                 None => {
-                    return Err(Error::Unknown {
-                        what: format!("stream {}", plan.stream()),
+                    return Err(Error::NoSuchStream {
+                        device: plan.stream().device,
+                        index: plan.stream().index as usize,
+                        count: queues.len(),
                     })
                 }
             }
@@ -204,8 +210,10 @@ impl Engine {
 
     /// A root context (no arrays) on `stream` of `device`.
     pub fn context(&mut self, device: usize, stream: usize) -> Result<Context> {
-        let state = self.devices.get_mut(device).ok_or_else(|| Error::Unknown {
-            what: format!("device index {device}"),
+        let count = self.devices.len();
+        let state = self.devices.get_mut(device).ok_or(Error::NoSuchDevice {
+            index: device,
+            count,
         })?;
         state.root_context(stream)
     }
@@ -227,8 +235,8 @@ impl Engine {
         let device = routine.context().device();
         let i = self.device_index(device)?;
         let plans = self.devices[i].schedule(routine, &mut self.host)?;
-        self.submit(plans)?.ok_or_else(|| Error::Unknown {
-            what: "empty plan".into(),
+        self.submit(plans)?.ok_or_else(|| {
+            Error::Internal(format!("scheduling {} planned nothing", routine.name()))
         })
     }
 
@@ -378,8 +386,10 @@ impl Engine {
     /// Waits for all work of `device` issued so far, then prunes its tables.
     /// Returns the first failure among that work, if any.
     pub fn sync_device(&mut self, device: usize) -> Result<()> {
-        let state = self.devices.get_mut(device).ok_or_else(|| Error::Unknown {
-            what: format!("device index {device}"),
+        let count = self.devices.len();
+        let state = self.devices.get_mut(device).ok_or(Error::NoSuchDevice {
+            index: device,
+            count,
         })?;
         let mut first = Ok(());
         for e in state.last_events() {

@@ -95,29 +95,71 @@ impl Default for SystemConfig {
 }
 
 impl SystemConfig {
-    /// Parses a TOML document.
+    /// Parses a TOML document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_toml_str("cpu_devices = 3")?;
+    /// assert_eq!(c.cpu_devices, 3);
+    /// assert!(SystemConfig::from_toml_str("cpu_devices = \"three\"").is_err());
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_toml_str(text: &str) -> Result<SystemConfig> {
-        toml::from_str(text).map_err(|e| Error::Unknown {
-            what: format!("configuration (TOML): {e}"),
+        toml::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "toml".into(),
+            message: e.to_string(),
         })
     }
 
-    /// Parses a JSON document.
+    /// Parses a JSON document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_json_str(r#"{ "cpu_devices": 1 }"#)?;
+    /// assert_eq!(c.cpu_devices, 1);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_json_str(text: &str) -> Result<SystemConfig> {
-        serde_json::from_str(text).map_err(|e| Error::Unknown {
-            what: format!("configuration (JSON): {e}"),
+        serde_json::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "json".into(),
+            message: e.to_string(),
         })
     }
 
-    /// Reads a `.toml` or `.json` file.
+    /// Reads a `.json` file as JSON, any other as TOML; [`Error::ConfigParse`] naming the
+    /// file when it cannot be read or parsed.
+    ///
+    /// ```
+    /// use tributary::Error;
+    /// use tributary_actors::SystemConfig;
+    /// let err = SystemConfig::from_file("/nonexistent/tributary.toml").unwrap_err();
+    /// assert!(matches!(err, Error::ConfigParse { path: Some(_), .. }), "{err}");
+    /// ```
     pub fn from_file(path: impl AsRef<Path>) -> Result<SystemConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Unknown {
-            what: format!("configuration file {}: {e}", path.display()),
+        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        let format = if json { "json" } else { "toml" };
+        let with_path = |e: Error| match e {
+            Error::ConfigParse {
+                format, message, ..
+            } => Error::ConfigParse {
+                path: Some(path.to_path_buf()),
+                format,
+                message,
+            },
+            other => other,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| Error::ConfigParse {
+            path: Some(path.to_path_buf()),
+            format: format.into(),
+            message: e.to_string(),
         })?;
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("json") => Self::from_json_str(&text),
-            _ => Self::from_toml_str(&text),
+        if json {
+            Self::from_json_str(&text).map_err(with_path)
+        } else {
+            Self::from_toml_str(&text).map_err(with_path)
         }
     }
 }
@@ -263,8 +305,10 @@ impl System {
             .backend
             .create_with_recorder(config.cpu_devices, recorder.clone())?;
         if backend.devices().is_empty() {
-            return Err(Error::Unknown {
-                what: "configuration with zero devices".into(),
+            return Err(Error::InvalidConfig {
+                setting: "cpu_devices".into(),
+                value: config.cpu_devices.to_string(),
+                reason: "the backend has no devices to run".into(),
             });
         }
         let device_info = backend
@@ -289,8 +333,9 @@ impl System {
                     let _ = sys.run();
                 }
             })
-            .map_err(|e| Error::Unknown {
-                what: format!("cannot spawn the actor thread: {e}"),
+            .map_err(|e| Error::Io {
+                what: "spawn the actor thread".into(),
+                message: e.to_string(),
             })?;
         let (devices, device_ids, coordinator, arbiters, actix) = rx
             .recv()
@@ -404,9 +449,9 @@ impl System {
             .iter()
             .position(|&d| d == device)
             .and_then(|i| self.shared.devices.get(i))
-            .ok_or(Error::NoSuchDevice {
-                index: device.0 as usize,
-                count: self.shared.devices.len(),
+            .ok_or(Error::UnknownDevice {
+                device,
+                count: self.shared.device_ids.len(),
             })
     }
 
@@ -723,9 +768,7 @@ impl System {
                 }
                 // Read under the lock: no new transfer into the array can be planned meanwhile.
                 let bytes = self.host_table().read_bytes(node)?;
-                return tributary::kernels::from_bytes(&bytes).map_err(|e| Error::Unknown {
-                    what: e.to_string(),
-                });
+                return Ok(tributary::kernels::from_bytes(&bytes)?);
             }
             for e in pending {
                 let _ = e.wait_async().await;
@@ -789,9 +832,7 @@ impl System {
         event.wait_async().await?;
         // SAFETY: the copy into `into` completed (awaited above); nothing else refers to it.
         let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
-        tributary::kernels::from_bytes(data).map_err(|e| Error::Unknown {
-            what: e.to_string(),
-        })
+        Ok(tributary::kernels::from_bytes(data)?)
     }
 
     /// Finalizes `ctx`: its buffers are freed after their pending uses.
@@ -1080,6 +1121,12 @@ impl StreamHandle {
 }
 
 /// A context of a running system, with the operations that start from it.
+///
+/// Two types are called "context": this handle (a [`protocol::Context`](Context) plus the
+/// [`System`] it lives in, so it can link, read and finalize by itself) and the protocol's
+/// [`Context`] value it wraps ([`ContextHandle::protocol_context`]), which the lower-level
+/// methods of [`System`] take. A handle derefs to its `Context` and is `AsRef<Context>`,
+/// so it can be passed wherever a `&Context` or an `impl AsRef<Context>` is expected.
 #[derive(Clone)]
 pub struct ContextHandle {
     sys: System,
@@ -1087,7 +1134,21 @@ pub struct ContextHandle {
 }
 
 impl ContextHandle {
-    /// The engine context.
+    /// The protocol's context value this handle wraps.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().cpu_devices(1).spawn()?;
+    /// let ctx = sys.context(0, 0)?;
+    /// assert_eq!(ctx.protocol_context().device(), tributary::DeviceId(0));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn protocol_context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The protocol's context value: renamed [`ContextHandle::protocol_context`].
+    #[deprecated(note = "renamed `protocol_context` (a `ContextHandle` is itself a context)")]
     pub fn context(&self) -> &Context {
         &self.ctx
     }
@@ -1134,6 +1195,20 @@ impl std::ops::Deref for ContextHandle {
     }
 }
 
+impl AsRef<Context> for ContextHandle {
+    fn as_ref(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+/// A routine's handle stands for the context it was linked into (a child of the one given
+/// to `link`): the context holding what the routine wrote.
+impl AsRef<Context> for RoutineHandle {
+    fn as_ref(&self) -> &Context {
+        self.routine.context()
+    }
+}
+
 /// A linked routine of a running system.
 #[derive(Clone)]
 pub struct RoutineHandle {
@@ -1147,7 +1222,13 @@ impl RoutineHandle {
         &self.routine
     }
 
-    /// The routine's context (a child of the one it was linked into).
+    /// The protocol's context value of the routine (a child of the one it was linked
+    /// into); [`RoutineHandle::context`] gives it as a handle.
+    pub fn protocol_context(&self) -> &Context {
+        self.routine.context()
+    }
+
+    /// The routine's context (a child of the one it was linked into), as a handle.
     pub fn context(&self) -> ContextHandle {
         ContextHandle {
             sys: self.sys.clone(),

@@ -33,6 +33,7 @@ impl fmt::Display for ArgSlot {
 
 /// Why a kernel could not get a view of an argument.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ArgError {
     /// There is no such parameter, or no merge buffer.
     #[error("{slot} does not exist ({len} parameters)")]

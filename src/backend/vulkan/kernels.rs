@@ -712,10 +712,12 @@ impl Lowering<'_> {
             DType::F32 => u64::from((value as f32).to_bits()) * 0x1_0000_0001,
             DType::F64 => value.to_bits(),
             DType::F16 => {
-                u64::from(crate::node::F16::from_f32(value as f32).to_bits()) * 0x0001_0001_0001_0001
+                u64::from(crate::node::F16::from_f32(value as f32).to_bits())
+                    * 0x0001_0001_0001_0001
             }
             DType::BF16 => {
-                u64::from(crate::node::Bf16::from_f32(value as f32).to_bits()) * 0x0001_0001_0001_0001
+                u64::from(crate::node::Bf16::from_f32(value as f32).to_bits())
+                    * 0x0001_0001_0001_0001
             }
             DType::I32 => u64::from((value as i32) as u32) * 0x1_0000_0001,
             DType::U8 => u64::from(value as u8) * 0x0101_0101_0101_0101,
