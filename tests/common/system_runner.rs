@@ -179,7 +179,7 @@ impl Executor for SystemExecutor {
         match op {
             Op::Root { device, stream } => {
                 let ctx = self.sys.context(*device, *stream).map_err(err)?;
-                self.ctxs.push((ctx.context().clone(), true));
+                self.ctxs.push((ctx.protocol_context().clone(), true));
                 Ok(Obs::Done)
             }
             Op::Link { ctx, kernel } => {
@@ -202,7 +202,7 @@ impl Executor for SystemExecutor {
                     Dt::I32 => self.sys.init_from_host(&ctx, n, &data.i32s(numel)),
                 }
                 .map_err(err)?;
-                self.ctxs.push((child.context().clone(), true));
+                self.ctxs.push((child.protocol_context().clone(), true));
                 Ok(Obs::Done)
             }
             Op::FromHost { ctx, node } => {
