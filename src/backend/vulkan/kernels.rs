@@ -532,6 +532,12 @@ impl Lowering<'_> {
                 expect("the source (bytes)", bytes(1)?, bytes(0)?)?;
                 self.copy(region(1)?, 0, region(0)?, 0, bytes(0)?)
             }
+            Builtin::CopyMerge => {
+                // A buffer copy (vkCmdCopyBuffer), bitwise like the CPU built-in.
+                let m = merge.ok_or("no merge buffer given")?;
+                expect("the merge buffer (bytes)", m.binding.bytes, bytes(0)?)?;
+                self.copy(&m.region, 0, region(0)?, 0, bytes(0)?)
+            }
             Builtin::CopyRange {
                 dst_offset,
                 src_offset,
