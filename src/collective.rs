@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 
 /// How the contributions are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// The sum.
     Sum,
@@ -54,6 +55,7 @@ pub enum ReduceOp {
 
 /// The communication pattern of an all-reduce (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Strategy {
     /// Everything into one owner, then broadcast.
     Star,

@@ -176,7 +176,24 @@ impl AllReducePlan {
 
 impl System {
     /// All-reduces `nodes` over `contexts` once (see [`AllReducePlan`]); returns the final
-    /// events. Prefer a reusable plan in a training loop.
+    /// events. Prefer a reusable plan in a training loop. `contexts` may be anything that
+    /// holds a context: `Context`s, [`ContextHandle`](crate::ContextHandle)s or
+    /// [`RoutineHandle`](crate::RoutineHandle)s (standing for the context they wrote).
+    ///
+    /// ```
+    /// use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
+    /// let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::F32, [3]).with_mode(MemoryMode::on_device())?;
+    /// let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
+    /// let b = sys.context(1, 0)?.link(kernels::fill(&g, 3.0)?)?;
+    /// a.schedule()?;
+    /// b.schedule()?;
+    /// sys.all_reduce(&[g.clone()], [&a, &b], ReduceOp::Mean, Strategy::Ring)?;
+    /// assert_eq!(a.context().read::<f32>(&g)?, vec![2.0; 3]);
+    /// assert_eq!(b.context().read::<f32>(&g)?, vec![2.0; 3]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn all_reduce<C: AsRef<Context>>(
         &self,
         nodes: &[TensorNode],
@@ -205,6 +222,32 @@ pub struct BucketedAllReduce {
 impl BucketedAllReduce {
     /// Plans a bucketed all-reduce of `grads` (same dtype) over `contexts`, with buckets of
     /// at most `bucket_bytes` bytes (a larger gradient gets a bucket of its own).
+    ///
+    /// ```
+    /// use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
+    /// use tributary_actors::BucketedAllReduce;
+    /// let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
+    /// let grads: Vec<_> = (0..3)
+    ///     .map(|i| sys.node(&format!("g{i}"), DType::F32, [2]).with_mode(MemoryMode::on_device()))
+    ///     .collect::<Result<_, _>>()?;
+    /// let mut replicas = Vec::new();
+    /// for d in 0..2 {
+    ///     let mut ctx = sys.context(d, 0)?;
+    ///     for g in &grads {
+    ///         let r = ctx.link(kernels::fill(g, 1.0 + d as f64)?)?;
+    ///         r.schedule()?;
+    ///         ctx = r.context();
+    ///     }
+    ///     replicas.push(ctx);
+    /// }
+    /// let plan = BucketedAllReduce::new(&sys, &grads, &replicas, ReduceOp::Sum, Strategy::Star, 16)?;
+    /// assert_eq!(plan.bucket_count(), 2); // 8 + 8 bytes, then 8
+    /// plan.run()?;
+    /// assert_eq!(sys.read::<f32>(&plan.contexts()[1], &grads[2])?, vec![3.0; 2]);
+    /// plan.finalize()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn new<C: AsRef<Context>>(
         sys: &System,
         grads: &[TensorNode],
