@@ -596,7 +596,7 @@ mod tests {
             .unwrap();
         let c = sys.context(0, 0).unwrap();
         let cw = c.init_from_host(&w, &[1.0f32; 8]).unwrap();
-        (w, cw.context().clone())
+        (w, cw.protocol_context().clone())
     }
 
     #[test]

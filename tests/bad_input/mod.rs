@@ -257,7 +257,7 @@ impl Api for SystemApi {
         "system"
     }
     fn context(&mut self, device: usize, stream: usize) -> Result<Context> {
-        Ok(self.0.context(device, stream)?.context().clone())
+        Ok(self.0.context(device, stream)?.protocol_context().clone())
     }
     fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine> {
         Ok(self.0.link(ctx, spec)?.routine().clone())
@@ -269,7 +269,7 @@ impl Api for SystemApi {
         with_data!(data, |v| Ok(self
             .0
             .init_from_host(ctx, node, &v)?
-            .context()
+            .protocol_context()
             .clone()))
     }
     fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
