@@ -105,8 +105,9 @@ mod sealed {
 /// A Rust type that is the element of some [`DType`]; used for typed views of buffers.
 ///
 /// Sealed: every implementor is plain old data with no padding and no invalid bit
-/// patterns, which is what makes reinterpreting buffer bytes as `[T]` sound.
-pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
+/// patterns ([`bytemuck::Pod`]), which is what makes reinterpreting buffer bytes as `[T]`
+/// sound.
+pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + fmt::Debug + 'static {
     /// The dtype this Rust type represents.
     const DTYPE: DType;
 }
