@@ -69,7 +69,12 @@ impl StreamConfig {
 }
 
 /// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
+///
+/// New settings may be added in minor releases (`#[non_exhaustive]`): build one with
+/// [`System::builder`], from a document ([`SystemConfig::from_toml_str`]), or from
+/// `SystemConfig::default()` and field assignments.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
 #[serde(default, deny_unknown_fields)]
 pub struct SystemConfig {
     /// Number of virtual CPU devices.
