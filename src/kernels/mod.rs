@@ -38,8 +38,8 @@ pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
 pub use cpu::{run_cpu, run_on_host};
 pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
 pub use spec::{
-    add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul,
-    matmul_nt, matmul_tn, mul, relu, relu_backward, scale, scale_in_place, sgd_step,
-    softmax_xent, sum_rows, Access, Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar,
-    CudaSource, Kernel, Param, RoutineSpec, ShaderKernel, ShaderSource,
+    add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul, matmul_nt,
+    matmul_tn, mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows,
+    Access, Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, Param,
+    RoutineSpec, ShaderKernel, ShaderSource,
 };
