@@ -422,6 +422,8 @@ impl Error {
             Error::LengthMismatch { .. } => "LengthMismatch",
             Error::IndexOutOfRange { .. } => "IndexOutOfRange",
             Error::ActorPanicked { .. } => "ActorPanicked",
+            Error::HostArrayBusy { .. } => "HostArrayBusy",
+            Error::WrongStream { .. } => "WrongStream",
         }
     }
 
