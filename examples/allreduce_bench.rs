@@ -134,7 +134,7 @@ fn strategy_busbw(
             ctx = r.context();
             fills.push(r);
         }
-        contexts.push(ctx.context().clone());
+        contexts.push(ctx.protocol_context().clone());
     }
     for f in &fills {
         f.schedule()?;
@@ -161,7 +161,7 @@ fn strategy_busbw(
     }
     plan.finalize()?;
     for f in fills.iter().rev() {
-        sys.finalize(f.context().context())?;
+        sys.finalize(f.protocol_context())?;
     }
     Ok(busbw(chunk * 4 * n, n, median(times)))
 }

@@ -326,7 +326,7 @@ fn tributary_allreduce(bytes: usize, reps: usize) -> Measured {
                 r.schedule().map_err(s)?;
                 ctx = r.context();
             }
-            contexts.push(ctx.context().clone());
+            contexts.push(ctx.protocol_context().clone());
         }
         let plan = AllReducePlan::new(
             &sys,

@@ -123,9 +123,9 @@ fn vulkan_rows(sizes: &[usize], reps: usize, staging: bool) -> Result<Vec<Row>> 
         let copy = |e: &mut Engine, dst: &tributary::protocol::Context| -> Result<()> {
             match e.device_to_device(&g, src.context(), dst, MergeBufferUse::No)? {
                 Some(ev) => ev.wait(),
-                None => Err(tributary::Error::Unknown {
-                    what: "a copy that moved nothing".into(),
-                }),
+                None => Err(tributary::Error::Internal(
+                    "a copy between two buffers moved nothing".into(),
+                )),
             }
         };
         if !staging {

@@ -10,20 +10,42 @@
 //! Strategies (n contexts, data split into chunks):
 //! - [`Strategy::Star`]: everything into context 0, then broadcast from it (2(n-1)
 //!   transfers of the whole data, all through context 0).
-//! - [`Strategy::Tree`]: pairwise levels: with `m` contexts left, the upper half merges
-//!   into the lower half (an odd one sits out), until one holds the sum; then the same
-//!   levels in reverse broadcast it (2(n-1) transfers, ⌈log2 n⌉ levels deep).
+//! - [`Strategy::Tree`]: pairwise levels: with `m` contexts left and `h = ⌈m/2⌉`, context
+//!   `h + i` merges into context `i` for every `i < m - h`; when `m` is odd the middle
+//!   context `h - 1` has no partner and sits that level out (it is merged at a later
+//!   level). Repeat with `m = h` until context 0 holds the sum; then the same levels in
+//!   reverse broadcast it (2(n-1) transfers, ⌈log2 n⌉ levels deep each way).
 //! - [`Strategy::Ring`]: reduce-scatter then all-gather around the ring, `n-1` steps each;
 //!   in each step every context sends one chunk group to its successor, so every link
 //!   carries `2(n-1)/n` of the data: bandwidth-optimal when the chunk groups are balanced.
 //!
 //! The planner is pure ([`plan`]); executors (the actor system's `System::all_reduce`
-//! through its coordinator) carry the steps out.
+//! through its coordinator) carry the steps out. [`levels`] groups a plan's steps into
+//! levels of independent steps, to read (or print) what runs at the same time:
+//!
+//! ```
+//! use tributary::collective::{levels, plan, ReduceOp, Strategy};
+//! let steps = plan(5, 1, Strategy::Tree, ReduceOp::Sum);
+//! for (i, level) in levels(&steps).iter().enumerate() {
+//!     let steps: Vec<String> = level.iter().map(|s| s.to_string()).collect();
+//!     println!("level {i}: {}", steps.join(", "));
+//! }
+//! // level 0: reduce chunk 0: ctx 3 -> ctx 0, reduce chunk 0: ctx 4 -> ctx 1  (ctx 2 sits out)
+//! // level 1: reduce chunk 0: ctx 2 -> ctx 0
+//! // level 2: reduce chunk 0: ctx 1 -> ctx 0
+//! // level 3: broadcast chunk 0: ctx 0 -> ctx 1, ... ctx 0 -> ctx 2, ... ctx 0 -> ctx 3
+//! // level 4: broadcast chunk 0: ctx 1 -> ctx 4
+//! let first: Vec<String> = levels(&steps)[0].iter().map(|s| s.to_string()).collect();
+//! assert_eq!(first, ["reduce chunk 0: ctx 3 -> ctx 0", "reduce chunk 0: ctx 4 -> ctx 1"]);
+//! ```
+
+use std::{collections::HashMap, fmt};
 
 use serde::{Deserialize, Serialize};
 
 /// How the contributions are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// The sum.
     Sum,
@@ -33,10 +55,13 @@ pub enum ReduceOp {
 
 /// The communication pattern of an all-reduce (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Strategy {
     /// Everything into one owner, then broadcast.
     Star,
-    /// Pairwise levels, then the reverse levels.
+    /// Pairwise levels, then the reverse levels: with `m` contexts left, context
+    /// `⌈m/2⌉ + i` merges into context `i`; for odd `m` the middle context `⌈m/2⌉ - 1`
+    /// sits the level out.
     Tree,
     /// Reduce-scatter then all-gather around a ring.
     Ring,
@@ -86,6 +111,79 @@ pub enum Step {
         /// The context.
         ctx: usize,
     },
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Step::Reduce { chunk, src, dst } => {
+                write!(f, "reduce chunk {chunk}: ctx {src} -> ctx {dst}")
+            }
+            Step::Broadcast { chunk, src, dst } => {
+                write!(f, "broadcast chunk {chunk}: ctx {src} -> ctx {dst}")
+            }
+            Step::Scale { chunk, ctx } => write!(f, "scale chunk {chunk} in ctx {ctx}"),
+        }
+    }
+}
+
+impl Step {
+    /// The chunk of one context this step reads (the source), if it reads another one's.
+    fn reads(&self) -> Option<(usize, usize)> {
+        match *self {
+            Step::Reduce { chunk, src, .. } | Step::Broadcast { chunk, src, .. } => {
+                Some((src, chunk))
+            }
+            Step::Scale { .. } => None,
+        }
+    }
+
+    /// The chunk of one context this step writes (read first by reduce and scale).
+    fn writes(&self) -> (usize, usize) {
+        match *self {
+            Step::Reduce { chunk, dst, .. } | Step::Broadcast { chunk, dst, .. } => (dst, chunk),
+            Step::Scale { chunk, ctx } => (ctx, chunk),
+        }
+    }
+}
+
+/// Groups `steps` (in issue order) into levels of independent steps.
+///
+/// A step goes into the level after the latest earlier step it must wait for: one that
+/// wrote a chunk it reads or writes, or that read a chunk it writes. Steps of one level
+/// touch disjoint data and may run at the same time; running the levels one after another
+/// gives the same result as the steps in issue order. Within a level, steps keep their
+/// issue order. See the module docs for an example.
+pub fn levels(steps: &[Step]) -> Vec<Vec<Step>> {
+    // Per (context, chunk): the level of its last writer and of its last reader.
+    let mut last_write: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut last_read: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut out: Vec<Vec<Step>> = Vec::new();
+    for step in steps {
+        let w = step.writes();
+        let after_write = |x| last_write.get(&x).map(|l| l + 1);
+        let level = [
+            step.reads().and_then(after_write),
+            after_write(w),
+            last_read.get(&w).map(|l| l + 1),
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(0);
+        if let Some(r) = step.reads() {
+            let e = last_read.entry(r).or_insert(level);
+            *e = (*e).max(level);
+        }
+        // A reduce or scale also reads what it writes.
+        last_read.insert(w, level);
+        last_write.insert(w, level);
+        if out.len() <= level {
+            out.resize_with(level + 1, Vec::new);
+        }
+        out[level].push(*step);
+    }
+    out
 }
 
 /// The steps of an all-reduce of `chunks` chunks over `n` contexts, in issue order.
@@ -282,6 +380,66 @@ mod tests {
             .filter(|s| matches!(s, Step::Reduce { dst: 0, .. }))
             .count();
         assert_eq!(into0, 3);
+    }
+
+    #[test]
+    fn levels_hold_independent_steps_in_dependency_order() {
+        for strategy in Strategy::ALL {
+            for n in 1..=9 {
+                for chunks in [1, 3, n] {
+                    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                        let steps = plan(n, chunks, strategy, op);
+                        let lv = levels(&steps);
+                        // Every step exactly once.
+                        let flat: Vec<Step> = lv.iter().flatten().copied().collect();
+                        assert_eq!(flat.len(), steps.len());
+                        // No two steps of a level touch a chunk one of them writes.
+                        for level in &lv {
+                            for (i, a) in level.iter().enumerate() {
+                                for b in &level[i + 1..] {
+                                    assert_ne!(a.writes(), b.writes(), "{a} / {b}");
+                                    assert_ne!(Some(a.writes()), b.reads(), "{a} / {b}");
+                                    assert_ne!(a.reads(), Some(b.writes()), "{a} / {b}");
+                                }
+                            }
+                        }
+                        // Levels in order compute the same as issue order.
+                        let init = |_: ()| -> Vec<Vec<f64>> {
+                            (0..n)
+                                .map(|i| (0..chunks).map(|c| (i * 31 + c) as f64).collect())
+                                .collect()
+                        };
+                        let (mut a, mut b) = (init(()), init(()));
+                        simulate(&steps, &mut a, n);
+                        simulate(&flat, &mut b, n);
+                        assert_eq!(a, b, "{strategy:?} n={n} chunks={chunks}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tree_levels_pair_the_upper_half_with_the_lower() {
+        let lv = levels(&plan(5, 1, Strategy::Tree, ReduceOp::Sum));
+        let r = |src, dst| Step::Reduce { chunk: 0, src, dst };
+        let b = |src, dst| Step::Broadcast { chunk: 0, src, dst };
+        assert_eq!(
+            lv,
+            vec![
+                vec![r(3, 0), r(4, 1)], // context 2, the middle of 5, sits out
+                vec![r(2, 0)],          // 3 left: context 1 sits out
+                vec![r(1, 0)],
+                // Broadcasts start as soon as their source holds the sum: context 0
+                // serves 1, 2 and 3 at once; 4 waits for 1.
+                vec![b(0, 1), b(0, 2), b(0, 3)],
+                vec![b(1, 4)],
+            ]
+        );
+        // A ring of 4 over 4 chunks: n-1 levels each way, every context busy in each.
+        let ring = levels(&plan(4, 4, Strategy::Ring, ReduceOp::Sum));
+        assert_eq!(ring.len(), 6);
+        assert!(ring.iter().all(|l| l.len() == 4));
     }
 
     #[test]

@@ -63,44 +63,41 @@ pub struct Engine {
     host: HostTable,
 }
 
-fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
-    // SAFETY: `Element` is sealed and implemented only for plain-old-data types without
-    // padding, so every byte of the slice is initialised; the length is exact.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
-}
-
-fn from_bytes<T: Element>(bytes: &[u8]) -> Vec<T> {
-    let n = bytes.len() / std::mem::size_of::<T>();
-    let mut out = Vec::<T>::with_capacity(n);
-    // SAFETY: `out` has capacity for `n` elements; we copy exactly n * size_of::<T>()
-    // bytes into it, and every bit pattern is a valid `T` (sealed POD `Element`).
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            bytes.as_ptr(),
-            out.as_mut_ptr().cast::<u8>(),
-            n * std::mem::size_of::<T>(),
-        );
-        out.set_len(n);
-    }
-    out
-}
-
 impl Engine {
     /// An engine on the CPU backend.
+    ///
+    /// ```
+    /// # use tributary::{Engine, EngineConfig};
+    /// let e = Engine::cpu(EngineConfig { devices: 3, ..EngineConfig::default() })?;
+    /// assert_eq!(e.device_count(), 3);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn cpu(config: EngineConfig) -> Result<Engine> {
         let backend = CpuBackend::new(DeviceId(0), config.devices);
         Engine::with_backend(Arc::new(backend), config.streams_per_device, config.pools)
     }
 
     /// An engine on any backend, with `streams` streams per device.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tributary::{backend::cpu::CpuBackend, memory::PoolConfig, DeviceId, Engine, Error};
+    /// let e = Engine::with_backend(Arc::new(CpuBackend::new(DeviceId(0), 1)), 2, PoolConfig::default())?;
+    /// assert_eq!(e.stream_count(0), 2);
+    /// let none = Engine::with_backend(Arc::new(CpuBackend::new(DeviceId(0), 1)), 0, PoolConfig::default());
+    /// assert!(matches!(none, Err(Error::InvalidConfig { .. })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn with_backend(
         backend: Arc<dyn Backend>,
         streams: usize,
         pools: PoolConfig,
     ) -> Result<Engine> {
         if streams == 0 {
-            return Err(Error::Unknown {
-                what: "configuration with zero streams per device".into(),
+            return Err(Error::InvalidConfig {
+                setting: "streams".into(),
+                value: streams.to_string(),
+                reason: "every device needs at least one stream".into(),
             });
         }
         let mut devices = Vec::new();
@@ -151,16 +148,38 @@ impl Engine {
     }
 
     /// The backend's name.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// assert_eq!(e.backend_name(), "cpu");
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
     }
 
     /// Number of devices.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// assert_eq!(e.device_count(), EngineConfig::default().devices);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device_count(&self) -> usize {
         self.devices.len()
     }
 
     /// Number of streams of `device`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// assert_eq!(e.stream_count(0), 2);
+    /// assert_eq!(e.stream_count(99), 0); // no such device
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn stream_count(&self, device: usize) -> usize {
         self.devices.get(device).map_or(0, |d| d.stream_count())
     }
@@ -169,8 +188,9 @@ impl Engine {
         self.devices
             .iter()
             .position(|d| d.device() == device)
-            .ok_or_else(|| Error::Unknown {
-                what: format!("device {device}"),
+            .ok_or(Error::UnknownDevice {
+                device,
+                count: self.devices.len(),
             })
     }
 
@@ -186,14 +206,17 @@ impl Engine {
             let d = self.device_index(plan.stream().device)?;
             let event = plan.event().clone();
             tracing::trace!(stream = %plan.stream(), seq = event.seq(), op = ?plan.work(), deps = plan.deps().len(), "submit");
-            match self.queues[d].get(plan.stream().index as usize) {
+            let queues = &self.queues[d];
+            match queues.get(plan.stream().index as usize) {
                 Some(q) => {
                     // A dead queue fails the event itself; the error reaches waiters.
                     let _ = q.submit(plan);
                 }
                 None => {
-                    return Err(Error::Unknown {
-                        what: format!("stream {}", plan.stream()),
+                    return Err(Error::NoSuchStream {
+                        device: plan.stream().device,
+                        index: plan.stream().index as usize,
+                        count: queues.len(),
                     })
                 }
             }
@@ -203,14 +226,37 @@ impl Engine {
     }
 
     /// A root context (no arrays) on `stream` of `device`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let c = e.context(1, 0)?;
+    /// assert_eq!(c.device(), tributary::DeviceId(1));
+    /// assert!(matches!(e.context(0, 9), Err(Error::NoSuchStream { index: 9, count: 2, .. })));
+    /// assert!(matches!(e.context(9, 0), Err(Error::NoSuchDevice { index: 9, count: 2 })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn context(&mut self, device: usize, stream: usize) -> Result<Context> {
-        let state = self.devices.get_mut(device).ok_or_else(|| Error::Unknown {
-            what: format!("device index {device}"),
+        let count = self.devices.len();
+        let state = self.devices.get_mut(device).ok_or(Error::NoSuchDevice {
+            index: device,
+            count,
         })?;
         state.root_context(stream)
     }
 
     /// Links a routine into `ctx`; the routine's context is a new child of `ctx`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [4]);
+    /// let root = e.context(0, 0)?;
+    /// let fill = e.link(&root, kernels::fill(&x, 1.5)?)?;
+    /// // The routine's context is a child of `root` that holds a buffer of `x`.
+    /// assert!(fill.context().contains(&x) && !root.contains(&x));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine> {
         self.backend
             .check_kernel(ctx.device(), &spec.name, &spec.kernel)?;
@@ -220,6 +266,18 @@ impl Engine {
     }
 
     /// Schedules a linked routine; returns its event without waiting.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [4]);
+    /// let root = e.context(0, 0)?;
+    /// let fill = e.link(&root, kernels::fill(&x, 1.5)?)?;
+    /// let event = e.schedule(&fill)?; // returns at once
+    /// event.wait()?;
+    /// assert_eq!(e.read::<f32>(fill.context(), &x)?, vec![1.5; 4]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn schedule(&mut self, routine: &Routine) -> Result<Event> {
         self.host.next_order();
         let span = tracing::trace_span!("schedule", routine = routine.name(), stream = %routine.context().stream());
@@ -227,13 +285,24 @@ impl Engine {
         let device = routine.context().device();
         let i = self.device_index(device)?;
         let plans = self.devices[i].schedule(routine, &mut self.host)?;
-        self.submit(plans)?.ok_or_else(|| Error::Unknown {
-            what: "empty plan".into(),
+        self.submit(plans)?.ok_or_else(|| {
+            Error::Internal(format!("scheduling {} planned nothing", routine.name()))
         })
     }
 
     /// Writes `data` into the host array of `node` (making it hosted if undecided), then
     /// returns a child of `ctx` holding a buffer of `node` initialised from it.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let w = TensorNode::new("w", DType::F32, [3]);
+    /// let root = e.context(0, 0)?;
+    /// let held = e.init_from_host(&root, &w, &[1.0f32, 2.0, 3.0])?;
+    /// assert!(w.mode().is_hosted());
+    /// assert_eq!(e.read::<f32>(&held, &w)?, vec![1.0, 2.0, 3.0]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn init_from_host<T: Element>(
         &mut self,
         ctx: &Context,
@@ -261,6 +330,18 @@ impl Engine {
     }
 
     /// Copies the host array of hosted `node` into its buffer in `ctx`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let w = TensorNode::new("w", DType::F32, [2]);
+    /// let root = e.context(0, 0)?;
+    /// let held = e.init_from_host(&root, &w, &[1.0f32, 2.0])?;
+    /// e.host_write(&w, &[5.0f32, 6.0])?;
+    /// e.from_host(&held, &w)?.wait()?;
+    /// assert_eq!(e.read::<f32>(&held, &w)?, vec![5.0, 6.0]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
         self.host.next_order();
         let i = self.device_index(ctx.device())?;
@@ -269,6 +350,19 @@ impl Engine {
     }
 
     /// Copies the buffer of hosted `node` in `ctx` into its host array.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let w = TensorNode::new("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let root = e.context(0, 0)?;
+    /// let held = e.init_from_host(&root, &w, &[1.0f32, 2.0])?;
+    /// let double = e.link(&held, kernels::scale_in_place(&w, 2.0)?)?;
+    /// e.schedule(&double)?;
+    /// e.to_host(double.context(), &w)?.wait()?;
+    /// assert_eq!(e.host_read::<f32>(&w)?, vec![2.0, 4.0]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn to_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
         self.host.next_order();
         let i = self.device_index(ctx.device())?;
@@ -284,6 +378,24 @@ impl Engine {
 
     /// Moves `node` from `src` to `dst` (DESIGN.md §3 rule 3); `None` when there was
     /// nothing to do (both contexts share the buffer).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// use tributary::MergeBufferUse;
+    /// let g = TensorNode::new("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+    /// let (c0, c1) = (e.context(0, 0)?, e.context(1, 0)?);
+    /// let a = e.link(&c0, kernels::fill(&g, 1.0)?)?;
+    /// let b = e.link(&c1, kernels::fill(&g, 2.0)?)?;
+    /// e.schedule(&a)?;
+    /// e.schedule(&b)?;
+    /// // b += a: a's value goes into device 1's merge buffer, then `add_merge` runs.
+    /// let sum = e.link(b.context(), kernels::add_merge(&g)?)?;
+    /// e.device_to_device(&g, a.context(), sum.context(), MergeBufferUse::Copy)?;
+    /// e.schedule(&sum)?;
+    /// assert_eq!(e.read::<f32>(sum.context(), &g)?, vec![3.0; 4]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device_to_device(
         &mut self,
         node: &TensorNode,
@@ -320,6 +432,20 @@ impl Engine {
 
     /// Reads the host value of hosted `node`: transfers the newest device value first if
     /// the host array is older, then waits for every pending transfer into the array.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let w = TensorNode::new("w", DType::I32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let root = e.context(0, 0)?;
+    /// let held = e.init_from_host(&root, &w, &[1i32, 2])?;
+    /// let add = e.link(&held, kernels::fill(&w, 7.0)?)?;
+    /// e.schedule(&add)?;
+    /// // The device value is newer: it is transferred first.
+    /// assert_eq!(e.host_read::<i32>(&w)?, vec![7, 7]);
+    /// assert!(matches!(e.host_read::<f32>(&w), Err(Error::DTypeMismatch { .. })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn host_read<T: Element>(&mut self, node: &TensorNode) -> Result<Vec<T>> {
         self.host.next_order();
         node.check_data(T::DTYPE, node.numel())?;
@@ -340,6 +466,16 @@ impl Engine {
 
     /// Writes the host array of hosted `node` after every pending device read or write of
     /// it completed; every device copy then lags and is re-uploaded before its next use.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let w = TensorNode::new("w", DType::F64, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// e.host_write(&w, &[0.5f64, 0.25])?;
+    /// assert_eq!(e.host_read::<f64>(&w)?, vec![0.5, 0.25]);
+    /// assert!(matches!(e.host_write(&w, &[1.0f64]), Err(Error::SizeMismatch { .. })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn host_write<T: Element>(&mut self, node: &TensorNode, data: &[T]) -> Result<()> {
         self.host.next_order();
         node.check_data(T::DTYPE, data.len())?;
@@ -352,13 +488,24 @@ impl Engine {
             // Order only: a failed transfer still must not overlap our write.
             let _ = e.wait();
         }
-        self.host.commit_write(node, as_bytes(data))
+        self.host.commit_write(node, bytemuck::cast_slice(data))
     }
 
     /// Reads the value of `node` in `ctx` (any memory mode): what a routine of `ctx` would
     /// read. That is the buffer after its last write, or, for a hosted node whose buffer
     /// lags a host write, the host array (which a routine would upload first; the buffer
     /// is left as it is). [`Engine::read_device_raw`] shows the buffer's bytes instead.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let g = TensorNode::new("g", DType::U8, [3]).with_mode(MemoryMode::on_device())?;
+    /// let root = e.context(0, 1)?;
+    /// let fill = e.link(&root, kernels::fill(&g, 9.0)?)?;
+    /// e.schedule(&fill)?;
+    /// assert_eq!(e.read::<u8>(fill.context(), &g)?, vec![9, 9, 9]); // waits for the fill
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn read<T: Element>(&mut self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         node.check_data(T::DTYPE, node.numel())?;
         let i = self.device_index(ctx.device())?;
@@ -385,7 +532,7 @@ impl Engine {
         event.wait()?;
         // SAFETY: the copy into `into` completed (waited above) and nothing else refers to it.
         let data = unsafe { into.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
-        Ok(from_bytes(data))
+        Ok(crate::kernels::from_bytes(data)?)
     }
 
     /// The host array of hosted `node` as it is now (no transfer from a device), after
@@ -394,10 +541,23 @@ impl Engine {
         for e in self.host.pending_writes(node)? {
             e.wait()?;
         }
-        Ok(from_bytes(&self.host.read_bytes(node)?))
+        Ok(crate::kernels::from_bytes(&self.host.read_bytes(node)?)?)
     }
 
     /// Finalizes `ctx`: its buffers are freed once every pending use completed.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [4]);
+    /// let root = e.context(0, 0)?;
+    /// let fill = e.link(&root, kernels::fill(&x, 1.0)?)?;
+    /// e.schedule(&fill)?;
+    /// e.finalize(fill.context())?;
+    /// assert!(!e.is_live(fill.context()));
+    /// assert!(matches!(e.read::<f32>(fill.context(), &x), Err(Error::ContextFinalized { .. })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn finalize(&mut self, ctx: &Context) -> Result<()> {
         self.host.next_order();
         let i = self.device_index(ctx.device())?;
@@ -408,9 +568,23 @@ impl Engine {
 
     /// Waits for all work of `device` issued so far, then prunes its tables.
     /// Returns the first failure among that work, if any.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [4]);
+    /// let root = e.context(1, 0)?;
+    /// let fill = e.link(&root, kernels::fill(&x, 1.0)?)?;
+    /// let event = e.schedule(&fill)?;
+    /// e.sync_device(1)?;
+    /// assert!(event.is_done());
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn sync_device(&mut self, device: usize) -> Result<()> {
-        let state = self.devices.get_mut(device).ok_or_else(|| Error::Unknown {
-            what: format!("device index {device}"),
+        let count = self.devices.len();
+        let state = self.devices.get_mut(device).ok_or(Error::NoSuchDevice {
+            index: device,
+            count,
         })?;
         let mut first = Ok(());
         for e in state.last_events() {
@@ -426,6 +600,21 @@ impl Engine {
     }
 
     /// Waits for all work of every device (see [`Engine::sync_device`]).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [4]);
+    /// let mut events = Vec::new();
+    /// for d in 0..e.device_count() {
+    ///     let root = e.context(d, 0)?;
+    ///     let fill = e.link(&root, kernels::fill(&x, d as f64)?)?;
+    ///     events.push(e.schedule(&fill)?);
+    /// }
+    /// e.sync_all()?;
+    /// assert!(events.iter().all(|ev| ev.is_done()));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn sync_all(&mut self) -> Result<()> {
         let mut first = Ok(());
         for d in 0..self.devices.len() {
@@ -438,6 +627,13 @@ impl Engine {
     }
 
     /// Waits up to `timeout` for all work of every device; `Error::Timeout` otherwise.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// e.sync_all_timeout(std::time::Duration::from_secs(10))?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn sync_all_timeout(&mut self, timeout: Duration) -> Result<()> {
         let deadline = std::time::Instant::now() + timeout;
         for state in &self.devices {
@@ -453,11 +649,32 @@ impl Engine {
     }
 
     /// Memory statistics of every device.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let x = TensorNode::new("x", DType::F32, [256]);
+    /// let root = e.context(0, 0)?;
+    /// let _fill = e.link(&root, kernels::fill(&x, 1.0)?)?; // linking allocates
+    /// let stats = e.memory_stats();
+    /// assert!(stats[0].live_bytes >= 1024);
+    /// assert_eq!(stats[1].live_bytes, 0);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn memory_stats(&self) -> Vec<PoolStats> {
         self.devices.iter().map(|d| d.pool_stats()).collect()
     }
 
     /// Sizes of the protocol tables of every device, plus events held by host arrays.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let (per_device, host_events) = e.table_sizes();
+    /// assert_eq!(per_device.len(), e.device_count());
+    /// assert_eq!(host_events, 0);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn table_sizes(&self) -> (Vec<TableSizes>, usize) {
         (
             self.devices.iter().map(|d| d.table_sizes()).collect(),
@@ -466,6 +683,16 @@ impl Engine {
     }
 
     /// Whether `ctx` is live.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Engine, EngineConfig, Error, MemoryMode, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let root = e.context(0, 0)?;
+    /// assert!(e.is_live(&root));
+    /// e.finalize(&root)?;
+    /// assert!(!e.is_live(&root));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn is_live(&self, ctx: &Context) -> bool {
         self.devices
             .iter()

@@ -5,11 +5,14 @@
 //! [`Error::Failed`] carrying the [`Failure`] that caused it (the *root cause*), so that
 //! every dependent operation fails with the same explanation (DESIGN.md §3, rule 6).
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, path::PathBuf, sync::Arc, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{ContextId, DeviceId, StreamId};
+use crate::{
+    ids::{BufferLoc, ContextId, DeviceId, StreamId},
+    kernels::ArgError,
+};
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -42,6 +45,7 @@ impl fmt::Display for Failure {
 
 /// Errors a device or its driver reports, shared by every backend (mapped at the backend edge).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// The device ran out of memory.
     #[error("device out of memory ({requested} bytes requested)")]
@@ -61,7 +65,12 @@ pub enum DeviceError {
 }
 
 /// Everything that can go wrong in tributary.
+///
+/// Each variant carries the offending value (the index and the count, the node, the file
+/// and the parser's message, ...). [`Error::kind`] names the variant, for logs and tests.
+/// New variants may be added in minor releases (`#[non_exhaustive]`).
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The node has no buffer in this context (it was never linked or initialised there).
     #[error("node {node} is not in context {context}")]
@@ -195,12 +204,95 @@ pub enum Error {
         /// How many devices there are.
         count: usize,
     },
-    /// A device, stream or context that this engine does not know.
-    #[error("unknown {what}")]
-    Unknown {
-        /// What was looked up (e.g. `device d7`).
-        what: String,
+    /// A stream index beyond the streams of a device.
+    #[error("no stream {index} on {device}: it has {count} streams")]
+    NoSuchStream {
+        /// The device.
+        device: DeviceId,
+        /// The stream index asked for.
+        index: usize,
+        /// How many streams the device has.
+        count: usize,
     },
+    /// A device id that is none of this engine's (or system's) devices.
+    #[error("device {device} is not one of the {count} devices here")]
+    UnknownDevice {
+        /// The device id given.
+        device: DeviceId,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// A stream of another device than the one asked to use it.
+    #[error("stream {stream} does not belong to {device}")]
+    ForeignStream {
+        /// The stream given.
+        stream: StreamId,
+        /// The device that was asked to use it.
+        device: DeviceId,
+    },
+    /// A context that another engine (or system) created, or one naming a stream its
+    /// device does not have.
+    #[error("context {context} (on {stream}) is not a context of {device} here")]
+    ForeignContext {
+        /// The context given.
+        context: ContextId,
+        /// The stream the context says it runs on.
+        stream: StreamId,
+        /// The device asked to use it.
+        device: DeviceId,
+    },
+    /// A node's buffer has no record on its device (its context was finalized under it).
+    #[error("buffer {loc} of {node} is not on its device")]
+    BufferNotFound {
+        /// The node, as `label#id`.
+        node: String,
+        /// Where the context says the buffer is.
+        loc: BufferLoc,
+    },
+    /// A free of memory that is not (or no longer) allocated: a double free or a stale
+    /// allocation.
+    #[error("{bytes} bytes at {loc} are not a live allocation")]
+    NotLive {
+        /// Where the allocation was.
+        loc: BufferLoc,
+        /// Its size in bytes.
+        bytes: u64,
+    },
+    /// A configuration document or file that cannot be read or parsed.
+    #[error("configuration {} ({format}): {message}", path.as_ref().map_or_else(|| "text".to_string(), |p| p.display().to_string()))]
+    ConfigParse {
+        /// The file, when it came from one.
+        path: Option<PathBuf>,
+        /// The format tried (`toml`, `json`).
+        format: String,
+        /// The reader's or the parser's message (with line and column).
+        message: String,
+    },
+    /// A configuration value that cannot be used.
+    #[error("configuration: {setting} = {value} is not usable: {reason}")]
+    InvalidConfig {
+        /// The setting (`cpu_devices`, `streams`, ...).
+        setting: String,
+        /// Its value.
+        value: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+    /// Bytes that are not elements of the type asked for (a read as the wrong type, a
+    /// length that is not a whole number of elements).
+    #[error(transparent)]
+    Argument(#[from] ArgError),
+    /// An operating-system resource could not be had (a thread, a file written on request).
+    #[error("{what}: {message}")]
+    Io {
+        /// What was attempted (`spawn the actor thread`, `write trace.json`).
+        what: String,
+        /// The operating system's message.
+        message: String,
+    },
+    /// A step the engine relies on produced nothing (a bug in tributary: please report it).
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The destination cannot address the source memory in place (`StreamingFor`).
     #[error("streaming from {src} to {dst} is not possible: {reason}")]
     StreamingUnsupported {
@@ -229,16 +321,6 @@ pub enum Error {
     #[error("shut down: {0}")]
     ShutDown(String),
     // ----- Validation of actor messages (tributary-actors) -------------------------------
-    /// A stream index beyond the streams of a device.
-    #[error("no stream {index} on {device}: it has {count} streams")]
-    NoSuchStream {
-        /// The device.
-        device: DeviceId,
-        /// The index asked for.
-        index: usize,
-        /// How many streams the device has.
-        count: usize,
-    },
     /// Two lists of one message that must have the same length do not.
     #[error("{what}: expected {expected} entries, got {found}")]
     LengthMismatch {
@@ -296,6 +378,55 @@ pub enum Error {
 }
 
 impl Error {
+    /// The variant's name (`"NoSuchDevice"`, `"DTypeMismatch"`, ...), for logs and tests
+    /// that compare errors by kind.
+    ///
+    /// ```
+    /// let e = tributary::Error::NoSuchDevice { index: 3, count: 2 };
+    /// assert_eq!(e.kind(), "NoSuchDevice");
+    /// assert_eq!(e.to_string(), "no device 3: there are 2 devices");
+    /// ```
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::NodeNotInContext { .. } => "NodeNotInContext",
+            Error::AlreadyInContext { .. } => "AlreadyInContext",
+            Error::DTypeMismatch { .. } => "DTypeMismatch",
+            Error::SizeMismatch { .. } => "SizeMismatch",
+            Error::ModeConflict { .. } => "ModeConflict",
+            Error::NotMaterialized { .. } => "NotMaterialized",
+            Error::NotHosted { .. } => "NotHosted",
+            Error::ContextFinalized { .. } => "ContextFinalized",
+            Error::ContextInUse { .. } => "ContextInUse",
+            Error::MergeBufferMismatch { .. } => "MergeBufferMismatch",
+            Error::SecondWriter { .. } => "SecondWriter",
+            Error::PoolExhausted { .. } => "PoolExhausted",
+            Error::InvalidSize { .. } => "InvalidSize",
+            Error::InvalidRoutine { .. } => "InvalidRoutine",
+            Error::NoSuchDevice { .. } => "NoSuchDevice",
+            Error::NoSuchStream { .. } => "NoSuchStream",
+            Error::UnknownDevice { .. } => "UnknownDevice",
+            Error::ForeignStream { .. } => "ForeignStream",
+            Error::ForeignContext { .. } => "ForeignContext",
+            Error::BufferNotFound { .. } => "BufferNotFound",
+            Error::NotLive { .. } => "NotLive",
+            Error::ConfigParse { .. } => "ConfigParse",
+            Error::InvalidConfig { .. } => "InvalidConfig",
+            Error::Argument(_) => "Argument",
+            Error::Io { .. } => "Io",
+            Error::Internal(_) => "Internal",
+            Error::StreamingUnsupported { .. } => "StreamingUnsupported",
+            Error::Failed(_) => "Failed",
+            Error::Timeout { .. } => "Timeout",
+            Error::Device(_) => "Device",
+            Error::ShutDown(_) => "ShutDown",
+            Error::LengthMismatch { .. } => "LengthMismatch",
+            Error::IndexOutOfRange { .. } => "IndexOutOfRange",
+            Error::ActorPanicked { .. } => "ActorPanicked",
+            Error::HostArrayBusy { .. } => "HostArrayBusy",
+            Error::WrongStream { .. } => "WrongStream",
+        }
+    }
+
     /// The root cause, when this error is a failed dependency.
     pub fn root_cause(&self) -> Option<&Failure> {
         match self {

@@ -3,8 +3,47 @@
 //! tributary spreads tensor computations over several devices (CPU, Vulkan, CUDA) and keeps
 //! them correct without the caller writing a barrier. This crate is the engine: everything
 //! except the actor layer (which lives in `tributary-actors`). It has no actix dependency.
+//! The design, with its rules and message flows, is `DESIGN.md` at the repository root.
 //!
-//! Design choices (see `DESIGN.md` for the contract):
+//! ## Concepts
+//!
+//! - **Node** ([`TensorNode`]): a tensor's description (label, [`DType`], [`Shape`]) and
+//!   its [`MemoryMode`]: where it may live (host array, device buffer, nowhere) and who may
+//!   change it. A node has no data by itself; contexts hold its buffers.
+//! - **Context** ([`protocol::Context`]): what one stream of one device holds: which nodes
+//!   have a buffer there and where. Contexts form a tree: linking a routine into a context
+//!   gives a *child* that adds the routine's nodes; finalizing a context frees what it
+//!   added.
+//! - **Routine** ([`protocol::Routine`]): a kernel ([`kernels`]: a portable built-in, a
+//!   Rust closure for CPU devices, a shader for Vulkan) linked into a context, with the
+//!   access (read, write) of each node. Scheduling it issues it on the context's stream.
+//! - **Event** ([`Event`]): the completion of one operation on one stream, a sequence
+//!   number on that stream's [`Timeline`]. Every operation waits for exactly the events of
+//!   the earlier operations it conflicts with; a failed operation fails those that depend
+//!   on it with the root cause ([`Failure`]).
+//! - **Merge buffer**: one per stream, receiving another context's copy of a node
+//!   ([`MergeBufferUse::Copy`]) for a merge routine ([`kernels::add_merge`],
+//!   [`kernels::copy_merge`]) to combine with its own; or read in place
+//!   ([`MergeBufferUse::StreamingFor`]). Data parallelism and [`collective`] all-reduces
+//!   are made of these.
+//!
+//! ```
+//! use tributary::{kernels, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, TensorNode};
+//! let mut e = Engine::cpu(EngineConfig::default())?; // 2 CPU devices x 2 streams
+//! let g = TensorNode::new("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+//! let (c0, c1) = (e.context(0, 0)?, e.context(1, 0)?);
+//! let a = e.link(&c0, kernels::fill(&g, 1.0)?)?; // routine: g = 1 on device 0
+//! let b = e.link(&c1, kernels::fill(&g, 2.0)?)?; // routine: g = 2 on device 1
+//! e.schedule(&a)?; // returns an event at once
+//! e.schedule(&b)?;
+//! let sum = e.link(b.context(), kernels::add_merge(&g)?)?; // g += merge buffer
+//! e.device_to_device(&g, a.context(), sum.context(), MergeBufferUse::Copy)?;
+//! e.schedule(&sum)?;
+//! assert_eq!(e.read::<f32>(sum.context(), &g)?, vec![3.0; 4]); // waits for what it needs
+//! # Ok::<(), tributary::Error>(())
+//! ```
+//!
+//! ## Design choices
 //!
 //! - **Program order is the specification.** Any program behaves as if every operation ran
 //!   one after another in issue order. The [`protocol`] decides, when work is *scheduled*,
@@ -17,6 +56,7 @@
 //!   after every event touching them has completed ([`memory`]).
 //! - **All synchronisation primitives come from [`sync`]**, which swaps `std` for `loom`
 //!   under `--cfg tributary_loom`, so the real engine code is model-checked.
+//! - **Errors are values** ([`Error`]): each variant carries the offending value.
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
@@ -45,5 +85,8 @@ pub mod trace;
 pub use engine::{Engine, EngineConfig, MergeBufferUse};
 pub use error::{DeviceError, Error, Failure, Result};
 pub use event::{Event, EventStatus, Timeline};
+/// The `half` crate behind [`F16`] and [`Bf16`] (e.g. `half::slice::HalfFloatSliceExt` for
+/// bulk conversions).
+pub use half;
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
 pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};

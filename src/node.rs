@@ -85,99 +85,18 @@ impl fmt::Display for DType {
     }
 }
 
-/// IEEE half-precision float, stored as its bits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(transparent)]
-pub struct F16(pub u16);
+/// IEEE half-precision float: [`half::f16`], re-exported.
+///
+/// Conversions come from the `half` crate: `F16::from_f32` rounds to nearest, ties to
+/// even (overflow to infinity), using the CPU's conversion instruction where there is one
+/// (x86 F16C, aarch64 FP16) and the same rounding in software otherwise; `to_f32` is exact.
+/// A NaN stays a NaN with its payload's high bits kept and the quiet bit set (as the
+/// hardware does). Slices convert in bulk with [`half::slice::HalfFloatSliceExt`].
+/// The Vulkan backend's shaders convert with the same rules, bit for bit.
+pub use half::f16 as F16;
 
-/// bfloat16, stored as its bits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// Rounds an `f32` to the nearest bfloat16 (ties to even; NaN stays NaN).
-    pub fn from_f32(x: f32) -> Bf16 {
-        let bits = x.to_bits();
-        if x.is_nan() {
-            return Bf16(((bits >> 16) as u16) | 0x40);
-        }
-        let round = 0x7fff + ((bits >> 16) & 1);
-        Bf16((bits.wrapping_add(round) >> 16) as u16)
-    }
-
-    /// Widens to `f32` (exact).
-    pub fn to_f32(self) -> f32 {
-        f32::from_bits((self.0 as u32) << 16)
-    }
-}
-
-impl F16 {
-    /// Converts an `f32` to half precision (round to nearest even; overflow to infinity).
-    pub fn from_f32(x: f32) -> F16 {
-        let bits = x.to_bits();
-        let sign = ((bits >> 16) & 0x8000) as u16;
-        let exp = ((bits >> 23) & 0xff) as i32;
-        let man = bits & 0x007f_ffff;
-        if exp == 0xff {
-            // Inf or NaN.
-            let nan = if man != 0 { 0x0200 } else { 0 };
-            return F16(sign | 0x7c00 | nan);
-        }
-        let e = exp - 127 + 15;
-        if e >= 0x1f {
-            return F16(sign | 0x7c00);
-        }
-        if e <= 0 {
-            if e < -10 {
-                return F16(sign);
-            }
-            // Subnormal: shift the mantissa with the implicit bit.
-            let m = man | 0x0080_0000;
-            let shift = (14 - e) as u32;
-            let half = 1u32 << (shift - 1);
-            let rem = m & ((1u32 << shift) - 1);
-            let mut out = m >> shift;
-            if rem > half || (rem == half && out & 1 == 1) {
-                out += 1;
-            }
-            return F16(sign | out as u16);
-        }
-        let mut out = ((e as u32) << 10) | (man >> 13);
-        let rem = man & 0x1fff;
-        if rem > 0x1000 || (rem == 0x1000 && out & 1 == 1) {
-            out += 1; // may carry into the exponent, which is correct rounding
-        }
-        F16(sign | out as u16)
-    }
-
-    /// Widens to `f32` (exact).
-    pub fn to_f32(self) -> f32 {
-        let h = self.0 as u32;
-        let sign = (h & 0x8000) << 16;
-        let exp = (h >> 10) & 0x1f;
-        let man = h & 0x3ff;
-        let bits = if exp == 0 {
-            if man == 0 {
-                sign
-            } else {
-                // Subnormal: normalise.
-                let mut e = 127 - 15 + 1;
-                let mut m = man;
-                while m & 0x400 == 0 {
-                    m <<= 1;
-                    e -= 1;
-                }
-                sign | ((e as u32) << 23) | ((m & 0x3ff) << 13)
-            }
-        } else if exp == 0x1f {
-            sign | 0x7f80_0000 | (man << 13)
-        } else {
-            sign | ((exp + 127 - 15) << 23) | (man << 13)
-        };
-        f32::from_bits(bits)
-    }
-}
+/// bfloat16: [`half::bf16`], re-exported; rounding and NaN rules as for [`F16`].
+pub use half::bf16 as Bf16;
 
 mod sealed {
     pub trait Sealed {}
@@ -186,8 +105,9 @@ mod sealed {
 /// A Rust type that is the element of some [`DType`]; used for typed views of buffers.
 ///
 /// Sealed: every implementor is plain old data with no padding and no invalid bit
-/// patterns, which is what makes reinterpreting buffer bytes as `[T]` sound.
-pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
+/// patterns ([`bytemuck::Pod`]), which is what makes reinterpreting buffer bytes as `[T]`
+/// sound.
+pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + fmt::Debug + 'static {
     /// The dtype this Rust type represents.
     const DTYPE: DType;
 }
@@ -731,6 +651,100 @@ mod tests {
         ));
     }
 
+    /// The conversions this crate used before it took them from `half`, kept as the
+    /// oracle that `half` rounds the same way (the Vulkan shaders convert with this code).
+    mod hand_written {
+        pub fn f32_to_f16(x: f32) -> u16 {
+            let bits = x.to_bits();
+            let sign = ((bits >> 16) & 0x8000) as u16;
+            let exp = ((bits >> 23) & 0xff) as i32;
+            let man = bits & 0x007f_ffff;
+            if exp == 0xff {
+                let nan = if man != 0 { 0x0200 } else { 0 };
+                // Payload kept, as `half` and the F16C instruction do.
+                return sign | 0x7c00 | nan | (man >> 13) as u16;
+            }
+            let e = exp - 127 + 15;
+            if e >= 0x1f {
+                return sign | 0x7c00;
+            }
+            if e <= 0 {
+                if e < -10 {
+                    return sign;
+                }
+                let m = man | 0x0080_0000;
+                let shift = (14 - e) as u32;
+                let half = 1u32 << (shift - 1);
+                let rem = m & ((1u32 << shift) - 1);
+                let mut out = m >> shift;
+                if rem > half || (rem == half && out & 1 == 1) {
+                    out += 1;
+                }
+                return sign | out as u16;
+            }
+            let mut out = ((e as u32) << 10) | (man >> 13);
+            let rem = man & 0x1fff;
+            if rem > 0x1000 || (rem == 0x1000 && out & 1 == 1) {
+                out += 1;
+            }
+            sign | out as u16
+        }
+
+        pub fn f32_to_bf16(x: f32) -> u16 {
+            let bits = x.to_bits();
+            if x.is_nan() {
+                return ((bits >> 16) as u16) | 0x40;
+            }
+            let round = 0x7fff + ((bits >> 16) & 1);
+            (bits.wrapping_add(round) >> 16) as u16
+        }
+    }
+
+    /// f32 values around every rounding boundary of f16 and bf16, plus a sweep of the
+    /// whole f32 range.
+    fn probes() -> impl Iterator<Item = f32> {
+        let around = |b: u32| [b.wrapping_sub(1), b, b.wrapping_add(1)];
+        let f16_edges = (0u32..=0xffff).flat_map(move |h| {
+            // The f32 bits of f16 `h` (normal range) and of the midpoint to the next one.
+            let base = ((h & 0x8000) << 16) | ((h & 0x7fff) << 13);
+            let mid = base.wrapping_add(0x1000);
+            around(base.wrapping_add(0x3800_0000))
+                .into_iter()
+                .chain(around(mid.wrapping_add(0x3800_0000)))
+        });
+        let bf16_edges = (0u32..=0xffff).flat_map(move |b| {
+            let base = b << 16;
+            around(base).into_iter().chain(around(base | 0x8000))
+        });
+        // Subnormal halves and the midpoints between them: multiples of 2^-25.
+        let subnormals =
+            (0u32..2048).flat_map(move |m| around((m as f32 * 2f32.powi(-25)).to_bits()));
+        let sweep = (0u32..=u32::MAX).step_by(65_521);
+        f16_edges
+            .chain(bf16_edges)
+            .chain(subnormals)
+            .chain(sweep)
+            .map(f32::from_bits)
+    }
+
+    #[test]
+    fn half_rounds_like_the_hand_written_code() {
+        for x in probes() {
+            assert_eq!(
+                F16::from_f32(x).to_bits(),
+                hand_written::f32_to_f16(x),
+                "f16 of {x:e} ({:#010x})",
+                x.to_bits()
+            );
+            assert_eq!(
+                Bf16::from_f32(x).to_bits(),
+                hand_written::f32_to_bf16(x),
+                "bf16 of {x:e} ({:#010x})",
+                x.to_bits()
+            );
+        }
+    }
+
     #[test]
     fn half_conversions_round_trip() {
         for x in [
@@ -742,8 +756,7 @@ mod tests {
             5.9604645e-8,
             0.333_333_34,
         ] {
-            let h = F16::from_f32(x);
-            let back = h.to_f32();
+            let back = F16::from_f32(x).to_f32();
             assert!((back - x).abs() <= x.abs() * 1e-3 + 6e-8, "{x} -> {back}");
             let b = Bf16::from_f32(x);
             assert!((b.to_f32() - x).abs() <= x.abs() * 1e-2 + 1e-38, "{x}");
@@ -751,12 +764,18 @@ mod tests {
         assert!(F16::from_f32(1e6).to_f32().is_infinite());
         assert!(F16::from_f32(f32::NAN).to_f32().is_nan());
         assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        // NaNs come back quiet with their payload's high bits.
+        assert_eq!(F16::from_bits(0x7c01).to_f32().to_bits(), 0x7fc0_2000);
+        assert_eq!(Bf16::from_bits(0x7f81).to_f32().to_bits(), 0x7fc1_0000);
         // Exhaustive: every finite half converts to f32 and back unchanged.
         for bits in 0u16..=u16::MAX {
-            let h = F16(bits);
-            let f = h.to_f32();
+            let f = F16::from_bits(bits).to_f32();
             if f.is_finite() {
-                assert_eq!(F16::from_f32(f).0, bits, "bits {bits:#06x}");
+                assert_eq!(F16::from_f32(f).to_bits(), bits, "bits {bits:#06x}");
+            }
+            let b = Bf16::from_bits(bits).to_f32();
+            if !b.is_nan() {
+                assert_eq!(Bf16::from_f32(b).to_bits(), bits, "bf16 bits {bits:#06x}");
             }
         }
     }

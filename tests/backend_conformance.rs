@@ -39,6 +39,7 @@ for_each_backend!(staging:
     host_transfers_and_memset,
     raw_war_waw_across_streams,
     cross_device_copies_in_all_merge_modes,
+    copy_merge_takes_the_other_replica_bitwise,
     failure_propagates_with_its_root_cause,
     foreign_kernels_are_refused_at_link,
     pools_are_reused_under_endless_work,
@@ -563,6 +564,57 @@ fn cross_device_copies_in_all_merge_modes(kind: Kind) {
             assert!(
                 matches!(r, Err(Error::StreamingUnsupported { .. })),
                 "streaming across Vulkan devices is refused: {r:?}"
+            );
+        }
+    }
+    e.sync_all().unwrap();
+}
+
+/// `copy_merge`: the merge buffer replaces the node, bit for bit, for every dtype, from
+/// another device (a merge-buffer copy) and from another stream of the same device (a copy
+/// and, where the backend reads in place, streaming); the CPU built-in agrees.
+fn copy_merge_takes_the_other_replica_bitwise(kind: Kind) {
+    let Some(mut e) = engine(kind, "copy_merge_takes_the_other_replica_bitwise") else {
+        return;
+    };
+    let mut rng = Rng(0x0dd_c0de);
+    let n = 37; // odd: partial words of the 16-bit and 8-bit types
+    for d in DType::ALL {
+        for (src_dev, src_stream, streaming) in
+            [(1usize, 0usize, false), (0, 1, false), (0, 1, true)]
+        {
+            let bytes = random(d, n, &mut rng);
+            let data = node("data", d, &[n]);
+            let g = node("g", d, &[n])
+                .with_mode(MemoryMode::on_device())
+                .unwrap();
+            let root = e.context(src_dev, src_stream).unwrap();
+            let held = upload(&mut e, &root, &data, &bytes);
+            let src = e.link(&held, kernels::copy(&g, &data).unwrap()).unwrap();
+            e.schedule(&src).unwrap();
+            let c0 = e.context(0, 0).unwrap();
+            let base = e.link(&c0, kernels::fill(&g, 3.0).unwrap()).unwrap();
+            e.schedule(&base).unwrap();
+            let spec = kernels::copy_merge(&g).unwrap();
+            // The CPU reference: the merge bytes, whatever the node held.
+            let mut want = vec![random(d, n, &mut rng)];
+            kernels::run_on_host(&spec, &mut want, Some(&bytes)).unwrap();
+            assert_eq!(want[0], bytes, "run_on_host copy_merge of {d}");
+            let take = e.link(base.context(), spec).unwrap();
+            let mode = if streaming {
+                MergeBufferUse::StreamingFor(take.clone())
+            } else {
+                MergeBufferUse::Copy
+            };
+            e.device_to_device(&g, src.context(), take.context(), mode)
+                .unwrap();
+            if !streaming {
+                e.schedule(&take).unwrap();
+            }
+            let got = download(&mut e, take.context(), &g);
+            assert_eq!(
+                got, bytes,
+                "copy_merge of {d} from d{src_dev}s{src_stream} (streaming: {streaming})"
             );
         }
     }

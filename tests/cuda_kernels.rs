@@ -376,6 +376,7 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
             kernels::copy_range(&t(&[m, n]), 2, &t(&[mn]), 1, mn - 3),
             kernels::add_into(&t(&[m, n]), &t(&[m, n])),
             kernels::add_merge(&t(&[m, n])),
+            kernels::copy_merge(&t(&[m, n])),
             kernels::scale(&t(&[m, n]), &t(&[m, n]), 0.3),
             kernels::scale_in_place(&t(&[m, n]), -1.7),
             kernels::axpy(&t(&[m, n]), &t(&[m, n]), 0.7),

@@ -50,7 +50,7 @@ fn filled(sys: &System, devices: usize, n: usize, nodes: &[TensorNode]) -> Vec<C
                 r.schedule().unwrap();
                 ctx = r.context();
             }
-            ctx.context().clone()
+            ctx.protocol_context().clone()
         })
         .collect()
 }

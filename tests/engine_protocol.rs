@@ -468,7 +468,14 @@ fn bad_input_gets_typed_errors_and_changes_nothing(kind: Kind) {
         Err(Error::NotMaterialized { .. })
     ));
     // Unknown stream.
-    assert!(matches!(e.context(0, 9), Err(Error::Unknown { .. })));
+    assert!(matches!(
+        e.context(0, 9),
+        Err(Error::NoSuchStream {
+            index: 9,
+            count: 2,
+            ..
+        })
+    ));
     let after = e.memory_stats();
     assert_eq!(before[0].live_bytes, after[0].live_bytes);
     assert_eq!(before[0].reserved_bytes, after[0].reserved_bytes);

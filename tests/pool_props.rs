@@ -378,7 +378,10 @@ fn run(config: PoolConfig, streams: u32, program: Vec<Op>) -> bool {
                 let (a, stream) = m.freed[pick.index(m.freed.len())];
                 let before = pools.stats();
                 let err = pools.free(a, vec![], stream).unwrap_err();
-                assert!(matches!(err, Error::Unknown { .. }));
+                assert!(
+                    matches!(err, Error::NotLive { loc, .. } if loc == a.loc),
+                    "{err}"
+                );
                 assert_eq!(pools.stats(), before);
             }
             Op::Complete { pick } => {

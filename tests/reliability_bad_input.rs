@@ -534,29 +534,25 @@ fn cases() -> Vec<Case> {
             },
         ),
         // Another instance's contexts and routines (their ids mean other buffers here).
-        case("a context of another instance", "Unknown", |w| {
+        case("a context of another instance", "ForeignContext", |w| {
             let mut other = w.api.another()?;
             let c = other.context(0, 0)?;
             let r = other.link(&c, kernels::fill(&w.g, 1.0)?)?;
             w.api.read(r.context(), &w.g, DType::F32).map(drop)
         }),
-        case("a routine of another instance", "Unknown", |w| {
+        case("a routine of another instance", "ForeignContext", |w| {
             let mut other = w.api.another()?;
             let c = other.context(0, 0)?;
             let r = other.link(&c, kernels::fill(&w.s, 1.0)?)?;
             w.api.schedule(&r).map(drop)
         }),
         // Unknown devices and streams, malformed routines.
-        case("an unknown device", "Unknown", |w| {
+        case("an unknown device", "NoSuchDevice", |w| {
             w.api.context(7, 0).map(drop)
-        })
-        .on("system", "NoSuchDevice")
-        .on("messages", "NoSuchDevice"),
-        case("an unknown stream", "Unknown", |w| {
+        }),
+        case("an unknown stream", "NoSuchStream", |w| {
             w.api.context(0, 7).map(drop)
-        })
-        .on("system", "NoSuchStream")
-        .on("messages", "NoSuchStream"),
+        }),
         case("a routine naming a node twice", "InvalidRoutine", |w| {
             RoutineSpec::custom(
                 "twice",
@@ -606,40 +602,60 @@ fn all_reduce(w: &mut World, spoil: impl FnOnce(&mut AllReduce)) -> Result<(), E
 fn message_cases() -> Vec<Case> {
     vec![
         // A context, routine or node sent to the actor of another device.
-        message_case("Link sent to another device's actor", "Unknown", |w| {
-            let (ctx, spec) = (w.r00.clone(), kernels::fill(&w.g, 1.0)?);
-            raw(w).ask(1, Link { ctx, spec })?.map(drop)
-        }),
-        message_case("Schedule sent to another device's actor", "Unknown", |w| {
-            let r = w.fill_s.clone();
-            let m = raw(w);
-            let (msg, ticket) = Schedule::new(m.system(), r);
-            m.ask(1, msg)?;
-            ticket.event().map(drop)
-        }),
-        message_case("FromHost sent to another device's actor", "Unknown", |w| {
-            let (ctx, node) = (w.cw.clone(), w.w.clone());
-            let m = raw(w);
-            let (msg, ticket) = FromHost::new(m.system(), ctx, node);
-            m.ask(1, msg)?;
-            ticket.event().map(drop)
-        }),
-        message_case("ToHost sent to another device's actor", "Unknown", |w| {
-            let (ctx, node) = (w.cw.clone(), w.w.clone());
-            let m = raw(w);
-            let (msg, ticket) = ToHost::new(m.system(), ctx, node);
-            m.ask(1, msg)?;
-            ticket.event().map(drop)
-        }),
-        message_case("Finalize sent to another device's actor", "Unknown", |w| {
-            let ctx = w.plain01.context().clone();
-            let m = raw(w);
-            let msg = Finalize::new(m.system(), ctx);
-            m.ask(1, msg)?
-        }),
+        message_case(
+            "Link sent to another device's actor",
+            "ForeignContext",
+            |w| {
+                let (ctx, spec) = (w.r00.clone(), kernels::fill(&w.g, 1.0)?);
+                raw(w).ask(1, Link { ctx, spec })?.map(drop)
+            },
+        ),
+        message_case(
+            "Schedule sent to another device's actor",
+            "ForeignContext",
+            |w| {
+                let r = w.fill_s.clone();
+                let m = raw(w);
+                let (msg, ticket) = Schedule::new(m.system(), r);
+                m.ask(1, msg)?;
+                ticket.event().map(drop)
+            },
+        ),
+        message_case(
+            "FromHost sent to another device's actor",
+            "ForeignContext",
+            |w| {
+                let (ctx, node) = (w.cw.clone(), w.w.clone());
+                let m = raw(w);
+                let (msg, ticket) = FromHost::new(m.system(), ctx, node);
+                m.ask(1, msg)?;
+                ticket.event().map(drop)
+            },
+        ),
+        message_case(
+            "ToHost sent to another device's actor",
+            "ForeignContext",
+            |w| {
+                let (ctx, node) = (w.cw.clone(), w.w.clone());
+                let m = raw(w);
+                let (msg, ticket) = ToHost::new(m.system(), ctx, node);
+                m.ask(1, msg)?;
+                ticket.event().map(drop)
+            },
+        ),
+        message_case(
+            "Finalize sent to another device's actor",
+            "ForeignContext",
+            |w| {
+                let ctx = w.plain01.context().clone();
+                let m = raw(w);
+                let msg = Finalize::new(m.system(), ctx);
+                m.ask(1, msg)?
+            },
+        ),
         message_case(
             "InitFromHost sent to another device's actor",
-            "Unknown",
+            "ForeignContext",
             |w| {
                 let (ctx, node) = (w.r01.clone(), w.w.clone());
                 let m = raw(w);
@@ -665,7 +681,7 @@ fn message_cases() -> Vec<Case> {
         ),
         message_case(
             "DeviceToDevice from a device the system does not have",
-            "NoSuchDevice",
+            "UnknownDevice",
             |w| {
                 let other = tributary_actors::System::builder().cpu_devices(3).spawn()?;
                 let src = other.context(2, 0)?;
@@ -864,5 +880,8 @@ fn a_configuration_without_streams_is_refused() {
     })
     .err()
     .expect("refused");
-    assert!(matches!(err, Error::Unknown { .. }), "{err}");
+    assert!(
+        matches!(err, Error::InvalidConfig { ref setting, ref value, .. } if setting == "streams" && value == "0"),
+        "{err}"
+    );
 }

@@ -171,8 +171,8 @@ fn gated_producer_draws_arrows_to_its_consumers_on_other_streams_and_devices() {
     // Returns once both devices have planned the copy.
     sys.device_to_device(
         &x,
-        w.context().context(),
-        c.context().context(),
+        w.protocol_context(),
+        c.protocol_context(),
         MergeBufferUse::No,
     )
     .unwrap();

@@ -35,14 +35,15 @@ impl AllReducePlan {
     ///
     /// Every context must hold every node in a buffer of its own (two contexts sharing one
     /// buffer would count it twice): a typed error otherwise, with nothing linked.
-    pub fn new(
+    pub fn new<C: AsRef<Context>>(
         sys: &System,
         nodes: &[TensorNode],
-        contexts: &[Context],
+        contexts: impl IntoIterator<Item = C>,
         op: ReduceOp,
         strategy: Strategy,
         transfer: Transfer,
     ) -> Result<AllReducePlan> {
+        let contexts: Vec<Context> = contexts.into_iter().map(|c| c.as_ref().clone()).collect();
         let invalid = |reason: String| Error::InvalidRoutine {
             routine: "all_reduce".into(),
             reason,
@@ -52,7 +53,7 @@ impl AllReducePlan {
         }
         for node in nodes {
             let mut seen = Vec::new();
-            for ctx in contexts {
+            for ctx in &contexts {
                 let entry = ctx
                     .array(node.id())
                     .ok_or_else(|| Error::NodeNotInContext {
@@ -72,7 +73,7 @@ impl AllReducePlan {
         let n = contexts.len();
         let mut merge = Vec::with_capacity(n);
         let mut scale = Vec::with_capacity(n);
-        for ctx in contexts {
+        for ctx in &contexts {
             let mut m = Vec::with_capacity(nodes.len());
             let mut s = Vec::new();
             for node in nodes {
@@ -88,7 +89,7 @@ impl AllReducePlan {
         Ok(AllReducePlan {
             sys: sys.clone(),
             nodes: nodes.to_vec(),
-            contexts: contexts.to_vec(),
+            contexts,
             merge,
             scale,
             steps: collective::plan(n, nodes.len(), strategy, op),
@@ -96,9 +97,41 @@ impl AllReducePlan {
         })
     }
 
-    /// The steps this plan issues.
+    /// The steps this plan issues, in issue order.
     pub fn steps(&self) -> &[collective::Step] {
         &self.steps
+    }
+
+    /// The steps grouped into levels of independent steps ([`collective::levels`]): what
+    /// runs at the same time, level after level. Contexts are indices into the contexts
+    /// the plan was built with.
+    ///
+    /// ```
+    /// use tributary::{collective::{ReduceOp, Strategy, Transfer}, kernels, DType, MemoryMode};
+    /// use tributary_actors::{AllReducePlan, System};
+    /// let sys = System::builder().cpu_devices(3).spawn()?;
+    /// let g = sys.node("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+    /// let mut replicas = Vec::new();
+    /// for d in 0..3 {
+    ///     let r = sys.context(d, 0)?.link(kernels::fill(&g, d as f64)?)?;
+    ///     r.schedule()?;
+    ///     replicas.push(r);
+    /// }
+    /// // Routine handles stand for their contexts: no `.context().context().clone()`.
+    /// let plan = AllReducePlan::new(&sys, &[g.clone()], &replicas, ReduceOp::Sum, Strategy::Tree, Transfer::Auto)?;
+    /// for (i, level) in plan.levels().iter().enumerate() {
+    ///     let steps: Vec<String> = level.iter().map(|s| s.to_string()).collect();
+    ///     println!("level {i}: {}", steps.join(", "));
+    /// }
+    /// assert_eq!(plan.levels().len(), 3); // 2 -> 0; then 1 -> 0; then 0 -> 1 with 0 -> 2
+    /// plan.run()?;
+    /// assert_eq!(replicas[2].context().read::<f32>(&g)?, vec![3.0; 4]);
+    /// plan.finalize()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn levels(&self) -> Vec<Vec<collective::Step>> {
+        collective::levels(&self.steps)
     }
 
     /// Issues the all-reduce; returns, once every step is issued, the final events (the
@@ -143,11 +176,28 @@ impl AllReducePlan {
 
 impl System {
     /// All-reduces `nodes` over `contexts` once (see [`AllReducePlan`]); returns the final
-    /// events. Prefer a reusable plan in a training loop.
-    pub fn all_reduce(
+    /// events. Prefer a reusable plan in a training loop. `contexts` may be anything that
+    /// holds a context: `Context`s, [`ContextHandle`](crate::ContextHandle)s or
+    /// [`RoutineHandle`](crate::RoutineHandle)s (standing for the context they wrote).
+    ///
+    /// ```
+    /// use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
+    /// let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::F32, [3]).with_mode(MemoryMode::on_device())?;
+    /// let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
+    /// let b = sys.context(1, 0)?.link(kernels::fill(&g, 3.0)?)?;
+    /// a.schedule()?;
+    /// b.schedule()?;
+    /// sys.all_reduce(&[g.clone()], [&a, &b], ReduceOp::Mean, Strategy::Ring)?;
+    /// assert_eq!(a.context().read::<f32>(&g)?, vec![2.0; 3]);
+    /// assert_eq!(b.context().read::<f32>(&g)?, vec![2.0; 3]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn all_reduce<C: AsRef<Context>>(
         &self,
         nodes: &[TensorNode],
-        contexts: &[Context],
+        contexts: impl IntoIterator<Item = C>,
         op: ReduceOp,
         strategy: Strategy,
     ) -> Result<Vec<Event>> {
@@ -172,10 +222,36 @@ pub struct BucketedAllReduce {
 impl BucketedAllReduce {
     /// Plans a bucketed all-reduce of `grads` (same dtype) over `contexts`, with buckets of
     /// at most `bucket_bytes` bytes (a larger gradient gets a bucket of its own).
-    pub fn new(
+    ///
+    /// ```
+    /// use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
+    /// use tributary_actors::BucketedAllReduce;
+    /// let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
+    /// let grads: Vec<_> = (0..3)
+    ///     .map(|i| sys.node(&format!("g{i}"), DType::F32, [2]).with_mode(MemoryMode::on_device()))
+    ///     .collect::<Result<_, _>>()?;
+    /// let mut replicas = Vec::new();
+    /// for d in 0..2 {
+    ///     let mut ctx = sys.context(d, 0)?;
+    ///     for g in &grads {
+    ///         let r = ctx.link(kernels::fill(g, 1.0 + d as f64)?)?;
+    ///         r.schedule()?;
+    ///         ctx = r.context();
+    ///     }
+    ///     replicas.push(ctx);
+    /// }
+    /// let plan = BucketedAllReduce::new(&sys, &grads, &replicas, ReduceOp::Sum, Strategy::Star, 16)?;
+    /// assert_eq!(plan.bucket_count(), 2); // 8 + 8 bytes, then 8
+    /// plan.run()?;
+    /// assert_eq!(sys.read::<f32>(&plan.contexts()[1], &grads[2])?, vec![3.0; 2]);
+    /// plan.finalize()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn new<C: AsRef<Context>>(
         sys: &System,
         grads: &[TensorNode],
-        contexts: &[Context],
+        contexts: impl IntoIterator<Item = C>,
         op: ReduceOp,
         strategy: Strategy,
         bucket_bytes: u64,
@@ -207,7 +283,7 @@ impl BucketedAllReduce {
         let mut unpack = Vec::new();
         let mut holders = Vec::new();
         for ctx in contexts {
-            let mut ctx = ctx.clone();
+            let mut ctx = ctx.as_ref().clone();
             let (mut p, mut u) = (Vec::new(), Vec::new());
             for (bucket, group) in buckets.iter().zip(&groups) {
                 let mut offset = 0;

@@ -46,8 +46,8 @@ impl Coordinator {
             .iter()
             .find(|(d, _)| *d == id)
             .map(|(_, a)| a.clone())
-            .ok_or(Error::NoSuchDevice {
-                index: id.0 as usize,
+            .ok_or(Error::UnknownDevice {
+                device: id,
                 count: self.devices.len(),
             })
     }
@@ -338,8 +338,8 @@ impl Handler<AllReduce> for Coordinator {
                                 })
                                 .await
                                 .map_err(mailbox)??
-                                .ok_or_else(|| Error::Unknown {
-                                    what: "merge copy planned nothing".into(),
+                                .ok_or_else(|| {
+                                    Error::Internal("merge copy planned nothing".into())
                                 })?;
                             let (ticket, sender) = crate::ticket::Ticket::new();
                             addrs[dst].do_send(Schedule {

@@ -105,8 +105,9 @@ impl DeviceActor {
     /// Refuses a stream of another device, or beyond the device's streams.
     fn check_stream(&self, stream: StreamId) -> Result<()> {
         if stream.device != self.state.device() {
-            return Err(Error::Unknown {
-                what: format!("stream {stream} on {}", self.state.device()),
+            return Err(Error::ForeignStream {
+                stream,
+                device: self.state.device(),
             });
         }
         self.check_stream_index(stream.index as usize)
@@ -248,9 +249,8 @@ impl Handler<Schedule> for DeviceActor {
                 host.set_order(order);
                 this.state.schedule(&routine, &mut host)?
             };
-            let event = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
-                what: "empty plan".into(),
-            })?;
+            let event = Self::last_event(&plans)
+                .ok_or_else(|| tributary::Error::Internal("scheduling planned nothing".into()))?;
             this.submit(plans);
             Ok(event)
         });
@@ -469,8 +469,8 @@ impl Handler<ScheduleStreaming> for DeviceActor {
                 this.state
                     .schedule_streaming(&msg.routine, &msg.source, &mut host)?
             };
-            let e = Self::last_event(&plans).ok_or_else(|| tributary::Error::Unknown {
-                what: "empty plan".into(),
+            let e = Self::last_event(&plans).ok_or_else(|| {
+                tributary::Error::Internal("streaming schedule planned nothing".into())
             })?;
             this.submit(plans);
             Ok(e)
@@ -639,7 +639,7 @@ mod tests {
             .unwrap();
         let c = sys.context(0, 0).unwrap();
         let cw = c.init_from_host(&w, &[1.0f32; 8]).unwrap();
-        (w, cw.context().clone())
+        (w, cw.protocol_context().clone())
     }
 
     #[test]
@@ -671,7 +671,9 @@ mod tests {
                 (7, Err(Error::NoSuchStream { index, count, .. })) => {
                     assert_eq!((index, count), (7, 2))
                 }
-                (0, Err(Error::Unknown { what })) => assert!(what.contains("d1"), "{what}"),
+                (0, Err(Error::ForeignStream { stream, .. })) => {
+                    assert_eq!(stream.device, tributary::DeviceId(1))
+                }
                 (_, other) => panic!("{stream}: {other:?}"),
             }
         }

@@ -1,6 +1,44 @@
 //! # tributary-actors: the actor system
 //!
-//! The host-facing layer of tributary (DESIGN.md §4), on actix:
+//! The host-facing layer of tributary, on actix. The design, with its rules and message
+//! flows, is `DESIGN.md` at the repository root (§4 for this crate).
+//!
+//! ## Concepts
+//!
+//! - **Node** ([`tributary::TensorNode`], made with [`System::node`]): a tensor's
+//!   description and memory mode; contexts hold its buffers.
+//! - **Context**: what one stream of one device holds. [`ContextHandle`] is a context of a
+//!   running system (it can link, read and finalize by itself); it wraps the protocol's
+//!   [`tributary::protocol::Context`] value ([`ContextHandle::protocol_context`]), which
+//!   the lower-level [`System`] methods take. Linking gives a child context.
+//! - **Routine** ([`RoutineHandle`]): a kernel linked into a context;
+//!   [`RoutineHandle::schedule`] issues it and returns a [`Ticket`] at once.
+//! - **Event** ([`tributary::Event`], behind a [`Ticket`]): the completion of one
+//!   operation on one stream. Operations wait for exactly the events they conflict with;
+//!   the caller never writes a barrier.
+//! - **Merge buffer**: one per stream, receiving another context's copy of a node
+//!   ([`System::device_to_device`]) for a merge routine (`kernels::add_merge`,
+//!   `kernels::copy_merge`); [`AllReducePlan`] builds all-reduces from these.
+//!
+//! ```
+//! use tributary::{kernels, DType, MemoryMode, MergeBufferUse};
+//! use tributary_actors::System;
+//! let sys = System::builder().cpu_devices(2).spawn()?; // no async runtime needed
+//! let g = sys.node("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+//! let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
+//! let b = sys.context(1, 0)?.link(kernels::fill(&g, 2.0)?)?;
+//! a.schedule()?;
+//! b.schedule()?;
+//! let sum = b.context().link(kernels::add_merge(&g)?)?; // g += merge buffer
+//! sys.device_to_device(&g, &a.context(), &sum.context(), MergeBufferUse::Copy)?;
+//! sum.schedule()?;
+//! assert_eq!(sum.context().read::<f32>(&g)?, vec![3.0; 4]);
+//! sys.shutdown()?;
+//! # Ok::<(), tributary::Error>(())
+//! ```
+//!
+//! ## Actors
+//!
 //!
 //! ```text
 //!                  ┌── device-local work ──▶ DeviceActor (pools, tables) ──▶ StreamActor ──▶ backend queue

@@ -40,6 +40,7 @@ use crate::{
 
 /// How many streams each device gets (OCANNL's `config`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum StreamConfig {
     /// One stream per device: parallelism only across devices.
     OnlyDevicesParallel,
@@ -51,6 +52,13 @@ pub enum StreamConfig {
 
 impl StreamConfig {
     /// Streams per device on the CPU backend.
+    ///
+    /// ```
+    /// use tributary_actors::StreamConfig;
+    /// assert_eq!(StreamConfig::ForParallelCopying.streams_per_device(), 2);
+    /// assert_eq!(StreamConfig::MostParallelStreams(0).streams_per_device(), 1);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn streams_per_device(self) -> usize {
         match self {
             StreamConfig::OnlyDevicesParallel => 1,
@@ -61,7 +69,12 @@ impl StreamConfig {
 }
 
 /// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
+///
+/// New settings may be added in minor releases (`#[non_exhaustive]`): build one with
+/// [`System::builder`], from a document ([`SystemConfig::from_toml_str`]), or from
+/// `SystemConfig::default()` and field assignments.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
 #[serde(default, deny_unknown_fields)]
 pub struct SystemConfig {
     /// Number of virtual CPU devices.
@@ -95,29 +108,71 @@ impl Default for SystemConfig {
 }
 
 impl SystemConfig {
-    /// Parses a TOML document.
+    /// Parses a TOML document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_toml_str("cpu_devices = 3")?;
+    /// assert_eq!(c.cpu_devices, 3);
+    /// assert!(SystemConfig::from_toml_str("cpu_devices = \"three\"").is_err());
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_toml_str(text: &str) -> Result<SystemConfig> {
-        toml::from_str(text).map_err(|e| Error::Unknown {
-            what: format!("configuration (TOML): {e}"),
+        toml::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "toml".into(),
+            message: e.to_string(),
         })
     }
 
-    /// Parses a JSON document.
+    /// Parses a JSON document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_json_str(r#"{ "cpu_devices": 1 }"#)?;
+    /// assert_eq!(c.cpu_devices, 1);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_json_str(text: &str) -> Result<SystemConfig> {
-        serde_json::from_str(text).map_err(|e| Error::Unknown {
-            what: format!("configuration (JSON): {e}"),
+        serde_json::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "json".into(),
+            message: e.to_string(),
         })
     }
 
-    /// Reads a `.toml` or `.json` file.
+    /// Reads a `.json` file as JSON, any other as TOML; [`Error::ConfigParse`] naming the
+    /// file when it cannot be read or parsed.
+    ///
+    /// ```
+    /// use tributary::Error;
+    /// use tributary_actors::SystemConfig;
+    /// let err = SystemConfig::from_file("/nonexistent/tributary.toml").unwrap_err();
+    /// assert!(matches!(err, Error::ConfigParse { path: Some(_), .. }), "{err}");
+    /// ```
     pub fn from_file(path: impl AsRef<Path>) -> Result<SystemConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Unknown {
-            what: format!("configuration file {}: {e}", path.display()),
+        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        let format = if json { "json" } else { "toml" };
+        let with_path = |e: Error| match e {
+            Error::ConfigParse {
+                format, message, ..
+            } => Error::ConfigParse {
+                path: Some(path.to_path_buf()),
+                format,
+                message,
+            },
+            other => other,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| Error::ConfigParse {
+            path: Some(path.to_path_buf()),
+            format: format.into(),
+            message: e.to_string(),
         })?;
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("json") => Self::from_json_str(&text),
-            _ => Self::from_toml_str(&text),
+        if json {
+            Self::from_json_str(&text).map_err(with_path)
+        } else {
+            Self::from_toml_str(&text).map_err(with_path)
         }
     }
 }
@@ -130,48 +185,111 @@ pub struct SystemBuilder {
 
 impl SystemBuilder {
     /// Number of CPU devices.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().cpu_devices(3).spawn()?;
+    /// assert_eq!(sys.device_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn cpu_devices(mut self, n: usize) -> Self {
         self.config.cpu_devices = n;
         self
     }
 
     /// Streams per device.
+    ///
+    /// ```
+    /// use tributary_actors::{StreamConfig, System};
+    /// let sys = System::builder().streams(StreamConfig::MostParallelStreams(3)).spawn()?;
+    /// assert_eq!(sys.device(0).stream_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn streams(mut self, streams: StreamConfig) -> Self {
         self.config.streams = streams;
         self
     }
 
     /// Pool configuration.
+    ///
+    /// ```
+    /// use tributary::memory::PoolConfig;
+    /// let pools = PoolConfig { limit_bytes: Some(1 << 20), ..PoolConfig::default() };
+    /// let sys = tributary_actors::System::builder().pools(pools).spawn()?;
+    /// assert_eq!(sys.config().pools.limit_bytes, Some(1 << 20));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn pools(mut self, pools: PoolConfig) -> Self {
         self.config.pools = pools;
         self
     }
 
     /// Mailbox capacity of each device actor.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().mailbox_capacity(0).spawn()?;
+    /// assert_eq!(sys.config().mailbox_capacity, 1); // at least one
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn mailbox_capacity(mut self, n: usize) -> Self {
         self.config.mailbox_capacity = n.max(1);
         self
     }
 
     /// Records a timeline of every operation and wait, for [`System::timeline`].
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().record_timeline(true).spawn()?;
+    /// assert!(sys.timeline().is_some());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn record_timeline(mut self, on: bool) -> Self {
         self.config.record_timeline = on;
         self
     }
 
     /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
+    ///
+    /// ```
+    /// use tributary::backend::BackendKind;
+    /// let sys = tributary_actors::System::builder().backend(BackendKind::Cpu).cpu_devices(1).spawn()?;
+    /// assert_eq!(sys.device_info(0)?.backend, "cpu");
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn backend(mut self, backend: BackendKind) -> Self {
         self.config.backend = backend;
         self
     }
 
     /// The whole configuration.
+    ///
+    /// ```
+    /// use tributary_actors::{System, SystemConfig};
+    /// let config = SystemConfig::from_toml_str("cpu_devices = 1")?;
+    /// let sys = System::builder().config(config).spawn()?;
+    /// assert_eq!(sys.device_count(), 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn config(mut self, config: SystemConfig) -> Self {
         self.config = config;
         self
     }
 
     /// Starts the actor system on its own threads.
+    ///
+    /// ```
+    /// use tributary::backend::BackendKind;
+    /// let sys = tributary_actors::System::builder().spawn()?; // 2 CPU devices x 2 streams
+    /// assert_eq!((sys.device_count(), sys.device(1).stream_count()), (2, 2));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn spawn(self) -> Result<System> {
         System::spawn(self.config)
     }
@@ -248,11 +366,25 @@ impl std::fmt::Display for MemoryReport {
 
 impl System {
     /// A builder with the default configuration (2 CPU devices x 2 streams).
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().cpu_devices(1).spawn()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn builder() -> SystemBuilder {
         SystemBuilder::default()
     }
 
     /// Spawns a system from a configuration.
+    ///
+    /// ```
+    /// use tributary_actors::{System, SystemConfig};
+    /// let sys = System::from_config(SystemConfig::from_json_str(r#"{ "cpu_devices": 1 }"#)?)?;
+    /// assert_eq!(sys.device_count(), 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_config(config: SystemConfig) -> Result<System> {
         System::spawn(config)
     }
@@ -263,8 +395,10 @@ impl System {
             .backend
             .create_with_recorder(config.cpu_devices, recorder.clone())?;
         if backend.devices().is_empty() {
-            return Err(Error::Unknown {
-                what: "configuration with zero devices".into(),
+            return Err(Error::InvalidConfig {
+                setting: "cpu_devices".into(),
+                value: config.cpu_devices.to_string(),
+                reason: "the backend has no devices to run".into(),
             });
         }
         let device_info = backend
@@ -289,8 +423,9 @@ impl System {
                     let _ = sys.run();
                 }
             })
-            .map_err(|e| Error::Unknown {
-                what: format!("cannot spawn the actor thread: {e}"),
+            .map_err(|e| Error::Io {
+                what: "spawn the actor thread".into(),
+                message: e.to_string(),
             })?;
         let (devices, device_ids, coordinator, arbiters, actix) = rx
             .recv()
@@ -318,12 +453,32 @@ impl System {
     /// The timeline recorder, when the system records one
     /// ([`SystemBuilder::record_timeline`], CPU, Vulkan and CUDA backends); export it with
     /// `write_chrome_trace`, summarise it with `summary`.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().record_timeline(true).spawn()?;
+    /// let x = sys.node("x", tributary::DType::F32, [4]);
+    /// sys.context(0, 0)?.link(tributary::kernels::fill(&x, 1.0)?)?.schedule()?.wait()?;
+    /// let recorder = sys.timeline().expect("recording");
+    /// assert!(!recorder.records().is_empty());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn timeline(&self) -> Option<Arc<Recorder>> {
         self.shared.recorder.clone()
     }
 
     /// A new program-order stamp, for messages that update the shared host table. Hosts
     /// that send messages directly take their stamps here too.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let a = sys.next_order();
+    /// assert!(sys.next_order() > a);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn next_order(&self) -> u64 {
         self.shared
             .order
@@ -332,11 +487,29 @@ impl System {
     }
 
     /// The configuration the system runs with.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert_eq!(sys.config().cpu_devices, 2);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn config(&self) -> &SystemConfig {
         &self.shared.config
     }
 
     /// Number of devices.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert_eq!(sys.device_count(), 2);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device_count(&self) -> usize {
         self.shared.devices.len()
     }
@@ -365,6 +538,16 @@ impl System {
     }
 
     /// A handle on device `i`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let ctx = sys.device(1).stream(0).context()?;
+    /// assert_eq!(ctx.device(), tributary::DeviceId(1));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device(&self, i: usize) -> DeviceHandle {
         DeviceHandle {
             sys: self.clone(),
@@ -373,16 +556,45 @@ impl System {
     }
 
     /// The device actor of device `i`, for hosts that send messages directly.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert!(sys.device_actor(1).is_some());
+    /// assert!(sys.device_actor(2).is_none());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device_actor(&self, i: usize) -> Option<Addr<DeviceActor>> {
         self.shared.devices.get(i).cloned()
     }
 
     /// The coordinator actor.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert!(sys.coordinator().connected());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn coordinator(&self) -> Addr<Coordinator> {
         self.shared.coordinator.clone()
     }
 
     /// Creates a tensor node (memory mode `Unset`; refine it with [`TensorNode::with_mode`]).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2, 3]);
+    /// assert_eq!((w.label(), w.numel()), ("w", 6));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn node(&self, label: &str, dtype: DType, shape: impl Into<Shape>) -> TensorNode {
         TensorNode::new(label, dtype, shape)
     }
@@ -404,9 +616,9 @@ impl System {
             .iter()
             .position(|&d| d == device)
             .and_then(|i| self.shared.devices.get(i))
-            .ok_or(Error::NoSuchDevice {
-                index: device.0 as usize,
-                count: self.shared.devices.len(),
+            .ok_or(Error::UnknownDevice {
+                device,
+                count: self.shared.device_ids.len(),
             })
     }
 
@@ -460,11 +672,33 @@ impl System {
     // ----- contexts, linking, scheduling --------------------------------------------
 
     /// A root context on `stream` of device `device`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let ctx = sys.context(1, 1)?;
+    /// assert_eq!(ctx.stream().index, 1);
+    /// assert!(matches!(sys.context(2, 0), Err(Error::NoSuchDevice { index: 2, count: 2 })));
+    /// assert!(matches!(sys.context(0, 5), Err(Error::NoSuchStream { index: 5, .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn context(&self, device: usize, stream: usize) -> Result<ContextHandle> {
         block_on(self.context_async(device, stream))
     }
 
     /// Async [`System::context`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let ctx = block_on(sys.context_async(0, 1))?;
+    /// assert_eq!(ctx.stream().index, 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn context_async(&self, device: usize, stream: usize) -> Result<ContextHandle> {
         let addr = self.device_index(device)?;
         let ctx = self.request(addr, NewContext { stream }).await??;
@@ -475,11 +709,35 @@ impl System {
     }
 
     /// Links a routine into `ctx`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let root = sys.context(0, 0)?;
+    /// let fill = sys.link(&root, kernels::fill(&x, 2.0)?)?; // a handle derefs to its context
+    /// assert!(fill.protocol_context().contains(&x));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn link(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
         block_on(self.link_async(ctx, spec))
     }
 
     /// Async [`System::link`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let root = sys.context(0, 0)?;
+    /// let fill = block_on(sys.link_async(&root, kernels::fill(&x, 2.0)?))?;
+    /// assert!(fill.protocol_context().contains(&x));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn link_async(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
         let addr = self.device_addr(ctx.device())?;
         let routine = self
@@ -515,6 +773,19 @@ impl System {
     }
 
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 2.0)?)?;
+    /// let ticket = sys.schedule(fill.routine())?;
+    /// ticket.wait()?;
+    /// assert_eq!(fill.context().read::<f32>(&x)?, vec![2.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
         self.order_host_arrays(routine.context().device(), hosted_reads(routine))?;
         self.post_ticketed(routine.context(), |ticket| Schedule {
@@ -525,6 +796,19 @@ impl System {
     }
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]);
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// sys.host_write(&w, &[3.0f32, 4.0])?;
+    /// sys.from_host(&held, &w)?.wait()?;
+    /// assert_eq!(held.read::<f32>(&w)?, vec![3.0, 4.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
         self.order_host_arrays(ctx.device(), std::iter::once(node))?;
         self.post_ticketed(ctx, |ticket| FromHost {
@@ -536,6 +820,20 @@ impl System {
     }
 
     /// Downloads the buffer of hosted `node` in `ctx` into its host array.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// let double = held.link(kernels::scale_in_place(&w, 2.0)?)?;
+    /// double.schedule()?;
+    /// sys.to_host(double.protocol_context(), &w)?.wait()?;
+    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![2.0, 4.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
         self.order_host_arrays(ctx.device(), std::iter::once(node))?;
         self.post_ticketed(ctx, |ticket| ToHost {
@@ -548,6 +846,22 @@ impl System {
 
     /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
     /// child of `ctx` holding a buffer initialised from it.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::I32, [3]);
+    /// let root = sys.context(1, 0)?;
+    /// let held = sys.init_from_host(&root, &w, &[1i32, 2, 3])?;
+    /// assert_eq!(held.read::<i32>(&w)?, vec![1, 2, 3]);
+    /// assert!(matches!(
+    ///     sys.init_from_host(&held, &w, &[0i32; 3]),
+    ///     Err(Error::AlreadyInContext { .. })
+    /// ));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn init_from_host<T: Element>(
         &self,
         ctx: &Context,
@@ -558,6 +872,18 @@ impl System {
     }
 
     /// Async [`System::init_from_host`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]);
+    /// let root = sys.context(0, 0)?;
+    /// let held = block_on(sys.init_from_host_async(&root, &w, &[1.0f32, 2.0]))?;
+    /// assert_eq!(held.read::<f32>(&w)?, vec![1.0, 2.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn init_from_host_async<T: Element>(
         &self,
         ctx: &Context,
@@ -596,6 +922,24 @@ impl System {
 
     /// Moves `node` from `src` to `dst` through the coordinator; `None` when both share
     /// the buffer. Returns once both devices have recorded the operation.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+    /// let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
+    /// let b = sys.context(1, 0)?.link(kernels::fill(&g, 2.0)?)?;
+    /// a.schedule()?;
+    /// b.schedule()?;
+    /// // b = a's value, through b's merge buffer (OCANNL's `g =: merge`).
+    /// let take = b.context().link(kernels::copy_merge(&g)?)?;
+    /// sys.device_to_device(&g, a.protocol_context(), take.protocol_context(), MergeBufferUse::Copy)?;
+    /// take.schedule()?;
+    /// assert_eq!(take.context().read::<f32>(&g)?, vec![1.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn device_to_device(
         &self,
         node: &TensorNode,
@@ -607,6 +951,22 @@ impl System {
     }
 
     /// Async [`System::device_to_device`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+    /// let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
+    /// let b = sys.context(1, 0)?.link(kernels::fill(&g, 2.0)?)?;
+    /// a.schedule()?;
+    /// b.schedule()?;
+    /// let copy = block_on(sys.device_to_device_async(&g, &a.context(), &b.context(), MergeBufferUse::No))?;
+    /// assert!(copy.is_some());
+    /// assert_eq!(b.context().read::<f32>(&g)?, vec![1.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn device_to_device_async(
         &self,
         node: &TensorNode,
@@ -692,11 +1052,34 @@ impl System {
     }
 
     /// Reads the host value of hosted `node` (transferring the newest device value first).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// held.link(kernels::fill(&w, 5.0)?)?.schedule()?;
+    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![5.0, 5.0]); // the device value, transferred
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn host_read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         block_on(self.host_read_async(node))
     }
 
     /// Async [`System::host_read`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// sys.host_write(&w, &[1.0f32, 2.0])?;
+    /// assert_eq!(block_on(sys.host_read_async::<f32>(&w))?, vec![1.0, 2.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn host_read_async<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         node.check_data(T::DTYPE, node.numel())?;
         if !node.mode().is_hosted() {
@@ -734,9 +1117,7 @@ impl System {
                 }
                 // Read under the lock: no new transfer into the array can be planned meanwhile.
                 let bytes = self.host_table().read_bytes(node)?;
-                return tributary::kernels::from_bytes(&bytes).map_err(|e| Error::Unknown {
-                    what: e.to_string(),
-                });
+                return Ok(tributary::kernels::from_bytes(&bytes)?);
             }
             for e in pending {
                 let _ = e.wait_async().await;
@@ -745,11 +1126,35 @@ impl System {
     }
 
     /// Writes the host value of hosted `node`; device copies re-upload before their next use.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// sys.host_write(&w, &[1.0f32, 2.0])?;
+    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![1.0, 2.0]);
+    /// let plain = sys.node("p", DType::F32, [2]);
+    /// assert!(matches!(sys.host_write(&plain, &[0f32; 2]), Err(Error::NotHosted { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn host_write<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
         block_on(self.host_write_async(node, data))
     }
 
     /// Async [`System::host_write`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// block_on(sys.host_write_async(&w, &[1.0f32, 2.0]))?;
+    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![1.0, 2.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn host_write_async<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
         node.check_data(T::DTYPE, data.len())?;
         if !node.mode().is_hosted() {
@@ -780,11 +1185,35 @@ impl System {
     /// read. That is the buffer after its last write, or, for a hosted node whose buffer
     /// lags a host write, the host array (which a routine would upload first; the buffer
     /// is left as it is). [`System::read_device_raw`] shows the buffer's bytes instead.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::U8, [3]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&g, 7.0)?)?;
+    /// fill.schedule()?;
+    /// assert_eq!(sys.read::<u8>(fill.protocol_context(), &g)?, vec![7; 3]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn read<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         block_on(self.read_async(ctx, node))
     }
 
     /// Async [`System::read`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let g = sys.node("g", DType::U8, [3]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&g, 7.0)?)?;
+    /// fill.schedule()?;
+    /// assert_eq!(block_on(sys.read_async::<u8>(fill.protocol_context(), &g))?, vec![7; 3]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn read_async<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         node.check_data(T::DTYPE, node.numel())?;
         if node.mode().is_hosted() {
@@ -812,6 +1241,19 @@ impl System {
     /// The bytes of `node`'s buffer in `ctx` as they are, after its last write, for
     /// debugging: unlike [`System::read`], a buffer lagging a host write shows its stale
     /// device value, which no routine would read.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, MemoryMode};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let ctx = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 1.0])?;
+    /// sys.host_write(&w, &[2.0f32, 2.0])?; // the device buffer now lags
+    /// assert_eq!(sys.read::<f32>(&ctx, &w)?, vec![2.0, 2.0]); // what a routine would read
+    /// assert_eq!(sys.read_device_raw::<f32>(&ctx, &w)?, vec![1.0, 1.0]); // the stale bytes
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn read_device_raw<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
         block_on(async {
             node.check_data(T::DTYPE, node.numel())?;
@@ -834,6 +1276,19 @@ impl System {
     }
 
     /// Finalizes `ctx`: its buffers are freed after their pending uses.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// fill.schedule()?;
+    /// sys.finalize(fill.protocol_context())?;
+    /// assert!(matches!(fill.context().read::<f32>(&x), Err(Error::ContextFinalized { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
         // A finalize may write hosted values back to their host arrays: order it after
         // every device's earlier host-array transfers.
@@ -852,11 +1307,33 @@ impl System {
 
     /// Waits for all work issued so far on device `i`, then prunes its tables. Returns the
     /// first failure among that work, if any.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let ticket = sys.context(1, 0)?.link(kernels::fill(&x, 1.0)?)?.schedule()?;
+    /// sys.sync_device(1)?;
+    /// assert!(ticket.is_done());
+    /// assert!(matches!(sys.sync_device(2), Err(Error::NoSuchDevice { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn sync_device(&self, i: usize) -> Result<()> {
         block_on(self.sync_device_async(i))
     }
 
     /// Async [`System::sync_device`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// block_on(sys.sync_device_async(0))?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn sync_device_async(&self, i: usize) -> Result<()> {
         let addr = self.device_index(i)?;
         let events = self.request(addr, LastEvents).await?;
@@ -873,6 +1350,18 @@ impl System {
     }
 
     /// Waits for all work issued so far on one stream (`await` of the design).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let ticket = sys.context(0, 1)?.link(kernels::fill(&x, 1.0)?)?.schedule()?;
+    /// sys.await_stream(0, 1)?;
+    /// assert!(ticket.is_done());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
         block_on(async {
             let addr = self.device_index(device)?;
@@ -884,11 +1373,34 @@ impl System {
     }
 
     /// Waits for all work of every device.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let t0 = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?.schedule()?;
+    /// let t1 = sys.context(1, 1)?.link(kernels::fill(&x, 2.0)?)?.schedule()?;
+    /// sys.sync()?;
+    /// assert!(t0.is_done() && t1.is_done());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn sync(&self) -> Result<()> {
         block_on(self.sync_async())
     }
 
     /// Async [`System::sync`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// block_on(sys.sync_async())?;
+    /// assert!(sys.is_idle()?);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub async fn sync_async(&self) -> Result<()> {
         let mut first = Ok(());
         for i in 0..self.device_count() {
@@ -901,6 +1413,18 @@ impl System {
     }
 
     /// Whether every operation issued so far has completed.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?.schedule()?;
+    /// sys.sync()?;
+    /// assert!(sys.is_idle()?);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn is_idle(&self) -> Result<bool> {
         block_on(async {
             let mut idle = true;
@@ -912,6 +1436,18 @@ impl System {
     }
 
     /// Memory statistics of every device.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [256]);
+    /// let _fill = sys.context(1, 0)?.link(kernels::fill(&x, 1.0)?)?; // linking allocates
+    /// let stats = sys.memory_stats()?;
+    /// assert!(stats[1].live_bytes >= 1024);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn memory_stats(&self) -> Result<Vec<PoolStats>> {
         block_on(async {
             let mut out = Vec::new();
@@ -923,6 +1459,17 @@ impl System {
     }
 
     /// Memory report (serde, and a short table through `Display`).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let report = sys.memory_report()?;
+    /// println!("{report}"); // a table, one row per device
+    /// assert_eq!(report.devices.len(), 2);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn memory_report(&self) -> Result<MemoryReport> {
         Ok(MemoryReport {
             devices: self.memory_stats()?,
@@ -930,6 +1477,15 @@ impl System {
     }
 
     /// Sizes of every device's protocol tables.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert_eq!(sys.table_sizes()?.len(), 2);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn table_sizes(&self) -> Result<Vec<TableSizes>> {
         block_on(async {
             let mut out = Vec::new();
@@ -941,6 +1497,16 @@ impl System {
     }
 
     /// Debug information as JSON: every device's tables, pools and streams.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let info = sys.debug_info()?;
+    /// assert_eq!(info["devices"].as_array().map(Vec::len), Some(2));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn debug_info(&self) -> Result<serde_json::Value> {
         block_on(async {
             let mut out = Vec::new();
@@ -953,6 +1519,16 @@ impl System {
 
     /// Stops the system: in-flight work may finish within the configured timeout, what is
     /// left is abandoned (its waiters fail) and reported. Later calls fail with `ShutDown`.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let report = sys.shutdown()?;
+    /// assert!(report.abandoned.is_empty());
+    /// assert!(matches!(sys.context(0, 0), Err(Error::ShutDown(_))));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn shutdown(&self) -> Result<ShutdownReport> {
         self.shutdown_within(Duration::from_millis(
             self.shared.config.shutdown_timeout_ms,
@@ -960,6 +1536,16 @@ impl System {
     }
 
     /// [`System::shutdown`] with an explicit bound.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let report = sys.shutdown_within(std::time::Duration::from_secs(5))?;
+    /// assert!(report.abandoned.is_empty());
+    /// assert!(sys.shutdown().is_err()); // already shut down
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn shutdown_within(&self, timeout: Duration) -> Result<ShutdownReport> {
         let start = Instant::now();
         let deadline = start + timeout;
@@ -1017,9 +1603,7 @@ fn read_back<T: Element>(into: &AlignedBuffer, bytes: usize) -> Result<Vec<T>> {
     // SAFETY: the copy into `into` completed (its event was awaited) and the device holds
     // no other reference to it.
     let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
-    tributary::kernels::from_bytes(data).map_err(|e| Error::Unknown {
-        what: e.to_string(),
-    })
+    Ok(tributary::kernels::from_bytes(data)?)
 }
 
 /// The hosted nodes a routine reads (which it may upload before running).
@@ -1094,6 +1678,16 @@ pub struct DeviceHandle {
 
 impl DeviceHandle {
     /// Stream `i` of this device.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let ctx = sys.device(0).stream(1).context()?;
+    /// assert_eq!(ctx.stream().index, 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn stream(&self, i: usize) -> StreamHandle {
         StreamHandle {
             sys: self.sys.clone(),
@@ -1103,6 +1697,16 @@ impl DeviceHandle {
     }
 
     /// Number of streams.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// assert_eq!(sys.device(0).stream_count(), 2);
+    /// assert_eq!(sys.device(9).stream_count(), 0); // no such device
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn stream_count(&self) -> usize {
         self.sys
             .shared
@@ -1123,12 +1727,28 @@ pub struct StreamHandle {
 
 impl StreamHandle {
     /// A new root context on this stream.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let root = sys.device(1).stream(0).context()?;
+    /// assert_eq!(root.device(), tributary::DeviceId(1));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn context(&self) -> Result<ContextHandle> {
         self.sys.context(self.device, self.index)
     }
 }
 
 /// A context of a running system, with the operations that start from it.
+///
+/// Two types are called "context": this handle (a [`protocol::Context`](Context) plus the
+/// [`System`] it lives in, so it can link, read and finalize by itself) and the protocol's
+/// [`Context`] value it wraps ([`ContextHandle::protocol_context`]), which the lower-level
+/// methods of [`System`] take. A handle derefs to its `Context` and is `AsRef<Context>`,
+/// so it can be passed wherever a `&Context` or an `impl AsRef<Context>` is expected.
 #[derive(Clone)]
 pub struct ContextHandle {
     sys: System,
@@ -1136,17 +1756,54 @@ pub struct ContextHandle {
 }
 
 impl ContextHandle {
-    /// The engine context.
+    /// The protocol's context value this handle wraps.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().cpu_devices(1).spawn()?;
+    /// let ctx = sys.context(0, 0)?;
+    /// assert_eq!(ctx.protocol_context().device(), tributary::DeviceId(0));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn protocol_context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The protocol's context value: renamed [`ContextHandle::protocol_context`].
+    #[deprecated(note = "renamed `protocol_context` (a `ContextHandle` is itself a context)")]
     pub fn context(&self) -> &Context {
         &self.ctx
     }
 
     /// Links a routine; its context is a child of this one.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// fill.schedule()?;
+    /// assert_eq!(fill.context().read::<f32>(&x)?, vec![1.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn link(&self, spec: RoutineSpec) -> Result<RoutineHandle> {
         self.sys.link(&self.ctx, spec)
     }
 
     /// See [`System::init_from_host`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]);
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// assert_eq!(held.read::<f32>(&w)?, vec![1.0, 2.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn init_from_host<T: Element>(
         &self,
         node: &TensorNode,
@@ -1156,28 +1813,92 @@ impl ContextHandle {
     }
 
     /// See [`System::from_host`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]);
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// sys.host_write(&w, &[3.0f32, 4.0])?;
+    /// held.from_host(&w)?.wait()?;
+    /// assert_eq!(held.read::<f32>(&w)?, vec![3.0, 4.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn from_host(&self, node: &TensorNode) -> Result<Ticket> {
         self.sys.from_host(&self.ctx, node)
     }
 
     /// See [`System::to_host`].
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
+    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
+    /// let fill = held.link(kernels::fill(&w, 4.0)?)?;
+    /// fill.schedule()?;
+    /// fill.context().to_host(&w)?.wait()?;
+    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![4.0, 4.0]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn to_host(&self, node: &TensorNode) -> Result<Ticket> {
         self.sys.to_host(&self.ctx, node)
     }
 
     /// Reads the value of `node` in this context: what a routine here would read (see
     /// [`System::read`]).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F64, [2]);
+    /// let fill = sys.context(1, 1)?.link(kernels::fill(&x, 0.5)?)?;
+    /// fill.schedule()?;
+    /// assert_eq!(fill.context().read::<f64>(&x)?, vec![0.5, 0.5]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         self.sys.read(&self.ctx, node)
     }
 
     /// The bytes of `node`'s buffer in this context as they are, stale or not (see
     /// [`System::read_device_raw`]).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let x = sys.node("x", DType::F32, [2]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 0.5)?)?;
+    /// fill.schedule()?;
+    /// assert_eq!(fill.context().read_device_raw::<f32>(&x)?, vec![0.5, 0.5]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn read_device_raw<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
         self.sys.read_device_raw(&self.ctx, node)
     }
 
     /// Finalizes this context.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// fill.schedule()?;
+    /// fill.context().finalize()?;
+    /// assert!(matches!(fill.context().finalize(), Err(Error::ContextFinalized { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn finalize(&self) -> Result<()> {
         self.sys.finalize(&self.ctx)
     }
@@ -1190,6 +1911,20 @@ impl std::ops::Deref for ContextHandle {
     }
 }
 
+impl AsRef<Context> for ContextHandle {
+    fn as_ref(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+/// A routine's handle stands for the context it was linked into (a child of the one given
+/// to `link`): the context holding what the routine wrote.
+impl AsRef<Context> for RoutineHandle {
+    fn as_ref(&self) -> &Context {
+        self.routine.context()
+    }
+}
+
 /// A linked routine of a running system.
 #[derive(Clone)]
 pub struct RoutineHandle {
@@ -1199,11 +1934,55 @@ pub struct RoutineHandle {
 
 impl RoutineHandle {
     /// The engine routine (for `MergeBufferUse::StreamingFor`).
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// assert_eq!(fill.routine().name(), "fill(x)");
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn routine(&self) -> &Routine {
         &self.routine
     }
 
-    /// The routine's context (a child of the one it was linked into).
+    /// The protocol's context value of the routine (a child of the one it was linked
+    /// into); [`RoutineHandle::context`] gives it as a handle.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// assert!(fill.protocol_context().contains(&x));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn protocol_context(&self) -> &Context {
+        self.routine.context()
+    }
+
+    /// The routine's context (a child of the one it was linked into), as a handle.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let y = sys.node("y", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// // Chain: link the next routine into the context the first one wrote.
+    /// let copy = fill.context().link(kernels::copy(&y, &x)?)?;
+    /// fill.schedule()?;
+    /// copy.schedule()?;
+    /// assert_eq!(copy.context().read::<f32>(&y)?, vec![1.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn context(&self) -> ContextHandle {
         ContextHandle {
             sys: self.sys.clone(),
@@ -1212,6 +1991,19 @@ impl RoutineHandle {
     }
 
     /// Schedules the routine; returns at once with a ticket for its event.
+    ///
+    /// ```
+    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
+    /// # use tributary_actors::{block_on, System};
+    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// let ticket = fill.schedule()?; // returns at once
+    /// ticket.wait()?;
+    /// assert!(ticket.event()?.is_done());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn schedule(&self) -> Result<Ticket> {
         self.sys.schedule(&self.routine)
     }

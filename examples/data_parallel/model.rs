@@ -245,7 +245,7 @@ impl DataParallel {
                 sgd.push(ctx.link(kernels::sgd_step(p, g, cfg.lr)?)?);
             }
             replicas.push(Replica {
-                ctx: ctx.context().clone(),
+                ctx: ctx.protocol_context().clone(),
                 routines,
                 sgd,
                 loss,

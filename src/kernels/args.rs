@@ -33,6 +33,7 @@ impl fmt::Display for ArgSlot {
 
 /// Why a kernel could not get a view of an argument.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ArgError {
     /// There is no such parameter, or no merge buffer.
     #[error("{slot} does not exist ({len} parameters)")]
@@ -413,12 +414,7 @@ impl<'a> KernelArgs<'a> {
 
 /// The bytes of `data` in native byte order.
 pub fn to_bytes<T: Element>(data: &[T]) -> Vec<u8> {
-    // SAFETY: `data` is a live slice of initialised `T`s, and every `Element` type is a
-    // plain number without padding, so its `size_of_val(data)` bytes are initialised and
-    // readable as `u8` (alignment 1).
-    let bytes =
-        unsafe { slice::from_raw_parts(data.as_ptr().cast::<u8>(), mem::size_of_val(data)) };
-    bytes.to_vec()
+    bytemuck::cast_slice::<T, u8>(data).to_vec()
 }
 
 /// Elements of `T` read from bytes in native byte order; the length must be a whole
@@ -431,17 +427,8 @@ pub fn from_bytes<T: Element>(bytes: &[u8]) -> Result<Vec<T>, ArgError> {
             dtype: T::DTYPE,
         });
     }
-    let n = bytes.len() / size;
-    let mut out: Vec<T> = Vec::with_capacity(n);
-    // SAFETY: `out` owns an allocation for at least `n` elements, i.e. `bytes.len()` bytes,
-    // which cannot overlap the borrowed `bytes`; the copy is bytewise, so the source needs
-    // no alignment. After it the first `n` elements are initialised, and any bit pattern is
-    // a valid `T` (the sealed `Element` types are plain numbers), so `set_len(n)` is sound.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), bytes.len());
-        out.set_len(n);
-    }
-    Ok(out)
+    // Copies into a fresh, aligned vector: `bytes` itself may have any alignment.
+    Ok(bytemuck::pod_collect_to_vec::<u8, T>(bytes))
 }
 
 #[cfg(all(test, not(tributary_loom)))]

@@ -346,6 +346,7 @@ fn run_builtin(b: &Builtin, args: &KernelArgs<'_>) -> KResult {
     match *b {
         Builtin::Fill { value } => fill(args, dtype, value),
         Builtin::Copy => copy(args),
+        Builtin::CopyMerge => copy_merge(args),
         Builtin::AddInto => match dtype {
             DType::I32 => add_i32(args, false),
             d => floats!(b, d, add_real(args, false)),
@@ -400,6 +401,22 @@ fn copy(args: &KernelArgs<'_>) -> KResult {
     let dst = args.output_bytes(0)?;
     let src = args.input_bytes(1)?;
     check_len("the source (bytes)", src.len(), dst.len())?;
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
+/// `dst = merge`, bitwise ([`Builtin::CopyMerge`]).
+fn copy_merge(args: &KernelArgs<'_>) -> KResult {
+    if args.merge_dtype() != args.dtype(0) {
+        return Err(format!(
+            "dtypes differ: {:?} and the merge buffer's {:?}",
+            args.dtype(0),
+            args.merge_dtype()
+        ));
+    }
+    let dst = args.output_bytes(0)?;
+    let src = args.merge_bytes()?;
+    check_len("the merge buffer (bytes)", src.len(), dst.len())?;
     dst.copy_from_slice(src);
     Ok(())
 }

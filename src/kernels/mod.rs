@@ -9,7 +9,7 @@
 //!
 //! - [`Builtin`]: the portable built-ins every backend implements (DESIGN.md §5). They are
 //!   plain data (serialisable), built by the constructor functions of this module
-//!   ([`fill`], [`copy`], [`add_into`], [`add_merge`], [`scale`], [`axpy`], [`sgd_step`],
+//!   ([`fill`], [`copy`], [`add_into`], [`add_merge`], [`copy_merge`], [`scale`], [`axpy`], [`sgd_step`],
 //!   [`matmul`], [`matmul_tn`], [`matmul_nt`], [`add_row_bias`], [`relu`],
 //!   [`relu_backward`], [`sum_rows`], [`softmax_xent`], [`mul`]), which check dtypes and
 //!   shapes and return typed errors ([`Error::DTypeMismatch`](crate::Error::DTypeMismatch),
@@ -38,8 +38,8 @@ pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
 pub use cpu::{run_cpu, run_on_host};
 pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
 pub use spec::{
-    add_into, add_merge, add_row_bias, axpy, copy, copy_range, fill, matmul, matmul_nt, matmul_tn,
-    mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows, Access,
-    Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, Param,
+    add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul, matmul_nt,
+    matmul_tn, mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows,
+    Access, Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, Param,
     RoutineSpec, ShaderKernel, ShaderSource,
 };

@@ -275,6 +275,10 @@ pub enum Builtin {
     /// `merge` is the stream's merge buffer holding a copy of `dst` from another context.
     /// Floats and `i32` (wrapping).
     AddMerge,
+    /// `copy_merge(dst: Write)`, merge node = `dst`: `dst[i] = merge[i]`, bitwise, where
+    /// `merge` is the stream's merge buffer holding a copy of `dst` from another context
+    /// (OCANNL's `dst =: merge`). Every dtype.
+    CopyMerge,
     /// `scale(dst: Write, src: Read)`: `dst[i] = alpha * src[i]`. Floats.
     Scale {
         /// The factor.
@@ -408,6 +412,7 @@ impl Builtin {
             Builtin::Copy => "copy",
             Builtin::AddInto => "add_into",
             Builtin::AddMerge => "add_merge",
+            Builtin::CopyMerge => "copy_merge",
             Builtin::Scale { .. } => "scale",
             Builtin::Axpy { .. } => "axpy",
             Builtin::SgdStep { .. } => "sgd_step",
@@ -429,7 +434,7 @@ impl Builtin {
     pub const fn accesses(&self) -> &'static [Access] {
         use Access::{Read as R, ReadWrite as RW, Write as W};
         match self {
-            Builtin::Fill { .. } => &[W],
+            Builtin::Fill { .. } | Builtin::CopyMerge => &[W],
             Builtin::AddMerge | Builtin::ScaleInPlace { .. } => &[RW],
             Builtin::Copy | Builtin::Scale { .. } | Builtin::Relu | Builtin::SumRows { .. } => {
                 &[W, R]
@@ -450,13 +455,16 @@ impl Builtin {
 
     /// Whether the built-in reads its stream's merge buffer.
     pub const fn uses_merge(&self) -> bool {
-        matches!(self, Builtin::AddMerge)
+        matches!(self, Builtin::AddMerge | Builtin::CopyMerge)
     }
 
     /// The dtypes it supports (all its parameters have the same dtype).
     pub const fn dtypes(&self) -> &'static [DType] {
         match self {
-            Builtin::Fill { .. } | Builtin::Copy | Builtin::CopyRange { .. } => ALL,
+            Builtin::Fill { .. }
+            | Builtin::Copy
+            | Builtin::CopyMerge
+            | Builtin::CopyRange { .. } => ALL,
             Builtin::AddInto | Builtin::AddMerge => ADDABLE,
             Builtin::Matmul { .. } | Builtin::MatmulTn { .. } | Builtin::MatmulNt { .. } => MATMUL,
             Builtin::Scale { .. }
@@ -526,6 +534,37 @@ impl RoutineSpec {
     }
 
     /// A spec running a Rust closure (CPU devices only); see [`RoutineSpec::new`].
+    ///
+    /// The closure returns `Err(message)` to fail the routine. Argument accesses return
+    /// [`ArgError`](super::ArgError), which converts into `String`, so `?` works on them
+    /// as on any `Result<_, String>` (no `.map_err(|e| e.to_string())`):
+    ///
+    /// ```
+    /// use tributary::kernels::{self, Access, RoutineSpec};
+    /// use tributary::{DType, TensorNode};
+    /// let x = TensorNode::new("x", DType::F32, [3]);
+    /// let y = TensorNode::new("y", DType::F32, [3]);
+    /// let axpy = RoutineSpec::custom(
+    ///     "y += 2x",
+    ///     vec![(y.clone(), Access::ReadWrite), (x.clone(), Access::Read)],
+    ///     None,
+    ///     |args| {
+    ///         let x = args.input::<f32>(1)?; // ArgError -> String through `?`
+    ///         for (y, x) in args.output::<f32>(0)?.iter_mut().zip(x) {
+    ///             *y += 2.0 * x;
+    ///         }
+    ///         if x.is_empty() {
+    ///             return Err("nothing to do".into());
+    ///         }
+    ///         Ok(())
+    ///     },
+    /// )?;
+    /// // Run on plain byte vectors (the CPU interpreter).
+    /// let mut bufs = vec![kernels::to_bytes(&[1f32, 1.0, 1.0]), kernels::to_bytes(&[1f32, 2.0, 3.0])];
+    /// kernels::run_on_host(&axpy, &mut bufs, None).expect("runs");
+    /// assert_eq!(kernels::from_bytes::<f32>(&bufs[0])?, vec![3.0, 5.0, 7.0]);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
     pub fn custom(
         name: impl Into<String>,
         params: Vec<(TensorNode, Access)>,
@@ -744,6 +783,24 @@ pub fn add_merge(dst: &TensorNode) -> Result<RoutineSpec> {
     build(Builtin::AddMerge, &[dst], Some(dst.clone()))
 }
 
+/// `dst = merge buffer` ([`Builtin::CopyMerge`]), bitwise: the merge buffer holds a copy
+/// of `dst` from another context (the merge node is `dst`), which replaces `dst` here;
+/// every dtype. OCANNL's `dst =: merge`: take another replica's value without a custom
+/// kernel, on every backend.
+///
+/// ```
+/// use tributary::{kernels, DType, TensorNode};
+/// let w = TensorNode::new("w", DType::F16, [8]);
+/// let spec = kernels::copy_merge(&w)?;
+/// assert_eq!(spec.merge.as_ref(), Some(&w));
+/// assert_eq!(spec.name, "copy_merge(w)");
+/// # Ok::<(), tributary::Error>(())
+/// ```
+pub fn copy_merge(dst: &TensorNode) -> Result<RoutineSpec> {
+    numel(dst)?;
+    build(Builtin::CopyMerge, &[dst], Some(dst.clone()))
+}
+
 /// `dst = alpha * src` ([`Builtin::Scale`]); floats.
 pub fn scale(dst: &TensorNode, src: &TensorNode, alpha: f64) -> Result<RoutineSpec> {
     elementwise(Builtin::Scale { alpha }, dst, &[src])
@@ -959,6 +1016,7 @@ mod tests {
             copy(&f(&[2]), &f(&[2])),
             add_into(&f(&[2]), &f(&[2])),
             add_merge(&f(&[2])),
+            copy_merge(&f(&[2])),
             scale(&f(&[2]), &f(&[2]), 1.0),
             axpy(&f(&[2]), &f(&[2]), 1.0),
             sgd_step(&f(&[2]), &f(&[2]), 1.0),

@@ -299,7 +299,7 @@ impl<E: UseEvent> DevicePools<E> {
     /// # Errors
     ///
     /// [`Error::InvalidSize`] for 0 bytes, an alignment that is not a power of two or a size
-    /// that overflows; [`Error::Unknown`] for a stream of another device;
+    /// that overflows; [`Error::ForeignStream`] for a stream of another device;
     /// [`Error::PoolExhausted`] when the limit would be exceeded; the error of `memory` when
     /// it cannot create the new pool. On error nothing changes except what `reclaim` did and
     /// the release of empty pools made to stay under the limit.
@@ -339,8 +339,9 @@ impl<E: UseEvent> DevicePools<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Unknown`] when `a` is not live (already freed, a merge buffer, or never
-    /// allocated here) or `stream` belongs to another device; nothing changes then.
+    /// [`Error::NotLive`] when `a` is not live (already freed, a merge buffer, or never
+    /// allocated here), [`Error::ForeignStream`] when `stream` belongs to another device;
+    /// nothing changes then.
     pub fn free(&mut self, a: Allocation, last_uses: Vec<E>, stream: StreamId) -> Result<()> {
         self.check_stream(stream)?;
         let live = match self.live.entry(a.loc) {
@@ -348,11 +349,9 @@ impl<E: UseEvent> DevicePools<E> {
                 e.remove()
             }
             _ => {
-                return Err(Error::Unknown {
-                    what: format!(
-                        "live allocation {} ({} bytes, #{}) on {}",
-                        a.loc, a.bytes, a.serial, self.device
-                    ),
+                return Err(Error::NotLive {
+                    loc: a.loc,
+                    bytes: a.bytes,
                 })
             }
         };
@@ -574,8 +573,9 @@ impl<E: UseEvent> DevicePools<E> {
         if stream.device == self.device {
             Ok(())
         } else {
-            Err(Error::Unknown {
-                what: format!("stream {stream} for the pools of {}", self.device),
+            Err(Error::ForeignStream {
+                stream,
+                device: self.device,
             })
         }
     }
@@ -921,7 +921,7 @@ mod tests {
         };
         assert!(matches!(
             p.alloc(8, 1, other, &mut ops),
-            Err(Error::Unknown { .. })
+            Err(Error::ForeignStream { .. })
         ));
         assert!(matches!(
             p.merge_buffer(s(0), 0, vec![], &mut ops),
@@ -1054,7 +1054,7 @@ mod tests {
         let before = p.stats();
         assert!(matches!(
             p.free(a, vec![], s(0)),
-            Err(Error::Unknown { .. })
+            Err(Error::NotLive { .. })
         ));
         // Same location again: the stale copy still cannot free the new allocation.
         let b = p.alloc(512, 64, s(0), &mut ops).unwrap();

@@ -77,6 +77,14 @@ impl Context {
     }
 }
 
+/// Lets APIs that take "something holding a context" (`impl AsRef<Context>`) take a
+/// `Context` itself, as well as the actor system's handles.
+impl AsRef<Context> for Context {
+    fn as_ref(&self) -> &Context {
+        self
+    }
+}
+
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -267,8 +267,10 @@ impl DeviceState {
         self.streams
             .get(index)
             .map(|s| s.id)
-            .ok_or_else(|| Error::Unknown {
-                what: format!("stream {index} on {}", self.device),
+            .ok_or(Error::NoSuchStream {
+                device: self.device,
+                index,
+                count: self.streams.len(),
             })
     }
 
@@ -291,12 +293,18 @@ impl DeviceState {
 
     /// Checks that `ctx` belongs to this device (of this engine or system) and is live.
     pub fn check_context(&self, ctx: &Context) -> Result<()> {
-        if ctx.0.owner != self.instance
-            || ctx.device() != self.device
-            || ctx.stream().index as usize >= self.streams.len()
-        {
-            return Err(Error::Unknown {
-                what: format!("context {} on {}", ctx.id(), self.device),
+        if ctx.0.owner != self.instance || ctx.device() != self.device {
+            return Err(Error::ForeignContext {
+                context: ctx.id(),
+                stream: ctx.stream(),
+                device: self.device,
+            });
+        }
+        if ctx.stream().index as usize >= self.streams.len() {
+            return Err(Error::NoSuchStream {
+                device: self.device,
+                index: ctx.stream().index as usize,
+                count: self.streams.len(),
             });
         }
         if !self.contexts.contains_key(&ctx.id()) {
@@ -695,8 +703,9 @@ impl DeviceState {
         for p in &spec.params {
             let e = self.entry(ctx, &p.node)?;
             if !self.buffers.contains_key(&e.loc) {
-                return Err(Error::Unknown {
-                    what: format!("buffer {} of {}", e.loc, p.node),
+                return Err(Error::BufferNotFound {
+                    node: p.node.to_string(),
+                    loc: e.loc,
                 });
             }
             bindings.push(ArgBinding {
@@ -882,8 +891,9 @@ impl DeviceState {
         // RAW on the host array (a pending to_host writes it).
         hrec.uses.read_deps(&mut deps);
         let Some(rec) = self.buffers.get_mut(&loc) else {
-            return Err(Error::Unknown {
-                what: format!("buffer {loc} of {node}"),
+            return Err(Error::BufferNotFound {
+                node: node.to_string(),
+                loc,
             });
         };
         rec.uses.write_deps(&mut deps);
@@ -952,8 +962,9 @@ impl DeviceState {
         host: &mut HostTable,
     ) -> Result<Plan> {
         let Some(rec) = self.buffers.get_mut(&loc) else {
-            return Err(Error::Unknown {
-                what: format!("buffer {loc} of {node}"),
+            return Err(Error::BufferNotFound {
+                node: node.to_string(),
+                loc,
             });
         };
         let mut deps = Vec::new();
@@ -993,8 +1004,9 @@ impl DeviceState {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
         let Some(rec) = self.buffers.get_mut(&loc) else {
-            return Err(Error::Unknown {
-                what: format!("buffer {loc} of {node}"),
+            return Err(Error::BufferNotFound {
+                node: node.to_string(),
+                loc,
             });
         };
         let mut deps = Vec::new();
@@ -1025,8 +1037,9 @@ impl DeviceState {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
         let Some(rec) = self.buffers.get_mut(&loc) else {
-            return Err(Error::Unknown {
-                what: format!("buffer {loc} of {node}"),
+            return Err(Error::BufferNotFound {
+                node: node.to_string(),
+                loc,
             });
         };
         let mut deps = Vec::new();
@@ -1115,8 +1128,9 @@ impl DeviceState {
                 return Ok(None);
             }
             let Some(rec) = self.buffers.get_mut(&loc) else {
-                return Err(Error::Unknown {
-                    what: format!("buffer {loc} of {node}"),
+                return Err(Error::BufferNotFound {
+                    node: node.to_string(),
+                    loc,
                 });
             };
             let mut deps = source.deps.clone();
@@ -1282,9 +1296,8 @@ pub fn device_to_device(
     host: &mut HostTable,
 ) -> Result<DeviceToDevicePlans> {
     use crate::engine::MergeBufferUse;
-    let unknown = |i: usize| Error::Unknown {
-        what: format!("device index {i}"),
-    };
+    let count = devices.len();
+    let unknown = |index: usize| Error::NoSuchDevice { index, count };
     devices
         .get(di)
         .ok_or_else(|| unknown(di))?

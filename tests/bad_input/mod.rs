@@ -22,7 +22,7 @@ use tributary_actors::{
         DeviceToDevice, Finalize, FromHost, GetMemoryStats, GetTableSizes, InitFromHost,
         LastEvents, Link, NewContext, Schedule, Sweep, ToHost,
     },
-    StreamConfig, System, SystemConfig, Ticket,
+    StreamConfig, System, Ticket,
 };
 
 /// How long a test waits for anything.
@@ -227,12 +227,11 @@ impl Api for EngineApi {
 
 /// A system of 2 CPU devices x 2 streams, the engine's pools.
 pub fn system() -> Result<System> {
-    System::from_config(SystemConfig {
-        cpu_devices: 2,
-        streams: StreamConfig::MostParallelStreams(2),
-        pools: pools(),
-        ..SystemConfig::default()
-    })
+    System::builder()
+        .cpu_devices(2)
+        .streams(StreamConfig::MostParallelStreams(2))
+        .pools(pools())
+        .spawn()
 }
 
 /// Waits for everything issued on every device, then sweeps again: the first pass may
@@ -257,7 +256,7 @@ impl Api for SystemApi {
         "system"
     }
     fn context(&mut self, device: usize, stream: usize) -> Result<Context> {
-        Ok(self.0.context(device, stream)?.context().clone())
+        Ok(self.0.context(device, stream)?.protocol_context().clone())
     }
     fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine> {
         Ok(self.0.link(ctx, spec)?.routine().clone())
@@ -269,7 +268,7 @@ impl Api for SystemApi {
         with_data!(data, |v| Ok(self
             .0
             .init_from_host(ctx, node, &v)?
-            .context()
+            .protocol_context()
             .clone()))
     }
     fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {

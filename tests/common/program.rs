@@ -507,13 +507,7 @@ pub fn error_kind(e: &str) -> &str {
 
 /// The name of a tributary error's variant, then `: ` and its message.
 pub fn describe(e: &tributary::Error) -> String {
-    // The variant's name, from `Debug` (so a new variant needs no new arm here).
-    let debug = format!("{e:?}");
-    let kind = debug
-        .split(|c: char| !c.is_alphanumeric() && c != '_')
-        .next()
-        .unwrap_or_default();
-    format!("{kind}: {e}")
+    format!("{}: {e}", e.kind())
 }
 
 /// Compares an outcome with the expected one; on a difference, a report with the program

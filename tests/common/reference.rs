@@ -409,8 +409,11 @@ impl Reference {
     // ---- operations ------------------------------------------------------------------------
 
     fn root(&mut self, device: usize, stream: usize) -> Res<Obs> {
-        if device >= self.setup.devices || stream >= self.setup.streams {
-            return Err(format!("Unknown: stream {stream} of device {device}"));
+        if device >= self.setup.devices {
+            return Err(format!("NoSuchDevice: device {device}"));
+        }
+        if stream >= self.setup.streams {
+            return Err(format!("NoSuchStream: stream {stream} of device {device}"));
         }
         self.ctxs.push(Ctx {
             device,

@@ -7,7 +7,7 @@ use tributary::{
     protocol::{Context, Routine},
     EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
-use tributary_actors::{StreamConfig, System, SystemConfig, Ticket};
+use tributary_actors::{StreamConfig, System, Ticket};
 
 use super::{
     engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
@@ -44,14 +44,13 @@ impl ProgramRunner for SystemRunner {
     }
 
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
-        let sys = System::from_config(SystemConfig {
-            cpu_devices: setup.devices,
-            streams: StreamConfig::MostParallelStreams(setup.streams),
-            pools: config(setup).pools,
-            backend: (self.backend)(setup),
-            ..SystemConfig::default()
-        })
-        .map_err(|e| describe(&e))?;
+        let sys = System::builder()
+            .cpu_devices(setup.devices)
+            .streams(StreamConfig::MostParallelStreams(setup.streams))
+            .pools(config(setup).pools)
+            .backend((self.backend)(setup))
+            .spawn()
+            .map_err(|e| describe(&e))?;
         Ok(Box::new(SystemExecutor::new(sys, setup)?))
     }
 }
@@ -179,7 +178,7 @@ impl Executor for SystemExecutor {
         match op {
             Op::Root { device, stream } => {
                 let ctx = self.sys.context(*device, *stream).map_err(err)?;
-                self.ctxs.push((ctx.context().clone(), true));
+                self.ctxs.push((ctx.protocol_context().clone(), true));
                 Ok(Obs::Done)
             }
             Op::Link { ctx, kernel } => {
@@ -202,7 +201,7 @@ impl Executor for SystemExecutor {
                     Dt::I32 => self.sys.init_from_host(&ctx, n, &data.i32s(numel)),
                 }
                 .map_err(err)?;
-                self.ctxs.push((child.context().clone(), true));
+                self.ctxs.push((child.protocol_context().clone(), true));
                 Ok(Obs::Done)
             }
             Op::FromHost { ctx, node } => {

@@ -56,10 +56,7 @@ pub fn all(v: &[f32], x: f32) -> bool {
 /// `x *= 2` in place, through a custom kernel (CPU only).
 pub fn double(x: &TensorNode) -> RoutineSpec {
     RoutineSpec::custom("double", vec![(x.clone(), Access::ReadWrite)], None, |a| {
-        a.output::<f32>(0)
-            .map_err(|e| e.to_string())?
-            .iter_mut()
-            .for_each(|v| *v *= 2.0);
+        a.output::<f32>(0)?.iter_mut().for_each(|v| *v *= 2.0);
         Ok(())
     })
     .expect("spec")
@@ -320,7 +317,7 @@ pub fn slow_fill_times(kind: Kind, dst: &TensorNode, value: f32, times: u32) -> 
     match kind {
         Kind::Cpu => RoutineSpec::custom("slow_fill", params, None, move |a| {
             sleep(DELAY * times);
-            a.output::<f32>(0).map_err(|e| e.to_string())?.fill(value);
+            a.output::<f32>(0)?.fill(value);
             Ok(())
         }),
         Kind::Cuda => RoutineSpec::cuda(
@@ -362,10 +359,8 @@ pub fn slow_copy_on(kind: Kind, dst: &TensorNode, src: &TensorNode) -> RoutineSp
     match kind {
         Kind::Cpu => RoutineSpec::custom("slow_copy", params, None, |a| {
             sleep(DELAY);
-            let s = a.input::<f32>(1).map_err(|e| e.to_string())?.to_vec();
-            a.output::<f32>(0)
-                .map_err(|e| e.to_string())?
-                .copy_from_slice(&s);
+            let s = a.input::<f32>(1)?.to_vec();
+            a.output::<f32>(0)?.copy_from_slice(&s);
             Ok(())
         }),
         Kind::Cuda => RoutineSpec::cuda(

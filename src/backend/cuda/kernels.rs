@@ -438,6 +438,14 @@ pub fn builtin_launches(
             expect("the merge buffer", merge_len.unwrap_or(0), n)?;
             plan.grid_stride("add_into", vec![Buffer(0), Merge, U64(n)], n)
         }
+        Builtin::CopyMerge => {
+            expect("the merge buffer", merge_len.unwrap_or(0), n)?;
+            plan.grid_stride(
+                "copy_range",
+                vec![Buffer(0), Merge, U64(0), U64(0), U64(n)],
+                n,
+            )
+        }
         Builtin::Scale { alpha } => {
             expect("argument 1", len(1), n)?;
             plan.grid_stride(
@@ -555,8 +563,8 @@ fn fill_bits(dtype: DType, value: f64) -> LaunchParam {
     match dtype {
         DType::F32 => LaunchParam::U32((value as f32).to_bits()),
         DType::F64 => LaunchParam::U64(value.to_bits()),
-        DType::F16 => LaunchParam::U32(u32::from(F16::from_f32(value as f32).0)),
-        DType::BF16 => LaunchParam::U32(u32::from(Bf16::from_f32(value as f32).0)),
+        DType::F16 => LaunchParam::U32(u32::from(F16::from_f32(value as f32).to_bits())),
+        DType::BF16 => LaunchParam::U32(u32::from(Bf16::from_f32(value as f32).to_bits())),
         DType::I32 => LaunchParam::U32((value as i32) as u32),
         DType::U8 => LaunchParam::U32(u32::from(value as u8)),
     }

@@ -532,6 +532,12 @@ impl Lowering<'_> {
                 expect("the source (bytes)", bytes(1)?, bytes(0)?)?;
                 self.copy(region(1)?, 0, region(0)?, 0, bytes(0)?)
             }
+            Builtin::CopyMerge => {
+                // A buffer copy (vkCmdCopyBuffer), bitwise like the CPU built-in.
+                let m = merge.ok_or("no merge buffer given")?;
+                expect("the merge buffer (bytes)", m.binding.bytes, bytes(0)?)?;
+                self.copy(&m.region, 0, region(0)?, 0, bytes(0)?)
+            }
             Builtin::CopyRange {
                 dst_offset,
                 src_offset,
@@ -712,10 +718,12 @@ impl Lowering<'_> {
             DType::F32 => u64::from((value as f32).to_bits()) * 0x1_0000_0001,
             DType::F64 => value.to_bits(),
             DType::F16 => {
-                u64::from(crate::node::F16::from_f32(value as f32).0) * 0x0001_0001_0001_0001
+                u64::from(crate::node::F16::from_f32(value as f32).to_bits())
+                    * 0x0001_0001_0001_0001
             }
             DType::BF16 => {
-                u64::from(crate::node::Bf16::from_f32(value as f32).0) * 0x0001_0001_0001_0001
+                u64::from(crate::node::Bf16::from_f32(value as f32).to_bits())
+                    * 0x0001_0001_0001_0001
             }
             DType::I32 => u64::from((value as i32) as u32) * 0x1_0000_0001,
             DType::U8 => u64::from(value as u8) * 0x0101_0101_0101_0101,

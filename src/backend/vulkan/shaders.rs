@@ -280,7 +280,9 @@ fn h2f(h: u32) -> f32 {
             bits = sign | (ex << 23u) | ((m & 0x3ffu) << 13u);
         }
     } else if (e == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13u);
+        var quiet = 0u;
+        if (man != 0u) { quiet = 0x400000u; }
+        bits = sign | 0x7f800000u | quiet | (man << 13u);
     } else {
         bits = sign | ((e + 112u) << 23u) | (man << 13u);
     }
@@ -295,7 +297,7 @@ fn f2h(x: f32) -> u32 {
     if (e8 == 0xff) {
         var nan = 0u;
         if (man != 0u) { nan = 0x200u; }
-        return sign | 0x7c00u | nan;
+        return sign | 0x7c00u | nan | (man >> 13u);
     }
     let e = e8 - 112;
     if (e >= 0x1f) { return sign | 0x7c00u; }
@@ -316,6 +318,7 @@ fn f2h(x: f32) -> u32 {
 }
 
 fn b2f(h: u32) -> f32 {
+    if ((h & 0x7fffu) > 0x7f80u) { return bitcast<f32>((h | 0x40u) << 16u); }
     return bitcast<f32>(h << 16u);
 }
 
