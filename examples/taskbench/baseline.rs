@@ -105,15 +105,16 @@ pub fn run(pool: &Pool, graph: Graph, iterations: u64, checks: &Arc<Checks>) -> 
         for t in 0..graph.steps {
             for &i in &mine {
                 let deps = graph.deps(t, i);
-                // RAW: every input written; WAR: every reader of this buffer's last value
-                // (timestep t - 2, read during t - 1) finished.
+                // RAW: every input written (its column finished timestep t - 1); WAR: every
+                // reader of this buffer's last value (timestep t - 2's output, read at
+                // timestep t - 1) finished timestep t - 1 too.
                 spin_until(|| deps.iter().all(|&j| done[j].load(Ordering::Acquire) >= t));
                 if t >= 2 {
                     let readers = graph.consumers(t - 2, i);
                     spin_until(|| {
                         readers
                             .iter()
-                            .all(|&k| done[k].load(Ordering::Acquire) >= t - 1)
+                            .all(|&k| done[k].load(Ordering::Acquire) >= t)
                     });
                 }
                 let mut checked = 0;

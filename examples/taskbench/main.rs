@@ -141,8 +141,9 @@ fn quick(args: &Args, pool: &baseline::Pool) -> Result<(), String> {
                 period: args.period,
             };
             for &runner in &args.runners {
-                run(runner, pool, graph, 3, &checks)
-                    .map_err(|e| format!("{} width {width}: {e}", pattern.name()))?;
+                run(runner, pool, graph, 3, &checks).map_err(|e| {
+                    format!("{} on {} width {width}: {e}", runner.name(), pattern.name())
+                })?;
                 runs += 1;
                 inputs += graph.inputs();
             }
