@@ -259,6 +259,7 @@ impl crate::memory::PoolMemory for BackendMemory {
 /// `{ "Vulkan": { ... } }` or `{ "Cuda": { ... } }`; TOML `backend = "Cpu"`,
 /// `[backend.Vulkan]` or `[backend.Cuda]`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum BackendKind {
     /// Virtual CPU devices (their number is configured beside this, e.g.
     /// `SystemConfig::cpu_devices`).
