@@ -51,6 +51,8 @@ pub mod cuda;
 pub mod fault;
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 pub(crate) mod recording;
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+mod stream_threads;
 pub mod vulkan;
 
 use serde::{Deserialize, Serialize};

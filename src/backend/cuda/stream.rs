@@ -577,29 +577,13 @@ impl CudaStreamQueue {
 
     fn stop(&self, deadline: Option<Instant>) -> bool {
         drop(lock(&self.tx).take());
-        let mut threads = lock(&self.threads);
-        if let Some(deadline) = deadline {
-            while threads.iter().any(|h| !h.is_finished()) {
-                if Instant::now() >= deadline {
-                    // Detach: the threads own what they use (context, pools, ring) and
-                    // finish the queued work on their own.
-                    threads.clear();
-                    return false;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        for h in threads.drain(..) {
-            if h.join().is_err() {
-                self.shared.timeline.poison(Arc::new(Failure {
-                    stream: self.shared.id,
-                    seq: self.shared.timeline.completed() + 1,
-                    operation: "worker".into(),
-                    message: "CUDA stream thread panicked".into(),
-                }));
-            }
-        }
-        true
+        crate::backend::stream_threads::join_stream_threads(
+            &self.threads,
+            deadline,
+            &self.shared.timeline,
+            self.shared.id,
+            "CUDA",
+        )
     }
 }
 
