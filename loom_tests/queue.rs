@@ -5,15 +5,18 @@
 //! The contract checked: work accepted by `submit` runs, and its event completes only
 //! after it ran (no lost work); work refused because the stream is shut down fails its
 //! event (nobody waits forever), without making earlier operations look complete; and
-//! `shutdown` drains what was accepted, then returns (no hang).
+//! `shutdown` drains what was accepted, then returns (no hang). A refused operation's event
+//! fails only after its dependencies and the stream's earlier operations are decided, as
+//! if it had waited for them (`src/protocol/unsubmitted.rs`): the tables prune everything
+//! ordered before a completed event.
 
 use std::sync::Arc as StdArc;
 
 use tributary::{
     backend::{cpu::CpuBackend, Backend, StreamQueue},
-    event::Event,
+    event::{Event, EventStatus},
     kernels::{Access, CpuKernel, Kernel},
-    protocol::{ArgBinding, GlobalLoc, Plan, Work},
+    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
     sync::{thread, Arc, UnsafeCell},
     BufferLoc, DType, DeviceId, Error, PoolId, StreamId, Timeline,
 };
@@ -58,6 +61,12 @@ fn stream() -> (Arc<Timeline>, StdArc<dyn StreamQueue>) {
 
 /// Plan `seq` on `timeline`: a kernel that counts its runs in the returned cell.
 fn counted(timeline: &Arc<Timeline>, seq: u64) -> (Plan, StdArc<Runs>) {
+    counted_after(timeline, seq, Vec::new())
+}
+
+/// [`counted`], waiting for `deps` first (events of timelines no queue completes, which
+/// the model signals itself; they stand for producers on other streams).
+fn counted_after(timeline: &Arc<Timeline>, seq: u64, deps: Vec<Dep>) -> (Plan, StdArc<Runs>) {
     let runs = StdArc::new(Runs(UnsafeCell::new(0)));
     let r = runs.clone();
     let kernel = Kernel::Cpu(CpuKernel::new(move |_| {
@@ -80,13 +89,14 @@ fn counted(timeline: &Arc<Timeline>, seq: u64) -> (Plan, StdArc<Runs>) {
     );
     let work = Work::run(format!("counted#{seq}"), kernel, vec![arg], None);
     // SAFETY: `seq` is issued once, to this plan, on `timeline`, whose queue it is
-    // submitted to; it has no dependencies because no other plan touches its 4 bytes
-    // (each plan writes its own word of the pool), which exist in the live pool `POOL`.
+    // submitted to; it needs no dependencies because no other plan touches its 4 bytes
+    // (each plan writes its own word of the pool), which exist in the live pool `POOL`;
+    // `deps` only add waits.
     let plan = unsafe {
         Plan::from_parts(
             timeline.stream(),
             Event::new(timeline.clone(), seq),
-            Vec::new(),
+            deps,
             work,
         )
     };
@@ -171,4 +181,73 @@ fn idle_worker_is_woken() {
         check(Ok(()), e1.wait(), &r1);
         queue.shutdown();
     });
+}
+
+/// A producer's event on another stream (a bare timeline the model signals itself).
+fn producer() -> (Arc<Timeline>, Dep) {
+    let other = Timeline::new(StreamId {
+        device: DEVICE,
+        index: 1,
+    });
+    let dep = Dep::new(Event::new(other.clone(), 1), DepKind::Data);
+    (other, dep)
+}
+
+/// Work refused by a dead stream while a dependency of it still runs elsewhere: its event
+/// fails, but only once the dependency completed (a waiter that sees it decided may reuse
+/// what the dependency was still reading).
+#[test]
+fn refused_work_fails_after_its_dependencies() {
+    run_model(
+        "queue::refused_work_fails_after_its_dependencies",
+        builder(None),
+        || {
+            let (timeline, queue) = stream();
+            queue.shutdown();
+            let (other, dep) = producer();
+            let running = dep.event().clone();
+            let (p1, r1) = counted_after(&timeline, 1, vec![dep]);
+            let e1 = p1.event().clone();
+            let finisher = thread::spawn(move || other.signal(1));
+            let s1 = queue.submit(p1);
+            let w1 = e1.wait();
+            assert!(
+                running.is_done(),
+                "a refused operation's event was decided before its dependency completed"
+            );
+            check(s1, w1, &r1);
+            finisher.join().unwrap();
+        },
+    );
+}
+
+/// Two refused operations, the first waiting for a producer on another stream: the second
+/// is not decided before the first, so the first never looks successful (a failure
+/// recorded for `seq` completes everything before it).
+#[test]
+fn refused_work_keeps_stream_order() {
+    run_model(
+        "queue::refused_work_keeps_stream_order",
+        builder(None),
+        || {
+            let (timeline, queue) = stream();
+            queue.shutdown();
+            let (other, dep) = producer();
+            let (p1, r1) = counted_after(&timeline, 1, vec![dep]);
+            let (p2, r2) = counted(&timeline, 2);
+            let (e1, e2) = (p1.event().clone(), p2.event().clone());
+            let finisher = thread::spawn(move || other.signal(1));
+            let s1 = queue.submit(p1);
+            let s2 = queue.submit(p2);
+            let w2 = e2.wait();
+            assert!(
+                matches!(e1.status(), EventStatus::Failed(_)),
+                "operation 1 must be failed once operation 2 is decided, got {:?}",
+                e1.status()
+            );
+            check(s2, w2, &r2);
+            check(s1, e1.wait(), &r1);
+            finisher.join().unwrap();
+        },
+    );
 }

@@ -51,7 +51,9 @@ MUTANTS=(
   "chan_lost_notify:queue::idle_worker_is_woken"
   "chan_drop_queued:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
   "dead_submit:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
-  "submit_during_drain:queue::submit_vs_shutdown"
+  # refused plans (src/protocol/unsubmitted.rs)
+  "unsubmitted_before_deps:queue::refused_work_fails_after_its_dependencies"
+  "unsubmitted_out_of_order:queue::refused_work_keeps_stream_order queue::submit_vs_shutdown"
 )
 
 MODE="${1:-all}"

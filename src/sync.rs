@@ -89,9 +89,14 @@ pub mod atomic {
 pub mod thread {
     #[cfg(not(tributary_loom))]
     pub use std::thread::{panicking, spawn, yield_now, Builder, JoinHandle};
+    /// Thread-local storage (loom's is per model thread).
+    #[cfg(not(tributary_loom))]
+    pub use std::thread_local;
 
     #[cfg(tributary_loom)]
     pub use loom::thread::{spawn, yield_now, Builder, JoinHandle};
+    #[cfg(tributary_loom)]
+    pub use loom::thread_local;
 
     /// Whether the current thread is unwinding because of a panic
     /// (`std::thread::panicking`; loom threads run on the model's OS thread, whose panic

@@ -32,7 +32,6 @@ use tributary::{
         cuda::{CudaBackend, CudaConfig},
         fault::{Fault, FaultBackend, FaultRule, FaultRules, Target},
         vulkan::{VulkanBackend, VulkanConfig},
-        BackendKind,
     },
     DeviceId, Engine, StreamId,
 };
@@ -103,8 +102,11 @@ fn vulkan_reference() -> ReferenceRunner {
 /// The actor system on Vulkan.
 fn check_system_vulkan(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 0;
-    let mut runner = SystemRunner::with("system(vulkan)", move |setup| {
-        BackendKind::Vulkan(vulkan_for(setup, staging))
+    let mut runner = SystemRunner::recording("system(vulkan)", move |setup| {
+        Ok(Arc::new(VulkanBackend::new(
+            DeviceId(0),
+            vulkan_for(setup, staging),
+        )?))
     });
     check_against(abs, vulkan_reference(), &mut runner)
 }
@@ -353,8 +355,11 @@ fn check_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
 /// The actor system on CUDA.
 fn check_system_cuda(abs: &AbsProgram) -> Result<(), TestCaseError> {
     let staging = abs.ops.len() % 2 == 0;
-    let mut runner = SystemRunner::with("system(cuda)", move |setup| {
-        BackendKind::Cuda(cuda_for(setup, staging))
+    let mut runner = SystemRunner::recording("system(cuda)", move |setup| {
+        Ok(Arc::new(CudaBackend::new(
+            DeviceId(0),
+            cuda_for(setup, staging),
+        )?))
     });
     check_against(abs, cuda_reference(), &mut runner)
 }

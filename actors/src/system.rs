@@ -178,9 +178,20 @@ impl SystemConfig {
 }
 
 /// Builds a [`System`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct SystemBuilder {
     config: SystemConfig,
+    /// A backend made by the caller, used instead of creating `config.backend`.
+    instance: Option<Arc<dyn Backend>>,
+}
+
+impl std::fmt::Debug for SystemBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SystemBuilder")
+            .field("config", &self.config)
+            .field("instance", &self.instance.as_ref().map(|b| b.name()))
+            .finish()
+    }
 }
 
 impl SystemBuilder {
@@ -266,6 +277,27 @@ impl SystemBuilder {
         self
     }
 
+    /// Runs on `backend`, a backend the caller made (a wrapper that injects faults or
+    /// records plans, a backend of its own), instead of creating the configured
+    /// [`BackendKind`]; its devices are the system's devices, and `cpu_devices` is
+    /// ignored. A timeline recording (`record_timeline`) then records only what the
+    /// actors see, not the backend's own work spans.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tributary::{backend::cpu::CpuBackend, DeviceId};
+    /// let sys = tributary_actors::System::builder()
+    ///     .backend_instance(Arc::new(CpuBackend::new(DeviceId(0), 3)))
+    ///     .spawn()?;
+    /// assert_eq!(sys.device_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn backend_instance(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.instance = Some(backend);
+        self
+    }
+
     /// The whole configuration.
     ///
     /// ```
@@ -291,7 +323,7 @@ impl SystemBuilder {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn spawn(self) -> Result<System> {
-        System::spawn(self.config)
+        System::spawn(self.config, self.instance)
     }
 }
 
@@ -386,14 +418,17 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn from_config(config: SystemConfig) -> Result<System> {
-        System::spawn(config)
+        System::spawn(config, None)
     }
 
-    fn spawn(config: SystemConfig) -> Result<System> {
+    fn spawn(config: SystemConfig, instance: Option<Arc<dyn Backend>>) -> Result<System> {
         let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
-        let backend: Arc<dyn Backend> = config
-            .backend
-            .create_with_recorder(config.cpu_devices, recorder.clone())?;
+        let backend: Arc<dyn Backend> = match instance {
+            Some(backend) => backend,
+            None => config
+                .backend
+                .create_with_recorder(config.cpu_devices, recorder.clone())?,
+        };
         if backend.devices().is_empty() {
             return Err(Error::InvalidConfig {
                 setting: "cpu_devices".into(),

@@ -359,25 +359,31 @@ impl StreamQueue for CpuStream {
             job,
         };
         let tx = self.tx.lock();
-        let sent = match tx.as_ref() {
+        let refused = match tx.as_ref() {
             Some(tx) => {
                 // Release pairs with the Acquire in `shutdown_bounded`, under the same lock.
                 self.last_submitted.fetch_max(seq, Ordering::Release);
-                tx.send(item).is_ok()
+                tx.send(item).err().map(|e| e.0)
             }
-            None => false,
+            None => Some(item),
         };
         drop(tx);
-        if !sent {
+        if let Some(item) = refused {
             let failure = Arc::new(Failure {
                 stream: self.stream,
                 seq,
                 operation: label,
                 message: "stream is shut down".into(),
             });
-            // Nobody will ever run it: fail its event so that no waiter hangs.
+            // Nobody will ever run it: fail its event so that no waiter hangs, once its
+            // dependencies are decided (`protocol/unsubmitted.rs`).
             if !mutant!("dead_submit") {
-                self.timeline.fail(seq, failure);
+                crate::protocol::fail_when_ready(
+                    self.timeline.clone(),
+                    seq,
+                    item.deps.into_iter().map(|dep| dep.event().clone()),
+                    failure,
+                );
             }
             return Err(Error::ShutDown(format!("stream {}", self.stream)));
         }
@@ -389,20 +395,13 @@ impl StreamQueue for CpuStream {
     }
 
     fn shutdown(&self) {
-        // Closing the channel lets the worker drain what is queued and exit. The sender's
-        // lock is held until the worker is joined: a `submit` racing with the shutdown
-        // waits here, then finds the queue closed and fails its event only after every
-        // operation accepted before it has completed. Failing it while earlier operations
-        // are still queued would advance the timeline past them, so they would look
-        // complete before they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
-        let mut tx = self.tx.lock();
-        drop(tx.take());
-        let tx = if mutant!("submit_during_drain") {
-            drop(tx);
-            None
-        } else {
-            Some(tx)
-        };
+        // Closing the channel lets the worker drain what is queued and exit. A `submit`
+        // racing with the shutdown finds the queue closed and fails its event, but only
+        // once every operation accepted before it has completed (`fail_when_ready` waits
+        // for its predecessor): failing it at once while earlier operations were still
+        // queued would advance the timeline past them, so they would look complete before
+        // they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
+        drop(self.tx.lock().take());
         let handle = self.worker.lock().take();
         if let Some(h) = handle {
             if h.join().is_err() {
@@ -414,7 +413,6 @@ impl StreamQueue for CpuStream {
                 }));
             }
         }
-        drop(tx);
     }
 }
 
@@ -422,10 +420,9 @@ impl CpuStream {
     /// Closes the queue, waits until `timeout` for the worker to drain it, then joins the
     /// worker, or detaches it (returns `false`) if work is still running.
     fn shutdown_bounded(&self, timeout: std::time::Duration) -> bool {
-        // As in `shutdown`, the sender's lock is held until the end, so a racing `submit`
-        // cannot fail its event while earlier operations are still queued.
-        let mut tx = self.tx.lock();
-        drop(tx.take());
+        // Every `submit` that found the sender updated `last_submitted` under the lock we
+        // take here; later ones find it gone. So after it `last` is final.
+        drop(self.tx.lock().take());
         let last = self.last_submitted.load(Ordering::Acquire);
         let drained = last == 0
             || self.timeline.wait_timeout(last, timeout).is_ok()
@@ -438,7 +435,6 @@ impl CpuStream {
         }
         // Otherwise dropping the handle detaches the worker: it finishes (or not) on its
         // own, and every job it holds keeps its memory alive.
-        drop(tx);
         drained
     }
 }

@@ -32,7 +32,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
+        plan::{next_issue, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
         tables::BufferUses,
     },
     // Timelines are shared with the streams through the sync shim (loom under
@@ -533,6 +533,7 @@ impl DeviceState {
                 let mut uses = BufferUses::default();
                 uses.record_write(event.clone());
                 plans.push(Plan {
+                    issue: next_issue(),
                     stream,
                     event,
                     deps: Vec::new(),
@@ -862,6 +863,7 @@ impl DeviceState {
                 .record_read(event.clone());
         }
         plans.push(Plan {
+            issue: next_issue(),
             stream,
             event,
             deps,
@@ -910,6 +912,7 @@ impl DeviceState {
         // If this buffer held the newest value, it now equals the host array again.
         hrec.host_caught_up(Some(global), order);
         Ok(Plan {
+            issue: next_issue(),
             stream,
             event,
             deps,
@@ -982,6 +985,7 @@ impl DeviceState {
         hrec.uses.record_write(event.clone());
         hrec.host_caught_up(None, order);
         Ok(Plan {
+            issue: next_issue(),
             stream,
             event,
             deps,
@@ -1017,6 +1021,7 @@ impl DeviceState {
             rec.uses.record_read(event.clone());
         }
         Ok(Plan {
+            issue: next_issue(),
             stream: ctx.stream(),
             event,
             deps,
@@ -1159,6 +1164,7 @@ impl DeviceState {
                 }
             }
             return Ok(Some(Plan {
+                issue: next_issue(),
                 stream,
                 event,
                 deps,
@@ -1188,6 +1194,7 @@ impl DeviceState {
         slot.alloc = Some(alloc);
         slot.node = Some(node.clone());
         Ok(Some(Plan {
+            issue: next_issue(),
             stream,
             event,
             deps,

@@ -10,6 +10,7 @@ mod device;
 mod host;
 mod plan;
 mod tables;
+mod unsubmitted;
 
 pub use context::{ArrayEntry, Context, Routine};
 pub use device::{
@@ -17,5 +18,8 @@ pub use device::{
     TableSizes,
 };
 pub use host::{DeviceCopy, HostRecord, HostTable};
-pub use plan::{await_deps, await_deps_observed, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work};
+pub use plan::{
+    await_deps, await_deps_observed, issue_clock, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work,
+};
 pub use tables::{BufferUses, Uses};
+pub(crate) use unsubmitted::fail_when_ready;

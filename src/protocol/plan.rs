@@ -286,6 +286,8 @@ impl fmt::Debug for Work {
 /// [`StreamQueue::submit`]: crate::backend::StreamQueue::submit
 #[derive(Debug)]
 pub struct Plan {
+    /// When the protocol made it ([`Plan::issue`]).
+    pub(crate) issue: u64,
     /// The stream that runs it.
     pub(crate) stream: StreamId,
     /// The event it completes (its sequence number on `stream`).
@@ -318,6 +320,7 @@ impl Plan {
     /// - a host array in `work` is not accessed by the caller until `event` completes.
     pub unsafe fn from_parts(stream: StreamId, event: Event, deps: Vec<Dep>, work: Work) -> Plan {
         Plan {
+            issue: next_issue(),
             stream,
             event,
             deps,
@@ -328,6 +331,16 @@ impl Plan {
     /// The stream that runs it.
     pub fn stream(&self) -> StreamId {
         self.stream
+    }
+
+    /// Its issue stamp: plans made later in this process (in the happens-before sense:
+    /// on the same thread, or on a thread that learnt of this one) have higher stamps. Made
+    /// in program order (one host thread, each call's plans made before it returns or
+    /// posted behind it in the mailboxes its later calls use), the stamps are that order
+    /// across every device and stream, which queues, where plans of different streams are
+    /// submitted in any order, do not keep. For checkers and traces; see [`issue_clock`].
+    pub fn issue(&self) -> u64 {
+        self.issue
     }
 
     /// The event it completes (its sequence number on [`Plan::stream`]).
@@ -349,18 +362,24 @@ impl Plan {
     /// be submitted (its stream's queue or actor is gone). Consumes the plan, which was
     /// the one permission to complete that event.
     ///
-    /// The event completes at once, possibly before the plan's dependencies: use it only
-    /// where the stream is gone for good (shutdown), as the queues themselves do.
+    /// The event is failed once the plan's dependencies and the previous operation of its
+    /// stream are decided, as if the plan had waited for them and then failed: completing
+    /// it earlier would let whatever is ordered after it go on while they still run (see
+    /// `protocol/unsubmitted.rs`). Never blocks.
     pub fn fail_unsubmitted(self, message: impl Into<String>) {
         let seq = self.event.seq();
-        self.event.timeline().fail(
+        let failure = std::sync::Arc::new(Failure {
+            stream: self.stream,
             seq,
-            std::sync::Arc::new(Failure {
-                stream: self.stream,
-                seq,
-                operation: self.work.label(),
-                message: message.into(),
-            }),
+            operation: self.work.label(),
+            message: message.into(),
+        });
+        let timeline = self.event.timeline().clone();
+        super::unsubmitted::fail_when_ready(
+            timeline,
+            seq,
+            self.deps.into_iter().map(|dep| dep.event),
+            failure,
         );
     }
 
@@ -390,6 +409,24 @@ impl Plan {
             })
         }
     }
+}
+
+/// The process-wide issue counter behind [`Plan::issue`]. A statistic, not a lock: it
+/// synchronises nothing (Relaxed) and only follows the order of the code that reads it,
+/// which for one thread is program order and across threads is whatever the protocol's own
+/// synchronisation (mailboxes, locks) already orders.
+static ISSUE_CLOCK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// The next issue stamp (for a plan being made now).
+pub(crate) fn next_issue() -> u64 {
+    ISSUE_CLOCK.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The issue clock now: every plan made before this call (in the happens-before sense) has
+/// a lower [`Plan::issue`], every plan made after it a higher or equal one. For checkers
+/// that place host actions (a pool release, the start of a program step) among plans.
+pub fn issue_clock() -> u64 {
+    ISSUE_CLOCK.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Waits for every dependency of a plan, as every executor must before running its work.

@@ -23,10 +23,14 @@
 //! emitted dependency between two plans that share no memory with a write is counted as an
 //! extra edge (over-synchronisation: it costs parallelism, not correctness).
 //!
-//! Program order is submission order, which holds for the single-owner [`tributary::Engine`]
-//! (it submits every plan on the calling thread as soon as the protocol made it). The actor
-//! system's stream actors submit plans of different devices in an order that is not program
-//! order, so its runs are checked by values only.
+//! Program order is the order in which the protocol made the plans, their issue stamps
+//! ([`Plan::issue`]): a program issued by one host thread has its plans made in program
+//! order, by the [`tributary::Engine`] on the calling thread and by the actor system's
+//! device actors in mailbox order, behind the round trips that make cross-device calls wait
+//! for each other. Submission order is not program order in the actor system (its stream
+//! actors submit the plans of different streams in any order), so the recorder sorts by
+//! stamp; a host action (a pool release, the start of a program operation) is placed among
+//! the plans by the issue clock ([`issue_clock`]) when it happens.
 //!
 //! Required orderings are kept transitively reduced, as the protocol's tables are: a read
 //! needs the last overlapping write, a write needs the last overlapping write and the
@@ -44,7 +48,7 @@ use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
     kernels::{Access, Kernel},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, DepKind, GlobalLoc, Plan, Work},
+    protocol::{issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
     DeviceError, DeviceId, PoolId, StreamId, Timeline,
 };
 
@@ -90,6 +94,8 @@ impl Touch {
 /// What the recorder keeps of one submitted plan.
 #[derive(Clone, Debug)]
 struct Recorded {
+    /// Its issue stamp (program order).
+    issue: u64,
     stream: StreamId,
     seq: u64,
     label: String,
@@ -106,15 +112,16 @@ struct Recorded {
 #[derive(Clone, Debug)]
 struct Release {
     mem: Mem,
-    /// Plans recorded before it.
-    after_plans: usize,
+    /// The issue clock when it happened: plans with a lower stamp were made before it.
+    issue: u64,
     op: usize,
     completed: Vec<(StreamId, u64)>,
 }
 
 #[derive(Default)]
 struct State {
-    op: usize,
+    /// `(issue clock, op)` at the start of each program operation.
+    op_starts: Vec<(u64, usize)>,
     timelines: Vec<tributary::sync::Arc<Timeline>>,
     plans: Vec<Recorded>,
     releases: Vec<Release>,
@@ -224,7 +231,16 @@ impl GraphRecorder {
 
     /// Plans submitted from now on belong to program operation `op`.
     pub fn begin_op(&self, op: usize) {
-        self.lock().op = op;
+        let mut state = self.lock();
+        state.op_starts.push((issue_clock(), op));
+    }
+
+    /// The program operation during which a plan with stamp `issue` was made.
+    fn op_of(state: &State, issue: u64) -> usize {
+        let i = state
+            .op_starts
+            .partition_point(|(start, _)| *start <= issue);
+        i.checked_sub(1).map_or(0, |i| state.op_starts[i].1)
     }
 
     fn add_timeline(&self, timeline: tributary::sync::Arc<Timeline>) {
@@ -237,9 +253,11 @@ impl GraphRecorder {
         let label = work.label();
         let mut state = self.lock();
         let completed = Self::completed(&state);
-        let op = state.op;
+        let issue = plan.issue();
+        let op = Self::op_of(&state, issue);
         state.keep.extend(hosts);
         state.plans.push(Recorded {
+            issue,
             stream,
             seq,
             label,
@@ -260,10 +278,11 @@ impl GraphRecorder {
 
     fn release(&self, device: DeviceId, pool: PoolId) {
         let mut state = self.lock();
+        let issue = issue_clock();
         let release = Release {
             mem: Mem::Pool { device, pool },
-            after_plans: state.plans.len(),
-            op: state.op,
+            issue,
+            op: Self::op_of(&state, issue),
             completed: Self::completed(&state),
         };
         state.releases.push(release);
@@ -272,7 +291,11 @@ impl GraphRecorder {
     /// Checks the recorded graph (see the module docs).
     pub fn check(&self) -> GraphReport {
         let state = self.lock();
-        check_plans(&state.plans, &state.releases)
+        let mut plans = state.plans.clone();
+        plans.sort_by_key(|p| p.issue);
+        let mut releases = state.releases.clone();
+        releases.sort_by_key(|r| r.issue);
+        check_plans(&plans, &releases)
     }
 }
 
@@ -350,6 +373,8 @@ fn split(segs: &mut Vec<Segment>, start: u64, end: u64) {
     }
 }
 
+/// Checks `plans` in program order (sorted by issue stamp), with the pool `releases` among
+/// them (sorted by issue clock).
 fn check_plans(plans: &[Recorded], releases: &[Release]) -> GraphReport {
     let index: HashMap<(StreamId, u64), usize> = plans
         .iter()
@@ -427,7 +452,7 @@ fn check_plans(plans: &[Recorded], releases: &[Release]) -> GraphReport {
         format!("{}#{} {}", p.stream, p.seq, p.label)
     };
 
-    // Required orderings, in program (submission) order.
+    // Required orderings, in program (issue) order.
     let mut memory: HashMap<Mem, Vec<Segment>> = HashMap::new();
     let mut required: HashSet<(usize, usize)> = HashSet::new();
     let mut report = GraphReport {
@@ -436,9 +461,9 @@ fn check_plans(plans: &[Recorded], releases: &[Release]) -> GraphReport {
     };
     let mut releases = releases.iter().peekable();
     for q in 0..=plans.len() {
-        // Pools released before plan `q` was submitted: every use must be complete, and a
-        // later pool with the same id is other memory.
-        while let Some(r) = releases.next_if(|r| r.after_plans <= q) {
+        // Pools released before plan `q` was made: every use must be complete, and a later
+        // pool with the same id is other memory.
+        while let Some(r) = releases.next_if(|r| plans.get(q).is_none_or(|p| r.issue <= p.issue)) {
             let mut users: Vec<usize> = Vec::new();
             for seg in memory.remove(&r.mem).into_iter().flatten() {
                 users.extend(seg.writer);

@@ -1,31 +1,44 @@
 //! Programs on the actor system (`tributary_actors::System`).
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
-use tributary::backend::BackendKind;
+use tributary::backend::{cpu::CpuBackend, Backend, BackendKind};
 use tributary::{
     protocol::{Context, Routine},
-    EventStatus, MergeBufferUse, NodeId, TensorNode,
+    DeviceId, EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
 use tributary_actors::{StreamConfig, System, Ticket};
 
 use super::{
     engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
+    graph::{GraphRecorder, GraphReport, RecordingBackend},
     program::*,
 };
 
-type MakeBackend = Box<dyn FnMut(&Setup) -> BackendKind>;
+type MakeKind = Box<dyn FnMut(&Setup) -> BackendKind>;
+type MakeBackend = Box<dyn FnMut(&Setup) -> tributary::Result<Arc<dyn Backend>>>;
+
+enum Make {
+    /// The system creates the backend of this kind.
+    Kind(MakeKind),
+    /// A backend made here, wrapped in a [`RecordingBackend`] to check the dependency graph.
+    Recording(MakeBackend),
+}
 
 /// Runs programs on fresh actor systems.
 pub struct SystemRunner {
     name: String,
-    backend: MakeBackend,
+    make: Make,
+    /// The recorder of the last run, when recording.
+    recorder: Option<Arc<GraphRecorder>>,
 }
 
 impl SystemRunner {
-    /// Actor systems on CPU devices.
+    /// Actor systems on CPU devices, whose dependency graph is checked.
     pub fn cpu() -> SystemRunner {
-        SystemRunner::with("system(cpu)", |_| BackendKind::Cpu)
+        SystemRunner::recording("system(cpu)", |setup| {
+            Ok(Arc::new(CpuBackend::new(DeviceId(0), setup.devices)))
+        })
     }
 
     /// Actor systems on the backend `backend` picks for a setup (e.g. Vulkan with the
@@ -33,7 +46,21 @@ impl SystemRunner {
     pub fn with(name: &str, backend: impl FnMut(&Setup) -> BackendKind + 'static) -> SystemRunner {
         SystemRunner {
             name: name.into(),
-            backend: Box::new(backend),
+            make: Make::Kind(Box::new(backend)),
+            recorder: None,
+        }
+    }
+
+    /// Actor systems on the backend `make` creates for a setup, whose dependency graph is
+    /// recorded and checked after each run ([`ProgramRunner::graph`]).
+    pub fn recording(
+        name: &str,
+        make: impl FnMut(&Setup) -> tributary::Result<Arc<dyn Backend>> + 'static,
+    ) -> SystemRunner {
+        SystemRunner {
+            name: name.into(),
+            make: Make::Recording(Box::new(make)),
+            recorder: None,
         }
     }
 }
@@ -44,14 +71,32 @@ impl ProgramRunner for SystemRunner {
     }
 
     fn start(&mut self, setup: &Setup) -> Result<Box<dyn Executor>, String> {
-        let sys = System::builder()
+        self.recorder = None;
+        let builder = System::builder()
             .cpu_devices(setup.devices)
             .streams(StreamConfig::MostParallelStreams(setup.streams))
-            .pools(config(setup).pools)
-            .backend((self.backend)(setup))
-            .spawn()
-            .map_err(|e| describe(&e))?;
-        Ok(Box::new(SystemExecutor::new(sys, setup)?))
+            .pools(config(setup).pools);
+        let builder = match &mut self.make {
+            Make::Kind(kind) => builder.backend(kind(setup)),
+            Make::Recording(make) => {
+                let backend = make(setup).map_err(|e| describe(&e))?;
+                if super::graph::enabled() {
+                    let recorder = GraphRecorder::new();
+                    self.recorder = Some(recorder.clone());
+                    builder.backend_instance(Arc::new(RecordingBackend::new(backend, recorder)))
+                } else {
+                    builder.backend_instance(backend)
+                }
+            }
+        };
+        let sys = builder.spawn().map_err(|e| describe(&e))?;
+        let mut exec = SystemExecutor::new(sys, setup)?;
+        exec.recorder = self.recorder.clone();
+        Ok(Box::new(exec))
+    }
+
+    fn graph(&self) -> Option<GraphReport> {
+        self.recorder.as_ref().map(|r| r.check())
     }
 }
 
@@ -65,6 +110,7 @@ pub struct SystemExecutor {
     routines: Vec<Routine>,
     tickets: Vec<Ticket>,
     events: Vec<tributary::Event>,
+    recorder: Option<Arc<GraphRecorder>>,
 }
 
 fn err(e: tributary::Error) -> String {
@@ -83,6 +129,7 @@ impl SystemExecutor {
             routines: Vec::new(),
             tickets: Vec::new(),
             events: Vec::new(),
+            recorder: None,
         })
     }
 
@@ -174,6 +221,12 @@ impl SystemExecutor {
 }
 
 impl Executor for SystemExecutor {
+    fn begin_op(&mut self, index: usize) {
+        if let Some(r) = &self.recorder {
+            r.begin_op(index);
+        }
+    }
+
     fn apply(&mut self, op: &Op) -> OpResult {
         match op {
             Op::Root { device, stream } => {

@@ -608,13 +608,17 @@ impl StreamQueue for CudaStreamQueue {
             deps: plan.deps,
             job,
         };
-        let sent = match lock(&self.tx).as_ref() {
-            Some(tx) => tx.send(item).is_ok(),
-            None => false,
+        let refused = match lock(&self.tx).as_ref() {
+            Some(tx) => tx.send(item).err().map(|e| e.0),
+            None => Some(item),
         };
-        if !sent {
-            self.shared.timeline.fail(
+        if let Some(item) = refused {
+            // Failed once its dependencies and the operations still draining before it are
+            // decided (`protocol/unsubmitted.rs`).
+            crate::protocol::fail_when_ready(
+                self.shared.timeline.clone(),
                 seq,
+                item.deps.into_iter().map(|dep| dep.event().clone()),
                 Arc::new(Failure {
                     stream: self.shared.id,
                     seq,
