@@ -14,7 +14,8 @@ use tributary::{
 fn routine(engine: &mut Engine, params: usize) -> tributary::protocol::Routine {
     let nodes: Vec<(TensorNode, Access)> = (0..params)
         .map(|i| {
-            let n = TensorNode::new(format!("p{i}"), DType::F32, [4])
+            // Zeroed: the routine reads parameters nothing writes (only their count matters).
+            let n = TensorNode::new_zeroed(format!("p{i}"), DType::F32, [4])
                 .with_mode(MemoryMode::on_device())
                 .expect("mode");
             (n, if i == 0 { Access::Write } else { Access::Read })

@@ -80,6 +80,24 @@ pub enum Error {
         /// The context searched.
         context: ContextId,
     },
+    /// A routine or a copy would read a buffer that no operation has written: no routine
+    /// or copy wrote it, no host array stands behind it, and the node is not declared
+    /// zero-initialised ([`TensorNode::new_zeroed`](crate::TensorNode::new_zeroed)). The
+    /// bytes would be whatever the allocation held, which no program means to read.
+    #[error("{what} reads {node} in context {context} (stream {stream}), but nothing has written that buffer{hint}")]
+    UninitialisedRead {
+        /// The node, as `label#id`.
+        node: String,
+        /// The context whose buffer would be read.
+        context: ContextId,
+        /// Its stream.
+        stream: StreamId,
+        /// The reading operation (`routine 'name'`, `a copy`).
+        what: String,
+        /// How to fix it when the protocol knows (another stream of the device holds a
+        /// written buffer of the node); empty otherwise.
+        hint: String,
+    },
     /// The node already has a buffer in this context.
     #[error("node {node} is already in context {context}")]
     AlreadyInContext {
@@ -390,6 +408,7 @@ impl Error {
         match self {
             Error::NodeNotInContext { .. } => "NodeNotInContext",
             Error::AlreadyInContext { .. } => "AlreadyInContext",
+            Error::UninitialisedRead { .. } => "UninitialisedRead",
             Error::DTypeMismatch { .. } => "DTypeMismatch",
             Error::SizeMismatch { .. } => "SizeMismatch",
             Error::ModeConflict { .. } => "ModeConflict",

@@ -353,6 +353,8 @@ struct NodeInner {
     dtype: DType,
     shape: Shape,
     mode: Mutex<MemoryMode>,
+    /// Declared to start as zeros in every fresh buffer ([`TensorNode::new_zeroed`]).
+    zeroed: bool,
 }
 
 /// A tensor node: a clonable handle to its description and memory mode.
@@ -362,15 +364,43 @@ pub struct TensorNode(Arc<NodeInner>);
 impl TensorNode {
     /// Creates a node with a fresh id and memory mode `Unset`.
     pub fn new(label: impl Into<String>, dtype: DType, shape: impl Into<Shape>) -> TensorNode {
+        Self::make(label.into(), dtype, shape.into(), false)
+    }
+
+    /// Creates a node whose fresh buffers start as zeros, and may be read as such: an
+    /// accumulator, a counter. A buffer of a plain node ([`TensorNode::new`]) must be
+    /// written (by a routine, a copy, or an upload of its host array) before a routine or a
+    /// copy reads it, or the read is [`Error::UninitialisedRead`].
+    ///
+    /// ```
+    /// use tributary::{DType, TensorNode};
+    /// let acc = TensorNode::new_zeroed("acc", DType::F32, [4]);
+    /// assert!(acc.is_zeroed() && !TensorNode::new("x", DType::F32, [4]).is_zeroed());
+    /// ```
+    pub fn new_zeroed(
+        label: impl Into<String>,
+        dtype: DType,
+        shape: impl Into<Shape>,
+    ) -> TensorNode {
+        Self::make(label.into(), dtype, shape.into(), true)
+    }
+
+    fn make(label: String, dtype: DType, shape: Shape, zeroed: bool) -> TensorNode {
         // Relaxed: the counter only needs uniqueness, not ordering with other memory.
         let id = NodeId(NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed));
         TensorNode(Arc::new(NodeInner {
             id,
-            label: label.into(),
+            label,
             dtype,
-            shape: shape.into(),
+            shape,
             mode: Mutex::new(MemoryMode::Unset),
+            zeroed,
         }))
+    }
+
+    /// Whether its fresh buffers count as written, with zeros ([`TensorNode::new_zeroed`]).
+    pub fn is_zeroed(&self) -> bool {
+        self.0.zeroed
     }
 
     /// Builder-style refinement of the memory mode (see [`TensorNode::refine_mode`]).

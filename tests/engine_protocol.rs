@@ -12,7 +12,9 @@ mod support;
 
 use std::time::Duration;
 
-use support::{all, backend, failing, node, shared, slow_copy_on, slow_fill_on, Kind, N};
+use support::{
+    all, backend, failing, node, shared, slow_copy_on, slow_fill_on, zeroed_node, Kind, N,
+};
 use tributary::{
     kernels, memory::PoolConfig, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse,
     Sharing, TensorNode,
@@ -48,7 +50,76 @@ for_each_backend!(
     host_write_waits_for_pending_uploads,
     odd_sized_nodes_transfer_and_compute_exactly_their_elements,
     copies_and_reads_of_a_lagging_buffer_see_the_host_write,
+    reading_what_only_another_stream_wrote_is_an_error_that_names_the_fix,
 );
+
+/// Stream 0 fills `x`, a routine on stream 1 of the same device reads it: under the sharing
+/// rules stream 1 has a buffer of its own, which nothing wrote, so the read is refused with
+/// `UninitialisedRead` naming the node, the context and the stream that holds a written
+/// copy; nothing changes and the device keeps serving. Sharing the node across streams, or
+/// declaring it zeroed, are the two ways to mean it.
+fn reading_what_only_another_stream_wrote_is_an_error_that_names_the_fix(kind: Kind) {
+    let test = "reading_what_only_another_stream_wrote_is_an_error_that_names_the_fix";
+    let Some(mut e) = engine(kind, test) else {
+        return;
+    };
+    let x = node("x", MemoryMode::on_device());
+    let y = node("y", MemoryMode::on_device());
+    let (s0, s1) = (e.context(0, 0).unwrap(), e.context(0, 1).unwrap());
+    let fill = e.link(&s0, kernels::fill(&x, 5.0).unwrap()).unwrap();
+    let copy = e.link(&s1, kernels::copy(&y, &x).unwrap()).unwrap();
+    e.schedule(&fill).unwrap();
+    let before = e.table_sizes();
+    match e.schedule(&copy) {
+        Err(Error::UninitialisedRead {
+            node,
+            context,
+            stream,
+            hint,
+            ..
+        }) => {
+            assert_eq!(node, x.to_string());
+            assert_eq!(
+                (context, stream),
+                (copy.context().id(), copy.context().stream())
+            );
+            assert!(
+                hint.contains("d0s0") && hint.contains("SharedCrossStreams"),
+                "{hint}"
+            );
+        }
+        other => panic!("expected UninitialisedRead, got {other:?}"),
+    }
+    assert_eq!(
+        e.table_sizes(),
+        before,
+        "a refused schedule changed the tables"
+    );
+    // The copy of a buffer nothing wrote is refused the same way, and so is its source read.
+    assert!(matches!(
+        e.device_to_device(&x, copy.context(), fill.context(), MergeBufferUse::Copy),
+        Err(Error::UninitialisedRead { .. })
+    ));
+    e.schedule(&fill).unwrap();
+    assert!(all(&e.read::<f32>(fill.context(), &x).unwrap(), 5.0));
+
+    // One buffer shared by the device's streams: stream 1 reads what stream 0 wrote.
+    let xs = node("xs", shared());
+    let ys = node("ys", MemoryMode::on_device());
+    let fill_s = e.link(&s0, kernels::fill(&xs, 6.0).unwrap()).unwrap();
+    let copy_s = e.link(&s1, kernels::copy(&ys, &xs).unwrap()).unwrap();
+    e.schedule(&fill_s).unwrap();
+    e.schedule(&copy_s).unwrap();
+    assert!(all(&e.read::<f32>(copy_s.context(), &ys).unwrap(), 6.0));
+
+    // Declared zeroed: a fresh buffer reads as zeros.
+    let z = zeroed_node("z", MemoryMode::on_device());
+    let yz = node("yz", MemoryMode::on_device());
+    let copy_z = e.link(&s1, kernels::copy(&yz, &z).unwrap()).unwrap();
+    e.schedule(&copy_z).unwrap();
+    assert!(all(&e.read::<f32>(copy_z.context(), &yz).unwrap(), 0.0));
+    e.sync_all().unwrap();
+}
 
 fn raw_across_streams_waits_for_the_writer(kind: Kind) {
     let Some(mut e) = engine(kind, "raw_across_streams_waits_for_the_writer") else {
@@ -490,7 +561,7 @@ fn tables_stay_bounded_under_endless_work(kind: Kind) {
         return;
     };
     let x = node("x", shared());
-    let y = node("y", MemoryMode::on_device());
+    let y = zeroed_node("y", MemoryMode::on_device());
     let a = e.context(0, 0).unwrap();
     let b = e.context(0, 1).unwrap();
     let w = e.link(&a, kernels::fill(&x, 1.0).unwrap()).unwrap();

@@ -62,6 +62,9 @@ struct World {
     m01: Routine,
     plain01: Routine,
     gone: Routine,
+    /// A node nothing writes, and a routine on d0s1 that reads it.
+    fresh: TensorNode,
+    reads_fresh: Routine,
 }
 
 fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
@@ -73,7 +76,12 @@ fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
 fn world(mut api: Box<dyn Api>) -> World {
     let e = &mut *api;
     let w = f32_node("w", MemoryMode::hosted_changed_on_devices());
-    let g = f32_node("g", MemoryMode::on_device());
+    // An accumulator: `merge` adds into its fresh buffer.
+    let g = TensorNode::new_zeroed("g", DType::F32, [N])
+        .with_mode(MemoryMode::on_device())
+        .expect("mode");
+    let fresh = f32_node("fresh", MemoryMode::OnDevice(Sharing::PerStream));
+    let sink = f32_node("sink", MemoryMode::OnDevice(Sharing::PerStream));
     let s = f32_node("s", MemoryMode::OnDevice(Sharing::SharedCrossStreams));
     let i = TensorNode::new("i", DType::I32, [N]);
     let small = TensorNode::new("small", DType::F32, [N / 2]);
@@ -92,6 +100,7 @@ fn world(mut api: Box<dyn Api>) -> World {
     let m01 = e.link(&r01, kernels::add_merge(&g).unwrap()).unwrap();
     let plain01 = e.link(&r01, kernels::fill(&small, 4.0).unwrap()).unwrap();
     let gone = e.link(&r01, kernels::fill(&g, 9.0).unwrap()).unwrap();
+    let reads_fresh = e.link(&r01, kernels::copy(&sink, &fresh).unwrap()).unwrap();
     e.schedule(&fill_s).unwrap();
     e.schedule(&grad).unwrap();
     e.schedule(&gone).unwrap();
@@ -114,6 +123,8 @@ fn world(mut api: Box<dyn Api>) -> World {
         m01,
         plain01,
         gone,
+        fresh,
+        reads_fresh,
     }
 }
 
@@ -160,6 +171,7 @@ fn probe(wd: &mut World) {
     );
     for c in [
         wd.plain01.context(),
+        wd.reads_fresh.context(),
         wd.m01.context(),
         wd.merge.context(),
         wd.grad.context(),
@@ -502,6 +514,25 @@ fn cases() -> Vec<Case> {
                 let r = w.merge.clone();
                 w.api
                     .device_to_device(&w.g, &c, &c, MergeBufferUse::StreamingFor(r))
+                    .map(drop)
+            },
+        ),
+        // Reading what nothing wrote.
+        case(
+            "a routine reading a buffer nothing wrote",
+            "UninitialisedRead",
+            |w| {
+                let r = w.reads_fresh.clone();
+                w.api.schedule(&r).map(drop)
+            },
+        ),
+        case(
+            "device_to_device of a buffer nothing wrote",
+            "UninitialisedRead",
+            |w| {
+                let (src, dst) = (w.reads_fresh.context().clone(), w.merge.context().clone());
+                w.api
+                    .device_to_device(&w.fresh, &src, &dst, MergeBufferUse::Copy)
                     .map(drop)
             },
         ),

@@ -23,6 +23,7 @@ fn f32_node(dims: &[usize], mode: Mode) -> NodeDecl {
         dtype: Dt::F32,
         dims: dims.to_vec(),
         mode,
+        zeroed: true,
     }
 }
 

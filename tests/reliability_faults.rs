@@ -53,6 +53,13 @@ fn node(label: &str, mode: MemoryMode) -> TensorNode {
         .expect("mode")
 }
 
+/// [`node`], declared zero-initialised (an accumulator: its fresh buffers may be read).
+fn zeroed_node(label: &str, mode: MemoryMode) -> TensorNode {
+    TensorNode::new_zeroed(label, DType::F32, [N])
+        .with_mode(mode)
+        .expect("mode")
+}
+
 fn stream(device: u32, index: u32) -> StreamId {
     StreamId {
         device: DeviceId(device),
@@ -130,7 +137,7 @@ fn panicking_kernel_fails_exactly_its_dependents() {
     let x = node("boomx", shared());
     let (y, u, z, busy) = (
         node("y", MemoryMode::on_device()),
-        node("u", MemoryMode::on_device()),
+        zeroed_node("u", MemoryMode::on_device()), // accumulated into
         node("z", MemoryMode::on_device()),
         node("busy", MemoryMode::on_device()),
     );
@@ -241,7 +248,8 @@ fn failed_copies_fail_their_readers_only() {
     let rules = FaultRules::default();
     let mut e = engine(2, 2, &rules, small_pools());
     let (g, y, z) = (
-        node("g", MemoryMode::on_device()),
+        // Accumulated into (`add_merge`) and read where nothing wrote it (`double`).
+        zeroed_node("g", MemoryMode::on_device()),
         node("y", MemoryMode::on_device()),
         node("z", MemoryMode::on_device()),
     );

@@ -402,6 +402,7 @@ fn f32_node(dims: &[usize], mode: Mode) -> NodeDecl {
         dtype: Dt::F32,
         dims: dims.to_vec(),
         mode,
+        zeroed: true,
     }
 }
 
@@ -422,6 +423,7 @@ fn known_programs() -> Vec<(&'static str, Program)> {
                 dtype: Dt::I32,
                 dims: vec![3],
                 mode: Mode::OnDevice(Share::Unset),
+                zeroed: true,
             },
             f32_node(&[10, 100], Mode::OnDevice(Share::Unset)),
         ],

@@ -122,11 +122,13 @@ fn nodes() -> Vec<NodeDecl> {
         dtype: Dt::F32,
         dims: vec![16],
         mode,
+        zeroed: true,
     };
     let i = |mode| NodeDecl {
         dtype: Dt::I32,
         dims: vec![4, 4],
         mode,
+        zeroed: true,
     };
     vec![
         f(Mode::OnDevice(Share::Unset)),

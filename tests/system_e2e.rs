@@ -9,7 +9,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::{
-    all, backend_kind, failing, node, shared, slow_copy_on, slow_fill_on, slow_fill_times, Kind, N,
+    all, backend_kind, failing, node, shared, slow_copy_on, slow_fill_on, slow_fill_times,
+    zeroed_node, Kind, N,
 };
 use tributary::{
     backend::{vulkan::VulkanConfig, BackendKind},
@@ -345,8 +346,8 @@ fn config_from_toml_and_json_and_async_methods() {
         })
     ));
     let w = node("w", MemoryMode::hosted_changed_on_devices());
-    let g = node("g", MemoryMode::on_device());
-    // Async API from a hand-driven future; the small mailbox exercises back-pressure.
+    let g = zeroed_node("g", MemoryMode::on_device()); // accumulated into
+                                                       // Async API from a hand-driven future; the small mailbox exercises back-pressure.
     let total = block_on(async {
         let c = sys.context_async(2, 0).await?;
         let c = sys.init_from_host_async(&c, &w, &vec![2.0f32; N]).await?;

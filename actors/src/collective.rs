@@ -275,7 +275,9 @@ impl BucketedAllReduce {
             .enumerate()
             .map(|(b, group)| {
                 let elems: usize = group.iter().map(|&i| grads[i].numel()).sum();
-                TensorNode::new(format!("bucket{b}"), dtype, [elems])
+                // Packed by `copy_range`, which writes a part of the bucket and keeps the
+                // rest: the rest must be defined before the first pack.
+                TensorNode::new_zeroed(format!("bucket{b}"), dtype, [elems])
                     .with_mode(MemoryMode::on_device())
             })
             .collect::<Result<_>>()?;

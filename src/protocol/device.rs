@@ -65,6 +65,9 @@ pub struct Source {
     pub(crate) deps: Vec<Dep>,
     /// The host version its content corresponds to (see [`HostTable`]).
     pub(crate) host_version: Option<u64>,
+    /// `UninitialisedRead` when nothing has written the buffer: raised by the destination
+    /// step, after its own checks, so that errors come in the order of the reference.
+    pub(crate) unwritten: Option<Box<Error>>,
 }
 
 impl Source {
@@ -91,6 +94,16 @@ impl Source {
     /// The host version its content corresponds to (see [`HostTable`]).
     pub fn host_version(&self) -> Option<u64> {
         self.host_version
+    }
+
+    /// [`Error::UninitialisedRead`] if nothing has written the source buffer (no routine,
+    /// copy or upload; the node neither hosted nor declared zeroed): a copy of it would
+    /// deliver whatever the allocation held.
+    pub fn check_written(&self) -> Result<()> {
+        match &self.unwritten {
+            Some(e) => Err((**e).clone()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -130,6 +143,9 @@ struct BufferRecord {
     /// Host version the content corresponds to; `None` when unknown (must be uploaded).
     host_version: Option<u64>,
     stream: StreamId,
+    /// Whether an operation has written it (or its node is declared zeroed): reading a
+    /// buffer nothing wrote is `UninitialisedRead`.
+    written: bool,
 }
 
 struct ContextRecord {
@@ -556,6 +572,7 @@ impl DeviceState {
                         // its first read here.
                         host_version: None,
                         stream,
+                        written: d.node.is_zeroed(),
                     },
                 );
                 if shared {
@@ -677,6 +694,8 @@ impl DeviceState {
         source: &Source,
         host: &mut HostTable,
     ) -> Result<Vec<Plan>> {
+        self.check_streaming(routine, source)?;
+        source.check_written()?;
         self.schedule_inner(routine, MergeFrom::Source(source), host)
     }
 
@@ -799,6 +818,13 @@ impl DeviceState {
 
         // Resolve every binding before touching any table.
         let (bindings, merge) = self.resolve(routine, &merge_from)?;
+        for (p, b) in spec.params.iter().zip(&bindings) {
+            if !matches!(p.access, Access::Write) {
+                self.check_written(&ctx, &p.node, b.loc.loc, || {
+                    format!("routine '{}'", spec.name)
+                })?;
+            }
+        }
 
         // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
         let mut plans = Vec::new();
@@ -848,6 +874,7 @@ impl DeviceState {
                 rec.uses.record_read(event.clone());
             } else {
                 rec.uses.record_write(event.clone());
+                rec.written = true;
                 rec.host_version = Some(host.version(p.node.id()));
                 if p.node.mode().is_hosted() {
                     let order = host.order();
@@ -881,6 +908,45 @@ impl DeviceState {
     // Host transfers (rule 2).
     // ----------------------------------------------------------------------------------
 
+    /// `UninitialisedRead` if `what` (a routine, a copy) would read `node`'s buffer at
+    /// `loc` in `ctx` and nothing has written it. A hosted node's buffer is uploaded before
+    /// it is read, so it always has a value. The hint names a written buffer of the node
+    /// on another stream of this device, if any.
+    fn check_written(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        loc: BufferLoc,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        let unwritten = self.buffers.get(&loc).is_some_and(|rec| !rec.written);
+        if !unwritten || node.mode().is_hosted() {
+            return Ok(());
+        }
+        let elsewhere = self
+            .buffers
+            .values()
+            .filter(|rec| rec.written && rec.node.id() == node.id())
+            .map(|rec| rec.stream)
+            .min();
+        let hint = match elsewhere {
+            Some(stream) => format!(
+                "; stream {stream} of this device holds a written buffer of it: share one \
+                 buffer across the device's streams (`node.refine_sharing(Sharing::\
+                 SharedCrossStreams)` before linking) or copy it into this context with \
+                 `device_to_device`"
+            ),
+            None => String::new(),
+        };
+        Err(Error::UninitialisedRead {
+            node: node.to_string(),
+            context: ctx.id(),
+            stream: ctx.stream(),
+            what: what(),
+            hint,
+        })
+    }
+
     fn plan_from_host(
         &mut self,
         stream: StreamId,
@@ -906,6 +972,7 @@ impl DeviceState {
         hrec.uses.record_read(event.clone());
         if let Some(rec) = rec {
             rec.uses.record_write(event.clone());
+            rec.written = true;
             rec.host_version = Some(hrec.version);
         }
         let global = self.global(loc);
@@ -1041,6 +1108,10 @@ impl DeviceState {
     pub fn source(&mut self, ctx: &Context, node: &TensorNode) -> Result<Source> {
         self.check_context(ctx)?;
         let loc = self.entry(ctx, node)?.loc;
+        let unwritten = self
+            .check_written(ctx, node, loc, || "a copy".into())
+            .err()
+            .map(Box::new);
         let Some(rec) = self.buffers.get_mut(&loc) else {
             return Err(Error::BufferNotFound {
                 node: node.to_string(),
@@ -1058,6 +1129,7 @@ impl DeviceState {
             bytes: rec.bytes,
             deps,
             host_version: rec.host_version,
+            unwritten,
         })
     }
 
@@ -1132,6 +1204,7 @@ impl DeviceState {
             if dst == source.loc {
                 return Ok(None);
             }
+            source.check_written()?;
             let Some(rec) = self.buffers.get_mut(&loc) else {
                 return Err(Error::BufferNotFound {
                     node: node.to_string(),
@@ -1143,6 +1216,7 @@ impl DeviceState {
             let event = self.issue(stream);
             if let Some(rec) = self.buffers.get_mut(&loc) {
                 rec.uses.record_write(event.clone());
+                rec.written = true;
                 rec.host_version = source.host_version;
             }
             if node.mode().is_hosted() {
@@ -1177,6 +1251,7 @@ impl DeviceState {
         }
         // Merge buffer: grows when a larger node arrives; the old one is retired after
         // its pending uses (rule 5), and reuse waits for the previous consumer (rule 4).
+        source.check_written()?;
         let idx = stream.index as usize;
         let retire = self.streams[idx].merge.uses.all_events();
         let alloc = self

@@ -39,7 +39,12 @@ pub fn create_nodes(setup: &Setup) -> Result<(Vec<TensorNode>, HashMap<NodeId, u
             Dt::F32 => DType::F32,
             Dt::I32 => DType::I32,
         };
-        let node = TensorNode::new(format!("n{i}"), dtype, d.dims.clone())
+        let make = if d.zeroed {
+            TensorNode::new_zeroed
+        } else {
+            TensorNode::new
+        };
+        let node = make(format!("n{i}"), dtype, d.dims.clone())
             .with_mode(d.mode.memory_mode())
             .map_err(err)?;
         index.insert(node.id(), i);

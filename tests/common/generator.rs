@@ -124,8 +124,9 @@ fn arb_node(hosted: bool) -> impl Strategy<Value = NodeDecl> {
         prop_oneof![3 => Just(4usize), 4 => Just(64), 2 => Just(1000), 1 => Just(1)],
         any::<bool>(),
         arb_mode(hosted),
+        any::<bool>(),
     )
-        .prop_map(|(dtype, numel, two_d, mode)| NodeDecl {
+        .prop_map(|(dtype, numel, two_d, mode, zeroed)| NodeDecl {
             dtype,
             dims: if two_d && numel % 4 == 0 {
                 vec![4, numel / 4]
@@ -133,6 +134,7 @@ fn arb_node(hosted: bool) -> impl Strategy<Value = NodeDecl> {
                 vec![numel]
             },
             mode,
+            zeroed,
         })
 }
 

@@ -95,6 +95,9 @@ pub struct NodeDecl {
     pub dims: Vec<usize>,
     /// Memory mode.
     pub mode: Mode,
+    /// Declared zero-initialised (`TensorNode::new_zeroed`): fresh buffers may be read.
+    /// Otherwise reading a buffer nothing wrote is `UninitialisedRead`.
+    pub zeroed: bool,
 }
 
 impl NodeDecl {

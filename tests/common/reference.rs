@@ -12,7 +12,9 @@
 //!   device. A node's sharing is its declared one, else decided per device by its first
 //!   link (read first: shared; written first: per stream; `init_from_host` of an
 //!   undecided node: per stream). Written shared nodes have one owner stream per device;
-//!   another stream linking a write is a `SecondWriter`.
+//!   another stream linking a write is a `SecondWriter`. A routine or a copy reading a
+//!   buffer that nothing wrote (no routine output, copy or upload; the node not declared
+//!   zeroed, not hosted) is `UninitialisedRead`; `read` of such a buffer shows its zeros.
 //! - **Hosted nodes** have a host array (zeros at first) and a version bumped by host
 //!   writes. A buffer remembers the host version its content derives from, or none (a
 //!   fresh buffer: its content is unknown to the host protocol). A buffer *lags* when that
@@ -86,6 +88,8 @@ struct Buf {
     node: usize,
     data: Vals,
     host_version: Option<u64>,
+    /// Something wrote it (a routine, a copy, an upload), or its node is declared zeroed.
+    written: bool,
 }
 
 #[derive(Clone)]
@@ -299,6 +303,7 @@ impl Reference {
             // Fresh memory's content is not the host array's (which may have been set by a
             // transfer without a version change): it must be uploaded before it is read.
             host_version: None,
+            written: d.zeroed,
         });
         self.bufs.len() - 1
     }
@@ -334,6 +339,18 @@ impl Reference {
         C(self.ctxs.len() - 1)
     }
 
+    /// `UninitialisedRead` when buffer `b` of `n` is read but nothing wrote it (a hosted
+    /// node's buffer is uploaded before it is read, so it always holds a value).
+    fn check_written(&self, b: usize, n: N) -> Res<()> {
+        if self.bufs[b].written || self.hosted(n.0)? {
+            return Ok(());
+        }
+        Err(format!(
+            "UninitialisedRead: n{} (buffer {b}) was never written",
+            n.0
+        ))
+    }
+
     fn lagging(&self, b: usize) -> bool {
         let n = self.bufs[b].node;
         self.bufs[b].host_version != Some(self.hosts[n].version)
@@ -344,6 +361,7 @@ impl Reference {
         let h = &mut self.hosts[n];
         self.bufs[b].data = h.data.clone();
         self.bufs[b].host_version = Some(h.version);
+        self.bufs[b].written = true;
         if h.newer == Some(b) {
             h.newer = None;
         }
@@ -517,6 +535,11 @@ impl Reference {
             bufs.push(self.buf_of(c, n)?);
         }
         for (&(n, acc), &b) in params.iter().zip(&bufs) {
+            if acc != Acc::Write {
+                self.check_written(b, n)?;
+            }
+        }
+        for (&(n, acc), &b) in params.iter().zip(&bufs) {
             if self.hosted(n.0)? && acc != Acc::Write && self.lagging(b) {
                 self.upload(b);
             }
@@ -533,6 +556,7 @@ impl Reference {
                 continue;
             }
             self.bufs[b].data = v;
+            self.bufs[b].written = true;
             self.bufs[b].host_version = Some(self.hosts[n.0].version);
             if self.hosted(n.0)? {
                 self.hosts[n.0].newer = Some(b);
@@ -697,7 +721,9 @@ impl Reference {
                 None
             }
         };
-        // The source is read: a lagging one is uploaded first, as for a routine.
+        // The source is read: it must hold a value, and a lagging one is uploaded first, as
+        // for a routine.
+        self.check_written(sb, n)?;
         if self.hosted(n.0)? && self.lagging(sb) {
             self.upload(sb);
             let mode = match mode {
@@ -710,6 +736,7 @@ impl Reference {
         match (mode, db) {
             (D2d::No, Some(db)) => {
                 self.bufs[db].data = self.bufs[sb].data.clone();
+                self.bufs[db].written = true;
                 self.bufs[db].host_version = self.bufs[sb].host_version;
                 if self.hosted(n.0)? {
                     // The source holds the current host version now, so the copy is the

@@ -43,6 +43,13 @@ pub fn node(label: &str, mode: MemoryMode) -> TensorNode {
         .expect("mode")
 }
 
+/// [`node`], declared zero-initialised: an accumulator whose fresh buffers may be read.
+pub fn zeroed_node(label: &str, mode: MemoryMode) -> TensorNode {
+    TensorNode::new_zeroed(label, DType::F32, [N])
+        .with_mode(mode)
+        .expect("mode")
+}
+
 /// On-device, one buffer shared by all streams of a device.
 pub fn shared() -> MemoryMode {
     MemoryMode::OnDevice(Sharing::SharedCrossStreams)
