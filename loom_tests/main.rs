@@ -14,6 +14,8 @@
 //! `loom_tests/run.sh` runs the models and the mutation check.
 #![cfg(tributary_loom)]
 
+mod actor_world;
+mod actors;
 mod event;
 mod harness;
 mod protocol;

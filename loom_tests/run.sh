@@ -33,13 +33,16 @@ MUTANTS=(
   "raw:protocol::raw_across_streams protocol::d2d_copy_then_overwrite_source protocol::streaming_for_then_overwrite_source protocol::failure_fails_dependents_with_root_cause"
   "war:protocol::war_across_streams protocol::merge_copy_reuse_two_producers"
   "waw:protocol::waw_across_streams"
-  "d2d_reader:protocol::d2d_copy_then_overwrite_source protocol::merge_copy_reuse_two_producers protocol::streaming_for_then_overwrite_source protocol::free_while_read_then_reuse"
+  "d2d_reader:protocol::d2d_copy_then_overwrite_source protocol::merge_copy_reuse_two_producers protocol::streaming_for_then_overwrite_source protocol::free_while_read_then_reuse actors::copy_races_a_write_of_its_source"
   "merge_check:protocol::merge_buffer_holds_the_expected_node"
   "deferred_free:protocol::free_while_read_then_reuse"
   "host_upload:protocol::host_write_vs_pending_upload protocol::host_read_vs_device_write"
   "host_war:protocol::host_write_vs_pending_upload"
   "host_raw:protocol::host_read_vs_device_write"
   "failure:protocol::failure_fails_dependents_with_root_cause"
+  # the actor layer across actors (src/dispatch)
+  "late_source_read:actors::copy_races_a_write_of_its_source actors::streaming_consumer_races_a_write_of_its_source"
+  "host_gate:actors::upload_after_a_download_on_another_device"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"
   # event timeline (src/event.rs)

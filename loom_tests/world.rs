@@ -63,7 +63,7 @@ pub fn boom(dst: &TensorNode) -> RoutineSpec {
 }
 
 /// A row of modelled memory.
-struct Words {
+pub(crate) struct Words {
     cells: Vec<UnsafeCell<i64>>,
 }
 
@@ -85,7 +85,7 @@ impl Words {
 
 /// Elements `start..start + len` of a row.
 #[derive(Clone)]
-struct Region {
+pub(crate) struct Region {
     words: StdArc<Words>,
     start: usize,
     len: usize,
@@ -96,7 +96,7 @@ impl Region {
         &self.words.cells[self.start..self.start + self.len]
     }
 
-    fn read(&self) -> Vec<i64> {
+    pub(crate) fn read(&self) -> Vec<i64> {
         self.cells()
             .iter()
             // SAFETY: a plain read of an `i64`; loom reports it if a write to the same
@@ -105,7 +105,7 @@ impl Region {
             .collect()
     }
 
-    fn write(&self, values: &[i64]) {
+    pub(crate) fn write(&self, values: &[i64]) {
         assert_eq!(values.len(), self.len, "model bug: region size");
         for (c, &v) in self.cells().iter().zip(values) {
             // SAFETY: a plain write of an `i64`; loom reports it if any other access to
@@ -116,7 +116,7 @@ impl Region {
 }
 
 /// What a stream does for one plan, with every binding resolved.
-enum Op {
+pub(crate) enum Op {
     Builtin {
         builtin: Builtin,
         args: Vec<Region>,
@@ -179,19 +179,19 @@ impl Op {
     }
 }
 
-struct Job {
-    stream: StreamId,
+pub(crate) struct Job {
+    pub(crate) stream: StreamId,
     /// The timeline of `stream`, which this executor completes.
-    timeline: Arc<Timeline>,
-    event: Event,
-    deps: Vec<Dep>,
-    label: String,
-    op: Op,
+    pub(crate) timeline: Arc<Timeline>,
+    pub(crate) event: Event,
+    pub(crate) deps: Vec<Dep>,
+    pub(crate) label: String,
+    pub(crate) op: Op,
 }
 
 /// What a stream does with a plan: the executor rule every backend applies
 /// (`src/backend/cpu.rs`, `run_item`).
-fn run_job(job: Job) {
+pub(crate) fn run_job(job: Job) {
     let seq = job.event.seq();
     let timeline: &Timeline = &job.timeline;
     if let Err(root) = await_deps(&job.deps) {
@@ -214,13 +214,21 @@ fn run_job(job: Job) {
 
 /// The world's [`PoolMemory`]: records what a device asks for (every creation succeeds);
 /// the world creates and frees the memory words before its next submission.
-struct PoolLog {
+pub(crate) struct PoolLog {
     device: DeviceId,
     log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>,
 }
 
 impl PoolLog {
-    fn shared() -> StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>> {
+    /// The log of `device`, writing into `log`.
+    pub(crate) fn new(
+        device: DeviceId,
+        log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>,
+    ) -> PoolLog {
+        PoolLog { device, log }
+    }
+
+    pub(crate) fn shared() -> StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>> {
         StdArc::new(std::sync::Mutex::new(Vec::new()))
     }
 
@@ -248,6 +256,12 @@ pub struct World {
     /// `timelines[d][i]`: the timeline of stream `i` of device `d`, completed by its worker.
     timelines: Vec<Vec<Arc<Timeline>>>,
     workers: Vec<JoinHandle<()>>,
+    memory: Memory,
+}
+
+/// The modelled memory of a world: pools and host arrays as rows of loom cells, and what
+/// turns a plan's work into an executor [`Op`] on them.
+pub(crate) struct Memory {
     pools: BTreeMap<(DeviceId, PoolId), StdArc<Words>>,
     /// Pool operations the devices asked for, carried out before the next submission.
     pool_log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>,
@@ -255,98 +269,17 @@ pub struct World {
     host_words: Vec<(StdArc<AlignedBuffer>, StdArc<Words>)>,
 }
 
-impl World {
-    /// `streams[d]` streams on device `d`, one loom thread each, and tiny pools (32-byte
-    /// slabs, 4-byte alignment) so that freed ranges are reused at once.
-    pub fn new(streams: &[usize]) -> World {
-        let pools = PoolConfig {
-            pool_bytes: 32,
-            min_alignment: WORD,
-            limit_bytes: None,
-            release_empty_pools: true,
-        };
-        let mut devices = Vec::new();
-        let mut queues = Vec::new();
-        let mut workers = Vec::new();
-        let pool_log = PoolLog::shared();
-        let mut all_timelines = Vec::new();
-        for (d, &n) in streams.iter().enumerate() {
-            let device = DeviceId(d as u32);
-            let timelines: Vec<_> = (0..n as u32)
-                .map(|index| Timeline::new(StreamId { device, index }))
-                .collect();
-            let mut qs = Vec::new();
-            for _ in 0..n {
-                let (tx, rx) = channel::unbounded::<Job>();
-                workers.push(thread::spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        run_job(job);
-                    }
-                }));
-                qs.push(tx);
-            }
-            let memory = PoolLog {
-                device,
-                log: pool_log.clone(),
-            };
-            all_timelines.push(timelines.clone());
-            devices.push(DeviceState::new(
-                device,
-                timelines,
-                pools.clone(),
-                Box::new(memory),
-            ));
-            queues.push(qs);
-        }
-        World {
-            devices,
-            host: HostTable::default(),
-            queues,
-            timelines: all_timelines,
-            workers,
+impl Memory {
+    /// Empty memory, applying the pool operations logged in `pool_log`.
+    pub(crate) fn new(pool_log: StdArc<std::sync::Mutex<Vec<(DeviceId, PoolOp)>>>) -> Memory {
+        Memory {
             pools: BTreeMap::new(),
             pool_log,
             host_words: Vec::new(),
         }
     }
 
-    /// Ends the set-up of a model and opens its explored window: waits until every
-    /// operation issued so far has completed (so set-up work is ordered before the window
-    /// and its events are pruned as the window's plans are made), then tells loom to
-    /// explore interleavings from here. Models run with `expect_explicit_explore`: the
-    /// set-up runs in one interleaving only (loom still checks its accesses).
-    pub fn begin_window(&mut self) {
-        for d in &self.devices {
-            for e in d.last_events() {
-                let _ = e.wait();
-            }
-        }
-        loom::explore();
-    }
-
-    /// Closes the explored window: what follows (the final reads and value checks) runs
-    /// in one interleaving per explored prefix, still with every access checked.
-    pub fn end_window(&mut self) {
-        loom::stop_exploring();
-    }
-
-    /// Closes every queue, lets the streams drain and joins them.
-    pub fn shutdown(mut self) {
-        self.queues.clear();
-        for w in self.workers.drain(..) {
-            w.join().unwrap();
-        }
-    }
-
-    fn dev(&mut self, device: DeviceId) -> &mut DeviceState {
-        &mut self.devices[device.0 as usize]
-    }
-
-    // ----------------------------------------------------------------------------------
-    // The executor side: pool operations, binding resolution, submission.
-    // ----------------------------------------------------------------------------------
-
-    fn apply_pool_ops(&mut self) {
+    pub(crate) fn apply_pool_ops(&mut self) {
         let ops = std::mem::take(&mut *self.pool_log.lock().unwrap());
         {
             for (device, op) in ops {
@@ -369,7 +302,7 @@ impl World {
         }
     }
 
-    fn region(&self, loc: GlobalLoc, bytes: u64) -> Region {
+    pub(crate) fn region(&self, loc: GlobalLoc, bytes: u64) -> Region {
         let words = self
             .pools
             .get(&(loc.device, loc.loc.pool))
@@ -385,7 +318,7 @@ impl World {
         Region { words, start, len }
     }
 
-    fn host_region(&mut self, array: &StdArc<AlignedBuffer>, bytes: u64) -> Region {
+    pub(crate) fn host_region(&mut self, array: &StdArc<AlignedBuffer>, bytes: u64) -> Region {
         let words = match self
             .host_words
             .iter()
@@ -407,7 +340,7 @@ impl World {
         }
     }
 
-    fn resolve(&mut self, work: &Work) -> Op {
+    pub(crate) fn resolve(&mut self, work: &Work) -> Op {
         match work {
             Work::Run {
                 name,
@@ -453,15 +386,102 @@ impl World {
             Work::Marker => Op::Marker,
         }
     }
+}
+
+impl World {
+    /// `streams[d]` streams on device `d`, one loom thread each, and tiny pools (32-byte
+    /// slabs, 4-byte alignment) so that freed ranges are reused at once.
+    pub fn new(streams: &[usize]) -> World {
+        let pools = PoolConfig {
+            pool_bytes: 32,
+            min_alignment: WORD,
+            limit_bytes: None,
+            release_empty_pools: true,
+        };
+        let mut devices = Vec::new();
+        let mut queues = Vec::new();
+        let mut workers = Vec::new();
+        let pool_log = PoolLog::shared();
+        let mut all_timelines = Vec::new();
+        for (d, &n) in streams.iter().enumerate() {
+            let device = DeviceId(d as u32);
+            let timelines: Vec<_> = (0..n as u32)
+                .map(|index| Timeline::new(StreamId { device, index }))
+                .collect();
+            let mut qs = Vec::new();
+            for _ in 0..n {
+                let (tx, rx) = channel::unbounded::<Job>();
+                workers.push(thread::spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        run_job(job);
+                    }
+                }));
+                qs.push(tx);
+            }
+            let memory = PoolLog::new(device, pool_log.clone());
+            all_timelines.push(timelines.clone());
+            devices.push(DeviceState::new(
+                device,
+                timelines,
+                pools.clone(),
+                Box::new(memory),
+            ));
+            queues.push(qs);
+        }
+        World {
+            devices,
+            host: HostTable::default(),
+            queues,
+            timelines: all_timelines,
+            workers,
+            memory: Memory::new(pool_log),
+        }
+    }
+
+    /// Ends the set-up of a model and opens its explored window: waits until every
+    /// operation issued so far has completed (so set-up work is ordered before the window
+    /// and its events are pruned as the window's plans are made), then tells loom to
+    /// explore interleavings from here. Models run with `expect_explicit_explore`: the
+    /// set-up runs in one interleaving only (loom still checks its accesses).
+    pub fn begin_window(&mut self) {
+        for d in &self.devices {
+            for e in d.last_events() {
+                let _ = e.wait();
+            }
+        }
+        loom::explore();
+    }
+
+    /// Closes the explored window: what follows (the final reads and value checks) runs
+    /// in one interleaving per explored prefix, still with every access checked.
+    pub fn end_window(&mut self) {
+        loom::stop_exploring();
+    }
+
+    /// Closes every queue, lets the streams drain and joins them.
+    pub fn shutdown(mut self) {
+        self.queues.clear();
+        for w in self.workers.drain(..) {
+            w.join().unwrap();
+        }
+    }
+
+    fn dev(&mut self, device: DeviceId) -> &mut DeviceState {
+        &mut self.devices[device.0 as usize]
+    }
+
+    // ----------------------------------------------------------------------------------
+    // The executor side: pool operations, binding resolution, submission.
+    // ----------------------------------------------------------------------------------
 
     /// As `Engine::submit`, each plan to its stream; the pool operations the devices asked
     /// for since the last submission are carried out first (the engine's backend carries
     /// them out when asked; here their memory words are made lazily, in the same order).
     fn submit(&mut self, plans: Vec<Plan>) -> Option<Event> {
-        self.apply_pool_ops();
+        self.memory.apply_pool_ops();
         let mut last = None;
         for plan in plans {
-            let op = self.resolve(plan.work());
+            let op = self.memory.resolve(plan.work());
             let stream = plan.stream();
             let (device, index) = (stream.device.0 as usize, stream.index as usize);
             let job = Job {
@@ -580,7 +600,7 @@ impl World {
         }
         let array = self.host.record(node)?.array().clone();
         let bytes = node.size_in_bytes()?;
-        Ok(self.host_region(&array, bytes).read())
+        Ok(self.memory.host_region(&array, bytes).read())
     }
 
     /// `Engine::host_write`: wait for every pending device use of the host array, write
@@ -593,7 +613,7 @@ impl World {
         }
         let array = self.host.record(node).unwrap().array().clone();
         let bytes = node.size_in_bytes().unwrap();
-        self.host_region(&array, bytes).write(data);
+        self.memory.host_region(&array, bytes).write(data);
         let raw: Vec<u8> = data
             .iter()
             .flat_map(|&v| (v as f32).to_ne_bytes())
@@ -610,7 +630,7 @@ impl World {
         let plan = self.devices[i].read_into(ctx, node, into.clone())?;
         let event = self.submit(vec![plan]).unwrap();
         event.wait()?;
-        Ok(self.host_region(&into, bytes).read())
+        Ok(self.memory.host_region(&into, bytes).read())
     }
 
     /// `Engine::finalize`.

@@ -454,3 +454,14 @@ impl Error {
         }
     }
 }
+
+/// The text of a panic's payload (`&str` or `String` payloads; a placeholder otherwise).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}

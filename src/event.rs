@@ -69,6 +69,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Failure, Result};
 use crate::ids::StreamId;
+use crate::pending::{Oneshot, Planned};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, Condvar, Mutex};
 
@@ -514,16 +515,35 @@ impl fmt::Debug for Timeline {
 ///
 /// Equality and hashing are by `(stream, seq)`, not by timeline identity. Debug and Display
 /// show `d0s1#5` (device 0, stream 1, sequence number 5).
+///
+/// An event can also be *deferred* ([`crate::pending::PendingEvent::event`]): an operation
+/// that another actor will plan on a known stream. Until it is planned it is pending; then
+/// it is the event it was planned as (see `src/pending.rs` for a refused operation).
 #[derive(Clone)]
 pub struct Event {
     timeline: Arc<Timeline>,
     seq: u64,
+    /// Set for a deferred event: the cell its sequence number arrives in (`seq` unused).
+    deferred: Option<Arc<Oneshot<Planned>>>,
 }
 
 impl Event {
     /// The event `seq` of `timeline`.
     pub fn new(timeline: Arc<Timeline>, seq: u64) -> Event {
-        Event { timeline, seq }
+        Event {
+            timeline,
+            seq,
+            deferred: None,
+        }
+    }
+
+    /// The operation that `cell` will say was planned on `timeline`'s stream.
+    pub(crate) fn deferred(timeline: Arc<Timeline>, cell: Arc<Oneshot<Planned>>) -> Event {
+        Event {
+            timeline,
+            seq: 0,
+            deferred: Some(cell),
+        }
     }
 
     /// The stream of the event.
@@ -532,8 +552,37 @@ impl Event {
     }
 
     /// The sequence number of the event on its stream.
+    ///
+    /// For a deferred event this **blocks** until its operation is planned: only executors
+    /// (stream threads, which may wait) call it on dependencies. [`Event::planned_seq`]
+    /// never blocks.
     pub fn seq(&self) -> u64 {
-        self.seq
+        match &self.deferred {
+            None => self.seq,
+            Some(cell) => cell.wait().seq(),
+        }
+    }
+
+    /// The sequence number if it is known: always for a plain event, once planned for a
+    /// deferred one.
+    pub fn planned_seq(&self) -> Option<u64> {
+        match &self.deferred {
+            None => Some(self.seq),
+            Some(cell) => cell.get().map(|p| p.seq()),
+        }
+    }
+
+    /// Whether this is a deferred event (planned by another actor; see
+    /// [`crate::pending`]).
+    pub fn is_deferred(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// This event with its sequence number known: itself if plain, the planned event if
+    /// deferred and planned, `None` while a deferred event is not planned yet.
+    pub fn settled(&self) -> Option<Event> {
+        self.planned_seq()
+            .map(|seq| Event::new(self.timeline.clone(), seq))
     }
 
     /// The timeline the event belongs to.
@@ -546,25 +595,53 @@ impl Event {
         &self.timeline
     }
 
-    /// Whether the operation has finished; see [`Timeline::is_done`].
+    /// Whether the operation has finished; see [`Timeline::is_done`]. A deferred event not
+    /// planned yet is not done.
     pub fn is_done(&self) -> bool {
-        self.timeline.is_done(self.seq)
+        self.planned_seq()
+            .is_some_and(|seq| self.timeline.is_done(seq))
     }
 
-    /// The state of the operation; see [`Timeline::status`].
+    /// The state of the operation; see [`Timeline::status`]. A deferred event not planned
+    /// yet is pending.
     pub fn status(&self) -> EventStatus {
-        self.timeline.status(self.seq)
+        match self.planned_seq() {
+            Some(seq) => self.timeline.status(seq),
+            None => EventStatus::Pending,
+        }
     }
 
     /// Blocks until the operation has completed; see [`Timeline::wait`].
     pub fn wait(&self) -> Result<()> {
-        self.timeline.wait(self.seq)
+        self.timeline.wait(self.seq())
     }
 
     /// Blocks until the operation has completed or `timeout` has passed; see
     /// [`Timeline::wait_timeout`].
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        self.timeline.wait_timeout(self.seq, timeout)
+        let deadline = Instant::now().checked_add(timeout);
+        let seq = match &self.deferred {
+            None => self.seq,
+            Some(cell) => match cell.wait_deadline(deadline) {
+                Some(p) => p.seq(),
+                None => {
+                    return Err(Error::Timeout {
+                        what: format!("event {self} (not planned yet)"),
+                        after: timeout,
+                    })
+                }
+            },
+        };
+        match deadline {
+            Some(d) => self.timeline.wait_deadline(seq, d).map_err(|e| match e {
+                Error::Timeout { what, .. } => Error::Timeout {
+                    what,
+                    after: timeout,
+                },
+                other => other,
+            }),
+            None => self.timeline.wait(seq),
+        }
     }
 
     /// A future that resolves like [`wait`](Event::wait), without blocking a thread: its
@@ -579,7 +656,10 @@ impl Event {
 
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}", self.stream(), self.seq)
+        match self.planned_seq() {
+            Some(seq) => write!(f, "{}#{}", self.stream(), seq),
+            None => write!(f, "{}#?", self.stream()),
+        }
     }
 }
 
@@ -589,9 +669,16 @@ impl fmt::Debug for Event {
     }
 }
 
+/// Plain events are equal when their stream and sequence number are; a deferred event is
+/// equal only to a clone of itself (its identity is the operation it waits to learn of,
+/// whatever it is planned as), so equality and hashes never change over time.
 impl PartialEq for Event {
     fn eq(&self, other: &Event) -> bool {
-        (self.stream(), self.seq) == (other.stream(), other.seq)
+        match (&self.deferred, &other.deferred) {
+            (None, None) => (self.stream(), self.seq) == (other.stream(), other.seq),
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
     }
 }
 
@@ -599,7 +686,10 @@ impl Eq for Event {}
 
 impl Hash for Event {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        (self.stream(), self.seq).hash(state);
+        match &self.deferred {
+            None => (self.stream(), self.seq).hash(state),
+            Some(cell) => (self.stream(), Arc::as_ptr(cell) as usize).hash(state),
+        }
     }
 }
 
@@ -627,6 +717,15 @@ impl Future for EventFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
+        if let Some(cell) = &this.event.deferred {
+            // First the operation must be planned; then it is a plain event.
+            match cell.poll_get(cx.waker()) {
+                Some(planned) => {
+                    this.event = Event::new(this.event.timeline.clone(), planned.seq());
+                }
+                None => return Poll::Pending,
+            }
+        }
         let seq = this.event.seq;
         let timeline = &*this.event.timeline;
         if this.registration.is_none() {

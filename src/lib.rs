@@ -71,6 +71,7 @@ macro_rules! mutant {
 
 pub mod backend;
 pub mod collective;
+pub mod dispatch;
 pub mod engine;
 pub mod error;
 pub mod event;
@@ -78,6 +79,7 @@ pub mod ids;
 pub mod kernels;
 pub mod memory;
 pub mod node;
+pub mod pending;
 pub mod protocol;
 pub mod sync;
 pub mod trace;

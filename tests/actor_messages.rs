@@ -139,7 +139,9 @@ fn a_host_running_actix_drives_the_system_with_public_messages() {
     });
     sys.sync().expect("sync");
     for addr in [&d0, &d1] {
-        assert!(tributary_actors::block_on(addr.send(IsIdle)).expect("idle"));
+        assert!(tributary_actors::block_on(addr.send(IsIdle))
+            .expect("delivered")
+            .expect("idle"));
     }
     let tables = sys.table_sizes().expect("tables");
     assert!(tables.iter().all(|t| t.contexts == 0), "{tables:?}");

@@ -2,8 +2,8 @@
 //!
 //! [`AllReducePlan`] links, once, the merge routine (`add_merge`) and, for a mean, the
 //! scaling routine of every chunk in every context, and checks the contexts; each
-//! [`AllReducePlan::run`] then sends the step list of `tributary::collective::plan` to the
-//! coordinator, which issues the steps in program order. A plan is meant to be reused
+//! [`AllReducePlan::run`] then posts the step list of `tributary::collective::plan` to the
+//! devices at once, in program order. A plan is meant to be reused
 //! every training step; [`AllReducePlan::finalize`] releases its routines' contexts.
 //!
 //! [`BucketedAllReduce`] packs many small gradients into a few bucket nodes (of a
@@ -12,12 +12,13 @@
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
+    dispatch::AllReduceCall,
     kernels,
     protocol::{Context, Routine},
-    DType, Error, Event, MemoryMode, Result, TensorNode,
+    DType, Error, MemoryMode, Result, TensorNode,
 };
 
-use crate::{messages::AllReduce, system::System, ticket::block_on};
+use crate::{system::System, ticket::Ticket};
 
 /// A linked all-reduce of some nodes (chunks) over some contexts, ready to run repeatedly.
 pub struct AllReducePlan {
@@ -134,35 +135,21 @@ impl AllReducePlan {
         collective::levels(&self.steps)
     }
 
-    /// Issues the all-reduce; returns, once every step is issued, the final events (the
-    /// last write of every chunk in every context). Reads of the nodes wait by themselves.
-    pub fn run(&self) -> Result<Vec<Event>> {
-        block_on(self.run_async())
-    }
-
-    /// Async [`AllReducePlan::run`].
-    pub async fn run_async(&self) -> Result<Vec<Event>> {
-        // Merge routines may upload hosted nodes (the scale routines touch the same nodes
-        // on the same contexts): order those host-array transfers like a `schedule`.
-        for (ctx, routines) in self.contexts.iter().zip(&self.merge) {
-            for r in routines {
-                self.sys
-                    .order_host_arrays(ctx.device(), crate::system::hosted_reads(r))?;
-            }
-        }
-        self.sys
-            .coordinator()
-            .send(AllReduce {
-                order: self.sys.next_order(),
-                steps: self.steps.clone(),
-                nodes: self.nodes.clone(),
-                contexts: self.contexts.clone(),
-                merge: self.merge.clone(),
-                scale: self.scale.clone(),
-                transfer: self.transfer,
-            })
-            .await
-            .map_err(|e| Error::ShutDown(format!("coordinator unreachable: {e}")))?
+    /// Issues the all-reduce and returns at once: every step goes to its devices in one
+    /// atomic post (one operation list per device, no round trip between steps). The
+    /// tickets are the final operations (the last write of every chunk in every context);
+    /// reads of the nodes wait by themselves.
+    pub fn run(&self) -> Result<Vec<Ticket>> {
+        self.sys.check_live()?;
+        let pending = self.sys.dispatcher().all_reduce(&AllReduceCall {
+            steps: self.steps.clone(),
+            nodes: self.nodes.clone(),
+            contexts: self.contexts.clone(),
+            merge: self.merge.clone(),
+            scale: self.scale.clone(),
+            transfer: self.transfer,
+        })?;
+        Ok(pending.into_iter().map(Ticket::pending).collect())
     }
 
     /// Finalizes the routines' contexts (their buffers belong to the parents: nothing is freed).
@@ -200,7 +187,7 @@ impl System {
         contexts: impl IntoIterator<Item = C>,
         op: ReduceOp,
         strategy: Strategy,
-    ) -> Result<Vec<Event>> {
+    ) -> Result<Vec<Ticket>> {
         let plan = AllReducePlan::new(self, nodes, contexts, op, strategy, Transfer::Auto)?;
         let events = plan.run()?;
         plan.finalize()?;

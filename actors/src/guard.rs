@@ -11,7 +11,6 @@
 //! refuses every later message, since its tables may be half-updated).
 
 use std::{
-    any::Any,
     future::Future,
     panic::{catch_unwind, AssertUnwindSafe},
     pin::Pin,
@@ -20,27 +19,7 @@ use std::{
 
 use tributary::{Error, Result};
 
-/// The text of a panic's payload.
-pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".into()
-    }
-}
-
-/// Runs `f`; a panic becomes [`Error::ActorPanicked`] of `actor` handling `message`.
-pub(crate) fn catch<T>(actor: &str, message: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        Err(Error::ActorPanicked {
-            actor: actor.into(),
-            message: message.into(),
-            panic: panic_message(&*payload),
-        })
-    })
-}
+pub(crate) use tributary::error::panic_message;
 
 /// A future whose panics (in any poll) become [`Error::ActorPanicked`]: reply futures run
 /// as tasks of their own, so a panic there would drop the reply channel (the caller saw

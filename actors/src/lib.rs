@@ -65,21 +65,24 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
 mod collective;
+mod config;
 mod coordinator;
 mod device;
 mod guard;
+mod handles;
+mod host_arrays;
 pub mod messages;
+mod spawn;
 mod stream;
 mod system;
 mod ticket;
 
 pub use collective::{AllReducePlan, BucketedAllReduce};
+pub use config::{StreamConfig, SystemBuilder, SystemConfig};
 pub use coordinator::Coordinator;
 pub use device::DeviceActor;
-pub use system::{
-    ContextHandle, DeviceHandle, MemoryReport, RoutineHandle, ShutdownReport, StreamConfig,
-    StreamHandle, System, SystemBuilder, SystemConfig,
-};
-pub use ticket::{block_on, Ticket, TicketSender};
+pub use handles::{ContextHandle, DeviceHandle, RoutineHandle, StreamHandle};
+pub use system::{MemoryReport, ShutdownReport, System};
+pub use ticket::{block_on, Ticket};
 pub use tributary;
 pub use tributary::MergeBufferUse;

@@ -1,24 +1,26 @@
 //! The stream actor: owns one stream's backend queue and publishes its completions.
 //!
-//! Plans arrive from the device actor in order and go straight to the backend queue (a
-//! CPU worker thread, a Vulkan submission chain, a CUDA stream); the actor never runs or
-//! waits for work itself. One watcher future at a time waits, asynchronously, for the last
-//! submitted event; when it completes, the actor publishes [`Completed`] to its
-//! subscribers (the device actor prunes its tables and frees deferred memory) and re-arms
-//! if more work was submitted meanwhile, so completions are coalesced, not one per plan.
-//!
-//! Only the device actor talks to it (its messages are crate-private): plans reach a
-//! stream queue only from the protocol, in the order it issued them.
+//! The device actor hands plans straight to the backend queue (a CPU worker pool, a Vulkan
+//! submission chain, a CUDA stream), in the order it issued them; the stream actor owns the
+//! queue's life (it stops it at shutdown) and watches its timeline. It never runs or waits
+//! for work itself: one watcher future at a time waits, asynchronously, for the last
+//! submitted event; when it completes, the actor publishes [`Completed`] to its subscribers
+//! (the device actor prunes its tables and frees deferred memory) and re-arms if more work
+//! was submitted meanwhile, so completions are coalesced, not one message per plan. The
+//! device actor arms it (one `Watch` message) only when it submits to a stream that is not
+//! being watched.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix::{
-    fut::wrap_future, Actor, ActorFutureExt, AsyncContext, Context as ActorContext, Handler,
+    fut::wrap_future, Actor, ActorFutureExt, Addr, AsyncContext, Context as ActorContext, Handler,
     Message, Recipient,
 };
-use tributary::{backend::StreamQueue, sync::Arc, Event, StreamId, Timeline};
+use tributary::{backend::StreamQueue, Event, StreamId, Timeline};
 
-use crate::messages::{Abandoned, Completed, Submit, Subscribe};
+use crate::messages::{Abandoned, Completed, Subscribe, Watch};
 
 /// Stop the stream: queued work may finish until `deadline`, the rest is abandoned.
 #[derive(Message, Debug)]
@@ -28,43 +30,85 @@ pub(crate) struct StopStream {
     pub(crate) deadline: Instant,
 }
 
+/// What the submitting side and the watcher share.
+#[derive(Debug, Default)]
+struct WatchState {
+    /// Highest sequence number submitted.
+    submitted: AtomicU64,
+    /// A watcher is armed (or a `Watch` message is on its way).
+    watching: AtomicBool,
+}
+
+/// The submitting side's handle on a stream actor's watcher.
+#[derive(Clone)]
+pub(crate) struct StreamWatch {
+    state: Arc<WatchState>,
+    addr: Addr<StreamActor>,
+}
+
+impl StreamWatch {
+    /// Records that `seq` was submitted.
+    pub(crate) fn submitted(&self, seq: u64) {
+        self.state.submitted.fetch_max(seq, Ordering::Release);
+    }
+
+    /// Makes sure the stream actor watches for completions (one message when it was idle).
+    pub(crate) fn arm(&self) {
+        if !self.state.watching.swap(true, Ordering::AcqRel) {
+            self.addr.do_send(Watch);
+        }
+    }
+}
+
 /// The actor owning one stream's queue.
 pub struct StreamActor {
     stream: StreamId,
-    queue: Option<Box<dyn StreamQueue>>,
-    timeline: Arc<Timeline>,
+    queue: Option<Arc<dyn StreamQueue>>,
+    timeline: tributary::sync::Arc<Timeline>,
     subscribers: Vec<Recipient<Completed>>,
-    submitted: u64,
-    watching: bool,
+    state: Arc<WatchState>,
 }
 
 impl StreamActor {
-    /// A stream actor over a started backend queue.
-    pub(crate) fn new(
+    /// A stream actor over a started backend queue, and the handle the device actor uses
+    /// to arm its watcher.
+    pub(crate) fn start(
+        arbiter: &actix::ArbiterHandle,
         stream: StreamId,
-        queue: Box<dyn StreamQueue>,
-        timeline: Arc<Timeline>,
-    ) -> Self {
-        StreamActor {
+        queue: Arc<dyn StreamQueue>,
+        timeline: tributary::sync::Arc<Timeline>,
+    ) -> (Addr<StreamActor>, StreamWatch) {
+        let state = Arc::new(WatchState::default());
+        let s = state.clone();
+        let addr = StreamActor::start_in_arbiter(arbiter, move |_| StreamActor {
             stream,
             queue: Some(queue),
             timeline,
             subscribers: Vec::new(),
-            submitted: 0,
-            watching: false,
-        }
+            state: s,
+        });
+        (addr.clone(), StreamWatch { state, addr })
     }
 
     fn watch(&mut self, ctx: &mut ActorContext<Self>) {
-        if self.watching || self.submitted <= self.timeline.completed() {
-            return;
-        }
-        self.watching = true;
-        let event = Event::new(self.timeline.clone(), self.submitted);
-        let seq = self.submitted;
+        let submitted = loop {
+            let submitted = self.state.submitted.load(Ordering::Acquire);
+            if submitted > self.timeline.completed() {
+                break submitted;
+            }
+            self.state.watching.store(false, Ordering::Release);
+            // A submission may have raced with the store: if so, and nobody re-armed,
+            // watch it.
+            if self.state.submitted.load(Ordering::Acquire) <= self.timeline.completed()
+                || self.state.watching.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
+        };
+        let event = Event::new(self.timeline.clone(), submitted);
+        let seq = submitted;
         let fut = wrap_future::<_, Self>(async move { event.wait_async().await }).map(
             move |_result, act, ctx| {
-                act.watching = false;
                 // A poisoned stream never completes its pending work: stop watching.
                 let completed = act.timeline.completed();
                 if completed >= seq {
@@ -75,6 +119,8 @@ impl StreamActor {
                     act.subscribers
                         .retain(|s| s.try_send(msg).is_ok() || s.connected());
                     act.watch(ctx);
+                } else {
+                    act.state.watching.store(false, Ordering::Release);
                 }
             },
         );
@@ -86,37 +132,9 @@ impl Actor for StreamActor {
     type Context = ActorContext<Self>;
 }
 
-impl Handler<Submit> for StreamActor {
+impl Handler<Watch> for StreamActor {
     type Result = ();
-    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) {
-        let Some(queue) = &self.queue else {
-            for plan in msg.0 {
-                plan.fail_unsubmitted("stream stopped");
-            }
-            return;
-        };
-        let submitted = &mut self.submitted;
-        let actor = format!("stream actor {}", self.stream);
-        let outcome = crate::guard::catch(&actor, "Submit", || {
-            for plan in msg.0 {
-                *submitted = (*submitted).max(plan.event().seq());
-                // A dead queue fails the plan's event itself.
-                let _ = queue.submit(plan);
-            }
-            Ok(())
-        });
-        if let Err(e) = outcome {
-            // The last line (see `crate::guard`): a plan lost in the panic would never
-            // complete, so everything not completed on the stream fails with the panic.
-            tracing::error!(stream = %self.stream, error = %e, "stream actor panicked");
-            self.timeline
-                .poison(std::sync::Arc::new(tributary::Failure {
-                    stream: self.stream,
-                    seq: self.timeline.completed() + 1,
-                    operation: "submit".into(),
-                    message: e.to_string(),
-                }));
-        }
+    fn handle(&mut self, _: Watch, ctx: &mut Self::Context) {
         self.watch(ctx);
     }
 }
@@ -136,14 +154,15 @@ impl Handler<StopStream> for StreamActor {
         let left = msg.deadline.saturating_duration_since(Instant::now());
         let drained = queue.shutdown_within(left);
         let completed = self.timeline.completed();
+        let submitted = self.state.submitted.load(Ordering::Acquire);
         ctx.stop();
-        if drained && completed >= self.submitted {
+        if drained && completed >= submitted {
             return None;
         }
         let abandoned = Abandoned {
             stream: self.stream,
             from_seq: completed + 1,
-            to_seq: self.submitted,
+            to_seq: submitted,
         };
         self.timeline
             .poison(std::sync::Arc::new(tributary::Failure {

@@ -1,360 +1,68 @@
-//! The host-side handle: spawn the actor system from plain synchronous code and drive it.
+//! The host-side handle: drive a running actor system from plain synchronous code or
+//! from async code.
 //!
-//! [`System::builder`] (or a [`SystemConfig`] read from TOML or JSON) says how many CPU
-//! devices and streams to create; [`SystemBuilder::spawn`] starts an actix system on its
-//! own thread, one arbiter per device (the device actor and its stream actors share it),
-//! and the coordinator. The caller needs no async runtime: blocking methods wait on their
-//! replies, and `*_async` methods return futures for callers that have one.
+//! [`System`] is a thin handle over the engine's [`Dispatcher`]: each call turns into
+//! operations posted straight into the inboxes of the device actors it concerns (one
+//! operation per device, all of a call's devices at one point of the program order), with
+//! no actor message per call and no round trip for work that returns a [`Ticket`]. Calls
+//! that return a value (a context, a routine, a read) wait for the device's answer.
 //!
-//! Program order: each call sends its messages from the calling thread, in order, to the
-//! device actors it affects; calls that touch several devices (device-to-device, host
-//! reads and writes) wait for the replies they need before returning, so no later call can
-//! overtake them (DESIGN.md §4).
+//! **Concurrency.** `System` is `Send + Sync + Clone`; any number of host threads may use
+//! it at once. Every call takes effect atomically at one point between its start and its
+//! return (it is linearizable): a call posts all of its operations while holding the
+//! inbox locks of every device it touches (and, for hosted nodes, the node's order lock),
+//! so every device sees all calls in one order consistent with each thread's program
+//! order. Host reads and writes of a hosted node hold that node's lock while they wait for
+//! device work, so every operation on the node is ordered with them.
 
 use std::{
-    path::Path,
-    sync::{Arc, Mutex},
+    sync::{atomic::AtomicBool, Arc, Mutex},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
-use actix::{Actor, Addr, Arbiter, MailboxError};
-use serde::{Deserialize, Serialize};
+use actix::{Addr, Arbiter};
+use serde::Serialize;
 use tributary::trace::Recorder;
 use tributary::{
-    backend::{Backend, BackendKind},
+    dispatch::{answer, ops::Query, Dispatcher},
     kernels::RoutineSpec,
-    memory::{AlignedBuffer, PoolConfig, PoolStats},
-    protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
-    DType, DeviceId, Element, Error, HostedKind, MemoryMode, MergeBufferUse, Result, Shape,
-    StreamId, TensorNode, Timeline,
+    memory::PoolStats,
+    protocol::{Context, Routine, TableSizes},
+    DType, Element, Error, HostedKind, MemoryMode, MergeBufferUse, Result, Shape, TensorNode,
 };
 
 use crate::{
+    config::{SystemBuilder, SystemConfig},
     coordinator::Coordinator,
     device::DeviceActor,
-    messages::*,
-    stream::StreamActor,
-    ticket::{block_on, Ticket, TicketSender},
+    handles::{ContextHandle, DeviceHandle, RoutineHandle},
+    messages::{Abandoned, StopStreams},
+    ticket::{block_on, Ticket},
 };
 
-/// How many streams each device gets (OCANNL's `config`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum StreamConfig {
-    /// One stream per device: parallelism only across devices.
-    OnlyDevicesParallel,
-    /// One compute stream plus one for copies.
-    ForParallelCopying,
-    /// This many streams per device.
-    MostParallelStreams(usize),
-}
-
-impl StreamConfig {
-    /// Streams per device on the CPU backend.
-    ///
-    /// ```
-    /// use tributary_actors::StreamConfig;
-    /// assert_eq!(StreamConfig::ForParallelCopying.streams_per_device(), 2);
-    /// assert_eq!(StreamConfig::MostParallelStreams(0).streams_per_device(), 1);
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn streams_per_device(self) -> usize {
-        match self {
-            StreamConfig::OnlyDevicesParallel => 1,
-            StreamConfig::ForParallelCopying => 2,
-            StreamConfig::MostParallelStreams(n) => n.max(1),
-        }
-    }
-}
-
-/// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
-///
-/// New settings may be added in minor releases (`#[non_exhaustive]`): build one with
-/// [`System::builder`], from a document ([`SystemConfig::from_toml_str`]), or from
-/// `SystemConfig::default()` and field assignments.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[non_exhaustive]
-#[serde(default, deny_unknown_fields)]
-pub struct SystemConfig {
-    /// Number of virtual CPU devices.
-    pub cpu_devices: usize,
-    /// Streams per device.
-    pub streams: StreamConfig,
-    /// Pool configuration of every device.
-    pub pools: PoolConfig,
-    /// Capacity of each device actor's mailbox (back-pressure beyond it).
-    pub mailbox_capacity: usize,
-    /// How long `shutdown` lets in-flight work finish, in milliseconds.
-    pub shutdown_timeout_ms: u64,
-    /// Record a timeline of every operation and wait (see [`System::timeline`]).
-    pub record_timeline: bool,
-    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
-    pub backend: BackendKind,
-}
-
-impl Default for SystemConfig {
-    fn default() -> Self {
-        SystemConfig {
-            cpu_devices: 2,
-            streams: StreamConfig::MostParallelStreams(2),
-            pools: PoolConfig::default(),
-            mailbox_capacity: 4096,
-            shutdown_timeout_ms: 10_000,
-            record_timeline: false,
-            backend: BackendKind::Cpu,
-        }
-    }
-}
-
-impl SystemConfig {
-    /// Parses a TOML document; [`Error::ConfigParse`] with the parser's message otherwise.
-    ///
-    /// ```
-    /// use tributary_actors::SystemConfig;
-    /// let c = SystemConfig::from_toml_str("cpu_devices = 3")?;
-    /// assert_eq!(c.cpu_devices, 3);
-    /// assert!(SystemConfig::from_toml_str("cpu_devices = \"three\"").is_err());
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn from_toml_str(text: &str) -> Result<SystemConfig> {
-        toml::from_str(text).map_err(|e| Error::ConfigParse {
-            path: None,
-            format: "toml".into(),
-            message: e.to_string(),
-        })
-    }
-
-    /// Parses a JSON document; [`Error::ConfigParse`] with the parser's message otherwise.
-    ///
-    /// ```
-    /// use tributary_actors::SystemConfig;
-    /// let c = SystemConfig::from_json_str(r#"{ "cpu_devices": 1 }"#)?;
-    /// assert_eq!(c.cpu_devices, 1);
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn from_json_str(text: &str) -> Result<SystemConfig> {
-        serde_json::from_str(text).map_err(|e| Error::ConfigParse {
-            path: None,
-            format: "json".into(),
-            message: e.to_string(),
-        })
-    }
-
-    /// Reads a `.json` file as JSON, any other as TOML; [`Error::ConfigParse`] naming the
-    /// file when it cannot be read or parsed.
-    ///
-    /// ```
-    /// use tributary::Error;
-    /// use tributary_actors::SystemConfig;
-    /// let err = SystemConfig::from_file("/nonexistent/tributary.toml").unwrap_err();
-    /// assert!(matches!(err, Error::ConfigParse { path: Some(_), .. }), "{err}");
-    /// ```
-    pub fn from_file(path: impl AsRef<Path>) -> Result<SystemConfig> {
-        let path = path.as_ref();
-        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
-        let format = if json { "json" } else { "toml" };
-        let with_path = |e: Error| match e {
-            Error::ConfigParse {
-                format, message, ..
-            } => Error::ConfigParse {
-                path: Some(path.to_path_buf()),
-                format,
-                message,
-            },
-            other => other,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| Error::ConfigParse {
-            path: Some(path.to_path_buf()),
-            format: format.into(),
-            message: e.to_string(),
-        })?;
-        if json {
-            Self::from_json_str(&text).map_err(with_path)
-        } else {
-            Self::from_toml_str(&text).map_err(with_path)
-        }
-    }
-}
-
-/// Builds a [`System`].
-#[derive(Clone, Default)]
-pub struct SystemBuilder {
-    config: SystemConfig,
-    /// A backend made by the caller, used instead of creating `config.backend`.
-    instance: Option<Arc<dyn Backend>>,
-}
-
-impl std::fmt::Debug for SystemBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SystemBuilder")
-            .field("config", &self.config)
-            .field("instance", &self.instance.as_ref().map(|b| b.name()))
-            .finish()
-    }
-}
-
-impl SystemBuilder {
-    /// Number of CPU devices.
-    ///
-    /// ```
-    /// let sys = tributary_actors::System::builder().cpu_devices(3).spawn()?;
-    /// assert_eq!(sys.device_count(), 3);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn cpu_devices(mut self, n: usize) -> Self {
-        self.config.cpu_devices = n;
-        self
-    }
-
-    /// Streams per device.
-    ///
-    /// ```
-    /// use tributary_actors::{StreamConfig, System};
-    /// let sys = System::builder().streams(StreamConfig::MostParallelStreams(3)).spawn()?;
-    /// assert_eq!(sys.device(0).stream_count(), 3);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn streams(mut self, streams: StreamConfig) -> Self {
-        self.config.streams = streams;
-        self
-    }
-
-    /// Pool configuration.
-    ///
-    /// ```
-    /// use tributary::memory::PoolConfig;
-    /// let pools = PoolConfig { limit_bytes: Some(1 << 20), ..PoolConfig::default() };
-    /// let sys = tributary_actors::System::builder().pools(pools).spawn()?;
-    /// assert_eq!(sys.config().pools.limit_bytes, Some(1 << 20));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn pools(mut self, pools: PoolConfig) -> Self {
-        self.config.pools = pools;
-        self
-    }
-
-    /// Mailbox capacity of each device actor.
-    ///
-    /// ```
-    /// let sys = tributary_actors::System::builder().mailbox_capacity(0).spawn()?;
-    /// assert_eq!(sys.config().mailbox_capacity, 1); // at least one
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn mailbox_capacity(mut self, n: usize) -> Self {
-        self.config.mailbox_capacity = n.max(1);
-        self
-    }
-
-    /// Records a timeline of every operation and wait, for [`System::timeline`].
-    ///
-    /// ```
-    /// let sys = tributary_actors::System::builder().record_timeline(true).spawn()?;
-    /// assert!(sys.timeline().is_some());
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn record_timeline(mut self, on: bool) -> Self {
-        self.config.record_timeline = on;
-        self
-    }
-
-    /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
-    ///
-    /// ```
-    /// use tributary::backend::BackendKind;
-    /// let sys = tributary_actors::System::builder().backend(BackendKind::Cpu).cpu_devices(1).spawn()?;
-    /// assert_eq!(sys.device_info(0)?.backend, "cpu");
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn backend(mut self, backend: BackendKind) -> Self {
-        self.config.backend = backend;
-        self
-    }
-
-    /// Runs on `backend`, a backend the caller made (a wrapper that injects faults or
-    /// records plans, a backend of its own), instead of creating the configured
-    /// [`BackendKind`]; its devices are the system's devices, and `cpu_devices` is
-    /// ignored. A timeline recording (`record_timeline`) then records only what the
-    /// actors see, not the backend's own work spans.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use tributary::{backend::cpu::CpuBackend, DeviceId};
-    /// let sys = tributary_actors::System::builder()
-    ///     .backend_instance(Arc::new(CpuBackend::new(DeviceId(0), 3)))
-    ///     .spawn()?;
-    /// assert_eq!(sys.device_count(), 3);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn backend_instance(mut self, backend: Arc<dyn Backend>) -> Self {
-        self.instance = Some(backend);
-        self
-    }
-
-    /// The whole configuration.
-    ///
-    /// ```
-    /// use tributary_actors::{System, SystemConfig};
-    /// let config = SystemConfig::from_toml_str("cpu_devices = 1")?;
-    /// let sys = System::builder().config(config).spawn()?;
-    /// assert_eq!(sys.device_count(), 1);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn config(mut self, config: SystemConfig) -> Self {
-        self.config = config;
-        self
-    }
-
-    /// Starts the actor system on its own threads.
-    ///
-    /// ```
-    /// use tributary::backend::BackendKind;
-    /// let sys = tributary_actors::System::builder().spawn()?; // 2 CPU devices x 2 streams
-    /// assert_eq!((sys.device_count(), sys.device(1).stream_count()), (2, 2));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn spawn(self) -> Result<System> {
-        System::spawn(self.config, self.instance)
-    }
-}
-
-struct Shared {
-    devices: Vec<Addr<DeviceActor>>,
-    device_ids: Vec<DeviceId>,
-    streams: Vec<usize>,
-    coordinator: Addr<Coordinator>,
-    host: Arc<Mutex<HostTable>>,
-    actix: actix::System,
-    thread: Mutex<Option<JoinHandle<()>>>,
-    arbiters: Mutex<Vec<Arbiter>>,
-    shut_down: std::sync::atomic::AtomicBool,
-    config: SystemConfig,
-    recorder: Option<Arc<Recorder>>,
+pub(crate) struct Shared {
+    pub(crate) dispatcher: Arc<Dispatcher>,
+    pub(crate) devices: Vec<Addr<DeviceActor>>,
+    pub(crate) streams: Vec<usize>,
+    pub(crate) coordinator: Addr<Coordinator>,
+    pub(crate) actix: actix::System,
+    pub(crate) thread: Mutex<Option<JoinHandle<()>>>,
+    pub(crate) arbiters: Mutex<Vec<Arbiter>>,
+    pub(crate) shut_down: AtomicBool,
+    pub(crate) config: SystemConfig,
+    pub(crate) recorder: Option<Arc<Recorder>>,
     /// What each device is, read from the backend at spawn (the backend itself lives on
     /// the actor threads and is dropped there).
-    device_info: Vec<tributary::backend::DeviceInfo>,
-    order: std::sync::atomic::AtomicU64,
-    /// The device that last got an operation that may transfer each host array.
-    host_array_device: Mutex<std::collections::HashMap<tributary::NodeId, tributary::DeviceId>>,
+    pub(crate) device_info: Vec<tributary::backend::DeviceInfo>,
+    pub(crate) order: std::sync::atomic::AtomicU64,
 }
 
-/// The host application's handle on a running device system. Cheap to clone.
+/// The host application's handle on a running device system. Cheap to clone; `Send +
+/// Sync`; every call is atomic (see the module documentation).
 #[derive(Clone)]
 pub struct System {
-    shared: Arc<Shared>,
-}
-
-fn mailbox(e: MailboxError) -> Error {
-    Error::ShutDown(format!("actor unreachable: {e}"))
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// What `shutdown` had to give up on.
@@ -421,70 +129,6 @@ impl System {
         System::spawn(config, None)
     }
 
-    fn spawn(config: SystemConfig, instance: Option<Arc<dyn Backend>>) -> Result<System> {
-        let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
-        let backend: Arc<dyn Backend> = match instance {
-            Some(backend) => backend,
-            None => config
-                .backend
-                .create_with_recorder(config.cpu_devices, recorder.clone())?,
-        };
-        if backend.devices().is_empty() {
-            return Err(Error::InvalidConfig {
-                setting: "cpu_devices".into(),
-                value: config.cpu_devices.to_string(),
-                reason: "the backend has no devices to run".into(),
-            });
-        }
-        let device_info = backend
-            .devices()
-            .into_iter()
-            .map(|d| backend.device_info(d))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let streams = config.streams.streams_per_device();
-        let host = Arc::new(Mutex::new(HostTable::default()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let cfg = config.clone();
-        let host2 = host.clone();
-        let thread = std::thread::Builder::new()
-            .name("tributary-actix".into())
-            .spawn(move || {
-                let sys = actix::System::new();
-                let started = sys.block_on(async move { start_actors(cfg, backend, host2) });
-                let ok = started.is_ok();
-                let _ =
-                    tx.send(started.map(|(d, ids, c, a)| (d, ids, c, a, actix::System::current())));
-                if ok {
-                    let _ = sys.run();
-                }
-            })
-            .map_err(|e| Error::Io {
-                what: "spawn the actor thread".into(),
-                message: e.to_string(),
-            })?;
-        let (devices, device_ids, coordinator, arbiters, actix) = rx
-            .recv()
-            .map_err(|_| Error::ShutDown("actor thread died during start-up".into()))??;
-        Ok(System {
-            shared: Arc::new(Shared {
-                streams: vec![streams; devices.len()],
-                devices,
-                device_ids,
-                coordinator,
-                host,
-                actix,
-                thread: Mutex::new(Some(thread)),
-                arbiters: Mutex::new(arbiters),
-                shut_down: std::sync::atomic::AtomicBool::new(false),
-                config,
-                recorder,
-                device_info,
-                order: std::sync::atomic::AtomicU64::new(0),
-                host_array_device: Mutex::new(std::collections::HashMap::new()),
-            }),
-        })
-    }
-
     /// The timeline recorder, when the system records one
     /// ([`SystemBuilder::record_timeline`], CPU, Vulkan and CUDA backends); export it with
     /// `write_chrome_trace`, summarise it with `summary`.
@@ -502,13 +146,11 @@ impl System {
         self.shared.recorder.clone()
     }
 
-    /// A new program-order stamp, for messages that update the shared host table. Hosts
-    /// that send messages directly take their stamps here too.
+    /// An increasing number, unique within this system (a program-order stamp for hosts
+    /// that keep their own logs; the actors take their stamps when operations are posted).
     ///
     /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
+    /// # let sys = tributary_actors::System::builder().cpu_devices(2).spawn()?;
     /// let a = sys.next_order();
     /// assert!(sys.next_order() > a);
     /// # sys.shutdown()?;
@@ -519,6 +161,11 @@ impl System {
             .order
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             + 1
+    }
+
+    /// The engine-side router this system posts through.
+    pub(crate) fn dispatcher(&self) -> &Dispatcher {
+        &self.shared.dispatcher
     }
 
     /// The configuration the system runs with.
@@ -634,7 +281,7 @@ impl System {
         TensorNode::new(label, dtype, shape)
     }
 
-    fn check_live(&self) -> Result<()> {
+    pub(crate) fn check_live(&self) -> Result<()> {
         if self
             .shared
             .shut_down
@@ -643,65 +290,6 @@ impl System {
             return Err(Error::ShutDown("the system was shut down".into()));
         }
         Ok(())
-    }
-
-    fn device_addr(&self, device: DeviceId) -> Result<&Addr<DeviceActor>> {
-        self.shared
-            .device_ids
-            .iter()
-            .position(|&d| d == device)
-            .and_then(|i| self.shared.devices.get(i))
-            .ok_or(Error::UnknownDevice {
-                device,
-                count: self.shared.device_ids.len(),
-            })
-    }
-
-    /// The device actor of device index `i`; [`Error::NoSuchDevice`] beyond the devices.
-    fn device_index(&self, i: usize) -> Result<&Addr<DeviceActor>> {
-        self.shared.devices.get(i).ok_or(Error::NoSuchDevice {
-            index: i,
-            count: self.shared.devices.len(),
-        })
-    }
-
-    async fn request<A, M>(&self, addr: &Addr<A>, msg: M) -> Result<M::Result>
-    where
-        A: Actor + actix::Handler<M>,
-        A::Context: actix::dev::ToEnvelope<A, M>,
-        M: actix::Message + Send + 'static,
-        M::Result: Send,
-    {
-        self.check_live()?;
-        addr.send(msg).await.map_err(mailbox)
-    }
-
-    /// Sends a message that has no reply, applying back-pressure when the mailbox is full.
-    fn post<M>(&self, addr: &Addr<DeviceActor>, mut msg: M) -> Result<()>
-    where
-        DeviceActor: actix::Handler<M>,
-        M: actix::Message + Send + 'static,
-        M::Result: Send,
-    {
-        self.check_live()?;
-        let mut spins = 0u32;
-        loop {
-            match addr.try_send(msg) {
-                Ok(()) => return Ok(()),
-                Err(actix::dev::SendError::Full(m)) => {
-                    msg = m;
-                    spins += 1;
-                    if spins < 64 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(50));
-                    }
-                }
-                Err(actix::dev::SendError::Closed(_)) => {
-                    return Err(Error::ShutDown("device actor stopped".into()))
-                }
-            }
-        }
     }
 
     // ----- contexts, linking, scheduling --------------------------------------------
@@ -735,8 +323,8 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub async fn context_async(&self, device: usize, stream: usize) -> Result<ContextHandle> {
-        let addr = self.device_index(device)?;
-        let ctx = self.request(addr, NewContext { stream }).await??;
+        self.check_live()?;
+        let ctx = answer(self.dispatcher().new_context(device, stream)?).await?;
         Ok(ContextHandle {
             sys: self.clone(),
             ctx,
@@ -774,37 +362,12 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub async fn link_async(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
-        let addr = self.device_addr(ctx.device())?;
-        let routine = self
-            .request(
-                addr,
-                Link {
-                    ctx: ctx.clone(),
-                    spec,
-                },
-            )
-            .await??;
+        self.check_live()?;
+        let routine = answer(self.dispatcher().link(ctx, spec)?).await?;
         Ok(RoutineHandle {
             sys: self.clone(),
             routine,
         })
-    }
-
-    /// Posts a message carrying a ticket to `ctx`'s device; returns the ticket at once.
-    fn post_ticketed<M>(
-        &self,
-        ctx: &Context,
-        make: impl FnOnce(TicketSender) -> M,
-    ) -> Result<Ticket>
-    where
-        DeviceActor: actix::Handler<M>,
-        M: actix::Message + Send + 'static,
-        M::Result: Send,
-    {
-        let addr = self.device_addr(ctx.device())?;
-        let (ticket, sender) = Ticket::new();
-        self.post(addr, make(sender))?;
-        Ok(ticket)
     }
 
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
@@ -822,12 +385,8 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
-        self.order_host_arrays(routine.context().device(), hosted_reads(routine))?;
-        self.post_ticketed(routine.context(), |ticket| Schedule {
-            order: self.next_order(),
-            routine: routine.clone(),
-            ticket,
-        })
+        self.check_live()?;
+        Ok(Ticket::pending(self.dispatcher().schedule(routine)?))
     }
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.
@@ -845,13 +404,10 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        self.order_host_arrays(ctx.device(), std::iter::once(node))?;
-        self.post_ticketed(ctx, |ticket| FromHost {
-            order: self.next_order(),
-            ctx: ctx.clone(),
-            node: node.clone(),
-            ticket,
-        })
+        self.check_live()?;
+        Ok(Ticket::pending(
+            self.dispatcher().transfer(ctx, node, true)?,
+        ))
     }
 
     /// Downloads the buffer of hosted `node` in `ctx` into its host array.
@@ -870,13 +426,10 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn to_host(&self, ctx: &Context, node: &TensorNode) -> Result<Ticket> {
-        self.order_host_arrays(ctx.device(), std::iter::once(node))?;
-        self.post_ticketed(ctx, |ticket| ToHost {
-            order: self.next_order(),
-            ctx: ctx.clone(),
-            node: node.clone(),
-            ticket,
-        })
+        self.check_live()?;
+        Ok(Ticket::pending(
+            self.dispatcher().transfer(ctx, node, false)?,
+        ))
     }
 
     /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
@@ -936,27 +489,20 @@ impl System {
             node.refine_mode(MemoryMode::Hosted(HostedKind::Unset))?;
         }
         self.host_write_async(node, data).await?;
-        // The write fenced every device: this device's upload is the only pending use.
-        self.note_host_array_use(ctx.device(), node);
-        let addr = self.device_addr(ctx.device())?;
-        let child = self
-            .request(
-                addr,
-                InitFromHost {
-                    order: self.next_order(),
-                    ctx: ctx.clone(),
-                    node: node.clone(),
-                },
-            )
-            .await??;
+        self.check_live()?;
+        let child = answer(self.dispatcher().init_from_host(ctx, node)?).await?;
         Ok(ContextHandle {
             sys: self.clone(),
             ctx: child,
         })
     }
 
-    /// Moves `node` from `src` to `dst` through the coordinator; `None` when both share
-    /// the buffer. Returns once both devices have recorded the operation.
+    /// Moves `node` from `src` to `dst` (DESIGN.md §3, rule 3). Returns at once: `None`
+    /// when both contexts share the buffer (nothing to do), otherwise a ticket for the
+    /// destination's operation (the copy, or the streaming consumer). The source and
+    /// destination devices get their halves in one atomic post; a refusal the devices
+    /// find in their tables (a finalized context, a source nothing wrote) comes through
+    /// the ticket, with nothing planned.
     ///
     /// ```
     /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
@@ -981,333 +527,12 @@ impl System {
         src: &Context,
         dst: &Context,
         mode: MergeBufferUse,
-    ) -> Result<Option<tributary::Event>> {
-        block_on(self.device_to_device_async(node, src, dst, mode))
-    }
-
-    /// Async [`System::device_to_device`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let g = sys.node("g", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
-    /// let a = sys.context(0, 0)?.link(kernels::fill(&g, 1.0)?)?;
-    /// let b = sys.context(1, 0)?.link(kernels::fill(&g, 2.0)?)?;
-    /// a.schedule()?;
-    /// b.schedule()?;
-    /// let copy = block_on(sys.device_to_device_async(&g, &a.context(), &b.context(), MergeBufferUse::No))?;
-    /// assert!(copy.is_some());
-    /// assert_eq!(b.context().read::<f32>(&g)?, vec![1.0; 4]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn device_to_device_async(
-        &self,
-        node: &TensorNode,
-        src: &Context,
-        dst: &Context,
-        mode: MergeBufferUse,
-    ) -> Result<Option<tributary::Event>> {
-        if node.mode().is_hosted() {
-            // The source device uploads the node first if its buffer lags the host array
-            // (a copy never reads a stale value): order that host-array transfer too.
-            self.order_host_arrays(src.device(), std::iter::once(node))?;
-        }
-        if let MergeBufferUse::StreamingFor(routine) = &mode {
-            // The consumer is scheduled by the coordinator and may upload the hosted nodes
-            // it reads: order those host-array transfers like a direct `schedule`.
-            self.order_host_arrays(dst.device(), hosted_reads(routine))?;
-        }
-        self.request(
-            &self.shared.coordinator,
-            DeviceToDevice {
-                order: self.next_order(),
-                node: node.clone(),
-                src: src.clone(),
-                dst: dst.clone(),
-                mode,
-            },
-        )
-        .await?
-    }
-
-    // ----- host arrays ----------------------------------------------------------------
-
-    /// Host arrays are shared by every device, and device actors process their mailboxes
-    /// independently: two transfers of one host array posted to two devices could be
-    /// planned in the opposite order. Before posting an operation that may transfer the
-    /// host arrays of `nodes` on `device`, wait until the device that last got such an
-    /// operation for one of them has processed it (a fence), so the shared table records
-    /// the transfers in program order.
-    pub(crate) fn order_host_arrays<'n>(
-        &self,
-        device: tributary::DeviceId,
-        nodes: impl Iterator<Item = &'n TensorNode>,
-    ) -> Result<()> {
-        let mut fence = Vec::new();
-        {
-            let mut last = self
-                .shared
-                .host_array_device
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            for n in nodes {
-                if let Some(prev) = last.insert(n.id(), device) {
-                    if prev != device && !fence.contains(&prev) {
-                        fence.push(prev);
-                    }
-                }
-            }
-        }
-        for d in fence {
-            let addr = self.device_addr(d)?;
-            block_on(self.request(addr, Fence))?;
-        }
-        Ok(())
-    }
-
-    fn note_host_array_use(&self, device: tributary::DeviceId, node: &TensorNode) {
-        self.shared
-            .host_array_device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node.id(), device);
-    }
-
-    async fn fence_all(&self) -> Result<()> {
-        for addr in &self.shared.devices {
-            self.request(addr, Fence).await?;
-        }
-        Ok(())
-    }
-
-    fn host_table(&self) -> std::sync::MutexGuard<'_, HostTable> {
-        self.shared.host.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Reads the host value of hosted `node` (transferring the newest device value first).
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
-    /// held.link(kernels::fill(&w, 5.0)?)?.schedule()?;
-    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![5.0, 5.0]); // the device value, transferred
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn host_read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
-        block_on(self.host_read_async(node))
-    }
-
-    /// Async [`System::host_read`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// sys.host_write(&w, &[1.0f32, 2.0])?;
-    /// assert_eq!(block_on(sys.host_read_async::<f32>(&w))?, vec![1.0, 2.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn host_read_async<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
-        node.check_data(T::DTYPE, node.numel())?;
-        if !node.mode().is_hosted() {
-            return Err(Error::NotHosted {
-                node: node.to_string(),
-            });
-        }
-        // Every earlier device operation must be in the tables before we look.
-        self.fence_all().await?;
-        let newer = self.host_table().record(node)?.newer_on_device();
-        if let Some(copy) = newer {
-            let addr = self.device_addr(copy.loc.device)?;
-            self.request(
-                addr,
-                TransferToHost {
-                    order: self.next_order(),
-                    stream: copy.stream,
-                    node: node.clone(),
-                    loc: copy.loc.loc,
-                },
-            )
-            .await??;
-        }
-        self.read_host_array(node).await
-    }
-
-    /// The host array of hosted `node` as it is now (no transfer from a device), once
-    /// every pending transfer into it has completed.
-    async fn read_host_array<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
-        loop {
-            let pending = self.host_table().pending_writes(node)?;
-            if pending.iter().all(|e| e.is_done()) {
-                for e in &pending {
-                    e.wait()?; // reports a failed transfer
-                }
-                // Read under the lock: no new transfer into the array can be planned meanwhile.
-                let bytes = self.host_table().read_bytes(node)?;
-                return Ok(tributary::kernels::from_bytes(&bytes)?);
-            }
-            for e in pending {
-                let _ = e.wait_async().await;
-            }
-        }
-    }
-
-    /// Writes the host value of hosted `node`; device copies re-upload before their next use.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// sys.host_write(&w, &[1.0f32, 2.0])?;
-    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![1.0, 2.0]);
-    /// let plain = sys.node("p", DType::F32, [2]);
-    /// assert!(matches!(sys.host_write(&plain, &[0f32; 2]), Err(Error::NotHosted { .. })));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn host_write<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
-        block_on(self.host_write_async(node, data))
-    }
-
-    /// Async [`System::host_write`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// block_on(sys.host_write_async(&w, &[1.0f32, 2.0]))?;
-    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![1.0, 2.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn host_write_async<T: Element>(&self, node: &TensorNode, data: &[T]) -> Result<()> {
-        node.check_data(T::DTYPE, data.len())?;
-        if !node.mode().is_hosted() {
-            return Err(Error::NotHosted {
-                node: node.to_string(),
-            });
-        }
-        self.fence_all().await?;
-        let bytes = tributary::kernels::to_bytes(data);
-        loop {
-            let pending = {
-                let mut host = self.host_table();
-                let pending = host.begin_write(node)?;
-                if pending.iter().all(|e| e.is_done()) {
-                    // After the fences, later than every operation issued before.
-                    host.set_order(self.next_order());
-                    return host.commit_write(node, &bytes);
-                }
-                pending
-            };
-            for e in pending {
-                let _ = e.wait_async().await;
-            }
-        }
-    }
-
-    /// Reads the value of `node` in `ctx` (any memory mode): what a routine of `ctx` would
-    /// read. That is the buffer after its last write, or, for a hosted node whose buffer
-    /// lags a host write, the host array (which a routine would upload first; the buffer
-    /// is left as it is). [`System::read_device_raw`] shows the buffer's bytes instead.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let g = sys.node("g", DType::U8, [3]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&g, 7.0)?)?;
-    /// fill.schedule()?;
-    /// assert_eq!(sys.read::<u8>(fill.protocol_context(), &g)?, vec![7; 3]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn read<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
-        block_on(self.read_async(ctx, node))
-    }
-
-    /// Async [`System::read`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let g = sys.node("g", DType::U8, [3]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&g, 7.0)?)?;
-    /// fill.schedule()?;
-    /// assert_eq!(block_on(sys.read_async::<u8>(fill.protocol_context(), &g))?, vec![7; 3]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn read_async<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
-        node.check_data(T::DTYPE, node.numel())?;
-        if node.mode().is_hosted() {
-            // The value may be the host array's: every earlier transfer into it, on any
-            // device, must be in the host table first.
-            self.order_host_arrays(ctx.device(), std::iter::once(node))?;
-        }
-        let bytes = node.size_in_bytes()? as usize;
-        let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
-        let addr = self.device_addr(ctx.device())?;
-        let read = ReadNode {
-            ctx: ctx.clone(),
-            node: node.clone(),
-            into: into.clone(),
-        };
-        match self.request(addr, read).await?? {
-            ReadValue::Host => self.read_host_array(node).await,
-            ReadValue::Device(event) => {
-                event.wait_async().await?;
-                read_back(&into, bytes)
-            }
-        }
-    }
-
-    /// The bytes of `node`'s buffer in `ctx` as they are, after its last write, for
-    /// debugging: unlike [`System::read`], a buffer lagging a host write shows its stale
-    /// device value, which no routine would read.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, MemoryMode};
-    /// # use tributary_actors::System;
-    /// # let sys = System::builder().cpu_devices(1).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// let ctx = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 1.0])?;
-    /// sys.host_write(&w, &[2.0f32, 2.0])?; // the device buffer now lags
-    /// assert_eq!(sys.read::<f32>(&ctx, &w)?, vec![2.0, 2.0]); // what a routine would read
-    /// assert_eq!(sys.read_device_raw::<f32>(&ctx, &w)?, vec![1.0, 1.0]); // the stale bytes
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn read_device_raw<T: Element>(&self, ctx: &Context, node: &TensorNode) -> Result<Vec<T>> {
-        block_on(async {
-            node.check_data(T::DTYPE, node.numel())?;
-            let bytes = node.size_in_bytes()? as usize;
-            let into = Arc::new(AlignedBuffer::new(bytes, 64)?);
-            let addr = self.device_addr(ctx.device())?;
-            let event = self
-                .request(
-                    addr,
-                    ReadInto {
-                        ctx: ctx.clone(),
-                        node: node.clone(),
-                        into: into.clone(),
-                    },
-                )
-                .await??;
-            event.wait_async().await?;
-            read_back(&into, bytes)
-        })
+    ) -> Result<Option<Ticket>> {
+        self.check_live()?;
+        Ok(self
+            .dispatcher()
+            .device_to_device(node, src, dst, mode)?
+            .map(Ticket::pending))
     }
 
     /// Finalizes `ctx`: its buffers are freed after their pending uses.
@@ -1325,20 +550,21 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
-        // A finalize may write hosted values back to their host arrays: order it after
-        // every device's earlier host-array transfers.
-        block_on(self.fence_all())?;
-        let addr = self.device_addr(ctx.device())?;
-        block_on(self.request(
-            addr,
-            Finalize {
-                ctx: ctx.clone(),
-                order: self.next_order(),
-            },
-        ))?
+        self.check_live()?;
+        block_on(answer(self.dispatcher().finalize(ctx)?))
     }
 
     // ----- synchronisation and reports ------------------------------------------------
+
+    /// A query to device `i`, answered in its inbox order.
+    async fn query<T: Clone>(
+        &self,
+        i: usize,
+        make: impl FnOnce(tributary::dispatch::ops::Reply<T>) -> Query,
+    ) -> Result<T> {
+        self.check_live()?;
+        answer(self.dispatcher().query(i, make)?).await
+    }
 
     /// Waits for all work issued so far on device `i`, then prunes its tables. Returns the
     /// first failure among that work, if any.
@@ -1370,8 +596,7 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub async fn sync_device_async(&self, i: usize) -> Result<()> {
-        let addr = self.device_index(i)?;
-        let events = self.request(addr, LastEvents).await?;
+        let events = self.query(i, Query::LastEvents).await?;
         let mut first = Ok(());
         for e in events {
             if let Err(err) = e.wait_async().await {
@@ -1380,7 +605,7 @@ impl System {
                 }
             }
         }
-        self.request(addr, Sweep).await?;
+        self.query(i, Query::Sweep).await?;
         first
     }
 
@@ -1399,8 +624,10 @@ impl System {
     /// ```
     pub fn await_stream(&self, device: usize, stream: usize) -> Result<()> {
         block_on(async {
-            let addr = self.device_index(device)?;
-            match self.request(addr, StreamLastEvent { stream }).await?? {
+            match self
+                .query(device, |r| Query::StreamLastEvent(stream, r))
+                .await?
+            {
                 Some(e) => e.wait_async().await,
                 None => Ok(()),
             }
@@ -1463,8 +690,8 @@ impl System {
     pub fn is_idle(&self) -> Result<bool> {
         block_on(async {
             let mut idle = true;
-            for addr in &self.shared.devices {
-                idle &= self.request(addr, IsIdle).await?;
+            for i in 0..self.device_count() {
+                idle &= self.query(i, Query::IsIdle).await?;
             }
             Ok(idle)
         })
@@ -1486,8 +713,8 @@ impl System {
     pub fn memory_stats(&self) -> Result<Vec<PoolStats>> {
         block_on(async {
             let mut out = Vec::new();
-            for addr in &self.shared.devices {
-                out.push(self.request(addr, GetMemoryStats).await?);
+            for i in 0..self.device_count() {
+                out.push(self.query(i, Query::MemoryStats).await?);
             }
             Ok(out)
         })
@@ -1524,8 +751,8 @@ impl System {
     pub fn table_sizes(&self) -> Result<Vec<TableSizes>> {
         block_on(async {
             let mut out = Vec::new();
-            for addr in &self.shared.devices {
-                out.push(self.request(addr, GetTableSizes).await?);
+            for i in 0..self.device_count() {
+                out.push(self.query(i, Query::TableSizes).await?);
             }
             Ok(out)
         })
@@ -1545,8 +772,8 @@ impl System {
     pub fn debug_info(&self) -> Result<serde_json::Value> {
         block_on(async {
             let mut out = Vec::new();
-            for addr in &self.shared.devices {
-                out.push(self.request(addr, DebugInfo).await?);
+            for i in 0..self.device_count() {
+                out.push(self.query(i, Query::DebugInfo).await?);
             }
             Ok(serde_json::json!({ "devices": out }))
         })
@@ -1630,416 +857,5 @@ impl System {
         }
         report.took = start.elapsed();
         Ok(report)
-    }
-}
-
-/// The elements of a host buffer that a completed device read filled.
-fn read_back<T: Element>(into: &AlignedBuffer, bytes: usize) -> Result<Vec<T>> {
-    // SAFETY: the copy into `into` completed (its event was awaited) and the device holds
-    // no other reference to it.
-    let data = unsafe { into.bytes(0, bytes) }.map_err(tributary::DeviceError::from)?;
-    Ok(tributary::kernels::from_bytes(data)?)
-}
-
-/// The hosted nodes a routine reads (which it may upload before running).
-pub(crate) fn hosted_reads(routine: &Routine) -> impl Iterator<Item = &TensorNode> {
-    routine
-        .spec()
-        .params
-        .iter()
-        .filter(|p| p.access.reads() && p.node.mode().is_hosted())
-        .map(|p| &p.node)
-}
-
-type Started = (
-    Vec<Addr<DeviceActor>>,
-    Vec<DeviceId>,
-    Addr<Coordinator>,
-    Vec<Arbiter>,
-);
-
-fn start_actors(
-    config: SystemConfig,
-    backend: Arc<dyn Backend>,
-    host: Arc<Mutex<HostTable>>,
-) -> Result<Started> {
-    let streams = config.streams.streams_per_device();
-    let mut devices = Vec::new();
-    let mut ids = Vec::new();
-    let mut arbiters = Vec::new();
-    for device in backend.devices() {
-        let arbiter = Arbiter::new();
-        let mut timelines = Vec::new();
-        let mut stream_addrs = Vec::new();
-        for index in 0..streams as u32 {
-            let stream = StreamId { device, index };
-            let timeline = Timeline::new(stream);
-            // SAFETY: `timeline` is fresh and completed only by this queue (its stream
-            // actor fails events only of plans it cannot submit); the plans the stream
-            // actor submits are those of the `DeviceState` made below from these timelines,
-            // whose pool memory is `backend`'s `device`; every device lives on such queues.
-            let queue = unsafe { backend.start_stream(stream, timeline.clone()) }?;
-            let t = timeline.clone();
-            stream_addrs.push(StreamActor::start_in_arbiter(
-                &arbiter.handle(),
-                move |_| StreamActor::new(stream, queue, t),
-            ));
-            timelines.push(timeline);
-        }
-        let mut pools = config.pools.clone();
-        pools.min_alignment = pools.min_alignment.max(backend.min_alignment(device));
-        let memory = tributary::backend::BackendMemory::new(backend.clone(), device);
-        let state = DeviceState::new(device, timelines, pools, Box::new(memory));
-        let (h, b, cap) = (host.clone(), backend.clone(), config.mailbox_capacity);
-        let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
-            DeviceActor::new(state, h, b, stream_addrs, cap)
-        });
-        devices.push(addr);
-        ids.push(device);
-        arbiters.push(arbiter);
-    }
-    let pairs = ids.iter().copied().zip(devices.iter().cloned()).collect();
-    let b = backend.clone();
-    let coordinator = Coordinator::new(pairs, Arc::new(move |s, d| b.can_stream(s, d))).start();
-    Ok((devices, ids, coordinator, arbiters))
-}
-
-/// A device of a running system.
-#[derive(Clone)]
-pub struct DeviceHandle {
-    sys: System,
-    index: usize,
-}
-
-impl DeviceHandle {
-    /// Stream `i` of this device.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let ctx = sys.device(0).stream(1).context()?;
-    /// assert_eq!(ctx.stream().index, 1);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn stream(&self, i: usize) -> StreamHandle {
-        StreamHandle {
-            sys: self.sys.clone(),
-            device: self.index,
-            index: i,
-        }
-    }
-
-    /// Number of streams.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// assert_eq!(sys.device(0).stream_count(), 2);
-    /// assert_eq!(sys.device(9).stream_count(), 0); // no such device
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn stream_count(&self) -> usize {
-        self.sys
-            .shared
-            .streams
-            .get(self.index)
-            .copied()
-            .unwrap_or(0)
-    }
-}
-
-/// A stream of a running system.
-#[derive(Clone)]
-pub struct StreamHandle {
-    sys: System,
-    device: usize,
-    index: usize,
-}
-
-impl StreamHandle {
-    /// A new root context on this stream.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let root = sys.device(1).stream(0).context()?;
-    /// assert_eq!(root.device(), tributary::DeviceId(1));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn context(&self) -> Result<ContextHandle> {
-        self.sys.context(self.device, self.index)
-    }
-}
-
-/// A context of a running system, with the operations that start from it.
-///
-/// Two types are called "context": this handle (a [`protocol::Context`](Context) plus the
-/// [`System`] it lives in, so it can link, read and finalize by itself) and the protocol's
-/// [`Context`] value it wraps ([`ContextHandle::protocol_context`]), which the lower-level
-/// methods of [`System`] take. A handle derefs to its `Context` and is `AsRef<Context>`,
-/// so it can be passed wherever a `&Context` or an `impl AsRef<Context>` is expected.
-#[derive(Clone)]
-pub struct ContextHandle {
-    sys: System,
-    ctx: Context,
-}
-
-impl ContextHandle {
-    /// The protocol's context value this handle wraps.
-    ///
-    /// ```
-    /// let sys = tributary_actors::System::builder().cpu_devices(1).spawn()?;
-    /// let ctx = sys.context(0, 0)?;
-    /// assert_eq!(ctx.protocol_context().device(), tributary::DeviceId(0));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn protocol_context(&self) -> &Context {
-        &self.ctx
-    }
-
-    /// The protocol's context value: renamed [`ContextHandle::protocol_context`].
-    #[deprecated(note = "renamed `protocol_context` (a `ContextHandle` is itself a context)")]
-    pub fn context(&self) -> &Context {
-        &self.ctx
-    }
-
-    /// Links a routine; its context is a child of this one.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// fill.schedule()?;
-    /// assert_eq!(fill.context().read::<f32>(&x)?, vec![1.0; 4]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn link(&self, spec: RoutineSpec) -> Result<RoutineHandle> {
-        self.sys.link(&self.ctx, spec)
-    }
-
-    /// See [`System::init_from_host`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]);
-    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
-    /// assert_eq!(held.read::<f32>(&w)?, vec![1.0, 2.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn init_from_host<T: Element>(
-        &self,
-        node: &TensorNode,
-        data: &[T],
-    ) -> Result<ContextHandle> {
-        self.sys.init_from_host(&self.ctx, node, data)
-    }
-
-    /// See [`System::from_host`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]);
-    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
-    /// sys.host_write(&w, &[3.0f32, 4.0])?;
-    /// held.from_host(&w)?.wait()?;
-    /// assert_eq!(held.read::<f32>(&w)?, vec![3.0, 4.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn from_host(&self, node: &TensorNode) -> Result<Ticket> {
-        self.sys.from_host(&self.ctx, node)
-    }
-
-    /// See [`System::to_host`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]).with_mode(MemoryMode::hosted_changed_on_devices())?;
-    /// let held = sys.context(0, 0)?.init_from_host(&w, &[1.0f32, 2.0])?;
-    /// let fill = held.link(kernels::fill(&w, 4.0)?)?;
-    /// fill.schedule()?;
-    /// fill.context().to_host(&w)?.wait()?;
-    /// assert_eq!(sys.host_read::<f32>(&w)?, vec![4.0, 4.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn to_host(&self, node: &TensorNode) -> Result<Ticket> {
-        self.sys.to_host(&self.ctx, node)
-    }
-
-    /// Reads the value of `node` in this context: what a routine here would read (see
-    /// [`System::read`]).
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F64, [2]);
-    /// let fill = sys.context(1, 1)?.link(kernels::fill(&x, 0.5)?)?;
-    /// fill.schedule()?;
-    /// assert_eq!(fill.context().read::<f64>(&x)?, vec![0.5, 0.5]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn read<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
-        self.sys.read(&self.ctx, node)
-    }
-
-    /// The bytes of `node`'s buffer in this context as they are, stale or not (see
-    /// [`System::read_device_raw`]).
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType};
-    /// # use tributary_actors::System;
-    /// # let sys = System::builder().cpu_devices(1).spawn()?;
-    /// let x = sys.node("x", DType::F32, [2]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 0.5)?)?;
-    /// fill.schedule()?;
-    /// assert_eq!(fill.context().read_device_raw::<f32>(&x)?, vec![0.5, 0.5]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn read_device_raw<T: Element>(&self, node: &TensorNode) -> Result<Vec<T>> {
-        self.sys.read_device_raw(&self.ctx, node)
-    }
-
-    /// Finalizes this context.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// fill.schedule()?;
-    /// fill.context().finalize()?;
-    /// assert!(matches!(fill.context().finalize(), Err(Error::ContextFinalized { .. })));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn finalize(&self) -> Result<()> {
-        self.sys.finalize(&self.ctx)
-    }
-}
-
-impl std::ops::Deref for ContextHandle {
-    type Target = Context;
-    fn deref(&self) -> &Context {
-        &self.ctx
-    }
-}
-
-impl AsRef<Context> for ContextHandle {
-    fn as_ref(&self) -> &Context {
-        &self.ctx
-    }
-}
-
-/// A routine's handle stands for the context it was linked into (a child of the one given
-/// to `link`): the context holding what the routine wrote.
-impl AsRef<Context> for RoutineHandle {
-    fn as_ref(&self) -> &Context {
-        self.routine.context()
-    }
-}
-
-/// A linked routine of a running system.
-#[derive(Clone)]
-pub struct RoutineHandle {
-    sys: System,
-    routine: Routine,
-}
-
-impl RoutineHandle {
-    /// The engine routine (for `MergeBufferUse::StreamingFor`).
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// assert_eq!(fill.routine().name(), "fill(x)");
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn routine(&self) -> &Routine {
-        &self.routine
-    }
-
-    /// The protocol's context value of the routine (a child of the one it was linked
-    /// into); [`RoutineHandle::context`] gives it as a handle.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// assert!(fill.protocol_context().contains(&x));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn protocol_context(&self) -> &Context {
-        self.routine.context()
-    }
-
-    /// The routine's context (a child of the one it was linked into), as a handle.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let y = sys.node("y", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// // Chain: link the next routine into the context the first one wrote.
-    /// let copy = fill.context().link(kernels::copy(&y, &x)?)?;
-    /// fill.schedule()?;
-    /// copy.schedule()?;
-    /// assert_eq!(copy.context().read::<f32>(&y)?, vec![1.0; 4]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn context(&self) -> ContextHandle {
-        ContextHandle {
-            sys: self.sys.clone(),
-            ctx: self.routine.context().clone(),
-        }
-    }
-
-    /// Schedules the routine; returns at once with a ticket for its event.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let fill = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
-    /// let ticket = fill.schedule()?; // returns at once
-    /// ticket.wait()?;
-    /// assert!(ticket.event()?.is_done());
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn schedule(&self) -> Result<Ticket> {
-        self.sys.schedule(&self.routine)
     }
 }

@@ -1,145 +1,89 @@
-//! Tickets: the handle `schedule` returns before the device actor has processed it.
+//! Tickets: the handle `schedule` returns before the device actor has decided the
+//! operation.
 //!
 //! Scheduling must not cost a round trip, so the host gets a [`Ticket`] at once and the
-//! device actor fills in the operation's [`Event`] (or the typed error that refused it)
-//! when it processes the message. Waiting on a ticket first waits for that assignment, then
-//! for the event. If the actor stops before processing the message, the ticket resolves to
-//! [`Error::ShutDown`], so no waiter can hang on a dead actor.
+//! device actor plans the operation when it reaches it in its inbox. A ticket is a handle
+//! on the engine's [`PendingEvent`]: the operation's stream is known from the start, its
+//! sequence number (or the typed error that refused it) arrives when the device decides.
+//! Creating one costs one small allocation; deciding it, one store and a wake-up only if
+//! somebody waits. Waiting on a ticket first waits for that decision, then for the event.
+//! If the device stops before deciding it, the ticket resolves to [`Error::ShutDown`], so
+//! no waiter can hang on a dead actor.
 
 use std::{
     future::Future,
-    pin::Pin,
-    sync::{Arc, Condvar, Mutex},
+    sync::Arc,
     task::{Context, Poll, Wake, Waker},
     time::{Duration, Instant},
 };
 
-use tributary::{Error, Event, Result};
+use tributary::{pending::PendingEvent, Error, Event, Result};
 
-enum State {
-    Pending(Vec<Waker>),
+/// The event of an operation, possibly not decided yet. Cheap to clone.
+#[derive(Clone)]
+pub struct Ticket {
+    inner: Inner,
+}
+
+#[derive(Clone)]
+enum Inner {
+    Pending(PendingEvent),
     Ready(Result<Event>),
 }
 
-struct Slot {
-    state: Mutex<State>,
-    ready: Condvar,
-}
-
-impl Slot {
-    fn resolve(&self, value: Result<Event>) {
-        let wakers = {
-            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            match std::mem::replace(&mut *s, State::Ready(value)) {
-                State::Pending(w) => w,
-                State::Ready(old) => {
-                    // First resolution wins.
-                    *s = State::Ready(old);
-                    Vec::new()
-                }
-            }
-        };
-        self.ready.notify_all();
-        wakers.into_iter().for_each(Waker::wake);
-    }
-}
-
-/// The event of an operation, possibly not assigned yet.
-#[derive(Clone)]
-pub struct Ticket {
-    slot: Arc<Slot>,
-}
-
-/// The device actor's side of a [`Ticket`]. Dropping it unresolved fails the ticket.
-pub struct TicketSender {
-    slot: Option<Arc<Slot>>,
-}
-
-impl std::fmt::Debug for TicketSender {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TicketSender")
-    }
-}
-
-impl TicketSender {
-    /// Assigns the ticket's outcome.
-    pub fn resolve(mut self, value: Result<Event>) {
-        if let Some(slot) = self.slot.take() {
-            slot.resolve(value);
-        }
-    }
-}
-
-impl Drop for TicketSender {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            slot.resolve(Err(Error::ShutDown(
-                "the actor stopped before processing the operation".into(),
-            )));
-        }
-    }
-}
-
 impl Ticket {
-    /// A new pending ticket and its sender.
-    pub fn new() -> (Ticket, TicketSender) {
-        let slot = Arc::new(Slot {
-            state: Mutex::new(State::Pending(Vec::new())),
-            ready: Condvar::new(),
-        });
-        (
-            Ticket { slot: slot.clone() },
-            TicketSender { slot: Some(slot) },
-        )
+    /// A ticket for an operation its device will decide.
+    pub(crate) fn pending(pending: PendingEvent) -> Ticket {
+        Ticket {
+            inner: Inner::Pending(pending),
+        }
     }
 
-    /// A ticket that is already resolved.
+    /// A ticket that is already decided.
+    ///
+    /// ```
+    /// use tributary::Error;
+    /// use tributary_actors::Ticket;
+    /// let t = Ticket::ready(Err(Error::ShutDown("stopped".into())));
+    /// assert!(t.is_done());
+    /// assert!(t.wait().is_err());
+    /// ```
     pub fn ready(value: Result<Event>) -> Ticket {
-        let (t, s) = Ticket::new();
-        s.resolve(value);
-        t
+        Ticket {
+            inner: Inner::Ready(value),
+        }
     }
 
-    /// The event, if assigned.
+    /// The event, if the operation was decided (or the error that refused it).
     pub fn try_event(&self) -> Option<Result<Event>> {
-        match &*self.slot.state.lock().unwrap_or_else(|p| p.into_inner()) {
-            State::Ready(r) => Some(r.clone()),
-            State::Pending(_) => None,
+        match &self.inner {
+            Inner::Pending(p) => p.outcome(),
+            Inner::Ready(r) => Some(r.clone()),
         }
     }
 
-    fn event_until(&self, deadline: Option<Instant>) -> Result<Event> {
-        let mut s = self.slot.state.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let State::Ready(r) = &*s {
-                return r.clone();
-            }
-            s = match deadline {
-                None => self.slot.ready.wait(s).unwrap_or_else(|p| p.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(Error::Timeout {
-                            what: "event assignment by the device actor".into(),
-                            after: Duration::ZERO,
-                        });
-                    }
-                    self.slot
-                        .ready
-                        .wait_timeout(s, left)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                }
-            };
+    fn event_until(&self, deadline: Option<Instant>, after: Duration) -> Result<Event> {
+        match &self.inner {
+            Inner::Ready(r) => r.clone(),
+            Inner::Pending(p) => match p.wait_planned(deadline) {
+                Some(_) => p.outcome().unwrap_or_else(|| {
+                    Err(Error::Internal("a decided ticket has no outcome".into()))
+                }),
+                None => Err(Error::Timeout {
+                    what: format!("the decision of operation {p:?} by its device actor"),
+                    after,
+                }),
+            },
         }
     }
 
-    /// Blocks until the device actor assigned the event (or refused the operation).
+    /// Blocks until the device actor decided the operation: its event, or the error that
+    /// refused it.
     pub fn event(&self) -> Result<Event> {
-        self.event_until(None)
+        self.event_until(None, Duration::MAX)
     }
 
-    /// Whether the operation completed (successfully or not).
+    /// Whether the operation completed (successfully or not), or was refused.
     pub fn is_done(&self) -> bool {
         match self.try_event() {
             Some(Ok(e)) => e.is_done(),
@@ -155,26 +99,35 @@ impl Ticket {
 
     /// Like [`Ticket::wait`], bounded by `timeout`.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let event = self.event_until(Some(deadline)).map_err(|e| match e {
-            Error::Timeout { what, .. } => Error::Timeout {
-                what,
-                after: timeout,
-            },
-            other => other,
-        })?;
-        event.wait_timeout(deadline.saturating_duration_since(Instant::now()))
+        let deadline = Instant::now().checked_add(timeout);
+        let event = self.event_until(deadline, timeout)?;
+        match deadline {
+            Some(d) => event.wait_timeout(d.saturating_duration_since(Instant::now())),
+            None => event.wait(),
+        }
     }
 
-    /// Waits asynchronously for the event's assignment and completion.
+    /// Waits asynchronously for the decision and the completion.
     pub async fn wait_async(&self) -> Result<()> {
         let event = self.event_async().await?;
         event.wait_async().await
     }
 
-    /// Waits asynchronously for the event's assignment only.
+    /// Waits asynchronously for the decision only.
     pub async fn event_async(&self) -> Result<Event> {
-        TicketFuture { slot: &self.slot }.await
+        match &self.inner {
+            Inner::Ready(r) => r.clone(),
+            Inner::Pending(p) => p.planned_async().await,
+        }
+    }
+
+    /// The operation as an [`Event`] usable before it is decided (a deferred event: it
+    /// is done once the operation is decided and complete, or refused).
+    pub fn as_event(&self) -> Option<Event> {
+        match &self.inner {
+            Inner::Pending(p) => Some(p.event()),
+            Inner::Ready(r) => r.clone().ok(),
+        }
     }
 }
 
@@ -184,27 +137,6 @@ impl std::fmt::Debug for Ticket {
             Some(Ok(e)) => write!(f, "Ticket({e})"),
             Some(Err(e)) => write!(f, "Ticket(error: {e})"),
             None => f.write_str("Ticket(pending)"),
-        }
-    }
-}
-
-struct TicketFuture<'a> {
-    slot: &'a Slot,
-}
-
-impl Future for TicketFuture<'_> {
-    type Output = Result<Event>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut s = self.slot.state.lock().unwrap_or_else(|p| p.into_inner());
-        match &mut *s {
-            State::Ready(r) => Poll::Ready(r.clone()),
-            State::Pending(wakers) => {
-                if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
-                    wakers.push(cx.waker().clone());
-                }
-                Poll::Pending
-            }
         }
     }
 }
@@ -221,7 +153,12 @@ impl Wake for ThreadWaker {
     }
 }
 
-/// Runs a future to completion on the calling thread (for the blocking API).
+/// Runs a future to completion on the calling thread (for the blocking API; never call it
+/// inside an `async fn`).
+///
+/// ```
+/// assert_eq!(tributary_actors::block_on(async { 7 }), 7);
+/// ```
 pub fn block_on<F: Future>(fut: F) -> F::Output {
     let mut fut = std::pin::pin!(fut);
     let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));

@@ -32,7 +32,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
         host::{DeviceCopy, HostTable},
-        plan::{next_issue, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
+        plan::{next_issue, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work, OP_STAMPS},
         tables::BufferUses,
     },
     // Timelines are shared with the streams through the sync shim (loom under
@@ -191,6 +191,10 @@ pub struct DeviceState {
     owner_stream: HashMap<NodeId, StreamId>,
     cross_stream_candidates: HashMap<NodeId, BufferLoc>,
     since_sweep: u32,
+    /// The issue stamp of the next plan, while an operation with a stamp is decided.
+    stamp: Option<u64>,
+    /// The stamp of the last stamped operation decided.
+    position: Option<u64>,
 }
 
 impl DeviceState {
@@ -228,6 +232,8 @@ impl DeviceState {
             owner_stream: HashMap::new(),
             cross_stream_candidates: HashMap::new(),
             since_sweep: 0,
+            stamp: None,
+            position: None,
         }
     }
 
@@ -329,6 +335,49 @@ impl DeviceState {
         Ok(())
     }
 
+    /// The issue stamp of the next plan: from the stamp of the operation being decided
+    /// ([`DeviceState::set_issue_stamp`]), or the process-wide clock.
+    fn next_issue(&mut self) -> u64 {
+        match &mut self.stamp {
+            Some(s) => {
+                *s += 1;
+                // What happens next in this operation (a pool release) comes after this plan.
+                crate::protocol::set_current_issue(Some(*s));
+                *s - 1
+            }
+            None => next_issue(),
+        }
+    }
+
+    /// Stamps the plans of the operation decided next: `stamp`, `stamp + 1`, ... (the
+    /// program-order stamp its host call took when it was posted; the actor layer decides
+    /// operations of one program on several devices at different times, so the plans'
+    /// stamps must come from the call, not from when they are made). `None`: from the
+    /// process-wide clock again ([`crate::protocol::issue_clock`]), as a single-owner
+    /// engine does.
+    pub fn set_issue_stamp(&mut self, stamp: Option<u64>) {
+        self.stamp = stamp;
+        if let Some(s) = stamp {
+            self.position = Some(s);
+        }
+        self.publish_position();
+    }
+
+    /// Sets the thread's [`current_issue`](crate::protocol::current_issue): the stamp of
+    /// the operation being decided, or just after the last one decided (so that a pool
+    /// released by a sweep is placed among the plans of the program where it happens).
+    fn publish_position(&self) {
+        let issue = self
+            .stamp
+            .or(self.position.map(|p| p - p % OP_STAMPS + OP_STAMPS - 1));
+        crate::protocol::set_current_issue(issue);
+    }
+
+    /// The last sequence number issued on stream `index` (0: none yet).
+    pub fn issued(&self, index: usize) -> u64 {
+        self.streams.get(index).map_or(0, |s| s.issued)
+    }
+
     fn issue(&mut self, stream: StreamId) -> Event {
         let s = &mut self.streams[stream.index as usize];
         s.issued += 1;
@@ -351,6 +400,7 @@ impl DeviceState {
 
     /// Drops completed events from every table and returns reusable memory to the pools.
     pub fn sweep(&mut self) {
+        self.publish_position();
         self.since_sweep = 0;
         for b in self.buffers.values_mut() {
             b.uses.prune();
@@ -549,7 +599,7 @@ impl DeviceState {
                 let mut uses = BufferUses::default();
                 uses.record_write(event.clone());
                 plans.push(Plan {
-                    issue: next_issue(),
+                    issue: self.next_issue(),
                     stream,
                     event,
                     deps: Vec::new(),
@@ -890,7 +940,7 @@ impl DeviceState {
                 .record_read(event.clone());
         }
         plans.push(Plan {
-            issue: next_issue(),
+            issue: self.next_issue(),
             stream,
             event,
             deps,
@@ -979,7 +1029,7 @@ impl DeviceState {
         // If this buffer held the newest value, it now equals the host array again.
         hrec.host_caught_up(Some(global), order);
         Ok(Plan {
-            issue: next_issue(),
+            issue: self.next_issue(),
             stream,
             event,
             deps,
@@ -1052,7 +1102,7 @@ impl DeviceState {
         hrec.uses.record_write(event.clone());
         hrec.host_caught_up(None, order);
         Ok(Plan {
-            issue: next_issue(),
+            issue: self.next_issue(),
             stream,
             event,
             deps,
@@ -1088,7 +1138,7 @@ impl DeviceState {
             rec.uses.record_read(event.clone());
         }
         Ok(Plan {
-            issue: next_issue(),
+            issue: self.next_issue(),
             stream: ctx.stream(),
             event,
             deps,
@@ -1183,6 +1233,15 @@ impl DeviceState {
         }
     }
 
+    /// Forgets `event` as a reader of the buffer at `loc`: it was recorded by
+    /// [`DeviceState::record_remote_read`] as a deferred event, and its operation was
+    /// refused by its device (nothing reads the buffer).
+    pub fn forget_remote_read(&mut self, loc: BufferLoc, event: &Event) {
+        if let Some(rec) = self.buffers.get_mut(&loc) {
+            rec.uses.forget_read(event);
+        }
+    }
+
     /// Copies `source` into `dst_ctx`: into the node's own buffer (`into_merge == false`,
     /// mode `No`) or into the stream's merge buffer (mode `Copy`).
     ///
@@ -1238,7 +1297,7 @@ impl DeviceState {
                 }
             }
             return Ok(Some(Plan {
-                issue: next_issue(),
+                issue: self.next_issue(),
                 stream,
                 event,
                 deps,
@@ -1269,7 +1328,7 @@ impl DeviceState {
         slot.alloc = Some(alloc);
         slot.node = Some(node.clone());
         Ok(Some(Plan {
-            issue: next_issue(),
+            issue: self.next_issue(),
             stream,
             event,
             deps,

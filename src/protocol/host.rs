@@ -106,14 +106,41 @@ impl HostRecord {
     }
 }
 
+/// Sees every access the host side makes to a host array's memory ([`HostTable::
+/// commit_write`] writing it, [`HostTable::read_bytes`] reading it), right after it
+/// happened and still under the table's exclusive borrow. For model checkers, whose
+/// memory is tracked cell by cell: the protocol's ordering of these accesses with the
+/// devices' transfers is what they check.
+pub trait HostArrayObserver: Send + Sync {
+    /// `data` was written into `array`.
+    fn wrote(&self, array: &Arc<AlignedBuffer>, data: &[u8]);
+    /// The first `bytes` bytes of `array` were read.
+    fn read(&self, array: &Arc<AlignedBuffer>, bytes: usize);
+}
+
 /// Host arrays of every hosted node, keyed by node.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct HostTable {
     records: HashMap<NodeId, HostRecord>,
     order: u64,
+    observer: Option<Arc<dyn HostArrayObserver>>,
+}
+
+impl std::fmt::Debug for HostTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostTable")
+            .field("records", &self.records)
+            .field("order", &self.order)
+            .finish_non_exhaustive()
+    }
 }
 
 impl HostTable {
+    /// Reports every host-side access to host-array memory to `observer`.
+    pub fn observe(&mut self, observer: Arc<dyn HostArrayObserver>) {
+        self.observer = Some(observer);
+    }
+
     /// Sets the program-order stamp of the operation about to update the table (the actor
     /// layer stamps every host call with an increasing number).
     pub fn set_order(&mut self, order: u64) {
@@ -194,6 +221,10 @@ impl HostTable {
             .copy_from_slice(data);
         record.version += 1;
         record.host_caught_up(None, order);
+        let array = record.array.clone();
+        if let Some(o) = &self.observer {
+            o.wrote(&array, data);
+        }
         Ok(())
     }
 
@@ -232,7 +263,12 @@ impl HostTable {
         // (checked just above) and new ones are only planned through `&mut self`;
         // concurrent device reads are fine for a shared read.
         let data = unsafe { record.array.bytes(0, bytes) }.map_err(DeviceError::from)?;
-        Ok(data.to_vec())
+        let data = data.to_vec();
+        let array = record.array.clone();
+        if let Some(o) = &self.observer {
+            o.read(&array, bytes);
+        }
+        Ok(data)
     }
 
     /// The record of `node`, if it exists.

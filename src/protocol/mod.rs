@@ -17,9 +17,12 @@ pub use device::{
     check_streaming_placement, device_to_device, DeviceState, DeviceToDevicePlans, Source,
     TableSizes,
 };
-pub use host::{DeviceCopy, HostRecord, HostTable};
+pub use host::{DeviceCopy, HostArrayObserver, HostRecord, HostTable};
+pub use plan::OP_STAMPS;
 pub use plan::{
-    await_deps, await_deps_observed, issue_clock, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work,
+    await_deps, await_deps_observed, current_issue, issue_clock, ArgBinding, Dep, DepKind,
+    GlobalLoc, Plan, Work,
 };
+pub(crate) use plan::{reserve_issue_stamps, set_current_issue};
 pub use tables::{BufferUses, Uses};
 pub(crate) use unsubmitted::fail_when_ready;

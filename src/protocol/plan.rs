@@ -422,6 +422,40 @@ pub(crate) fn next_issue() -> u64 {
     ISSUE_CLOCK.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Issue stamps a host call reserves per step when it is posted to device actors: its
+/// plans are stamped `base`, `base + 1`, ... and a later call's stamps start past them.
+pub const OP_STAMPS: u64 = 1 << 12;
+
+crate::sync::thread::thread_local! {
+    // loom's `thread_local!` takes no `const` initializer.
+    #[allow(clippy::missing_const_for_thread_local)]
+    /// The stamp in effect for what a device decides on this thread (set by
+    /// `DeviceState::set_issue_stamp`), for host actions such as a pool release.
+    static CURRENT_ISSUE: std::cell::Cell<Option<u64>> = std::cell::Cell::new(None);
+}
+
+/// Where in program order something a device does now belongs: the stamp of the operation
+/// it is deciding on this thread (or, between operations, just after the last one it
+/// decided), else the issue clock ([`issue_clock`]). Checkers place host actions (a
+/// pool release) among plans with it.
+pub fn current_issue() -> u64 {
+    CURRENT_ISSUE.with(|c| c.get()).unwrap_or_else(issue_clock)
+}
+
+/// Sets [`current_issue`] for this thread.
+pub(crate) fn set_current_issue(issue: Option<u64>) {
+    CURRENT_ISSUE.with(|c| c.set(issue));
+}
+
+/// Reserves `n` consecutive issue stamps and returns the first: a host call posted to a
+/// device actor takes its stamps when it is posted (program order), and the actor stamps
+/// the call's plans with them when it decides it later ([`DeviceState::set_issue_stamp`]).
+///
+/// [`DeviceState::set_issue_stamp`]: crate::protocol::DeviceState::set_issue_stamp
+pub(crate) fn reserve_issue_stamps(n: u64) -> u64 {
+    ISSUE_CLOCK.fetch_add(n, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The issue clock now: every plan made before this call (in the happens-before sense) has
 /// a lower [`Plan::issue`], every plan made after it a higher or equal one. For checkers
 /// that place host actions (a pool release, the start of a program step) among plans.

@@ -26,15 +26,29 @@ pub struct Uses {
 
 impl Uses {
     /// Records a use; an earlier use on the same stream is superseded (FIFO order).
+    ///
+    /// A deferred use (an operation another device has not planned yet, see
+    /// [`crate::pending`]) supersedes nothing and is superseded by nothing until it is
+    /// planned ([`Uses::prune`] settles it): its operation may still be refused, and then
+    /// it is forgotten ([`Uses::forget`]) without losing the uses it would have covered.
     pub fn record(&mut self, event: Event) {
+        if event.is_deferred() {
+            self.events.push(event);
+            return;
+        }
         match self
             .events
             .iter_mut()
-            .find(|e| e.stream() == event.stream())
+            .find(|e| !e.is_deferred() && e.stream() == event.stream())
         {
             Some(slot) => *slot = event,
             None => self.events.push(event),
         }
+    }
+
+    /// Forgets a deferred use whose operation was refused.
+    pub fn forget(&mut self, event: &Event) {
+        self.events.retain(|e| e != event);
     }
 
     /// Replaces every use by `event` (a write that waited for all of them).
@@ -51,6 +65,29 @@ impl Uses {
     /// Drops uses that completed successfully. Failed ones stay: a later reader must still
     /// learn that the data it would read was never produced.
     pub fn prune(&mut self) {
+        // Deferred uses planned since: from now on they are plain events, and the latest
+        // one of each stream covers the others (FIFO order).
+        if self.events.iter().any(Event::is_deferred) {
+            for e in &mut self.events {
+                if e.is_deferred() {
+                    if let Some(settled) = e.settled() {
+                        *e = settled;
+                    }
+                }
+            }
+            let mut kept: Vec<Event> = Vec::with_capacity(self.events.len());
+            for e in self.events.drain(..) {
+                let same = kept
+                    .iter_mut()
+                    .find(|k| !k.is_deferred() && !e.is_deferred() && k.stream() == e.stream());
+                match same {
+                    Some(k) if k.seq() >= e.seq() => {}
+                    Some(k) => *k = e,
+                    None => kept.push(e),
+                }
+            }
+            self.events = kept;
+        }
         self.events
             .retain(|e| !matches!(e.status(), EventStatus::Done));
     }
@@ -117,6 +154,11 @@ impl BufferUses {
     /// Records a read.
     pub fn record_read(&mut self, event: Event) {
         self.readers.record(event);
+    }
+
+    /// Forgets a deferred read whose operation was refused.
+    pub fn forget_read(&mut self, event: &Event) {
+        self.readers.forget(event);
     }
 
     /// Records a write: it supersedes every earlier use, which it waited for.

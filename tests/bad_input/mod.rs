@@ -284,7 +284,11 @@ impl Api for SystemApi {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<Event>> {
-        self.0.device_to_device(node, src, dst, mode)
+        // A refusal the devices find comes through the ticket: wait for the decision.
+        self.0
+            .device_to_device(node, src, dst, mode)?
+            .map(|t| t.event())
+            .transpose()
     }
     fn read(&mut self, ctx: &Context, node: &TensorNode, dtype: DType) -> Result<Values> {
         read_as!(dtype, |T| self.0.read::<T>(ctx, node))
@@ -424,22 +428,30 @@ impl Api for MessagesApi {
         // `System::sync` in messages, twice (see `quiesce`).
         for _ in 0..2 {
             for i in 0..self.0.device_count() {
-                for e in self.ask(i, LastEvents)? {
+                for e in self.ask(i, LastEvents)?? {
                     e.wait_timeout(BOUND)?;
                 }
-                self.ask(i, Sweep)?;
+                self.ask(i, Sweep)??;
             }
         }
         Ok(())
     }
     fn memory_stats(&mut self) -> Vec<PoolStats> {
         (0..self.0.device_count())
-            .map(|i| self.ask(i, GetMemoryStats).expect("memory stats"))
+            .map(|i| {
+                self.ask(i, GetMemoryStats)
+                    .and_then(|r| r)
+                    .expect("memory stats")
+            })
             .collect()
     }
     fn table_sizes(&mut self) -> Vec<TableSizes> {
         (0..self.0.device_count())
-            .map(|i| self.ask(i, GetTableSizes).expect("table sizes"))
+            .map(|i| {
+                self.ask(i, GetTableSizes)
+                    .and_then(|r| r)
+                    .expect("table sizes")
+            })
             .collect()
     }
     fn another(&self) -> Result<Box<dyn Api>> {

@@ -48,7 +48,7 @@ use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
     kernels::{Access, Kernel},
     memory::AlignedBuffer,
-    protocol::{issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
+    protocol::{current_issue, issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
     DeviceError, DeviceId, PoolId, StreamId, Timeline,
 };
 
@@ -278,7 +278,9 @@ impl GraphRecorder {
 
     fn release(&self, device: DeviceId, pool: PoolId) {
         let mut state = self.lock();
-        let issue = issue_clock();
+        // Where the device that releases it is in program order (the issue clock for a
+        // single-owner engine; the operation being decided for a device actor).
+        let issue = current_issue();
         let release = Release {
             mem: Mem::Pool { device, pool },
             issue,

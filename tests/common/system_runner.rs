@@ -290,8 +290,9 @@ impl Executor for SystemExecutor {
                     .device_to_device(&self.nodes[node.0], &src, &dst, mode)
                     .map_err(err)?
                 {
-                    Some(e) => {
-                        self.events.push(e);
+                    Some(t) => {
+                        // A refusal comes through the ticket, as the engine's call returns it.
+                        self.events.push(t.event().map_err(err)?);
                         Ok(Obs::Done)
                     }
                     None => Ok(Obs::NoOp),

@@ -1,0 +1,302 @@
+//! Configuration of a [`System`]: how many devices and streams, pools, mailboxes, which
+//! backend; read from TOML or JSON, or built with [`SystemBuilder`].
+
+use std::{path::Path, sync::Arc};
+
+use serde::{Deserialize, Serialize};
+use tributary::{
+    backend::{Backend, BackendKind},
+    memory::PoolConfig,
+    Error, Result,
+};
+
+use crate::system::System;
+
+/// How many streams each device gets (OCANNL's `config`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum StreamConfig {
+    /// One stream per device: parallelism only across devices.
+    OnlyDevicesParallel,
+    /// One compute stream plus one for copies.
+    ForParallelCopying,
+    /// This many streams per device.
+    MostParallelStreams(usize),
+}
+
+impl StreamConfig {
+    /// Streams per device on the CPU backend.
+    ///
+    /// ```
+    /// use tributary_actors::StreamConfig;
+    /// assert_eq!(StreamConfig::ForParallelCopying.streams_per_device(), 2);
+    /// assert_eq!(StreamConfig::MostParallelStreams(0).streams_per_device(), 1);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn streams_per_device(self) -> usize {
+        match self {
+            StreamConfig::OnlyDevicesParallel => 1,
+            StreamConfig::ForParallelCopying => 2,
+            StreamConfig::MostParallelStreams(n) => n.max(1),
+        }
+    }
+}
+
+/// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
+///
+/// New settings may be added in minor releases (`#[non_exhaustive]`): build one with
+/// [`System::builder`], from a document ([`SystemConfig::from_toml_str`]), or from
+/// `SystemConfig::default()` and field assignments.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[non_exhaustive]
+#[serde(default, deny_unknown_fields)]
+pub struct SystemConfig {
+    /// Number of virtual CPU devices.
+    pub cpu_devices: usize,
+    /// Streams per device.
+    pub streams: StreamConfig,
+    /// Pool configuration of every device.
+    pub pools: PoolConfig,
+    /// Capacity of each device actor's mailbox (back-pressure beyond it).
+    pub mailbox_capacity: usize,
+    /// How long `shutdown` lets in-flight work finish, in milliseconds.
+    pub shutdown_timeout_ms: u64,
+    /// Record a timeline of every operation and wait (see [`System::timeline`]).
+    pub record_timeline: bool,
+    /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
+    pub backend: BackendKind,
+}
+
+impl Default for SystemConfig {
+    fn default() -> Self {
+        SystemConfig {
+            cpu_devices: 2,
+            streams: StreamConfig::MostParallelStreams(2),
+            pools: PoolConfig::default(),
+            mailbox_capacity: 4096,
+            shutdown_timeout_ms: 10_000,
+            record_timeline: false,
+            backend: BackendKind::Cpu,
+        }
+    }
+}
+
+impl SystemConfig {
+    /// Parses a TOML document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_toml_str("cpu_devices = 3")?;
+    /// assert_eq!(c.cpu_devices, 3);
+    /// assert!(SystemConfig::from_toml_str("cpu_devices = \"three\"").is_err());
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn from_toml_str(text: &str) -> Result<SystemConfig> {
+        toml::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "toml".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses a JSON document; [`Error::ConfigParse`] with the parser's message otherwise.
+    ///
+    /// ```
+    /// use tributary_actors::SystemConfig;
+    /// let c = SystemConfig::from_json_str(r#"{ "cpu_devices": 1 }"#)?;
+    /// assert_eq!(c.cpu_devices, 1);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn from_json_str(text: &str) -> Result<SystemConfig> {
+        serde_json::from_str(text).map_err(|e| Error::ConfigParse {
+            path: None,
+            format: "json".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads a `.json` file as JSON, any other as TOML; [`Error::ConfigParse`] naming the
+    /// file when it cannot be read or parsed.
+    ///
+    /// ```
+    /// use tributary::Error;
+    /// use tributary_actors::SystemConfig;
+    /// let err = SystemConfig::from_file("/nonexistent/tributary.toml").unwrap_err();
+    /// assert!(matches!(err, Error::ConfigParse { path: Some(_), .. }), "{err}");
+    /// ```
+    pub fn from_file(path: impl AsRef<Path>) -> Result<SystemConfig> {
+        let path = path.as_ref();
+        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        let format = if json { "json" } else { "toml" };
+        let with_path = |e: Error| match e {
+            Error::ConfigParse {
+                format, message, ..
+            } => Error::ConfigParse {
+                path: Some(path.to_path_buf()),
+                format,
+                message,
+            },
+            other => other,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| Error::ConfigParse {
+            path: Some(path.to_path_buf()),
+            format: format.into(),
+            message: e.to_string(),
+        })?;
+        if json {
+            Self::from_json_str(&text).map_err(with_path)
+        } else {
+            Self::from_toml_str(&text).map_err(with_path)
+        }
+    }
+}
+
+/// Builds a [`System`].
+#[derive(Clone, Default)]
+pub struct SystemBuilder {
+    config: SystemConfig,
+    /// A backend made by the caller, used instead of creating `config.backend`.
+    instance: Option<Arc<dyn Backend>>,
+}
+
+impl std::fmt::Debug for SystemBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SystemBuilder")
+            .field("config", &self.config)
+            .field("instance", &self.instance.as_ref().map(|b| b.name()))
+            .finish()
+    }
+}
+
+impl SystemBuilder {
+    /// Number of CPU devices.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().cpu_devices(3).spawn()?;
+    /// assert_eq!(sys.device_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn cpu_devices(mut self, n: usize) -> Self {
+        self.config.cpu_devices = n;
+        self
+    }
+
+    /// Streams per device.
+    ///
+    /// ```
+    /// use tributary_actors::{StreamConfig, System};
+    /// let sys = System::builder().streams(StreamConfig::MostParallelStreams(3)).spawn()?;
+    /// assert_eq!(sys.device(0).stream_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn streams(mut self, streams: StreamConfig) -> Self {
+        self.config.streams = streams;
+        self
+    }
+
+    /// Pool configuration.
+    ///
+    /// ```
+    /// use tributary::memory::PoolConfig;
+    /// let pools = PoolConfig { limit_bytes: Some(1 << 20), ..PoolConfig::default() };
+    /// let sys = tributary_actors::System::builder().pools(pools).spawn()?;
+    /// assert_eq!(sys.config().pools.limit_bytes, Some(1 << 20));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn pools(mut self, pools: PoolConfig) -> Self {
+        self.config.pools = pools;
+        self
+    }
+
+    /// Mailbox capacity of each device actor.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().mailbox_capacity(0).spawn()?;
+    /// assert_eq!(sys.config().mailbox_capacity, 1); // at least one
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn mailbox_capacity(mut self, n: usize) -> Self {
+        self.config.mailbox_capacity = n.max(1);
+        self
+    }
+
+    /// Records a timeline of every operation and wait, for [`System::timeline`].
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().record_timeline(true).spawn()?;
+    /// assert!(sys.timeline().is_some());
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn record_timeline(mut self, on: bool) -> Self {
+        self.config.record_timeline = on;
+        self
+    }
+
+    /// The backend (default: CPU; e.g. `BackendKind::Vulkan(VulkanConfig::with_devices(2))`).
+    ///
+    /// ```
+    /// use tributary::backend::BackendKind;
+    /// let sys = tributary_actors::System::builder().backend(BackendKind::Cpu).cpu_devices(1).spawn()?;
+    /// assert_eq!(sys.device_info(0)?.backend, "cpu");
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn backend(mut self, backend: BackendKind) -> Self {
+        self.config.backend = backend;
+        self
+    }
+
+    /// Runs on `backend`, a backend the caller made (a wrapper that injects faults or
+    /// records plans, a backend of its own), instead of creating the configured
+    /// [`BackendKind`]; its devices are the system's devices, and `cpu_devices` is
+    /// ignored. A timeline recording (`record_timeline`) then records only what the
+    /// actors see, not the backend's own work spans.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tributary::{backend::cpu::CpuBackend, DeviceId};
+    /// let sys = tributary_actors::System::builder()
+    ///     .backend_instance(Arc::new(CpuBackend::new(DeviceId(0), 3)))
+    ///     .spawn()?;
+    /// assert_eq!(sys.device_count(), 3);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn backend_instance(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.instance = Some(backend);
+        self
+    }
+
+    /// The whole configuration.
+    ///
+    /// ```
+    /// use tributary_actors::{System, SystemConfig};
+    /// let config = SystemConfig::from_toml_str("cpu_devices = 1")?;
+    /// let sys = System::builder().config(config).spawn()?;
+    /// assert_eq!(sys.device_count(), 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn config(mut self, config: SystemConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Starts the actor system on its own threads.
+    ///
+    /// ```
+    /// use tributary::backend::BackendKind;
+    /// let sys = tributary_actors::System::builder().spawn()?; // 2 CPU devices x 2 streams
+    /// assert_eq!((sys.device_count(), sys.device(1).stream_count()), (2, 2));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn spawn(self) -> Result<System> {
+        System::spawn(self.config, self.instance)
+    }
+}

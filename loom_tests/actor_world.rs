@@ -1,0 +1,393 @@
+//! A model executor for the actor layer: the real `Dispatcher` (the host side and the
+//! coordinator's routing) and the real `DeviceCore`s (the device actors' decisions), with
+//! the inboxes as shim-locked queues, device actors as model threads, and streams as
+//! `world.rs`'s model executor over loom-cell memory.
+//!
+//! - **Host threads** are the model's main thread and any it spawns; they call the
+//!   dispatcher exactly as `System` does (one atomic post per call).
+//! - **Device actors** run `DeviceCore::run` whenever their inbox kicks: one model thread
+//!   per device ([`Actors::PerDevice`]), or one thread for every device
+//!   ([`Actors::Shared`], alternating which device it serves first, for models that need
+//!   a second host thread within loom's five threads). Actors on one arbiter are a real
+//!   deployment too.
+//! - **Streams** run each plan as a backend does (`world::run_job`): wait for the
+//!   dependencies, run the work on loom cells, signal or fail the timeline. Bindings are
+//!   resolved when the device's core submits the plan (on the actor thread), as the CPU
+//!   backend resolves them in `submit`.
+//! - **Host arrays**: the dispatcher's host reads and writes touch the real host arrays;
+//!   a `HostArrayObserver` mirrors each access onto the array's loom cells, under the host
+//!   table's lock, so loom checks them against the devices' transfers.
+
+use std::sync::{Arc as StdArc, Mutex as StdMutex};
+
+use tributary::{
+    dispatch::{
+        self, answer, ops::DeviceOp, ops::Query, ops::ReadValue, AllReduceCall, DeviceCore,
+        DeviceSlot, Dispatcher, Inbox, PlanSink, Progress,
+    },
+    event::Event,
+    kernels::RoutineSpec,
+    memory::{AlignedBuffer, PoolConfig},
+    pending::PendingEvent,
+    protocol::{Context, DeviceState, HostArrayObserver, HostTable, Plan, Routine},
+    sync::{
+        channel::{self, Sender},
+        thread::{self, JoinHandle},
+        Arc, Condvar, Mutex,
+    },
+    DeviceId, MergeBufferUse, Result, StreamId, TensorNode, Timeline,
+};
+
+use crate::world::{run_job, Job, Memory, PoolLog};
+
+/// How device actors are mapped to model threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Actors {
+    /// One thread per device.
+    PerDevice,
+    /// One thread for every device.
+    Shared,
+}
+
+/// Kicks of the inboxes an actor thread serves, and the request to stop.
+struct Signal {
+    state: Mutex<(bool, bool)>,
+    cond: Condvar,
+}
+
+impl Signal {
+    fn new() -> Arc<Signal> {
+        Arc::new(Signal {
+            state: Mutex::new((false, false)),
+            cond: Condvar::new(),
+        })
+    }
+
+    fn kick(&self) {
+        self.state.lock().0 = true;
+        self.cond.notify_all();
+    }
+
+    fn stop(&self) {
+        self.state.lock().1 = true;
+        self.cond.notify_all();
+    }
+
+    /// Waits for a kick; `false` once asked to stop with nothing kicked.
+    fn wait(&self) -> bool {
+        let mut s = self.state.lock();
+        loop {
+            if s.0 {
+                s.0 = false;
+                return true;
+            }
+            if s.1 {
+                return false;
+            }
+            s = self.cond.wait(s);
+        }
+    }
+}
+
+/// Hands a device's plans to its model streams.
+struct ModelSink {
+    memory: StdArc<StdMutex<Memory>>,
+    queues: Vec<Sender<Job>>,
+    timelines: Vec<Arc<Timeline>>,
+}
+
+impl PlanSink for ModelSink {
+    fn submit(&mut self, plans: Vec<Plan>) {
+        let mut memory = self.memory.lock().unwrap();
+        memory.apply_pool_ops();
+        for plan in plans {
+            let op = memory.resolve(plan.work());
+            let i = plan.stream().index as usize;
+            let job = Job {
+                stream: plan.stream(),
+                timeline: self.timelines[i].clone(),
+                event: plan.event().clone(),
+                deps: plan.deps().to_vec(),
+                label: plan.work().label(),
+                op,
+            };
+            assert!(self.queues[i].send(job).is_ok(), "a model stream is gone");
+        }
+    }
+}
+
+/// Mirrors host-side accesses of host arrays onto their loom cells (see the module docs).
+struct HostCells {
+    memory: StdArc<StdMutex<Memory>>,
+    /// What the last host-side read saw in the cells.
+    last_read: StdMutex<Vec<i64>>,
+}
+
+impl HostArrayObserver for HostCells {
+    fn wrote(&self, array: &StdArc<AlignedBuffer>, data: &[u8]) {
+        let values: Vec<i64> = data
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect();
+        let mut memory = self.memory.lock().unwrap();
+        memory.host_region(array, data.len() as u64).write(&values);
+    }
+
+    fn read(&self, array: &StdArc<AlignedBuffer>, bytes: usize) {
+        let mut memory = self.memory.lock().unwrap();
+        let values = memory.host_region(array, bytes as u64).read();
+        *self.last_read.lock().unwrap() = values;
+    }
+}
+
+/// Devices, their actors and streams, and the dispatcher of one model run.
+pub struct ActorWorld {
+    dispatcher: StdArc<Dispatcher>,
+    memory: StdArc<StdMutex<Memory>>,
+    host_cells: StdArc<HostCells>,
+    signals: Vec<Arc<Signal>>,
+    actors: Vec<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl ActorWorld {
+    /// `streams[d]` streams on device `d`, each a model thread, device actors on threads
+    /// as `actors` says, and tiny pools (as `World::new`).
+    pub fn new(streams: &[usize], actors: Actors) -> ActorWorld {
+        let pools = PoolConfig {
+            pool_bytes: 32,
+            min_alignment: 4,
+            limit_bytes: None,
+            release_empty_pools: true,
+        };
+        let pool_log = PoolLog::shared();
+        let memory = StdArc::new(StdMutex::new(Memory::new(pool_log.clone())));
+        let host = Arc::new(Mutex::new(HostTable::default()));
+        let host_cells = StdArc::new(HostCells {
+            memory: memory.clone(),
+            last_read: StdMutex::new(Vec::new()),
+        });
+        host.lock().observe(host_cells.clone());
+        let mut slots = Vec::new();
+        let mut cores = Vec::new();
+        let mut workers = Vec::new();
+        for (d, &n) in streams.iter().enumerate() {
+            let device = DeviceId(d as u32);
+            let timelines: Vec<_> = (0..n as u32)
+                .map(|index| Timeline::new(StreamId { device, index }))
+                .collect();
+            let mut queues = Vec::new();
+            for _ in 0..n {
+                let (tx, rx) = channel::unbounded::<Job>();
+                workers.push(thread::spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        run_job(job);
+                    }
+                }));
+                queues.push(tx);
+            }
+            let state = DeviceState::new(
+                device,
+                timelines.clone(),
+                pools.clone(),
+                Box::new(PoolLog::new(device, pool_log.clone())),
+            );
+            let sink = ModelSink {
+                memory: memory.clone(),
+                queues,
+                timelines: timelines.clone(),
+            };
+            let inbox = Inbox::new(device, 64);
+            cores.push((
+                DeviceCore::new(state, host.clone(), None, Box::new(sink)),
+                inbox.clone(),
+            ));
+            slots.push(DeviceSlot {
+                id: device,
+                inbox,
+                timelines,
+            });
+        }
+        let dispatcher = StdArc::new(Dispatcher::new(slots, StdArc::new(|_, _| true), host));
+        let groups: Vec<Vec<(DeviceCore, Arc<Inbox<DeviceOp>>)>> = match actors {
+            Actors::PerDevice => cores.into_iter().map(|c| vec![c]).collect(),
+            Actors::Shared => vec![cores],
+        };
+        let mut signals = Vec::new();
+        let mut actor_threads = Vec::new();
+        for mut group in groups {
+            let signal = Signal::new();
+            for (_, inbox) in &group {
+                let s = signal.clone();
+                inbox.set_waker(std::sync::Arc::new(move || s.kick()));
+            }
+            let s = signal.clone();
+            actor_threads.push(thread::spawn(move || {
+                let mut first = 0;
+                while s.wait() {
+                    let n = group.len();
+                    for k in 0..n {
+                        let (core, inbox) = &mut group[(first + k) % n];
+                        let _: Progress = core.run(inbox);
+                    }
+                    first = (first + 1) % n;
+                }
+            }));
+            signals.push(signal);
+        }
+        ActorWorld {
+            dispatcher,
+            memory,
+            host_cells,
+            signals,
+            actors: actor_threads,
+            workers,
+        }
+    }
+
+    /// The dispatcher (for host threads the model spawns).
+    pub fn dispatcher(&self) -> StdArc<Dispatcher> {
+        self.dispatcher.clone()
+    }
+
+    /// Waits until every operation issued so far completed, then lets loom explore from
+    /// here (see `World::begin_window`).
+    pub fn begin_window(&mut self) {
+        self.quiesce();
+        loom::explore();
+    }
+
+    /// Closes the explored window.
+    pub fn end_window(&mut self) {
+        loom::stop_exploring();
+    }
+
+    /// Waits for every operation decided so far on every device.
+    pub fn quiesce(&self) {
+        for d in 0..self.dispatcher.device_count() {
+            let events =
+                dispatch::block_on(answer(self.dispatcher.query(d, Query::LastEvents).unwrap()))
+                    .unwrap();
+            for e in events {
+                let _ = e.wait();
+            }
+        }
+    }
+
+    /// Stops the actors (once idle) and the streams, and joins them.
+    pub fn shutdown(mut self) {
+        for s in &self.signals {
+            s.stop();
+        }
+        for a in self.actors.drain(..) {
+            a.join().unwrap();
+        }
+        // The cores (and their senders) were dropped with the actor threads' state.
+        for w in self.workers.drain(..) {
+            w.join().unwrap();
+        }
+    }
+
+    /// `System::context`.
+    pub fn context(&self, device: usize, stream: usize) -> Context {
+        dispatch::block_on(answer(self.dispatcher.new_context(device, stream).unwrap())).unwrap()
+    }
+
+    /// `System::link`.
+    pub fn link(&self, ctx: &Context, spec: RoutineSpec) -> Routine {
+        dispatch::block_on(answer(self.dispatcher.link(ctx, spec).unwrap())).unwrap()
+    }
+
+    /// `System::init_from_host` (the node must already be hosted).
+    pub fn init_from_host(&self, ctx: &Context, node: &TensorNode, data: &[i64]) -> Context {
+        host_write(&self.dispatcher, node, data);
+        dispatch::block_on(answer(self.dispatcher.init_from_host(ctx, node).unwrap())).unwrap()
+    }
+
+    /// The value of `node`'s buffer in `ctx`, after its last write.
+    pub fn read(&self, ctx: &Context, node: &TensorNode) -> Vec<i64> {
+        let bytes = node.size_in_bytes().unwrap();
+        let into = StdArc::new(AlignedBuffer::new(bytes as usize, 64).unwrap());
+        let d = self.dispatcher.index_of(ctx.device()).unwrap();
+        let value = dispatch::block_on(answer(
+            self.dispatcher
+                .request(d, |reply| DeviceOp::Read {
+                    ctx: ctx.clone(),
+                    node: node.clone(),
+                    into: into.clone(),
+                    raw: true,
+                    reply,
+                })
+                .unwrap(),
+        ))
+        .unwrap();
+        let ReadValue::Device(event) = value else {
+            panic!("a raw read answered with the host array")
+        };
+        event.wait().unwrap();
+        self.memory.lock().unwrap().host_region(&into, bytes).read()
+    }
+
+    /// `System::host_read`, through the dispatcher: the values its read saw.
+    pub fn host_read(&self, node: &TensorNode) -> Vec<i64> {
+        host_read(&self.dispatcher, &self.host_cells, node)
+    }
+
+    /// `System::host_write`.
+    pub fn host_write(&self, node: &TensorNode, data: &[i64]) {
+        host_write(&self.dispatcher, node, data);
+    }
+
+    /// The host cells observer (for host threads the model spawns).
+    pub fn host_cells(&self) -> StdArc<impl Send + Sync> {
+        self.host_cells.clone()
+    }
+}
+
+/// `System::schedule`: the routine's pending event.
+pub fn schedule(d: &Dispatcher, routine: &Routine) -> PendingEvent {
+    d.schedule(routine).unwrap()
+}
+
+/// `System::device_to_device`.
+pub fn device_to_device(
+    d: &Dispatcher,
+    node: &TensorNode,
+    src: &Context,
+    dst: &Context,
+    mode: MergeBufferUse,
+) -> Option<PendingEvent> {
+    d.device_to_device(node, src, dst, mode).unwrap()
+}
+
+/// `System::to_host`.
+pub fn to_host(d: &Dispatcher, ctx: &Context, node: &TensorNode) -> PendingEvent {
+    d.transfer(ctx, node, false).unwrap()
+}
+
+/// `AllReducePlan::run`.
+pub fn all_reduce(d: &Dispatcher, call: &AllReduceCall) -> Vec<PendingEvent> {
+    d.all_reduce(call).unwrap()
+}
+
+/// `System::host_write`.
+pub fn host_write(d: &Dispatcher, node: &TensorNode, data: &[i64]) {
+    let bytes: Vec<u8> = data
+        .iter()
+        .flat_map(|&v| (v as f32).to_ne_bytes())
+        .collect();
+    dispatch::block_on(d.host_write(node, &bytes)).unwrap();
+}
+
+fn host_read(d: &Dispatcher, cells: &HostCells, node: &TensorNode) -> Vec<i64> {
+    dispatch::block_on(d.host_read(node)).unwrap();
+    cells.last_read.lock().unwrap().clone()
+}
+
+/// Waits for a pending event's operation (planned, then complete).
+pub fn wait(p: &PendingEvent) -> Result<()> {
+    p.event().wait()
+}
+
+/// Keeps `Event` in the harness's vocabulary for the models.
+pub type ModelEvent = Event;

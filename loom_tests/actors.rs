@@ -1,0 +1,227 @@
+//! Models of the actor layer across actors (DESIGN.md §4): the real dispatcher and device
+//! cores, with two host threads racing where the program allows it (see
+//! `actor_world.rs`). Each model checks that every outcome is one some sequential order of
+//! the host calls gives (the calls are linearizable), and loom that no two accesses to the
+//! same memory are unordered in any interleaving.
+//!
+//! The mutants they catch: `late_source_read` (the source records the copy's read only
+//! after the destination planned it, the shape before issue 16: a write of the source
+//! decided in between does not wait for the copy), `d2d_reader` (no read record at all)
+//! and `host_gate` (an upload on one device not ordered after a download on another).
+
+use tributary::{
+    collective::{self, ReduceOp, Strategy, Transfer},
+    dispatch::AllReduceCall,
+    kernels::{add_merge, copy, fill},
+    HostedKind, MemoryMode, MergeBufferUse, Sharing,
+};
+
+use crate::{
+    actor_world::{
+        all_reduce, device_to_device, host_write, schedule, to_host, wait, ActorWorld, Actors,
+    },
+    harness::{run_model, windowed},
+    world::node,
+};
+
+/// Issue 16's torn copy: one host thread copies `x` from device 0 to device 1 while
+/// another overwrites `x` on device 0. Whatever order the two calls take, the copy
+/// delivers a value `x` held (1 or 2) and the overwrite waits for the copy to have read.
+#[test]
+fn copy_races_a_write_of_its_source() {
+    run_model(
+        "actors::copy_races_a_write_of_its_source",
+        windowed(Some(2)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let x = node("x", MemoryMode::on_device());
+            let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+            let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
+            let dst = w.link(&w.context(1, 0), fill(&x, 0.0).unwrap());
+            let d = w.dispatcher();
+            wait(&schedule(&d, &set1)).unwrap();
+            wait(&schedule(&d, &dst)).unwrap();
+            w.begin_window();
+            let writer = {
+                let (d, set2) = (d.clone(), set2.clone());
+                loom::thread::spawn(move || wait(&schedule(&d, &set2)).unwrap())
+            };
+            let copied =
+                device_to_device(&d, &x, set1.context(), dst.context(), MergeBufferUse::No)
+                    .expect("a copy between two buffers");
+            wait(&copied).unwrap();
+            writer.join().unwrap();
+            w.end_window();
+            let got = w.read(dst.context(), &x);
+            assert!(got == [1] || got == [2], "the copy delivered {got:?}");
+            assert_eq!(w.read(set2.context(), &x), [2]);
+            w.shutdown();
+        },
+    );
+}
+
+/// A `StreamingFor` consumer on device 1 reads device 0's `g` in place while another host
+/// thread overwrites `g` on device 0: the consumer sees 3 or 5, never a torn or later
+/// value, and the overwrite waits for it.
+#[test]
+fn streaming_consumer_races_a_write_of_its_source() {
+    run_model(
+        "actors::streaming_consumer_races_a_write_of_its_source",
+        windowed(Some(2)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let g = node("g", MemoryMode::on_device());
+            let set3 = w.link(&w.context(0, 0), fill(&g, 3.0).unwrap());
+            let set5 = w.link(set3.context(), fill(&g, 5.0).unwrap());
+            let acc = w.link(&w.context(1, 0), fill(&g, 10.0).unwrap());
+            let consumer = w.link(acc.context(), add_merge(&g).unwrap());
+            let d = w.dispatcher();
+            wait(&schedule(&d, &set3)).unwrap();
+            wait(&schedule(&d, &acc)).unwrap();
+            w.begin_window();
+            let writer = {
+                let (d, set5) = (d.clone(), set5.clone());
+                loom::thread::spawn(move || wait(&schedule(&d, &set5)).unwrap())
+            };
+            let streamed = device_to_device(
+                &d,
+                &g,
+                set3.context(),
+                consumer.context(),
+                MergeBufferUse::StreamingFor(consumer.clone()),
+            )
+            .expect("a streaming consumer");
+            wait(&streamed).unwrap();
+            writer.join().unwrap();
+            w.end_window();
+            let got = w.read(consumer.context(), &g);
+            assert!(got == [13] || got == [15], "the consumer computed {got:?}");
+            assert_eq!(w.read(set5.context(), &g), [5]);
+            w.shutdown();
+        },
+    );
+}
+
+/// An all-reduce of `g` over devices 0 and 1 (star: device 1's `g` merged into device 0's,
+/// then broadcast back) while another host thread overwrites `g` on device 1. Either the
+/// overwrite comes first (both end with 1 + 10) or after (device 0 ends with 1 + 2,
+/// device 1 with 10): no other outcome, and no race.
+#[test]
+fn all_reduce_races_a_schedule_on_one_of_its_devices() {
+    run_model(
+        "actors::all_reduce_races_a_schedule_on_one_of_its_devices",
+        windowed(Some(2)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let g = node("g", MemoryMode::on_device());
+            let a = w.link(&w.context(0, 0), fill(&g, 1.0).unwrap());
+            let b = w.link(&w.context(1, 0), fill(&g, 2.0).unwrap());
+            let over = w.link(b.context(), fill(&g, 10.0).unwrap());
+            let merge_a = w.link(a.context(), add_merge(&g).unwrap());
+            let merge_b = w.link(b.context(), add_merge(&g).unwrap());
+            let d = w.dispatcher();
+            wait(&schedule(&d, &a)).unwrap();
+            wait(&schedule(&d, &b)).unwrap();
+            let call = AllReduceCall {
+                steps: collective::plan(2, 1, Strategy::Star, ReduceOp::Sum),
+                nodes: vec![g.clone()],
+                contexts: vec![a.context().clone(), b.context().clone()],
+                merge: vec![vec![merge_a.clone()], vec![merge_b]],
+                scale: vec![Vec::new(), Vec::new()],
+                transfer: Transfer::Copy,
+            };
+            w.begin_window();
+            let writer = {
+                let (d, over) = (d.clone(), over.clone());
+                loom::thread::spawn(move || wait(&schedule(&d, &over)).unwrap())
+            };
+            for p in all_reduce(&d, &call) {
+                wait(&p).unwrap();
+            }
+            writer.join().unwrap();
+            w.end_window();
+            let got = (w.read(a.context(), &g), w.read(b.context(), &g));
+            assert!(
+                got == (vec![11], vec![11]) || got == (vec![3], vec![10]),
+                "the all-reduce and the overwrite ended with {got:?}"
+            );
+            w.shutdown();
+        },
+    );
+}
+
+/// A host write of `w` races device work reading it on two devices (each uploads it if
+/// its buffer lags): device 0 reads, then device 1 reads. The host write lands before,
+/// between or after them, so the readers see (1, 1), (1, 2) or (2, 2), never (2, 1),
+/// and no upload overlaps the write of the host array.
+#[test]
+fn host_write_races_device_reads_on_two_devices() {
+    run_model(
+        "actors::host_write_races_device_reads_on_two_devices",
+        windowed(Some(2)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let h = node("h", MemoryMode::Hosted(HostedKind::Volatile));
+            let (y0, y1) = (
+                node("y0", MemoryMode::on_device()),
+                node("y1", MemoryMode::on_device()),
+            );
+            let c0 = w.init_from_host(&w.context(0, 0), &h, &[1]);
+            let c1 = w.init_from_host(&w.context(1, 0), &h, &[1]);
+            let r0 = w.link(&c0, copy(&y0, &h).unwrap());
+            let r1 = w.link(&c1, copy(&y1, &h).unwrap());
+            let d = w.dispatcher();
+            w.begin_window();
+            let writer = {
+                let (d, h) = (d.clone(), h.clone());
+                loom::thread::spawn(move || host_write(&d, &h, &[2]))
+            };
+            let e0 = schedule(&d, &r0);
+            let e1 = schedule(&d, &r1);
+            wait(&e0).unwrap();
+            wait(&e1).unwrap();
+            writer.join().unwrap();
+            w.end_window();
+            let got = (w.read(r0.context(), &y0)[0], w.read(r1.context(), &y1)[0]);
+            assert!(
+                [(1, 1), (1, 2), (2, 2)].contains(&got),
+                "the readers saw {got:?}"
+            );
+            w.shutdown();
+        },
+    );
+}
+
+/// Host-array order across devices without round trips: device 0 writes `v` and
+/// downloads it into the host array; then a routine on device 1, whose buffer of `v` lags
+/// a host write, uploads the host array. The upload is gated on a fence of device 0
+/// posted with it, so it reads what the download wrote (7), after it completed.
+#[test]
+fn upload_after_a_download_on_another_device() {
+    run_model(
+        "actors::upload_after_a_download_on_another_device",
+        windowed(Some(3)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::PerDevice);
+            let v = node(
+                "v",
+                MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::PerStream)),
+            );
+            let y = node("y", MemoryMode::on_device());
+            let c0 = w.init_from_host(&w.context(0, 0), &v, &[1]);
+            let c1 = w.init_from_host(&w.context(1, 0), &v, &[1]);
+            let set = w.link(&c0, fill(&v, 7.0).unwrap());
+            let read = w.link(&c1, copy(&y, &v).unwrap());
+            w.host_write(&v, &[5]); // both device buffers lag now
+            let d = w.dispatcher();
+            w.begin_window();
+            schedule(&d, &set);
+            to_host(&d, set.context(), &v);
+            let e = schedule(&d, &read);
+            wait(&e).unwrap();
+            w.end_window();
+            assert_eq!(w.read(read.context(), &y), [7]);
+            w.shutdown();
+        },
+    );
+}

@@ -1,0 +1,628 @@
+//! The device actor's decisions, as plain code over its state: [`DeviceCore`].
+//!
+//! A device actor (`tributary_actors::DeviceActor`, or a loom model thread) owns one
+//! `DeviceCore` and calls [`DeviceCore::run`] whenever its inbox kicks it. `run` drains the
+//! inbox and decides each operation in order: it asks the device's [`DeviceState`] for the
+//! plans, hands them to the streams (a [`PlanSink`]) and answers the caller (a reply, or
+//! the operation's [`SeqPromise`]). Nothing here waits for work to run.
+//!
+//! The one thing an operation may wait for is another device's half of the same host call:
+//! the destination of a copy needs the source's [`Verdict`]. If it has not arrived, `run`
+//! stops with [`Progress::Blocked`], keeps the rest of the batch, and the verdict kicks the
+//! inbox when it is set. That wait cannot deadlock: a source half never waits, and both
+//! halves were posted at one point of the order every inbox shares (see
+//! [`crate::dispatch::inbox`]), so a destination blocked at position `k` waits for a
+//! source half at the same position `k` of another inbox, which is decided once that
+//! device has decided everything before `k`, and none of those waits for anything later.
+
+use std::collections::VecDeque;
+use std::sync::Arc as StdArc;
+use std::task::{Wake, Waker};
+
+use crate::{
+    backend::Backend,
+    error::{Error, Result},
+    event::Event,
+    ids::StreamId,
+    node::TensorNode,
+    pending::{Planned, SeqPromise},
+    protocol::{Context, DeviceState, HostTable, Plan, Routine},
+    sync::{Arc, Mutex},
+};
+
+use super::{
+    inbox::Inbox,
+    ops::{Delivery, DeviceOp, Query, ReadValue, Reply, SourceLink, Verdict},
+};
+
+/// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
+pub trait PlanSink: Send {
+    /// Hands `plans` to their streams, in order. Never blocks on the work.
+    fn submit(&mut self, plans: Vec<Plan>);
+}
+
+/// How a call to [`DeviceCore::run`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Everything posted was decided and the inbox is idle again.
+    Idle,
+    /// An operation waits for another device's half of its call; the inbox is kicked
+    /// when it may go on.
+    Blocked,
+}
+
+/// One device's protocol owner; see the module documentation.
+pub struct DeviceCore {
+    state: DeviceState,
+    /// Host arrays, shared by every device of the system.
+    host: Arc<Mutex<HostTable>>,
+    /// A host table for operations that touch no hosted node: their decisions never read
+    /// or write host records, so they need not take the shared table's lock.
+    scratch: HostTable,
+    /// Checks kernels at link time (none in models).
+    backend: Option<StdArc<dyn Backend>>,
+    sink: Box<dyn PlanSink>,
+    backlog: VecDeque<DeviceOp>,
+    /// Set when deciding an operation panicked: the error every later operation gets.
+    poisoned: Option<Error>,
+    /// Wakes this core when a verdict it waits for arrives.
+    kick: Option<Waker>,
+}
+
+/// A waker that kicks an inbox.
+struct Kick(Arc<Inbox<DeviceOp>>);
+
+impl Wake for Kick {
+    fn wake(self: StdArc<Self>) {
+        self.0.kick();
+    }
+
+    fn wake_by_ref(self: &StdArc<Self>) {
+        self.0.kick();
+    }
+}
+
+/// What handling one operation did.
+enum Handled {
+    Done,
+    /// The operation waits for a verdict: put it back and stop.
+    Blocked(DeviceOp),
+}
+
+impl DeviceCore {
+    /// A core deciding for `state`, sharing host arrays through `host`, submitting to
+    /// `sink`; `backend` checks kernels when they are linked.
+    pub fn new(
+        state: DeviceState,
+        host: Arc<Mutex<HostTable>>,
+        backend: Option<StdArc<dyn Backend>>,
+        sink: Box<dyn PlanSink>,
+    ) -> DeviceCore {
+        DeviceCore {
+            state,
+            host,
+            scratch: HostTable::default(),
+            backend,
+            sink,
+            backlog: VecDeque::new(),
+            poisoned: None,
+            kick: None,
+        }
+    }
+
+    /// The device's protocol state (for reports).
+    pub fn state(&self) -> &DeviceState {
+        &self.state
+    }
+
+    /// The error every operation gets after a panic, if one happened.
+    pub fn poisoned(&self) -> Option<&Error> {
+        self.poisoned.as_ref()
+    }
+
+    /// Drains `inbox` and decides every operation in order, until the inbox is idle or an
+    /// operation waits for another device ([`Progress::Blocked`]; the inbox is kicked
+    /// when it can go on). Call it whenever the inbox kicks.
+    pub fn run(&mut self, inbox: &Arc<Inbox<DeviceOp>>) -> Progress {
+        loop {
+            inbox.drain_into(&mut self.backlog);
+            while let Some(op) = self.backlog.pop_front() {
+                if let Handled::Blocked(op) = self.guarded(op, inbox) {
+                    self.backlog.push_front(op);
+                    return Progress::Blocked;
+                }
+            }
+            if inbox.finish() {
+                return Progress::Idle;
+            }
+        }
+    }
+
+    /// Refuses everything still queued or kept (the device is stopping).
+    pub fn refuse_all(&mut self, inbox: &Inbox<DeviceOp>, error: &Error) {
+        let mut ops = std::mem::take(&mut self.backlog);
+        ops.extend(inbox.close());
+        for op in ops {
+            let state = &self.state;
+            op.refuse(error, |i| state.issued(i));
+        }
+    }
+
+    /// Decides one operation; a panic while deciding it poisons the device (the last
+    /// line: no operation should panic, but if one does, its tables may be half updated,
+    /// so every later operation is refused and every issued event fails).
+    #[cfg(not(tributary_loom))]
+    fn guarded(&mut self, op: DeviceOp, inbox: &Arc<Inbox<DeviceOp>>) -> Handled {
+        if let Some(e) = &self.poisoned {
+            let state = &self.state;
+            op.refuse(e, |i| state.issued(i));
+            return Handled::Done;
+        }
+        let name = op.name();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(op, inbox))) {
+            Ok(handled) => handled,
+            Err(payload) => {
+                let e = Error::ActorPanicked {
+                    actor: format!("device actor {}", self.state.device()),
+                    message: name.into(),
+                    panic: crate::error::panic_message(&*payload),
+                };
+                self.poison(&e, name);
+                Handled::Done
+            }
+        }
+    }
+
+    #[cfg(tributary_loom)]
+    fn guarded(&mut self, op: DeviceOp, inbox: &Arc<Inbox<DeviceOp>>) -> Handled {
+        self.handle(op, inbox)
+    }
+
+    /// Fails every operation issued on the device with `e` as root cause and refuses
+    /// every later one.
+    pub fn poison(&mut self, e: &Error, operation: &str) {
+        tracing::error!(device = %self.state.device(), error = %e, "device actor panicked");
+        for i in 0..self.state.stream_count() {
+            if let Some(t) = self.state.timeline(i) {
+                t.poison(std::sync::Arc::new(crate::Failure {
+                    stream: t.stream(),
+                    seq: t.completed().saturating_add(1),
+                    operation: operation.into(),
+                    message: e.to_string(),
+                }));
+            }
+        }
+        self.poisoned = Some(e.clone());
+    }
+
+    fn submit(&mut self, plans: Vec<Plan>) {
+        if !plans.is_empty() {
+            self.sink.submit(plans);
+        }
+    }
+
+    /// Answers `promise` with the last of `plans` (submitted), or refuses it with the
+    /// error at `stream`'s last issued sequence number.
+    fn decide(&mut self, promise: SeqPromise, stream: StreamId, plans: Result<Vec<Plan>>) {
+        match plans {
+            Ok(plans) => {
+                let planned = match plans.last() {
+                    Some(p) => Planned::At(p.event().seq()),
+                    None => Planned::Refused(
+                        self.state.issued(stream.index as usize),
+                        Error::Internal("an operation planned nothing".into()),
+                    ),
+                };
+                promise.resolve(planned);
+                self.submit(plans);
+            }
+            Err(e) => {
+                promise.resolve(Planned::Refused(
+                    self.state.issued(stream.index as usize),
+                    e,
+                ));
+            }
+        }
+    }
+
+    /// Runs `f` with the host table: the shared one (locked, stamped) when the operation
+    /// touches a hosted node, else the scratch table.
+    fn with_host<R>(
+        &mut self,
+        hosted: bool,
+        stamp: u64,
+        f: impl FnOnce(&mut DeviceState, &mut HostTable) -> R,
+    ) -> R {
+        if hosted {
+            let host = self.host.clone();
+            let mut host = host.lock();
+            host.set_order(stamp);
+            f(&mut self.state, &mut host)
+        } else {
+            self.scratch.set_order(stamp);
+            f(&mut self.state, &mut self.scratch)
+        }
+    }
+
+    fn check_stream_index(&self, index: usize) -> Result<StreamId> {
+        let count = self.state.stream_count();
+        if index >= count {
+            return Err(Error::NoSuchStream {
+                device: self.state.device(),
+                index,
+                count,
+            });
+        }
+        Ok(StreamId {
+            device: self.state.device(),
+            index: index as u32,
+        })
+    }
+
+    /// Decides `op`, its plans stamped with the stamp its call took when it was posted.
+    fn handle(&mut self, mut op: DeviceOp, inbox: &Arc<Inbox<DeviceOp>>) -> Handled {
+        let stamp = op.stamp_mut().map(|s| *s);
+        self.state.set_issue_stamp(stamp);
+        let handled = self.decide_op(op, inbox);
+        self.state.set_issue_stamp(None);
+        handled
+    }
+
+    fn decide_op(&mut self, op: DeviceOp, inbox: &Arc<Inbox<DeviceOp>>) -> Handled {
+        match op {
+            DeviceOp::NewContext { stream, reply } => {
+                let r = self
+                    .check_stream_index(stream)
+                    .and_then(|_| self.state.root_context(stream));
+                reply.send(r);
+            }
+            DeviceOp::Link { ctx, spec, reply } => {
+                let r = self.link(&ctx, spec);
+                reply.send(r);
+            }
+            DeviceOp::Schedule {
+                stamp,
+                routine,
+                promise,
+            } => {
+                let hosted = reads_or_writes_hosted(&routine);
+                let plans = self.with_host(hosted, stamp, |s, h| s.schedule(&routine, h));
+                self.decide(promise, routine.context().stream(), plans);
+            }
+            DeviceOp::Transfer {
+                stamp,
+                ctx,
+                node,
+                up,
+                promise,
+            } => {
+                let plan = self.with_host(true, stamp, |s, h| {
+                    if up {
+                        s.from_host(&ctx, &node, h)
+                    } else {
+                        s.to_host(&ctx, &node, h)
+                    }
+                });
+                self.decide(promise, ctx.stream(), plan.map(|p| vec![p]));
+            }
+            DeviceOp::InitFromHost {
+                stamp,
+                ctx,
+                node,
+                reply,
+            } => {
+                let r = self.init_from_host(stamp, &ctx, &node);
+                reply.send(r);
+            }
+            DeviceOp::Read {
+                ctx,
+                node,
+                into,
+                raw,
+                reply,
+            } => {
+                let r = self.read(&ctx, &node, into, raw);
+                reply.send(r);
+            }
+            DeviceOp::TransferToHost {
+                stamp,
+                stream,
+                node,
+                loc,
+                reply,
+            } => {
+                let r = self.check_stream(stream).and_then(|()| {
+                    self.with_host(true, stamp, |s, h| s.plan_to_host(stream, &node, loc, h))
+                });
+                reply.send(r.map(|plan| {
+                    let e = plan.event().clone();
+                    self.submit(vec![plan]);
+                    e
+                }));
+            }
+            DeviceOp::CopySource {
+                stamp,
+                ctx,
+                node,
+                reader,
+                verdict,
+            } => self.copy_source(stamp, &ctx, &node, reader, verdict),
+            DeviceOp::CopyDest {
+                stamp,
+                delivery,
+                verdict,
+                promise,
+                source,
+            } => {
+                return self.copy_dest(inbox, stamp, delivery, verdict, promise, source);
+            }
+            DeviceOp::RecordRead { loc, event } => self.state.record_remote_read(loc, event),
+            DeviceOp::ForgetRead { loc, event } => self.state.forget_remote_read(loc, &event),
+            DeviceOp::Finalize { stamp, ctx, reply } => {
+                let plans = self.with_host(true, stamp, |s, h| s.finalize(&ctx, h));
+                reply.send(plans.map(|plans| self.submit(plans)));
+            }
+            DeviceOp::Query(q) => self.query(q),
+            DeviceOp::Gated { gates, op } => {
+                let waker = self.kick_waker(inbox);
+                // A refused fence (a poisoned device) orders nothing any more: go on.
+                if gates.iter().all(|g| g.poll_get(&waker).is_some()) {
+                    return self.handle(*op, inbox);
+                }
+                return Handled::Blocked(DeviceOp::Gated { gates, op });
+            }
+        }
+        Handled::Done
+    }
+
+    fn kick_waker(&mut self, inbox: &Arc<Inbox<DeviceOp>>) -> Waker {
+        self.kick
+            .get_or_insert_with(|| Waker::from(StdArc::new(Kick(inbox.clone()))))
+            .clone()
+    }
+
+    fn check_stream(&self, stream: StreamId) -> Result<()> {
+        if stream.device != self.state.device() {
+            return Err(Error::ForeignStream {
+                stream,
+                device: self.state.device(),
+            });
+        }
+        self.check_stream_index(stream.index as usize).map(drop)
+    }
+
+    fn link(&mut self, ctx: &Context, spec: crate::kernels::RoutineSpec) -> Result<Routine> {
+        if let Some(backend) = &self.backend {
+            // The backend compiles or checks the caller's kernel here (naga parses WGSL):
+            // a panic there concerns that kernel only and touched no table, so it refuses
+            // the routine instead of failing the device.
+            let device = self.state.device();
+            let check = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                backend.check_kernel(device, &spec.name, &spec.kernel)
+            }));
+            check.unwrap_or_else(|payload| {
+                Err(Error::InvalidRoutine {
+                    routine: spec.name.clone(),
+                    reason: format!(
+                        "the backend's kernel check panicked: {}",
+                        crate::error::panic_message(&*payload)
+                    ),
+                })
+            })?;
+        }
+        let (routine, plans) = self.state.link(ctx, spec)?;
+        self.submit(plans);
+        Ok(routine)
+    }
+
+    fn init_from_host(&mut self, stamp: u64, ctx: &Context, node: &TensorNode) -> Result<Context> {
+        // Checked before the buffer is added: a refused upload must leave no child.
+        self.state.check_context(ctx)?;
+        if !node.mode().is_hosted() {
+            return Err(Error::NotHosted {
+                node: node.to_string(),
+            });
+        }
+        let (child, mut plans) = self.state.add_array(ctx, node)?;
+        let upload = self.with_host(true, stamp, |s, h| s.from_host(&child, node, h));
+        match upload {
+            Ok(p) => {
+                plans.push(p);
+                self.submit(plans);
+                Ok(child)
+            }
+            Err(e) => {
+                // Keep the state consistent: the child exists, its memsets must run.
+                self.submit(plans);
+                Err(e)
+            }
+        }
+    }
+
+    fn read(
+        &mut self,
+        ctx: &Context,
+        node: &TensorNode,
+        into: StdArc<crate::memory::AlignedBuffer>,
+        raw: bool,
+    ) -> Result<ReadValue> {
+        // A lagging buffer stands for the host array's value (a routine would upload it
+        // first): the caller reads that, and nothing is planned.
+        if !raw && node.mode().is_hosted() {
+            let host = self.host.clone();
+            let host = host.lock();
+            if self.state.lags(ctx, node, &host)? {
+                return Ok(ReadValue::Host);
+            }
+        }
+        let needed = node.size_in_bytes()?;
+        if into.len() as u64 != needed {
+            return Err(Error::SizeMismatch {
+                node: node.to_string(),
+                expected: format!("a destination of {needed} bytes"),
+                found: format!("{} bytes", into.len()),
+            });
+        }
+        let plan = self.state.read_into(ctx, node, into)?;
+        let e = plan.event().clone();
+        self.submit(vec![plan]);
+        Ok(ReadValue::Device(e))
+    }
+
+    /// The source half of a device-to-device call (DESIGN.md §3, rule 3, steps 2 and 4).
+    fn copy_source(
+        &mut self,
+        stamp: u64,
+        ctx: &Context,
+        node: &TensorNode,
+        reader: Event,
+        verdict: Reply<crate::protocol::Source>,
+    ) {
+        let mut source = match self.state.source(ctx, node) {
+            Ok(s) => s,
+            Err(e) => return verdict.send(Err(e)),
+        };
+        if node.mode().is_hosted() {
+            let upload = self.with_host(true, stamp, |s, h| {
+                s.upload_lagging_source(ctx, &mut source, h)
+            });
+            match upload {
+                // Submitted whatever the destination does: the upload is an operation of
+                // this device, already in its tables.
+                Ok(plan) => self.submit(plan.into_iter().collect()),
+                Err(e) => return verdict.send(Err(e)),
+            }
+        }
+        // Recorded here, at this call's place in this device's order, before any later
+        // write of the source is decided: that write waits for the destination's
+        // operation, whenever the destination plans it.
+        // A source nothing wrote will be refused by the destination: nothing reads it.
+        if !mutant!("late_source_read") && source.check_written().is_ok() {
+            self.state.record_remote_read(source.loc().loc, reader);
+        }
+        verdict.send(Ok(source));
+    }
+
+    /// The destination half of a device-to-device call (DESIGN.md §3, rule 3, step 3):
+    /// once the source answered, plans the copy or the streaming consumer. A refusal tells
+    /// the source to forget the read it recorded (posted before the caller learns of it).
+    fn copy_dest(
+        &mut self,
+        inbox: &Arc<Inbox<DeviceOp>>,
+        stamp: u64,
+        delivery: Delivery,
+        verdict: Verdict,
+        promise: SeqPromise,
+        link: SourceLink,
+    ) -> Handled {
+        // The destination's own first check comes before the source's answer, as in the
+        // single-owner composition (`protocol::device_to_device`).
+        let (dst_ctx, stream) = match &delivery {
+            Delivery::Copy { dst, .. } => (dst.clone(), dst.stream()),
+            Delivery::Streaming(r) => (r.context().clone(), r.context().stream()),
+        };
+        let checked = self.state.check_context(&dst_ctx);
+        let source = match checked {
+            Err(e) => Err(e),
+            Ok(()) => match verdict.poll_get(&self.kick_waker(inbox)) {
+                Some(answer) => answer,
+                None => {
+                    return Handled::Blocked(DeviceOp::CopyDest {
+                        stamp,
+                        delivery,
+                        verdict,
+                        promise,
+                        source: link,
+                    })
+                }
+            },
+        };
+        let plans = source.and_then(|source| {
+            let hosted = source.node().mode().is_hosted()
+                || matches!(&delivery, Delivery::Streaming(r) if reads_or_writes_hosted(r));
+            let plans = self.with_host(hosted, stamp, |s, h| match &delivery {
+                Delivery::Copy { dst, into_merge } => s
+                    .copy_in(dst, &source, *into_merge, h)
+                    .map(|p| p.into_iter().collect::<Vec<_>>()),
+                Delivery::Streaming(r) => s.schedule_streaming(r, &source, h),
+            })?;
+            Ok((source.loc().loc, plans))
+        });
+        match plans {
+            Ok((loc, plans)) if !plans.is_empty() => {
+                let last = plans.last().map(|p| p.event().clone());
+                self.decide(promise, stream, Ok(plans));
+                if let (true, Some(event)) = (mutant!("late_source_read"), last) {
+                    // The old shape, as a mutant: the read reaches the source later, after
+                    // whatever the source decided meanwhile.
+                    link.inbox
+                        .post_internal(DeviceOp::RecordRead { loc, event });
+                }
+            }
+            // Both contexts share the buffer: nothing to do (the dispatcher does not post
+            // such a call; answered as a no-op ordered after the stream's last operation).
+            Ok(_) => {
+                link.forget();
+                promise.resolve(Planned::At(self.state.issued(stream.index as usize)));
+            }
+            Err(e) => {
+                link.forget();
+                self.decide(promise, stream, Err(e));
+            }
+        }
+        Handled::Done
+    }
+
+    fn query(&mut self, q: Query) {
+        match q {
+            Query::LastEvents(r) => r.send(Ok(self.state.last_events())),
+            Query::StreamLastEvent(index, r) => {
+                let out = self.check_stream_index(index).map(|stream| {
+                    self.state
+                        .last_events()
+                        .into_iter()
+                        .find(|e| e.stream() == stream)
+                });
+                r.send(out);
+            }
+            Query::IsIdle(r) => r.send(Ok(self.state.last_events().iter().all(Event::is_done))),
+            Query::MemoryStats(r) => r.send(Ok(self.state.pool_stats())),
+            Query::TableSizes(r) => r.send(Ok(self.state.table_sizes())),
+            Query::DebugInfo(r) => r.send(Ok(self.debug_info())),
+            Query::Sweep(r) => {
+                self.sweep();
+                r.send(Ok(()));
+            }
+            Query::Fence(r) => r.send(Ok(())),
+        }
+    }
+
+    /// Prunes the tables and returns reusable memory to the pools.
+    pub fn sweep(&mut self) {
+        self.state.sweep();
+        self.host.lock().prune();
+    }
+
+    fn debug_info(&self) -> serde_json::Value {
+        let streams: Vec<_> = (0..self.state.stream_count())
+            .filter_map(|i| self.state.timeline(i))
+            .map(|t| serde_json::json!({ "stream": t.stream().to_string(), "completed": t.completed() }))
+            .collect();
+        serde_json::json!({
+            "device": self.state.device(),
+            "tables": self.state.table_sizes(),
+            "pools": self.state.pool_stats(),
+            "streams": streams,
+            "last_events": self.state.last_events().iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// Whether scheduling `routine` may read or update a host record: it has a hosted node.
+fn reads_or_writes_hosted(routine: &Routine) -> bool {
+    routine
+        .spec()
+        .params
+        .iter()
+        .any(|p| p.node.mode().is_hosted())
+}

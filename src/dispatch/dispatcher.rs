@@ -1,0 +1,1013 @@
+//! The host side: each host call becomes operations posted, at once and in program order,
+//! to the inboxes of the devices it concerns ([`Dispatcher`]). This is the coordinator's
+//! routing: it decides *where* each part of a call goes and what the parts tell each
+//! other; the device cores decide *what* each part plans, in their own inbox order.
+//!
+//! - A call on one device is one operation in that device's inbox.
+//! - A copy from device A to device B is a source half on A and a destination half on B,
+//!   posted together (one atomic post, [`super::inbox::post_atomically`]): A describes its
+//!   buffer, records B's operation (a [`PendingEvent`]) as a reader and answers B; B plans
+//!   the copy or the streaming consumer once A answered. Nothing can be decided between
+//!   A's read record and B's copy that the program order puts elsewhere (issue 16's torn
+//!   copies came from three sequential round trips with a window between them).
+//! - An all-reduce is one such pair per step, all posted in one atomic post: one message
+//!   per device for the whole step list, no round trip.
+//! - Host-array order (`hosted.rs`): an operation that must come after another device's
+//!   earlier operations on a host array is gated on a fence of that device, posted with
+//!   it. Host reads and writes hold the node's lock while they wait for device work.
+//!
+//! Every operation's stamp is taken inside the atomic post (`issue` stamps of the plans it
+//! makes), so stamp order is the order every inbox agrees on.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc as StdArc;
+use std::task::{Context as TaskContext, Poll};
+
+use crate::{
+    collective::{Step, Transfer},
+    engine::MergeBufferUse,
+    error::{Error, Result},
+    event::{Event, Timeline},
+    ids::{DeviceId, StreamId},
+    kernels::RoutineSpec,
+    memory::AlignedBuffer,
+    node::TensorNode,
+    pending::{Oneshot, PendingEvent, SeqPromise},
+    protocol::{check_streaming_placement, reserve_issue_stamps, Context, HostTable, Routine},
+    sync::{Arc, Mutex},
+};
+
+use super::{
+    hosted::{HostUse, NodeGuard, NodeLock, NodeLocks},
+    inbox::{post_atomically, Inbox, Refused},
+    ops::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, SourceLink},
+};
+
+/// Stamps reserved per step of a call (a copy's source half takes the first ones, its
+/// destination half those from [`DEST_STAMPS`]).
+const STEP_STAMPS: u64 = crate::protocol::OP_STAMPS;
+/// Offset of a destination half's stamps within its step.
+const DEST_STAMPS: u64 = STEP_STAMPS / 2;
+
+/// One device as the dispatcher sees it.
+pub struct DeviceSlot {
+    /// The device.
+    pub id: DeviceId,
+    /// Its inbox.
+    pub inbox: Arc<Inbox<DeviceOp>>,
+    /// Its streams' timelines (index = stream index).
+    pub timelines: Vec<Arc<Timeline>>,
+}
+
+/// Whether the backend can read `src`'s memory in place on `dst`.
+pub type CanStream = StdArc<dyn Fn(DeviceId, DeviceId) -> bool + Send + Sync>;
+
+/// An all-reduce as the dispatcher receives it (checked whole before anything is posted).
+#[derive(Clone, Debug)]
+pub struct AllReduceCall {
+    /// The steps, in issue order.
+    pub steps: Vec<Step>,
+    /// The chunk nodes.
+    pub nodes: Vec<TensorNode>,
+    /// The contexts, one per participant.
+    pub contexts: Vec<Context>,
+    /// Per context, per chunk: the routine adding the merge buffer into the chunk.
+    pub merge: Vec<Vec<Routine>>,
+    /// Per context: scale routines (indexed by chunk), for means.
+    pub scale: Vec<Vec<Routine>>,
+    /// How reduce steps move data.
+    pub transfer: Transfer,
+}
+
+/// One operation of a call, before posting.
+struct Part {
+    device: usize,
+    /// The call's step this part belongs to (stamps and placement of fences).
+    step: usize,
+    /// Stamp offset within the step.
+    offset: u64,
+    /// A fence (placed before the step's other parts on its device).
+    fence: bool,
+    gates: Vec<Answer<()>>,
+    op: DeviceOp,
+}
+
+impl Part {
+    fn new(device: usize, step: usize, offset: u64, op: DeviceOp) -> Part {
+        Part {
+            device,
+            step,
+            offset,
+            fence: false,
+            gates: Vec::new(),
+            op,
+        }
+    }
+}
+
+/// Routes host calls into device inboxes; see the module documentation. Shared by every
+/// host thread (`Send + Sync`); every method posts atomically.
+pub struct Dispatcher {
+    devices: Vec<DeviceSlot>,
+    can_stream: CanStream,
+    host: Arc<Mutex<HostTable>>,
+    nodes: NodeLocks,
+}
+
+impl Dispatcher {
+    /// A dispatcher over `devices` (any order; sorted by id here), whose cores share the
+    /// host arrays `host`.
+    pub fn new(
+        mut devices: Vec<DeviceSlot>,
+        can_stream: CanStream,
+        host: Arc<Mutex<HostTable>>,
+    ) -> Dispatcher {
+        devices.sort_by_key(|d| d.id);
+        Dispatcher {
+            devices,
+            can_stream,
+            host,
+            nodes: NodeLocks::default(),
+        }
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The devices, by index.
+    pub fn devices(&self) -> &[DeviceSlot] {
+        &self.devices
+    }
+
+    /// The host arrays.
+    pub fn host(&self) -> &Arc<Mutex<HostTable>> {
+        &self.host
+    }
+
+    /// The index of device `id`; [`Error::UnknownDevice`] if it is not one of ours.
+    pub fn index_of(&self, id: DeviceId) -> Result<usize> {
+        self.devices
+            .iter()
+            .position(|d| d.id == id)
+            .ok_or(Error::UnknownDevice {
+                device: id,
+                count: self.devices.len(),
+            })
+    }
+
+    /// Device `index`; [`Error::NoSuchDevice`] beyond the devices.
+    pub fn slot(&self, index: usize) -> Result<&DeviceSlot> {
+        self.devices.get(index).ok_or(Error::NoSuchDevice {
+            index,
+            count: self.devices.len(),
+        })
+    }
+
+    /// The timeline of `stream`.
+    fn timeline(&self, stream: StreamId) -> Result<Arc<Timeline>> {
+        let slot = &self.devices[self.index_of(stream.device)?];
+        slot.timelines
+            .get(stream.index as usize)
+            .cloned()
+            .ok_or(Error::NoSuchStream {
+                device: stream.device,
+                index: stream.index as usize,
+                count: slot.timelines.len(),
+            })
+    }
+
+    fn pending(&self, stream: StreamId) -> Result<(PendingEvent, SeqPromise)> {
+        Ok(PendingEvent::new(self.timeline(stream)?))
+    }
+
+    /// A pending operation on `stream` and the promise that decides it (for messages that
+    /// hand their ticket out before they are posted).
+    pub fn pending_event(&self, stream: StreamId) -> Result<(PendingEvent, SeqPromise)> {
+        self.pending(stream)
+    }
+
+    fn closed(r: Refused) -> Error {
+        match r {
+            Refused::Closed(device) => Error::ShutDown(format!("device {device} is shut down")),
+        }
+    }
+
+    /// Posts `parts` as one atomic step: stamps, host-array gates, one post.
+    fn post(&self, parts: Vec<Part>) -> Result<()> {
+        self.post_holding(parts, None)
+    }
+
+    /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
+    /// or a read of a hosted node, posting under its node's lock).
+    fn post_holding(&self, mut parts: Vec<Part>, held: Option<&NodeGuard>) -> Result<()> {
+        let guards = self.gate(&mut parts, held);
+        // Fences go before the other parts of their step on their device (see `gate`).
+        parts.sort_by_key(|p| (p.step, !p.fence));
+        let mut devices: Vec<usize> = parts.iter().map(|p| p.device).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        let mut per_device: Vec<Vec<Part>> = devices.iter().map(|_| Vec::new()).collect();
+        let steps = parts.iter().map(|p| p.step + 1).max().unwrap_or(1) as u64;
+        for p in parts {
+            let i = devices.binary_search(&p.device).unwrap_or_default();
+            per_device[i].push(p);
+        }
+        let inboxes: Vec<&Inbox<DeviceOp>> =
+            devices.iter().map(|&d| &*self.devices[d].inbox).collect();
+        let mut stamped = false;
+        let result = post_atomically(&inboxes, |i, push| {
+            if !stamped {
+                // Inside every lock: stamp order is the order all these inboxes agree on.
+                let base = reserve_issue_stamps(steps * STEP_STAMPS);
+                for p in per_device.iter_mut().flatten() {
+                    if let Some(s) = p.op.stamp_mut() {
+                        *s = base + p.step as u64 * STEP_STAMPS + p.offset;
+                    }
+                }
+                stamped = true;
+            }
+            for p in std::mem::take(&mut per_device[i]) {
+                if p.gates.is_empty() {
+                    push(p.op);
+                } else {
+                    push(DeviceOp::Gated {
+                        gates: p.gates,
+                        op: Box::new(p.op),
+                    });
+                }
+            }
+        });
+        drop(guards);
+        result.map_err(Self::closed)
+    }
+
+    /// Host-array order for `parts` (`hosted.rs`): takes the lock of every hosted node
+    /// they touch, gates parts on fences of the devices they must follow, and adds the
+    /// fences. The guards must be held until the parts are posted.
+    fn gate(&self, parts: &mut Vec<Part>, held: Option<&NodeGuard>) -> Vec<NodeGuard> {
+        let mut uses: Vec<(usize, TensorNode, Option<HostUse>)> = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            hosted_uses(&p.op, |node, use_| uses.push((i, node.clone(), use_)));
+        }
+        if uses.is_empty() {
+            return Vec::new();
+        }
+        let mut nodes: Vec<&TensorNode> = uses
+            .iter()
+            .map(|(_, n, _)| n)
+            .filter(|n| held.is_none_or(|h| h.node() != n.id()))
+            .collect();
+        nodes.sort_by_key(|n| n.id());
+        nodes.dedup_by_key(|n| n.id());
+        let guards: BTreeMap<_, NodeGuard> = nodes
+            .iter()
+            .map(|n| {
+                let lock = self.nodes.get(n.id());
+                (n.id(), super::block_on(NodeLock::lock(&lock)))
+            })
+            .collect();
+        let mut fences = Vec::new();
+        for (i, node, use_) in uses {
+            let Some(use_) = use_ else { continue };
+            let device = parts[i].device;
+            let step = parts[i].step;
+            let guard = match held {
+                Some(h) if h.node() == node.id() => h,
+                _ => &guards[&node.id()],
+            };
+            for e in guard.with(|o| o.gate(device, use_)) {
+                let (r, answer) = reply::<()>();
+                parts[i].gates.push(answer);
+                fences.push(Part {
+                    fence: true,
+                    ..Part::new(e, step, 0, DeviceOp::Query(Query::Fence(r)))
+                });
+            }
+        }
+        parts.extend(fences);
+        guards.into_values().collect()
+    }
+
+    /// Posts `op` to device `index` (whatever device its contexts name: the device checks
+    /// them, so an operation sent to the wrong actor is refused there).
+    pub fn post_to(&self, index: usize, op: DeviceOp) -> Result<()> {
+        self.slot(index)?;
+        self.post(vec![Part::new(index, 0, 0, op)])
+    }
+
+    /// Posts `make(reply)` to device `index` and returns the answer to wait on.
+    pub fn request<T: Clone>(
+        &self,
+        index: usize,
+        make: impl FnOnce(super::ops::Reply<T>) -> DeviceOp,
+    ) -> Result<Answer<T>> {
+        self.slot(index)?;
+        let (r, answer) = reply();
+        self.post(vec![Part::new(index, 0, 0, make(r))])?;
+        Ok(answer)
+    }
+
+    /// A root context on stream `stream` of device `index`.
+    pub fn new_context(&self, index: usize, stream: usize) -> Result<Answer<Context>> {
+        self.request(index, |reply| DeviceOp::NewContext { stream, reply })
+    }
+
+    /// Links `spec` into `ctx`.
+    pub fn link(&self, ctx: &Context, spec: RoutineSpec) -> Result<Answer<Routine>> {
+        let d = self.index_of(ctx.device())?;
+        self.request(d, |reply| DeviceOp::Link {
+            ctx: ctx.clone(),
+            spec,
+            reply,
+        })
+    }
+
+    /// Schedules `routine`: its event, planned when its device reaches it.
+    pub fn schedule(&self, routine: &Routine) -> Result<PendingEvent> {
+        let (pending, promise) = self.pending(routine.context().stream())?;
+        self.schedule_with(routine, promise)?;
+        Ok(pending)
+    }
+
+    /// Schedules `routine`, deciding `promise` (made by [`Dispatcher::pending_event`]).
+    pub fn schedule_with(&self, routine: &Routine, promise: SeqPromise) -> Result<()> {
+        let d = self.index_of(routine.context().device())?;
+        self.post(vec![Part::new(
+            d,
+            0,
+            0,
+            DeviceOp::Schedule {
+                stamp: 0,
+                routine: routine.clone(),
+                promise,
+            },
+        )])
+    }
+
+    /// Uploads (`up`) or downloads the host array of hosted `node` in `ctx`.
+    pub fn transfer(&self, ctx: &Context, node: &TensorNode, up: bool) -> Result<PendingEvent> {
+        let (pending, promise) = self.pending(ctx.stream())?;
+        self.transfer_with(ctx, node, up, promise)?;
+        Ok(pending)
+    }
+
+    /// [`Dispatcher::transfer`], deciding `promise`.
+    pub fn transfer_with(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        up: bool,
+        promise: SeqPromise,
+    ) -> Result<()> {
+        let d = self.index_of(ctx.device())?;
+        self.post(vec![Part::new(
+            d,
+            0,
+            0,
+            DeviceOp::Transfer {
+                stamp: 0,
+                ctx: ctx.clone(),
+                node: node.clone(),
+                up,
+                promise,
+            },
+        )])
+    }
+
+    /// Adds a buffer of hosted `node` to a child of `ctx`, uploaded from the host array.
+    pub fn init_from_host(&self, ctx: &Context, node: &TensorNode) -> Result<Answer<Context>> {
+        let d = self.index_of(ctx.device())?;
+        self.request(d, |reply| DeviceOp::InitFromHost {
+            stamp: 0,
+            ctx: ctx.clone(),
+            node: node.clone(),
+            reply,
+        })
+    }
+
+    /// Reads `node` in `ctx` into `into`: the value a routine would read (or the bytes as
+    /// they are, `raw`).
+    pub fn read(
+        &self,
+        ctx: &Context,
+        node: &TensorNode,
+        into: StdArc<AlignedBuffer>,
+        raw: bool,
+    ) -> Result<Answer<ReadValue>> {
+        let d = self.index_of(ctx.device())?;
+        self.request(d, |reply| DeviceOp::Read {
+            ctx: ctx.clone(),
+            node: node.clone(),
+            into,
+            raw,
+            reply,
+        })
+    }
+
+    /// Finalizes `ctx`.
+    pub fn finalize(&self, ctx: &Context) -> Result<Answer<()>> {
+        let d = self.index_of(ctx.device())?;
+        self.request(d, |reply| DeviceOp::Finalize {
+            stamp: 0,
+            ctx: ctx.clone(),
+            reply,
+        })
+    }
+
+    /// A query to device `index`.
+    pub fn query<T: Clone>(
+        &self,
+        index: usize,
+        make: impl FnOnce(super::ops::Reply<T>) -> Query,
+    ) -> Result<Answer<T>> {
+        self.request(index, |r| DeviceOp::Query(make(r)))
+    }
+
+    /// Fences every device at one point: answered once each device decided everything
+    /// posted before.
+    pub fn fence_all(&self) -> Result<Vec<Answer<()>>> {
+        let mut answers = Vec::new();
+        let parts = (0..self.devices.len())
+            .map(|d| {
+                let (r, a) = reply::<()>();
+                answers.push(a);
+                Part::new(d, 0, 0, DeviceOp::Query(Query::Fence(r)))
+            })
+            .collect();
+        self.post(parts)?;
+        Ok(answers)
+    }
+
+    /// Moves `node` from `src` to `dst` (DESIGN.md §3, rule 3): `None` when both contexts
+    /// share the buffer (nothing to do); otherwise the destination's operation, planned
+    /// when the destination reaches it (or refused with the typed error of the first
+    /// check that fails, as `protocol::device_to_device` orders them).
+    pub fn device_to_device(
+        &self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<PendingEvent>> {
+        let di = self.index_of(dst.device())?;
+        check_streaming_placement(
+            &mode,
+            src,
+            dst,
+            (self.can_stream)(src.device(), dst.device()),
+        )?;
+        let si = self.index_of(src.device())?;
+        if let MergeBufferUse::No = mode {
+            let shared = src.device() == dst.device()
+                && matches!(
+                    (src.array(node.id()), dst.array(node.id())),
+                    (Some(a), Some(b)) if a.loc == b.loc
+                );
+            if shared {
+                return Ok(None);
+            }
+        }
+        if let MergeBufferUse::StreamingFor(routine) = &mode {
+            check_streaming_consumer(routine, node, src)?;
+        }
+        let (pending, promise) = self.pending(dst.stream())?;
+        let delivery = match mode {
+            MergeBufferUse::No => Delivery::Copy {
+                dst: dst.clone(),
+                into_merge: false,
+            },
+            MergeBufferUse::Copy => Delivery::Copy {
+                dst: dst.clone(),
+                into_merge: true,
+            },
+            MergeBufferUse::StreamingFor(r) => Delivery::Streaming(r),
+        };
+        let mut parts = Vec::with_capacity(2);
+        self.copy_parts(
+            &mut parts,
+            0,
+            si,
+            di,
+            src,
+            node,
+            delivery,
+            pending.clone(),
+            promise,
+        );
+        self.post(parts)?;
+        Ok(Some(pending))
+    }
+
+    /// The two halves of one copy, at step `step`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_parts(
+        &self,
+        parts: &mut Vec<Part>,
+        step: usize,
+        si: usize,
+        di: usize,
+        src: &Context,
+        node: &TensorNode,
+        delivery: Delivery,
+        pending: PendingEvent,
+        promise: SeqPromise,
+    ) {
+        let (verdict_reply, verdict) = reply();
+        parts.push(Part::new(
+            si,
+            step,
+            0,
+            DeviceOp::CopySource {
+                stamp: 0,
+                ctx: src.clone(),
+                node: node.clone(),
+                reader: pending.event(),
+                verdict: verdict_reply,
+            },
+        ));
+        let link = SourceLink {
+            inbox: self.devices[si].inbox.clone(),
+            loc: src.array(node.id()).map(|e| e.loc),
+            reader: pending.event(),
+        };
+        parts.push(Part::new(
+            di,
+            step,
+            DEST_STAMPS,
+            DeviceOp::CopyDest {
+                stamp: 0,
+                delivery,
+                verdict,
+                promise,
+                source: link,
+            },
+        ));
+    }
+
+    /// Issues an all-reduce, checked whole first (nothing is posted if any part of it is
+    /// malformed); returns the final event of every chunk in every context.
+    pub fn all_reduce(&self, call: &AllReduceCall) -> Result<Vec<PendingEvent>> {
+        check_all_reduce(call, &*self.can_stream)?;
+        let index: Vec<usize> = call
+            .contexts
+            .iter()
+            .map(|c| self.index_of(c.device()))
+            .collect::<Result<_>>()?;
+        let chunks = call.nodes.len();
+        let mut last: Vec<Option<PendingEvent>> = vec![None; call.contexts.len() * chunks];
+        let mut parts = Vec::new();
+        for (k, step) in call.steps.iter().enumerate() {
+            match *step {
+                Step::Reduce { chunk, src, dst } => {
+                    let streaming = match call.transfer {
+                        Transfer::Copy => false,
+                        Transfer::Streaming => true,
+                        Transfer::Auto => (self.can_stream)(
+                            call.contexts[src].device(),
+                            call.contexts[dst].device(),
+                        ),
+                    };
+                    let (s, d) = (&call.contexts[src], &call.contexts[dst]);
+                    let merge = call.merge[dst][chunk].clone();
+                    if streaming {
+                        let (pending, promise) = self.pending(d.stream())?;
+                        self.copy_parts(
+                            &mut parts,
+                            k,
+                            index[src],
+                            index[dst],
+                            s,
+                            &call.nodes[chunk],
+                            Delivery::Streaming(merge),
+                            pending.clone(),
+                            promise,
+                        );
+                        last[dst * chunks + chunk] = Some(pending);
+                    } else {
+                        let (copy, promise) = self.pending(d.stream())?;
+                        self.copy_parts(
+                            &mut parts,
+                            k,
+                            index[src],
+                            index[dst],
+                            s,
+                            &call.nodes[chunk],
+                            Delivery::Copy {
+                                dst: d.clone(),
+                                into_merge: true,
+                            },
+                            copy,
+                            promise,
+                        );
+                        let (pending, promise) = self.pending(d.stream())?;
+                        parts.push(Part::new(
+                            index[dst],
+                            k,
+                            DEST_STAMPS + STEP_STAMPS / 4,
+                            DeviceOp::Schedule {
+                                stamp: 0,
+                                routine: merge,
+                                promise,
+                            },
+                        ));
+                        last[dst * chunks + chunk] = Some(pending);
+                    }
+                }
+                Step::Broadcast { chunk, src, dst } => {
+                    let d = &call.contexts[dst];
+                    let (pending, promise) = self.pending(d.stream())?;
+                    self.copy_parts(
+                        &mut parts,
+                        k,
+                        index[src],
+                        index[dst],
+                        &call.contexts[src],
+                        &call.nodes[chunk],
+                        Delivery::Copy {
+                            dst: d.clone(),
+                            into_merge: false,
+                        },
+                        pending.clone(),
+                        promise,
+                    );
+                    last[dst * chunks + chunk] = Some(pending);
+                }
+                Step::Scale { chunk, ctx } => {
+                    let routine = call.scale[ctx][chunk].clone();
+                    let (pending, promise) = self.pending(routine.context().stream())?;
+                    parts.push(Part::new(
+                        index[ctx],
+                        k,
+                        0,
+                        DeviceOp::Schedule {
+                            stamp: 0,
+                            routine,
+                            promise,
+                        },
+                    ));
+                    last[ctx * chunks + chunk] = Some(pending);
+                }
+            }
+        }
+        self.post(parts)?;
+        Ok(last.into_iter().flatten().collect())
+    }
+
+    /// Writes the host value of hosted `node` (`bytes`, its exact size): waits, holding
+    /// the node's lock, until every device decided its earlier operations and every
+    /// pending transfer of the host array completed, then writes it; every device buffer
+    /// then lags and is uploaded before its next read.
+    pub async fn host_write(&self, node: &TensorNode, bytes: &[u8]) -> Result<()> {
+        let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
+        for fence in self.fence_all()? {
+            let _ = answer(fence).await;
+        }
+        loop {
+            let pending = {
+                let mut host = self.host.lock();
+                let pending = host.begin_write(node)?;
+                if pending.iter().all(Event::is_done) {
+                    host.set_order(reserve_issue_stamps(STEP_STAMPS));
+                    host.commit_write(node, bytes)?;
+                    break;
+                }
+                pending
+            };
+            for e in pending {
+                // Order only: a failed transfer still must not overlap the write.
+                let _ = e.wait_async().await;
+            }
+        }
+        guard.with(|o| o.clear());
+        Ok(())
+    }
+
+    /// Reads the host value of hosted `node`: the newest device value is transferred
+    /// first (by program-order stamp), then the host array is read once every transfer
+    /// into it completed. Holds the node's lock throughout.
+    pub async fn host_read(&self, node: &TensorNode) -> Result<Vec<u8>> {
+        let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
+        for fence in self.fence_all()? {
+            let _ = answer(fence).await;
+        }
+        let newer = self.host.lock().record(node)?.newer_on_device();
+        if let Some(copy) = newer {
+            let d = self.index_of(copy.loc.device)?;
+            let (r, transfer) = reply();
+            // Posted under the node's lock, after every device's fence: nothing else can
+            // touch the node's host array between that point and this transfer.
+            self.post_holding(
+                vec![Part::new(
+                    d,
+                    0,
+                    0,
+                    DeviceOp::TransferToHost {
+                        stamp: 0,
+                        stream: copy.stream,
+                        node: node.clone(),
+                        loc: copy.loc.loc,
+                        reply: r,
+                    },
+                )],
+                Some(&guard),
+            )?;
+            answer(transfer).await?;
+        }
+        let bytes = self.read_host_array(node).await;
+        guard.with(|o| o.clear());
+        bytes
+    }
+
+    /// Reads `node` in `ctx`: what a routine of `ctx` would read (the buffer after its
+    /// last write, or the host array for a buffer lagging a host write), or with `raw`
+    /// the buffer's bytes as they are.
+    pub async fn read_value(&self, ctx: &Context, node: &TensorNode, raw: bool) -> Result<Vec<u8>> {
+        let bytes = node.size_in_bytes()? as usize;
+        let into = StdArc::new(AlignedBuffer::new(bytes, 64)?);
+        // A hosted node's value may be the host array's: hold the node's lock so that no
+        // host write or transfer lands between the decision and the read.
+        let guard = if node.mode().is_hosted() && !raw {
+            Some(NodeLock::lock(&self.nodes.get(node.id())).await)
+        } else {
+            None
+        };
+        let d = self.index_of(ctx.device())?;
+        let (r, read) = reply();
+        self.post_holding(
+            vec![Part::new(
+                d,
+                0,
+                0,
+                DeviceOp::Read {
+                    ctx: ctx.clone(),
+                    node: node.clone(),
+                    into: into.clone(),
+                    raw,
+                    reply: r,
+                },
+            )],
+            guard.as_ref(),
+        )?;
+        let out = match answer(read).await? {
+            ReadValue::Host => self.read_host_array(node).await,
+            ReadValue::Device(event) => {
+                event.wait_async().await?;
+                // SAFETY: the copy into `into` completed (its event was awaited) and no
+                // device operation holds another reference to it.
+                let data = unsafe { into.bytes(0, bytes) }.map_err(crate::DeviceError::from)?;
+                Ok(data.to_vec())
+            }
+        };
+        drop(guard);
+        out
+    }
+
+    /// The host array of hosted `node` as it is now, once every pending transfer into it
+    /// completed (failed transfers report their cause).
+    async fn read_host_array(&self, node: &TensorNode) -> Result<Vec<u8>> {
+        loop {
+            let pending = self.host.lock().pending_writes(node)?;
+            if pending.iter().all(Event::is_done) {
+                for e in &pending {
+                    e.wait()?;
+                }
+                // Read under the lock: no new transfer into the array can be planned meanwhile.
+                return self.host.lock().read_bytes(node);
+            }
+            for e in pending {
+                let _ = e.wait_async().await;
+            }
+        }
+    }
+}
+
+/// What an operation may do to host arrays: `(node, Some(use))` for uploads and
+/// downloads, `(node, None)` for an operation that only writes a hosted node's buffer or
+/// reads its version (it still takes the node's lock, to be ordered with host writes).
+fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
+    let routine = |r: &Routine, f: &mut dyn FnMut(&TensorNode, Option<HostUse>)| {
+        for p in &r.spec().params {
+            if p.node.mode().is_hosted() {
+                f(&p.node, p.access.reads().then_some(HostUse::Upload));
+            }
+        }
+    };
+    match op {
+        DeviceOp::Schedule { routine: r, .. } => routine(r, &mut f),
+        DeviceOp::Transfer { node, up, .. } if node.mode().is_hosted() => f(
+            node,
+            Some(if *up {
+                HostUse::Upload
+            } else {
+                HostUse::Download
+            }),
+        ),
+        DeviceOp::InitFromHost { node, .. } => f(node, Some(HostUse::Upload)),
+        DeviceOp::CopySource { node, .. } if node.mode().is_hosted() => {
+            f(node, Some(HostUse::Upload))
+        }
+        // A copy into a hosted node's buffer updates its host record: the source half
+        // of the same call takes the node's lock.
+        DeviceOp::CopyDest {
+            delivery: Delivery::Streaming(r),
+            ..
+        } => routine(r, &mut f),
+        DeviceOp::Read {
+            node, raw: false, ..
+        } if node.mode().is_hosted() => f(node, Some(HostUse::Upload)),
+        DeviceOp::TransferToHost { node, .. } => f(node, Some(HostUse::Download)),
+        DeviceOp::Finalize { ctx, .. } => {
+            for n in ctx.nodes() {
+                if n.mode().is_hosted() {
+                    f(n, Some(HostUse::Download));
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The checks of a `StreamingFor` consumer that need no device state (the rest are the
+/// destination's): it reads a merge buffer, expects `node` there, and does not write the
+/// source buffer it would read in place.
+fn check_streaming_consumer(routine: &Routine, node: &TensorNode, src: &Context) -> Result<()> {
+    let spec = routine.spec();
+    let Some(expected) = &spec.merge else {
+        return Err(Error::InvalidRoutine {
+            routine: spec.name.clone(),
+            reason: format!("it reads no merge buffer, so it cannot consume {node}"),
+        });
+    };
+    let consumer = routine.context();
+    if consumer.device() == src.device() {
+        if let Some(source) = src.array(node.id()) {
+            let writes_source = spec.params.iter().any(|p| {
+                p.access.writes() && consumer.array(p.node.id()).map(|e| e.loc) == Some(source.loc)
+            });
+            if writes_source {
+                return Err(Error::StreamingUnsupported {
+                    src: src.device(),
+                    dst: consumer.device(),
+                    reason: format!(
+                        "the source buffer of {node} is written by the consumer {}",
+                        spec.name
+                    ),
+                });
+            }
+        }
+    }
+    if expected != node {
+        return Err(Error::MergeBufferMismatch {
+            stream: consumer.stream(),
+            expected: expected.to_string(),
+            found: node.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks an all-reduce before any step is posted, so a malformed one changes nothing:
+/// the lists agree in length, every step's indices are in range, every context used holds
+/// its chunk, every routine runs on its context's stream (the merge routines reading
+/// their chunk from the merge buffer), and streaming is possible where required.
+fn check_all_reduce(
+    msg: &AllReduceCall,
+    can_stream: &dyn Fn(DeviceId, DeviceId) -> bool,
+) -> Result<()> {
+    let (n, chunks) = (msg.contexts.len(), msg.nodes.len());
+    let length = |what: String, expected: usize, found: usize| {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(Error::LengthMismatch {
+                what,
+                expected,
+                found,
+            })
+        }
+    };
+    let index = |what: String, index: usize, len: usize| {
+        if index < len {
+            Ok(index)
+        } else {
+            Err(Error::IndexOutOfRange { what, index, len })
+        }
+    };
+    length(
+        "all-reduce merge routines (a list per context)".into(),
+        n,
+        msg.merge.len(),
+    )?;
+    length(
+        "all-reduce scale routines (a list per context)".into(),
+        n,
+        msg.scale.len(),
+    )?;
+    let on_stream = |r: &Routine, ctx: usize, what: &str| {
+        let (stream, want) = (r.context().stream(), msg.contexts[ctx].stream());
+        if stream == want {
+            Ok(())
+        } else {
+            Err(Error::InvalidRoutine {
+                routine: r.name().into(),
+                reason: format!(
+                    "{what} of context {ctx} runs on {stream}, the context is on {want}"
+                ),
+            })
+        }
+    };
+    for (ctx, routines) in msg.merge.iter().enumerate() {
+        length(
+            format!("all-reduce merge routines of context {ctx} (one per chunk)"),
+            chunks,
+            routines.len(),
+        )?;
+        for (chunk, r) in routines.iter().enumerate() {
+            on_stream(r, ctx, "merge routine")?;
+            if r.spec().merge.as_ref() != Some(&msg.nodes[chunk]) {
+                return Err(Error::InvalidRoutine {
+                    routine: r.name().into(),
+                    reason: format!(
+                        "the merge routine of chunk {chunk} must read {} from the merge buffer",
+                        msg.nodes[chunk]
+                    ),
+                });
+            }
+        }
+    }
+    for (ctx, routines) in msg.scale.iter().enumerate() {
+        for r in routines {
+            on_stream(r, ctx, "scale routine")?;
+        }
+    }
+    let holds = |ctx: usize, chunk: usize| {
+        let (c, node) = (&msg.contexts[ctx], &msg.nodes[chunk]);
+        if c.contains(node) {
+            Ok(())
+        } else {
+            Err(Error::NodeNotInContext {
+                node: node.to_string(),
+                context: c.id(),
+            })
+        }
+    };
+    for (k, step) in msg.steps.iter().enumerate() {
+        match *step {
+            Step::Reduce { chunk, src, dst } | Step::Broadcast { chunk, src, dst } => {
+                let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
+                let src = index(format!("source context of step {k}"), src, n)?;
+                let dst = index(format!("destination context of step {k}"), dst, n)?;
+                holds(src, chunk)?;
+                holds(dst, chunk)?;
+                let (s, d) = (msg.contexts[src].device(), msg.contexts[dst].device());
+                if matches!(step, Step::Reduce { .. })
+                    && msg.transfer == Transfer::Streaming
+                    && !can_stream(s, d)
+                {
+                    return Err(Error::StreamingUnsupported {
+                        src: s,
+                        dst: d,
+                        reason: "the backend cannot read that memory in place".into(),
+                    });
+                }
+            }
+            Step::Scale { chunk, ctx } => {
+                let ctx = index(format!("context of step {k}"), ctx, n)?;
+                let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
+                index(
+                    format!("scale routine of context {ctx} for step {k}"),
+                    chunk,
+                    msg.scale[ctx].len(),
+                )?;
+                holds(ctx, chunk)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits for an answer asynchronously.
+pub fn answer<T: Clone>(cell: Answer<T>) -> AnswerFuture<T> {
+    AnswerFuture { cell }
+}
+
+/// The future of [`answer`].
+#[must_use = "futures do nothing unless polled"]
+pub struct AnswerFuture<T> {
+    cell: Arc<Oneshot<Result<T>>>,
+}
+
+impl<T: Clone> Future for AnswerFuture<T> {
+    type Output = Result<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<T>> {
+        match self.cell.poll_get(cx.waker()) {
+            Some(v) => Poll::Ready(v),
+            None => Poll::Pending,
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Program order for host arrays across devices, without round trips: gates.
+//!
+//! A hosted node has one host array shared by every device (DESIGN.md §3, rule 2), and
+//! each device actor updates its record in the shared [`HostTable`] when it decides an
+//! operation, in its own inbox order. Inbox order is program order per device, but two
+//! devices decide independently, so two operations on the same host array posted to two
+//! devices could reach the table in either order. Which pairs matter:
+//!
+//! - two operations that only *read* the host array (uploads: a routine reading a lagging
+//!   buffer, `from_host`, the source of a copy, a read that may answer with the host
+//!   value) commute: their records are per stream and their stamps order the rest;
+//! - device writes of the node's *buffers* are ordered by program-order stamps in the table
+//!   (`HostRecord::newer_on_device`), whatever order they arrive in;
+//! - an operation that *writes* the host array (a download: `to_host`, a finalize's
+//!   write-back, a host read's transfer) conflicts with every earlier use on other devices
+//!   (it must wait for earlier uploads), and every later upload on another device must see
+//!   it (it reads what the download wrote).
+//!
+//! So an operation that may download on device D, or that may upload on D after another
+//! device E may have downloaded, must not be decided before E decided its earlier
+//! operations. Instead of the host waiting for E (a round trip, as before), the call posts
+//! a `Fence` to E and the operation to D in one atomic post ([`super::inbox`]), the
+//! operation *gated* on the fence's answer: D decides it once E has passed that point. In
+//! steady state (every device reading its parameters, writing its own buffers) nothing is
+//! gated: zero fences per training step.
+//!
+//! The per-node state that decides this ([`NodeOrder`]) is read and updated while the
+//! call posts, under the node's [`NodeLock`]; host reads and writes hold that lock for
+//! their whole duration (they wait for device work while holding it), so every operation
+//! on the node is ordered with them. The lock is asynchronous (waiters register wakers),
+//! so `async` callers never block a thread on it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll, Waker};
+
+use crate::{
+    ids::NodeId,
+    sync::{Arc, Mutex},
+};
+
+/// What an operation may do to a host array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HostUse {
+    /// May read it (upload a lagging buffer, or answer a read with the host value).
+    Upload,
+    /// May write it (a download).
+    Download,
+}
+
+/// What the devices did to one node's host array since the last host read or write (which
+/// fence every device).
+#[derive(Debug, Default)]
+pub struct NodeOrder {
+    /// The device of the last download, if any since the last fence of every device.
+    last_download: Option<usize>,
+    /// Devices whose later operations are known to be decided after that download: its own
+    /// device and those already gated on it.
+    after_download: BTreeSet<usize>,
+    /// Devices that may have uploaded since that download (or since the last full fence).
+    uploads: BTreeSet<usize>,
+}
+
+impl NodeOrder {
+    /// The devices an operation with `use_` on device `d` must be gated on, recording the
+    /// operation (see the module documentation):
+    ///
+    /// - an upload waits for the last download, unless `d` is already ordered after it;
+    /// - a download waits for every upload since the last download and for that download:
+    ///   after it, everything before it is before it, so later operations need only be
+    ///   ordered after the new download.
+    pub fn gate(&mut self, d: usize, use_: HostUse) -> Vec<usize> {
+        let fence: Vec<usize> = match use_ {
+            HostUse::Upload => self
+                .last_download
+                .filter(|_| !self.after_download.contains(&d))
+                .into_iter()
+                .collect(),
+            HostUse::Download => self
+                .uploads
+                .iter()
+                .copied()
+                .chain(self.last_download)
+                .filter(|&e| e != d)
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+        };
+        match use_ {
+            HostUse::Upload => {
+                if self.last_download.is_some() {
+                    self.after_download.insert(d);
+                }
+                self.uploads.insert(d);
+            }
+            HostUse::Download => {
+                self.last_download = Some(d);
+                self.after_download = BTreeSet::from([d]);
+                self.uploads.clear();
+            }
+        }
+        if mutant!("host_gate") {
+            return Vec::new();
+        }
+        fence
+    }
+
+    /// Forgets everything: a host read or write fenced every device.
+    pub fn clear(&mut self) {
+        *self = NodeOrder::default();
+    }
+}
+
+/// An asynchronous lock around one node's [`NodeOrder`].
+#[derive(Debug)]
+pub struct NodeLock {
+    node: NodeId,
+    state: Mutex<LockState>,
+}
+
+#[derive(Debug, Default)]
+struct LockState {
+    held: bool,
+    order: NodeOrder,
+    waiters: Vec<Waker>,
+}
+
+impl NodeLock {
+    /// Waits for the lock (asynchronously).
+    pub fn lock(this: &Arc<Self>) -> NodeLockFuture {
+        NodeLockFuture { lock: this.clone() }
+    }
+
+    /// Runs `f` on the node's order state (the lock must be held by the caller).
+    pub fn with<R>(&self, f: impl FnOnce(&mut NodeOrder) -> R) -> R {
+        let mut s = self.state.lock();
+        debug_assert!(s.held, "NodeLock::with without holding the lock");
+        f(&mut s.order)
+    }
+}
+
+/// The future of [`NodeLock::lock`].
+#[must_use = "futures do nothing unless polled"]
+#[derive(Debug)]
+pub struct NodeLockFuture {
+    lock: Arc<NodeLock>,
+}
+
+impl Future for NodeLockFuture {
+    type Output = NodeGuard;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<NodeGuard> {
+        let mut s = self.lock.state.lock();
+        if !s.held {
+            s.held = true;
+            return Poll::Ready(NodeGuard {
+                lock: self.lock.clone(),
+            });
+        }
+        if !s.waiters.iter().any(|w| w.will_wake(cx.waker())) {
+            s.waiters.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+/// Holds a [`NodeLock`]; releasing wakes the waiters. `Send`, so it may be held across
+/// an `.await`.
+#[derive(Debug)]
+pub struct NodeGuard {
+    lock: Arc<NodeLock>,
+}
+
+impl NodeGuard {
+    /// The node whose lock this is.
+    pub fn node(&self) -> NodeId {
+        self.lock.node
+    }
+
+    /// The node's order state.
+    pub fn with<R>(&self, f: impl FnOnce(&mut NodeOrder) -> R) -> R {
+        self.lock.with(f)
+    }
+}
+
+impl Drop for NodeGuard {
+    fn drop(&mut self) {
+        let waiters = {
+            let mut s = self.lock.state.lock();
+            s.held = false;
+            std::mem::take(&mut s.waiters)
+        };
+        for w in waiters {
+            w.wake();
+        }
+    }
+}
+
+/// The locks of every hosted node of a system, created on first use. Sharded, so that
+/// devices scheduling routines over different hosted nodes do not share a lock.
+#[derive(Debug)]
+pub struct NodeLocks {
+    shards: Vec<Mutex<HashMap<NodeId, Arc<NodeLock>>>>,
+}
+
+const SHARDS: usize = 16;
+
+impl Default for NodeLocks {
+    fn default() -> Self {
+        NodeLocks {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+}
+
+impl NodeLocks {
+    /// The lock of `node`.
+    pub fn get(&self, node: NodeId) -> Arc<NodeLock> {
+        let shard = &self.shards[(node.0 as usize) % SHARDS];
+        shard
+            .lock()
+            .entry(node)
+            .or_insert_with(|| {
+                Arc::new(NodeLock {
+                    node,
+                    state: Mutex::new(LockState::default()),
+                })
+            })
+            .clone()
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests {
+    use super::*;
+    use HostUse::*;
+
+    #[test]
+    fn uploads_commute_and_downloads_order_everything_around_them() {
+        let mut o = NodeOrder::default();
+        // Every device reads its parameters: nothing is gated.
+        assert!(o.gate(0, Upload).is_empty());
+        assert!(o.gate(1, Upload).is_empty());
+        assert!(o.gate(0, Upload).is_empty());
+        // A download on 1 waits for 0's earlier uploads (not its own).
+        assert_eq!(o.gate(1, Download), vec![0]);
+        // Later uploads must see it: once per device, then steady state again.
+        assert!(o.gate(1, Upload).is_empty());
+        assert_eq!(o.gate(2, Upload), vec![1]);
+        assert_eq!(o.gate(0, Upload), vec![1]);
+        assert!(o.gate(2, Upload).is_empty());
+        assert!(o.gate(0, Upload).is_empty());
+        // A second download waits for the uploads since and the first download's device.
+        assert_eq!(o.gate(2, Download), vec![0, 1]);
+        o.clear();
+        assert!(o.gate(1, Upload).is_empty());
+    }
+}
