@@ -25,7 +25,6 @@ use tributary::{
         self, answer, ops::DeviceOp, ops::Query, ops::ReadValue, AllReduceCall, DeviceCore,
         DeviceSlot, Dispatcher, Inbox, PlanSink, Progress,
     },
-    event::Event,
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig},
     pending::PendingEvent,
@@ -44,6 +43,7 @@ use crate::world::{run_job, Job, Memory, PoolLog};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Actors {
     /// One thread per device.
+    #[allow(dead_code)]
     PerDevice,
     /// One thread for every device.
     Shared,
@@ -328,19 +328,17 @@ impl ActorWorld {
         self.memory.lock().unwrap().host_region(&into, bytes).read()
     }
 
-    /// `System::host_read`, through the dispatcher: the values its read saw.
-    pub fn host_read(&self, node: &TensorNode) -> Vec<i64> {
-        host_read(&self.dispatcher, &self.host_cells, node)
-    }
-
     /// `System::host_write`.
     pub fn host_write(&self, node: &TensorNode, data: &[i64]) {
         host_write(&self.dispatcher, node, data);
     }
 
-    /// The host cells observer (for host threads the model spawns).
-    pub fn host_cells(&self) -> StdArc<impl Send + Sync> {
-        self.host_cells.clone()
+    /// A host reader for host threads the model spawns (`HostReader::read`).
+    pub fn host_reader(&self) -> HostReader {
+        HostReader {
+            dispatcher: self.dispatcher.clone(),
+            cells: self.host_cells.clone(),
+        }
     }
 }
 
@@ -379,6 +377,19 @@ pub fn host_write(d: &Dispatcher, node: &TensorNode, data: &[i64]) {
     dispatch::block_on(d.host_write(node, &bytes)).unwrap();
 }
 
+/// `System::host_read` from any host thread.
+pub struct HostReader {
+    dispatcher: StdArc<Dispatcher>,
+    cells: StdArc<HostCells>,
+}
+
+impl HostReader {
+    /// The values the host read saw.
+    pub fn read(&self, node: &TensorNode) -> Vec<i64> {
+        host_read(&self.dispatcher, &self.cells, node)
+    }
+}
+
 fn host_read(d: &Dispatcher, cells: &HostCells, node: &TensorNode) -> Vec<i64> {
     dispatch::block_on(d.host_read(node)).unwrap();
     cells.last_read.lock().unwrap().clone()
@@ -388,6 +399,3 @@ fn host_read(d: &Dispatcher, cells: &HostCells, node: &TensorNode) -> Vec<i64> {
 pub fn wait(p: &PendingEvent) -> Result<()> {
     p.event().wait()
 }
-
-/// Keeps `Event` in the harness's vocabulary for the models.
-pub type ModelEvent = Event;

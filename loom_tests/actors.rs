@@ -31,7 +31,7 @@ use crate::{
 fn copy_races_a_write_of_its_source() {
     run_model(
         "actors::copy_races_a_write_of_its_source",
-        windowed(Some(2)),
+        windowed(Some(1)),
         || {
             let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
             let x = node("x", MemoryMode::on_device());
@@ -81,7 +81,7 @@ fn streaming_consumer_races_a_write_of_its_source() {
             w.begin_window();
             let writer = {
                 let (d, set5) = (d.clone(), set5.clone());
-                loom::thread::spawn(move || wait(&schedule(&d, &set5)).unwrap())
+                loom::thread::spawn(move || schedule(&d, &set5))
             };
             let streamed = device_to_device(
                 &d,
@@ -91,9 +91,10 @@ fn streaming_consumer_races_a_write_of_its_source() {
                 MergeBufferUse::StreamingFor(consumer.clone()),
             )
             .expect("a streaming consumer");
-            wait(&streamed).unwrap();
-            writer.join().unwrap();
+            let written = writer.join().unwrap();
             w.end_window();
+            wait(&streamed).unwrap();
+            wait(&written).unwrap();
             let got = w.read(consumer.context(), &g);
             assert!(got == [13] || got == [15], "the consumer computed {got:?}");
             assert_eq!(w.read(set5.context(), &g), [5]);
@@ -110,7 +111,7 @@ fn streaming_consumer_races_a_write_of_its_source() {
 fn all_reduce_races_a_schedule_on_one_of_its_devices() {
     run_model(
         "actors::all_reduce_races_a_schedule_on_one_of_its_devices",
-        windowed(Some(2)),
+        windowed(Some(1)),
         || {
             let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
             let g = node("g", MemoryMode::on_device());
@@ -133,13 +134,14 @@ fn all_reduce_races_a_schedule_on_one_of_its_devices() {
             w.begin_window();
             let writer = {
                 let (d, over) = (d.clone(), over.clone());
-                loom::thread::spawn(move || wait(&schedule(&d, &over)).unwrap())
+                loom::thread::spawn(move || schedule(&d, &over))
             };
-            for p in all_reduce(&d, &call) {
-                wait(&p).unwrap();
-            }
-            writer.join().unwrap();
+            let reduced = all_reduce(&d, &call);
+            let written = writer.join().unwrap();
             w.end_window();
+            for p in reduced.iter().chain([&written]) {
+                wait(p).unwrap();
+            }
             let got = (w.read(a.context(), &g), w.read(b.context(), &g));
             assert!(
                 got == (vec![11], vec![11]) || got == (vec![3], vec![10]),
@@ -158,7 +160,7 @@ fn all_reduce_races_a_schedule_on_one_of_its_devices() {
 fn host_write_races_device_reads_on_two_devices() {
     run_model(
         "actors::host_write_races_device_reads_on_two_devices",
-        windowed(Some(2)),
+        windowed(Some(1)),
         || {
             let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
             let h = node("h", MemoryMode::Hosted(HostedKind::Volatile));
@@ -178,10 +180,10 @@ fn host_write_races_device_reads_on_two_devices() {
             };
             let e0 = schedule(&d, &r0);
             let e1 = schedule(&d, &r1);
-            wait(&e0).unwrap();
-            wait(&e1).unwrap();
             writer.join().unwrap();
             w.end_window();
+            wait(&e0).unwrap();
+            wait(&e1).unwrap();
             let got = (w.read(r0.context(), &y0)[0], w.read(r1.context(), &y1)[0]);
             assert!(
                 [(1, 1), (1, 2), (2, 2)].contains(&got),
@@ -200,9 +202,9 @@ fn host_write_races_device_reads_on_two_devices() {
 fn upload_after_a_download_on_another_device() {
     run_model(
         "actors::upload_after_a_download_on_another_device",
-        windowed(Some(3)),
+        windowed(Some(2)),
         || {
-            let mut w = ActorWorld::new(&[1, 1], Actors::PerDevice);
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
             let v = node(
                 "v",
                 MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::PerStream)),
@@ -218,9 +220,47 @@ fn upload_after_a_download_on_another_device() {
             schedule(&d, &set);
             to_host(&d, set.context(), &v);
             let e = schedule(&d, &read);
-            wait(&e).unwrap();
             w.end_window();
+            wait(&e).unwrap();
             assert_eq!(w.read(read.context(), &y), [7]);
+            w.shutdown();
+        },
+    );
+}
+
+/// A host read of `v` races device writes of `v` on two devices (device 0 writes 7, then
+/// device 1 writes 9): it returns the host value at one point of the program order (1
+/// before both, 7 between, 9 after), its transfer of the newest device value ordered with
+/// the writes, and its read of the host array with the transfer.
+#[test]
+fn host_read_races_device_writes_on_two_devices() {
+    run_model(
+        "actors::host_read_races_device_writes_on_two_devices",
+        windowed(Some(1)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let v = node("v", MemoryMode::hosted_changed_on_devices());
+            let c0 = w.init_from_host(&w.context(0, 0), &v, &[1]);
+            let c1 = w.init_from_host(&w.context(1, 0), &v, &[1]);
+            let set7 = w.link(&c0, fill(&v, 7.0).unwrap());
+            let set9 = w.link(&c1, fill(&v, 9.0).unwrap());
+            let d = w.dispatcher();
+            let reader = w.host_reader();
+            w.begin_window();
+            let host = {
+                let v = v.clone();
+                loom::thread::spawn(move || reader.read(&v))
+            };
+            let e7 = schedule(&d, &set7);
+            let e9 = schedule(&d, &set9);
+            let got = host.join().unwrap();
+            w.end_window();
+            wait(&e7).unwrap();
+            wait(&e9).unwrap();
+            assert!(
+                [[1], [7], [9]].contains(&[got[0]]),
+                "the host read saw {got:?}"
+            );
             w.shutdown();
         },
     );

@@ -62,7 +62,10 @@ pub struct Inbox<T> {
     room: Condvar,
     /// Signalled on every kick (for consumers that wait on the inbox itself).
     work: Condvar,
-    waker: Mutex<Option<Waker>>,
+    /// Set once, before the consumer needs kicking, and only read after: plain data, not
+    /// synchronisation (a post that kicks before it is set is made up for by the consumer
+    /// draining once it starts).
+    waker: std::sync::OnceLock<Waker>,
 }
 
 /// Why a post was refused.
@@ -86,7 +89,7 @@ impl<T> Inbox<T> {
             }),
             room: Condvar::new(),
             work: Condvar::new(),
-            waker: Mutex::new(None),
+            waker: std::sync::OnceLock::new(),
         })
     }
 
@@ -95,9 +98,9 @@ impl<T> Inbox<T> {
         self.device
     }
 
-    /// Sets what a kick does (once the consumer exists).
+    /// Sets what a kick does, once (when the consumer exists); later calls are ignored.
     pub fn set_waker(&self, waker: Waker) {
-        *self.waker.lock() = Some(waker);
+        let _ = self.waker.set(waker);
     }
 
     /// Posts one operation; see [`post_atomically`].
@@ -128,17 +131,16 @@ impl<T> Inbox<T> {
         }
     }
 
-    /// Wakes the consumer: calls the waker and signals [`Inbox::wait_kicked`].
+    /// Wakes the consumer: calls its waker if it has one, else signals
+    /// [`Inbox::wait_kicked`].
     pub fn kick(&self) {
-        {
-            let mut s = self.state.lock();
-            s.kicked = true;
-            self.work.notify_all();
-        }
-        let waker = self.waker.lock().clone();
-        if let Some(w) = waker {
+        if let Some(w) = self.waker.get() {
             w();
+            return;
         }
+        let mut s = self.state.lock();
+        s.kicked = true;
+        self.work.notify_all();
     }
 
     /// Consumer side: moves every queued operation to the back of `into`.
