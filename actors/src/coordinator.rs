@@ -346,6 +346,7 @@ impl Handler<AllReduce> for Coordinator {
                                 order: msg.order,
                                 routine,
                                 ticket: sender,
+                                bindings: tributary::kernels::Bindings::none(),
                             });
                             last[dst * chunks + chunk] = Some(LastWrite::Ticket(ticket));
                             copy
@@ -385,6 +386,7 @@ impl Handler<AllReduce> for Coordinator {
                             order: msg.order,
                             routine,
                             ticket: sender,
+                            bindings: tributary::kernels::Bindings::none(),
                         });
                         last[ctx * chunks + chunk] = Some(LastWrite::Ticket(ticket));
                     }

@@ -208,8 +208,7 @@ impl Handler<Link> for DeviceActor {
             // a panic there concerns that kernel only and touched no table, so it refuses
             // the routine instead of failing the device.
             let check = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                this.backend
-                    .check_kernel(this.state.device(), &msg.spec.name, &msg.spec.kernel)
+                this.backend.check_routine(this.state.device(), &msg.spec)
             }));
             check.unwrap_or_else(|payload| {
                 Err(Error::InvalidRoutine {
@@ -234,6 +233,7 @@ impl Handler<Schedule> for DeviceActor {
             order,
             routine,
             ticket,
+            bindings,
         } = msg;
         let _s = tracing::trace_span!(
             "schedule",
@@ -247,7 +247,7 @@ impl Handler<Schedule> for DeviceActor {
                 let host = this.host.clone();
                 let mut host = host.lock().unwrap_or_else(|p| p.into_inner());
                 host.set_order(order);
-                this.state.schedule(&routine, &mut host)?
+                this.state.schedule_with(&routine, &bindings, &mut host)?
             };
             let event = Self::last_event(&plans)
                 .ok_or_else(|| tributary::Error::Internal("scheduling planned nothing".into()))?;

@@ -43,7 +43,7 @@ use std::{sync::Arc, time::Instant};
 
 use actix::{Message, Recipient};
 use tributary::{
-    kernels::RoutineSpec,
+    kernels::{Bindings, RoutineSpec},
     memory::{AlignedBuffer, PoolStats},
     protocol::{Context, Plan, Routine, Source, TableSizes},
     BufferLoc, Event, MergeBufferUse, Result, StreamId, TensorNode,
@@ -83,6 +83,11 @@ pub struct Schedule {
     pub routine: Routine,
     /// Where the outcome goes.
     pub ticket: TicketSender,
+    /// Values of the routine's declared indices (`Bindings::none()` for a routine without
+    /// indices); the device actor checks them against the routine and refuses the
+    /// schedule through the ticket (`MissingBinding`, `UnknownBinding`,
+    /// `BindingOutOfRange`).
+    pub bindings: Bindings,
 }
 
 /// Copy the host array of a hosted node into its buffer in `ctx` (ticket gets the event).
@@ -404,6 +409,7 @@ impl Schedule {
             order: sys.next_order(),
             routine,
             ticket: sender,
+            bindings: Bindings::none(),
         };
         (msg, ticket)
     }

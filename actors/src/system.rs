@@ -822,11 +822,45 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
+        self.schedule_with(routine, tributary::kernels::Bindings::none())
+    }
+
+    /// Schedules a routine with values for the integer indices it declares: name-value
+    /// pairs (`&[("t", 3)]`) or a `Bindings` (`routine.bindings()`, refilled every step).
+    /// The values are checked here, on the calling thread (a missing, unknown, repeated or
+    /// out-of-range value is its typed error and nothing is sent), then snapshotted into
+    /// the message and the plan. Returns at once, without a round trip.
+    ///
+    /// ```
+    /// # use tributary::{kernels::{Access, RoutineSpec}, DType, Error};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let y = sys.node("y", DType::I32, [2]);
+    /// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+    ///     let t = a.index("t")? as i32;
+    ///     a.output::<i32>(0)?.fill(t);
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let r = sys.context(0, 0)?.link(spec)?;
+    /// sys.schedule_with(r.routine(), &[("t", 5)])?.wait()?;
+    /// assert_eq!(r.context().read::<i32>(&y)?, vec![5, 5]);
+    /// assert!(matches!(sys.schedule(r.routine()), Err(Error::MissingBinding { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn schedule_with(
+        &self,
+        routine: &Routine,
+        bindings: impl tributary::kernels::IntoBindings,
+    ) -> Result<Ticket> {
+        let bindings = routine.bind(bindings)?;
         self.order_host_arrays(routine.context().device(), hosted_reads(routine))?;
         self.post_ticketed(routine.context(), |ticket| Schedule {
             order: self.next_order(),
             routine: routine.clone(),
             ticket,
+            bindings,
         })
     }
 
@@ -2041,5 +2075,33 @@ impl RoutineHandle {
     /// ```
     pub fn schedule(&self) -> Result<Ticket> {
         self.sys.schedule(&self.routine)
+    }
+
+    /// Schedules the routine with values for its declared indices
+    /// ([`System::schedule_with`]); returns at once with a ticket for its event.
+    ///
+    /// ```
+    /// # use tributary::{kernels::{Access, RoutineSpec}, DType, Error};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let y = sys.node("y", DType::I32, [2]);
+    /// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+    ///     a.output::<i32>(0)?.fill(a.index("t")? as i32);
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let r = sys.context(0, 0)?.link(spec)?;
+    /// let mut b = r.routine().bindings();
+    /// for t in 0..3 {
+    ///     b.set("t", t)?;
+    ///     r.schedule_with(&b)?;
+    /// }
+    /// sys.sync()?;
+    /// assert_eq!(r.context().read::<i32>(&y)?, vec![2, 2]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn schedule_with(&self, bindings: impl tributary::kernels::IntoBindings) -> Result<Ticket> {
+        self.sys.schedule_with(&self.routine, bindings)
     }
 }

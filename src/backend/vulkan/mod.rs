@@ -92,7 +92,7 @@
 //! backend, and each invocation owns whole words (no write races on packed halves). `f64`
 //! needs `shaderFloat64`. [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and
 //! [`Kernel::Cuda`](crate::kernels::Kernel::Cuda) kernels cannot run
-//! here: [`Backend::check_kernel`] refuses them at link time and the stream fails their
+//! here: [`Backend::check_routine`] refuses them at link time and the stream fails their
 //! event if one arrives anyway. [`Kernel::Shader`](crate::kernels::Kernel::Shader) runs
 //! user WGSL or SPIR-V (parameters at bindings `0..n`, the merge buffer at `n`).
 //!
