@@ -191,7 +191,7 @@ fn system_runs_see_the_values_of_their_own_schedule(kind: Kind) {
         tickets.push(if k % 2 == 0 {
             r.schedule_with(&b).unwrap()
         } else {
-            sys.schedule_with(r.routine(), [("slot", slot), ("v", v), ("w", w)])
+            sys.schedule_with(r.routine(), &[("slot", slot), ("v", v), ("w", w)])
                 .unwrap()
         });
     }
@@ -201,7 +201,7 @@ fn system_runs_see_the_values_of_their_own_schedule(kind: Kind) {
         Err(Error::MissingBinding { binding, .. }) if binding == "slot"
     ));
     assert!(matches!(
-        r.schedule_with([("slot", 0), ("slot", 1), ("v", 0), ("w", 0)]),
+        r.schedule_with(&[("slot", 0), ("slot", 1), ("v", 0), ("w", 0)]),
         Err(Error::DuplicateBinding {
             first: 0,
             second: 1,

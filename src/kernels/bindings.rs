@@ -88,14 +88,6 @@ impl IndexType {
             IndexType::I64 => true,
         }
     }
-
-    /// `value`'s bytes in this type, little-endian (the value must be in range).
-    pub(crate) fn le_bytes(self, value: i64) -> ([u8; 8], usize) {
-        let mut out = [0u8; 8];
-        let n = self.size_in_bytes();
-        out[..n].copy_from_slice(&value.to_le_bytes()[..n]);
-        (out, n)
-    }
 }
 
 impl fmt::Display for IndexType {
@@ -427,12 +419,6 @@ impl<const N: usize> IntoBindings for &[(&str, i64); N] {
     }
 }
 
-impl<const N: usize> IntoBindings for [(&str, i64); N] {
-    fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
-        empty.filled_from(&self)
-    }
-}
-
 impl IntoBindings for &Bindings {
     fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
         empty.adopt(self)
@@ -463,19 +449,19 @@ mod tests {
 
     #[test]
     fn pairs_are_checked_all_at_once() {
-        let b = [("o", -5), ("t", 7), ("w", i64::MIN)]
+        let b = (&[("o", -5), ("t", 7), ("w", i64::MIN)])
             .into_bindings(empty())
             .unwrap();
         assert_eq!(b.values(), &[7, -5, i64::MIN]);
         assert_eq!(b.get("o"), Some(-5));
         assert_eq!(b.get("x"), None);
-        match [("t", 1), ("o", 2)].into_bindings(empty()) {
+        match (&[("t", 1), ("o", 2)]).into_bindings(empty()) {
             Err(Error::MissingBinding {
                 routine, binding, ..
             }) => assert_eq!((routine.as_str(), binding.as_str()), ("r", "w")),
             other => panic!("{other:?}"),
         }
-        match [("t", 1), ("t", 2)].into_bindings(empty()) {
+        match (&[("t", 1), ("t", 2)]).into_bindings(empty()) {
             Err(Error::DuplicateBinding {
                 binding,
                 first,
@@ -484,7 +470,7 @@ mod tests {
             }) => assert_eq!((binding.as_str(), first, second), ("t", 1, 2)),
             other => panic!("{other:?}"),
         }
-        match [("q", 9)].into_bindings(empty()) {
+        match (&[("q", 9)]).into_bindings(empty()) {
             Err(Error::UnknownBinding {
                 binding,
                 value,
@@ -496,20 +482,23 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        match [("t", -1)].into_bindings(empty()) {
+        match (&[("t", -1)]).into_bindings(empty()) {
             Err(Error::BindingOutOfRange {
                 binding, value, ty, ..
             }) => assert_eq!((binding.as_str(), value, ty), ("t", -1, IndexType::U32)),
             other => panic!("{other:?}"),
         }
-        match [("o", 1 << 31)].into_bindings(empty()) {
+        match (&[("o", 1 << 31)]).into_bindings(empty()) {
             Err(Error::BindingOutOfRange { ty, .. }) => assert_eq!(ty, IndexType::I32),
             other => panic!("{other:?}"),
         }
         // No indices: empty pairs are complete, any pair is unknown.
-        assert!([].into_bindings(Bindings::none()).unwrap().is_empty());
+        assert!((&[] as &[(&str, i64)])
+            .into_bindings(Bindings::none())
+            .unwrap()
+            .is_empty());
         assert!(matches!(
-            [("t", 1)].into_bindings(Bindings::none()),
+            (&[("t", 1)]).into_bindings(Bindings::none()),
             Err(Error::UnknownBinding { .. })
         ));
     }
@@ -578,13 +567,5 @@ mod tests {
             Bindings::none().into_bindings(mine),
             Err(Error::MissingBinding { .. })
         ));
-    }
-
-    #[test]
-    fn le_bytes_follow_the_type() {
-        assert_eq!(IndexType::I32.le_bytes(-2).1, 4);
-        assert_eq!(&IndexType::I32.le_bytes(-2).0[..4], &(-2i32).to_le_bytes());
-        assert_eq!(IndexType::I64.le_bytes(-2).0, (-2i64).to_le_bytes());
-        assert_eq!(&IndexType::U32.le_bytes(7).0[..4], &7u32.to_le_bytes());
     }
 }

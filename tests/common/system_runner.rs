@@ -253,7 +253,7 @@ impl Executor for SystemExecutor {
             Op::ScheduleWith { routine, t } => {
                 let ticket = self
                     .sys
-                    .schedule_with(&self.routine(*routine)?, [(Kernel::INDEX, *t)])
+                    .schedule_with(&self.routine(*routine)?, &[(Kernel::INDEX, *t)])
                     .map_err(err)?;
                 self.tickets.push(ticket);
                 Ok(Obs::Done)

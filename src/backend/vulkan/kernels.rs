@@ -100,7 +100,10 @@ pub(super) fn push_constant_size(immediates: usize, decls: &[IndexDecl]) -> usiz
 pub(super) fn push_constants(immediates: &[u8], bindings: &Bindings) -> Vec<u8> {
     let mut push = immediates.to_vec();
     for (d, v) in bindings.iter() {
-        let (bytes, size) = d.ty().le_bytes(v.unwrap_or(0));
+        let size = d.ty().size_in_bytes();
+        // Little-endian, so the low `size` bytes of the `i64` are the value in its type
+        // (which it fits: the protocol checked it).
+        let bytes = v.unwrap_or(0).to_le_bytes();
         push.resize(push.len().next_multiple_of(size), 0);
         push.extend_from_slice(&bytes[..size]);
     }
