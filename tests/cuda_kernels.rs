@@ -54,6 +54,9 @@ extern "C" __global__ void fill_step(float* y, unsigned long long n, float scale
 }
 "#;
 
+/// User programs in the check: [`USER_KERNEL`] and [`USER_INDEXED_KERNEL`].
+const USER_PROGRAMS: usize = 2;
+
 fn required() -> bool {
     std::env::var("TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK").is_ok_and(|v| v == "1")
 }
@@ -232,9 +235,9 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
         failures.join("\n")
     );
     println!(
-        "checked {programs_checked} programs ({} built-in, 1 user, each for {} targets): {kernels} \
-         kernels compiled by NVRTC and assembled by ptxas without spills",
-        programs.len() - 1,
+        "checked {programs_checked} programs ({} built-in, {USER_PROGRAMS} user, each for {} \
+         targets): {kernels} kernels compiled by NVRTC and assembled by ptxas without spills",
+        programs.len() - USER_PROGRAMS,
         TARGETS.len()
     );
 }
