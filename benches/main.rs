@@ -6,6 +6,7 @@
 
 use criterion::{criterion_group, criterion_main};
 
+mod bindings;
 mod copy;
 mod latency;
 mod overhead;
@@ -26,5 +27,6 @@ criterion_group! {
         copy::bench,
         tracing_cost::bench,
         overhead::bench,
+        bindings::bench,
 }
 criterion_main!(benches);

@@ -42,6 +42,8 @@ for (g, n) in sorted(med):
         show(g, n, "add_loop_" + size, f"{mib * 2**20 / med[(g, n)]:.2f} GB/s vs {mib * 2**20 / med[(g, 'add_loop_' + size)]:.2f} GB/s")
     elif g == "overhead" and n.startswith("engine_schedule"):
         show(g, n, "engine_schedule_1_params", f"{med[(g, n)]:,.0f} ns per routine")
+    elif g == "bindings":
+        show(g, n, "atomic_counter", f"{med[(g, n)]:,.0f} ns per routine")
     elif g == "tracing" and n.startswith("span"):
         show(g, n, "baseline_no_tracing")
 for (g, n) in sorted(med):

@@ -344,7 +344,8 @@ impl ActorWorld {
 
 /// `System::schedule`: the routine's pending event.
 pub fn schedule(d: &Dispatcher, routine: &Routine) -> PendingEvent {
-    d.schedule(routine).unwrap()
+    d.schedule(routine, tributary::kernels::Bindings::none())
+        .unwrap()
 }
 
 /// `System::device_to_device`.

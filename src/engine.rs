@@ -15,7 +15,7 @@ use crate::{
     error::{Error, Result},
     event::Event,
     ids::DeviceId,
-    kernels::RoutineSpec,
+    kernels::{Bindings, IntoBindings, RoutineSpec},
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     node::{Element, HostedKind, MemoryMode, TensorNode},
     protocol::{Context, DeviceState, HostTable, Plan, Routine, TableSizes},
@@ -258,8 +258,7 @@ impl Engine {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine> {
-        self.backend
-            .check_kernel(ctx.device(), &spec.name, &spec.kernel)?;
+        self.backend.check_routine(ctx.device(), &spec)?;
         let (routine, plans) = self.state(ctx.device())?.link(ctx, spec)?;
         self.submit(plans)?;
         Ok(routine)
@@ -279,12 +278,56 @@ impl Engine {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn schedule(&mut self, routine: &Routine) -> Result<Event> {
+        self.schedule_with(routine, Bindings::none())
+    }
+
+    /// Schedules a linked routine with values for the integer indices it declares
+    /// ([`RoutineSpec::with_index`](crate::kernels::RoutineSpec::with_index)): name-value
+    /// pairs (`&[("t", 3)]`) or a [`Bindings`] (keep one per routine and refill it every
+    /// step: [`Routine::bindings`]). The values are snapshotted into the plan now; the
+    /// kernel sees them when it runs, whatever later schedules give. Returns its event
+    /// without waiting.
+    ///
+    /// A missing value ([`Error::MissingBinding`]), an undeclared name
+    /// ([`Error::UnknownBinding`]), a name given twice ([`Error::DuplicateBinding`]) or a
+    /// value outside its index's type ([`Error::BindingOutOfRange`]) refuses the schedule,
+    /// and nothing changes.
+    ///
+    /// ```
+    /// use tributary::kernels::{Access, RoutineSpec};
+    /// use tributary::{DType, Engine, EngineConfig, Error, TensorNode};
+    /// let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let log = TensorNode::new_zeroed("log", DType::I32, [4]);
+    /// // log[t] = 10 t: each run writes the slot its own schedule named.
+    /// let spec = RoutineSpec::custom("log", vec![(log.clone(), Access::ReadWrite)], None, |a| {
+    ///     let t = a.index("t")?;
+    ///     a.output::<i32>(0)?[t as usize] = 10 * t as i32;
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let root = e.context(0, 0)?;
+    /// let r = e.link(&root, spec)?;
+    /// for t in 0..4 {
+    ///     e.schedule_with(&r, &[("t", t)])?; // four plans queued, each with its own t
+    /// }
+    /// e.sync_all()?;
+    /// assert_eq!(e.read::<i32>(r.context(), &log)?, vec![0, 10, 20, 30]);
+    /// assert!(matches!(e.schedule_with(&r, &[("t", -1)]), Err(Error::BindingOutOfRange { .. })));
+    /// assert!(matches!(e.schedule_with(&r, &[("x", 1)]), Err(Error::UnknownBinding { .. })));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn schedule_with(
+        &mut self,
+        routine: &Routine,
+        bindings: impl IntoBindings,
+    ) -> Result<Event> {
+        let bindings = routine.bind(bindings)?;
         self.host.next_order();
         let span = tracing::trace_span!("schedule", routine = routine.name(), stream = %routine.context().stream());
         let _e = span.enter();
         let device = routine.context().device();
         let i = self.device_index(device)?;
-        let plans = self.devices[i].schedule(routine, &mut self.host)?;
+        let plans = self.devices[i].schedule_with(routine, &bindings, &mut self.host)?;
         self.submit(plans)?.ok_or_else(|| {
             Error::Internal(format!("scheduling {} planned nothing", routine.name()))
         })

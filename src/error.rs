@@ -214,6 +214,71 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A schedule gave no value for an index the routine declares
+    /// ([`RoutineSpec::with_index`](crate::kernels::RoutineSpec::with_index)); `schedule`
+    /// of a routine with indices gives none.
+    #[error("routine {routine}: no value for its index {binding} (it declares {declared})")]
+    MissingBinding {
+        /// The routine's name.
+        routine: String,
+        /// The index without a value.
+        binding: String,
+        /// Every index the routine declares, with its type.
+        declared: String,
+    },
+    /// A schedule gave a value for an index the routine does not declare.
+    #[error(
+        "routine {routine} declares no index {binding} (given {value}; it declares {declared})"
+    )]
+    UnknownBinding {
+        /// The routine's name.
+        routine: String,
+        /// The name given.
+        binding: String,
+        /// The value given for it.
+        value: i64,
+        /// Every index the routine declares, with its type.
+        declared: String,
+    },
+    /// A schedule gave two values for one index.
+    #[error("routine {routine}: index {binding} given twice ({first}, then {second})")]
+    DuplicateBinding {
+        /// The routine's name.
+        routine: String,
+        /// The index.
+        binding: String,
+        /// The first value given.
+        first: i64,
+        /// The second value given.
+        second: i64,
+    },
+    /// A value does not fit the type its index declares.
+    #[error("routine {routine}: {value} is out of range for its index {binding}: {ty}")]
+    BindingOutOfRange {
+        /// The routine's name.
+        routine: String,
+        /// The index.
+        binding: String,
+        /// The value given.
+        value: i64,
+        /// The index's declared type.
+        ty: crate::kernels::IndexType,
+    },
+    /// A shader's push constants (its immediates, then its indices' values) exceed what
+    /// the device allows (`maxPushConstantsSize`; 128 bytes on lavapipe); refused at link.
+    #[error("routine {routine}: {bytes} bytes of push constants ({immediates} of immediates, then its indices), device {device} allows {limit}")]
+    PushConstantsTooLarge {
+        /// The routine's name.
+        routine: String,
+        /// The device.
+        device: DeviceId,
+        /// Push-constant bytes the routine needs.
+        bytes: usize,
+        /// Of those, the shader's own immediates.
+        immediates: usize,
+        /// The device's limit.
+        limit: u32,
+    },
     /// A device index beyond the devices of the engine or system.
     #[error("no device {index}: there are {count} devices")]
     NoSuchDevice {
@@ -421,6 +486,11 @@ impl Error {
             Error::PoolExhausted { .. } => "PoolExhausted",
             Error::InvalidSize { .. } => "InvalidSize",
             Error::InvalidRoutine { .. } => "InvalidRoutine",
+            Error::MissingBinding { .. } => "MissingBinding",
+            Error::UnknownBinding { .. } => "UnknownBinding",
+            Error::DuplicateBinding { .. } => "DuplicateBinding",
+            Error::BindingOutOfRange { .. } => "BindingOutOfRange",
+            Error::PushConstantsTooLarge { .. } => "PushConstantsTooLarge",
             Error::NoSuchDevice { .. } => "NoSuchDevice",
             Error::NoSuchStream { .. } => "NoSuchStream",
             Error::UnknownDevice { .. } => "UnknownDevice",

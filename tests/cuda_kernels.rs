@@ -42,6 +42,21 @@ extern "C" __global__ void saxpy(float* y, const float* x, unsigned long long n,
 }
 "#;
 
+/// A user kernel with declared indices: they come after its scalars, in declaration order
+/// (`t: u32`, then `shift: i64`), as the routine in
+/// [`user_kernel_index_values_are_its_last_parameters`] declares them.
+const USER_INDEXED_KERNEL: &str = r#"
+extern "C" __global__ void fill_step(float* y, unsigned long long n, float scale, unsigned int t, long long shift) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+       i < n; i += (unsigned long long)gridDim.x * blockDim.x) {
+    y[i] = scale * (float)((long long)t + shift);
+  }
+}
+"#;
+
+/// User programs in the check: [`USER_KERNEL`] and [`USER_INDEXED_KERNEL`].
+const USER_PROGRAMS: usize = 2;
+
 fn required() -> bool {
     std::env::var("TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK").is_ok_and(|v| v == "1")
 }
@@ -160,6 +175,10 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
 
     let mut programs: Vec<(String, Program)> = Program::builtins().map(|p| (p.name(), p)).collect();
     programs.push(("user".to_string(), Program::UserCudaC(USER_KERNEL.into())));
+    programs.push((
+        "user_indexed".to_string(),
+        Program::UserCudaC(USER_INDEXED_KERNEL.into()),
+    ));
     let jobs: Vec<(&str, &Program, (&str, &str))> = programs
         .iter()
         .flat_map(|(label, p)| TARGETS.iter().map(move |&t| (label.as_str(), p, t)))
@@ -216,9 +235,9 @@ fn every_cuda_kernel_compiles_and_assembles_without_spills() {
         failures.join("\n")
     );
     println!(
-        "checked {programs_checked} programs ({} built-in, 1 user, each for {} targets): {kernels} \
-         kernels compiled by NVRTC and assembled by ptxas without spills",
-        programs.len() - 1,
+        "checked {programs_checked} programs ({} built-in, {USER_PROGRAMS} user, each for {} \
+         targets): {kernels} kernels compiled by NVRTC and assembled by ptxas without spills",
+        programs.len() - USER_PROGRAMS,
         TARGETS.len()
     );
 }
@@ -458,8 +477,14 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
             .map(|(i, p)| binding(i, &p.node, p.access))
             .collect();
         let merge_binding = spec.merge.as_ref().map(|m| binding(99, m, Access::Read));
-        let launches = kernel_launches(&spec.kernel, &args, merge_binding.as_ref(), &limits)
-            .unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+        let launches = kernel_launches(
+            &spec.kernel,
+            &args,
+            merge_binding.as_ref(),
+            &tributary::kernels::Bindings::none(),
+            &limits,
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", spec.name));
         cases.push(HostCase {
             spec,
             inputs,
@@ -468,6 +493,83 @@ fn host_cases(dtype: DType, rng: &mut Rng) -> Vec<HostCase> {
         });
     }
     cases
+}
+
+/// The indexed user kernel's launch passes the buffer, the scalars, then the index values
+/// in declaration order, with the C types its source declares (no toolkit needed).
+#[test]
+fn user_kernel_index_values_are_its_last_parameters() {
+    use tributary::kernels::{CudaKernel, CudaScalar, IndexType};
+    let y = TensorNode::new("y", DType::F32, [1000]);
+    let spec = RoutineSpec::cuda(
+        "fill_step",
+        vec![(y.clone(), Access::Write)],
+        None,
+        CudaKernel::cuda_c(USER_INDEXED_KERNEL, "fill_step", [4, 1, 1], [128, 1, 1])
+            .with_scalars([CudaScalar::U64(1000), CudaScalar::F32(0.5)]),
+    )
+    .unwrap()
+    .with_index("t")
+    .unwrap()
+    .with_index_typed("shift", IndexType::I64)
+    .unwrap();
+    let bindings = spec
+        .bindings()
+        .with("t", 7)
+        .unwrap()
+        .with("shift", -9)
+        .unwrap();
+    let arg = ArgBinding::new(
+        GlobalLoc {
+            device: DeviceId(0),
+            loc: BufferLoc {
+                pool: PoolId(0),
+                offset: 0,
+            },
+        },
+        4000,
+        DType::F32,
+        y.shape().clone(),
+        Access::Write,
+    );
+    let launches = kernel_launches(
+        &spec.kernel,
+        &[arg],
+        None,
+        &bindings,
+        &LaunchLimits::MINIMUM,
+    )
+    .unwrap();
+    assert_eq!(launches.len(), 1);
+    let params = &launches[0].params;
+    assert_eq!(
+        params,
+        &vec![
+            LaunchParam::Buffer(0),
+            LaunchParam::U64(1000),
+            LaunchParam::F32(0.5),
+            LaunchParam::U32(7),
+            LaunchParam::I64(-9),
+        ]
+    );
+    // Each parameter's C type is the one the source declares at that position.
+    let declared = declarations(USER_INDEXED_KERNEL, "fill_step");
+    assert_eq!(declared.len(), params.len(), "{declared:?}");
+    for (p, d) in params.iter().zip(&declared) {
+        let want = match p {
+            LaunchParam::Buffer(_) | LaunchParam::Merge => "float*",
+            LaunchParam::U32(_) => "unsigned int",
+            LaunchParam::U64(_) => "unsigned long long",
+            LaunchParam::I32(_) => "int",
+            LaunchParam::I64(_) => "long long",
+            LaunchParam::F32(_) => "float",
+            LaunchParam::F64(_) => "double",
+        };
+        assert!(
+            d.starts_with(want) && !d[want.len()..].trim_start().contains(' '),
+            "parameter {d:?} is not a {want}"
+        );
+    }
 }
 
 /// The parameter declarations of `entry` in `source` (`const float* src`, `u64 n`, ...).

@@ -23,7 +23,7 @@ mod common;
 
 use std::time::Duration;
 
-use bad_input::{Api, Data, EngineApi, MessagesApi, SystemApi};
+use bad_input::{Api, Data, EngineApi, Given, MessagesApi, SystemApi};
 use common::{program::describe, watchdog::Watchdog};
 use tributary::{
     collective::{Step, Transfer},
@@ -65,6 +65,11 @@ struct World {
     /// A node nothing writes, and a routine on d0s1 that reads it.
     fresh: TensorNode,
     reads_fresh: Routine,
+    /// `log = t` on d0s1, with an index `t: u32`.
+    log: TensorNode,
+    stamp: Routine,
+    /// `g += merge + t` on d0s1, reading the merge buffer, with an index `t: u32`.
+    stamp_merge: Routine,
 }
 
 fn f32_node(label: &str, mode: MemoryMode) -> TensorNode {
@@ -101,6 +106,28 @@ fn world(mut api: Box<dyn Api>) -> World {
     let plain01 = e.link(&r01, kernels::fill(&small, 4.0).unwrap()).unwrap();
     let gone = e.link(&r01, kernels::fill(&g, 9.0).unwrap()).unwrap();
     let reads_fresh = e.link(&r01, kernels::copy(&sink, &fresh).unwrap()).unwrap();
+    let log = f32_node("log", MemoryMode::OnDevice(Sharing::PerStream));
+    let stamp = e.link(&r01, stamp_spec(&log)).unwrap();
+    let stamp_merge = e
+        .link(
+            &r01,
+            RoutineSpec::custom(
+                "stamp_merge",
+                vec![(g.clone(), Access::ReadWrite)],
+                Some(g.clone()),
+                |a| {
+                    let t = a.index("t")? as f32;
+                    let m = a.merge::<f32>()?.to_vec();
+                    for (g, m) in a.output::<f32>(0)?.iter_mut().zip(m) {
+                        *g += m + t;
+                    }
+                    Ok(())
+                },
+            )
+            .and_then(|s| s.with_index("t"))
+            .unwrap(),
+        )
+        .unwrap();
     e.schedule(&fill_s).unwrap();
     e.schedule(&grad).unwrap();
     e.schedule(&gone).unwrap();
@@ -125,7 +152,21 @@ fn world(mut api: Box<dyn Api>) -> World {
         gone,
         fresh,
         reads_fresh,
+        log,
+        stamp,
+        stamp_merge,
     }
+}
+
+/// `log = t`, with an index `t: u32`.
+fn stamp_spec(log: &TensorNode) -> RoutineSpec {
+    RoutineSpec::custom("stamp", vec![(log.clone(), Access::Write)], None, |a| {
+        let t = a.index("t")? as f32;
+        a.output::<f32>(0)?.fill(t);
+        Ok(())
+    })
+    .and_then(|s| s.with_index("t"))
+    .unwrap()
 }
 
 /// Later operations work and give the right values; everything finalizes; only the
@@ -169,7 +210,17 @@ fn probe(wd: &mut World) {
             .f32(),
         vec![4.0; N / 2]
     );
+    e.schedule_with(&wd.stamp, Given::Pairs(&[("t", 5)]))
+        .unwrap();
+    assert_eq!(
+        e.read(wd.stamp.context(), &wd.log, DType::F32)
+            .unwrap()
+            .f32(),
+        vec![5.0; N]
+    );
     for c in [
+        wd.stamp_merge.context(),
+        wd.stamp.context(),
         wd.plain01.context(),
         wd.reads_fresh.context(),
         wd.m01.context(),
@@ -596,6 +647,97 @@ fn cases() -> Vec<Case> {
         case("a routine without parameters", "InvalidRoutine", |_| {
             RoutineSpec::custom("nothing", vec![], None, |_| Ok(())).map(drop)
         }),
+        // Per-schedule bindings: declarations, then the values of a schedule.
+        case("an index declared twice", "InvalidRoutine", |w| {
+            stamp_spec(&w.log).with_index("t").map(drop)
+        }),
+        case("an index declared on a built-in", "InvalidRoutine", |w| {
+            kernels::fill(&w.log, 1.0)?.with_index("t").map(drop)
+        }),
+        case(
+            "more indices than a routine may declare",
+            "InvalidRoutine",
+            |w| {
+                let mut spec = stamp_spec(&w.log);
+                for i in 1..=kernels::MAX_INDICES {
+                    spec = spec.with_index(&format!("i{i}"))?;
+                }
+                Ok(())
+            },
+        ),
+        case(
+            "a routine with an index scheduled without values",
+            "MissingBinding",
+            |w| w.api.schedule(&w.stamp.clone()).map(drop),
+        ),
+        case("a value for an undeclared index", "UnknownBinding", |w| {
+            w.api
+                .schedule_with(&w.stamp.clone(), Given::Pairs(&[("t", 1), ("u", 2)]))
+                .map(drop)
+        }),
+        case("an index given twice", "DuplicateBinding", |w| {
+            w.api
+                .schedule_with(&w.stamp.clone(), Given::Pairs(&[("t", 1), ("t", 2)]))
+                .map(drop)
+        }),
+        case(
+            "a value out of its index's range",
+            "BindingOutOfRange",
+            |w| {
+                w.api
+                    .schedule_with(&w.stamp.clone(), Given::Pairs(&[("t", -1)]))
+                    .map(drop)
+            },
+        ),
+        case("incomplete bindings", "MissingBinding", |w| {
+            let b = w.stamp.bindings();
+            w.api
+                .schedule_with(&w.stamp.clone(), Given::Bindings(b))
+                .map(drop)
+        }),
+        case(
+            "bindings of another routine naming an undeclared index",
+            "UnknownBinding",
+            |w| {
+                let other = stamp_spec(&w.log).with_index("u")?;
+                let b = other.bindings().with("t", 1)?.with("u", 2)?;
+                w.api
+                    .schedule_with(&w.stamp.clone(), Given::Bindings(b))
+                    .map(drop)
+            },
+        ),
+        case(
+            "bindings of another routine with a value out of range",
+            "BindingOutOfRange",
+            |w| {
+                let other = RoutineSpec::custom(
+                    "wide",
+                    vec![(w.log.clone(), Access::Write)],
+                    None,
+                    |_| Ok(()),
+                )?
+                .with_index_typed("t", kernels::IndexType::I64)?;
+                let b = other.bindings().with("t", 1 << 40)?;
+                w.api
+                    .schedule_with(&w.stamp.clone(), Given::Bindings(b))
+                    .map(drop)
+            },
+        ),
+        case(
+            "a streaming consumer with indices (it gets no values)",
+            "MissingBinding",
+            |w| {
+                let (g, grad, sm) = (w.g.clone(), w.grad.clone(), w.stamp_merge.clone());
+                w.api
+                    .device_to_device(
+                        &g,
+                        grad.context(),
+                        sm.context(),
+                        MergeBufferUse::StreamingFor(sm.clone()),
+                    )
+                    .map(drop)
+            },
+        ),
     ];
     cases.extend(message_cases());
     cases

@@ -18,7 +18,7 @@ use std::{sync::Arc, time::Duration, time::Instant};
 use common::{
     engine_runner::EngineRunner,
     env_count,
-    generator::{arb_program, resolve_for, AbsProgram, Profile},
+    generator::{arb_program, resolve, resolve_for, AbsProgram, Profile},
     graph::GraphTotals,
     program::*,
     reference::{ReferenceRunner, Streaming},
@@ -513,6 +513,39 @@ fn known_programs() -> Vec<(&'static str, Program)> {
         "copies and reads of buffers that lag a host write",
         b.build(),
     ));
+
+    // Per-schedule bindings: one routine scheduled with two values around a reader of its
+    // output; the reader sees the first value, the buffer ends with the second (f32 and
+    // i32), every value a snapshot of its own schedule.
+    let (a, r, i) = (N(0), N(1), N(2));
+    let mut b = Builder::new(
+        1,
+        2,
+        vec![
+            f32_node(&[64], Mode::OnDevice(Share::Shared)),
+            f32_node(&[64], Mode::OnDevice(Share::Unset)),
+            NodeDecl {
+                dtype: Dt::I32,
+                dims: vec![3],
+                mode: Mode::OnDevice(Share::Unset),
+                zeroed: false,
+            },
+        ],
+    );
+    let (c0, c1) = (b.root(0, 0), b.root(0, 1));
+    let (stamp, c2) = b.link(c0, Kernel::FillIndex { dst: a });
+    let (copy, c3) = b.link(c1, Kernel::Copy { dst: r, src: a });
+    let (stamp_i, c4) = b.link(c2, Kernel::FillIndex { dst: i });
+    b.schedule_with(stamp, 3)
+        .schedule(copy)
+        .schedule_with(stamp, -4)
+        .schedule_with(stamp_i, -7)
+        .schedule_with(stamp_i, i64::from(i32::MAX));
+    b.op(Op::Read { ctx: c3, node: r });
+    b.op(Op::Read { ctx: c2, node: a });
+    b.op(Op::Read { ctx: c4, node: i });
+    b.op(Op::Checkpoint).op(Op::Teardown);
+    known.push(("a routine scheduled with two values", b.build()));
     known
 }
 
@@ -610,6 +643,44 @@ fn generated_programs_read_and_copy_lagging_buffers_in_every_mode() {
             "{streaming:?}: lagging reads, No, Copy, StreamingFor: {counts:?}"
         );
     }
+}
+
+/// The generator schedules routines with bindings, and the same routine with several
+/// values in one program (so a run that saw another schedule's value would show).
+#[test]
+fn generated_programs_schedule_routines_with_several_values() {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::strategy::{Strategy, ValueTree};
+    let profile = Profile {
+        max_devices: 2,
+        max_streams: 2,
+        max_nodes: 4,
+        max_ops: 60,
+        hosted: true,
+    };
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &[9; 32]),
+    );
+    let (mut with, mut several) = (0, 0);
+    for _ in 0..300 {
+        let abs = arb_program(profile)
+            .new_tree(&mut runner)
+            .expect("program")
+            .current();
+        let program = resolve(&abs);
+        let mut values: BTreeMap<R, BTreeSet<i64>> = BTreeMap::new();
+        for op in &program.ops {
+            if let Op::ScheduleWith { routine, t } = op {
+                with += 1;
+                values.entry(*routine).or_default().insert(*t);
+            }
+        }
+        several += values.values().filter(|v| v.len() > 1).count();
+    }
+    eprintln!("300 programs: {with} schedules with a value, {several} routines with several");
+    assert!(with > 0 && several > 0, "{with} {several}");
 }
 
 /// A raw device read is not a `read`: it shows the stale bytes of a buffer that lags a host

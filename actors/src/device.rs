@@ -193,6 +193,7 @@ impl Handler<Schedule> for DeviceActor {
                 DeviceOp::Schedule {
                     stamp: 0,
                     routine: msg.routine,
+                    bindings: msg.bindings,
                     promise,
                 },
             );

@@ -347,4 +347,32 @@ impl RoutineHandle {
     pub fn schedule(&self) -> Result<Ticket> {
         self.sys.schedule(&self.routine)
     }
+
+    /// Schedules the routine with values for its declared indices
+    /// ([`System::schedule_with`]); returns at once with a ticket for its event.
+    ///
+    /// ```
+    /// # use tributary::{kernels::{Access, RoutineSpec}, DType, Error};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let y = sys.node("y", DType::I32, [2]);
+    /// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+    ///     a.output::<i32>(0)?.fill(a.index("t")? as i32);
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let r = sys.context(0, 0)?.link(spec)?;
+    /// let mut b = r.routine().bindings();
+    /// for t in 0..3 {
+    ///     b.set("t", t)?;
+    ///     r.schedule_with(&b)?;
+    /// }
+    /// sys.sync()?;
+    /// assert_eq!(r.context().read::<i32>(&y)?, vec![2, 2]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn schedule_with(&self, bindings: impl tributary::kernels::IntoBindings) -> Result<Ticket> {
+        self.sys.schedule_with(&self.routine, bindings)
+    }
 }

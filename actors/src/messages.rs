@@ -37,7 +37,7 @@ use std::time::Instant;
 
 use actix::{Message, Recipient};
 use tributary::{
-    kernels::RoutineSpec,
+    kernels::{Bindings, RoutineSpec},
     memory::PoolStats,
     pending::SeqPromise,
     protocol::{Context, Routine, TableSizes},
@@ -71,6 +71,9 @@ pub struct Link {
 pub struct Schedule {
     /// The routine.
     pub routine: Routine,
+    /// Values of the routine's declared indices (`Bindings::none()` for a routine that
+    /// declares none); checked by the device, a bad one refuses the ticket.
+    pub bindings: Bindings,
     /// Decides the ticket (`None`: the ticket was refused when the message was built).
     pub(crate) promise: Option<SeqPromise>,
 }
@@ -275,7 +278,14 @@ impl Schedule {
     /// A schedule of `routine` and the ticket its device will decide.
     pub fn new(sys: &System, routine: Routine) -> (Schedule, Ticket) {
         let (promise, ticket) = promise(sys, routine.context().stream());
-        (Schedule { routine, promise }, ticket)
+        (
+            Schedule {
+                routine,
+                bindings: Bindings::none(),
+                promise,
+            },
+            ticket,
+        )
     }
 }
 

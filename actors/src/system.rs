@@ -385,8 +385,43 @@ impl System {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn schedule(&self, routine: &Routine) -> Result<Ticket> {
+        self.schedule_with(routine, tributary::kernels::Bindings::none())
+    }
+
+    /// Schedules a routine with values for the integer indices it declares: name-value
+    /// pairs (`&[("t", 3)]`) or a `Bindings` (`routine.bindings()`, refilled every step).
+    /// The values are checked here, on the calling thread (a missing, unknown, repeated or
+    /// out-of-range value is its typed error and nothing is posted), then snapshotted into
+    /// the operation and the plan. Returns at once, without a round trip.
+    ///
+    /// ```
+    /// # use tributary::{kernels::{Access, RoutineSpec}, DType, Error};
+    /// # use tributary_actors::System;
+    /// # let sys = System::builder().cpu_devices(1).spawn()?;
+    /// let y = sys.node("y", DType::I32, [2]);
+    /// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+    ///     let t = a.index("t")? as i32;
+    ///     a.output::<i32>(0)?.fill(t);
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let r = sys.context(0, 0)?.link(spec)?;
+    /// sys.schedule_with(r.routine(), &[("t", 5)])?.wait()?;
+    /// assert_eq!(r.context().read::<i32>(&y)?, vec![5, 5]);
+    /// assert!(matches!(sys.schedule(r.routine()), Err(Error::MissingBinding { .. })));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn schedule_with(
+        &self,
+        routine: &Routine,
+        bindings: impl tributary::kernels::IntoBindings,
+    ) -> Result<Ticket> {
+        let bindings = routine.bind(bindings)?;
         self.check_live()?;
-        Ok(Ticket::pending(self.dispatcher().schedule(routine)?))
+        Ok(Ticket::pending(
+            self.dispatcher().schedule(routine, bindings)?,
+        ))
     }
 
     /// Uploads the host array of hosted `node` into its buffer in `ctx`.

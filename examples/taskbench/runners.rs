@@ -3,8 +3,9 @@
 //! Column `i` is a stream; its output of timestep `t` is node `out[t % 2][i]` (16 bytes,
 //! Task Bench's default), shared across the streams of its device. Each column links one
 //! routine per phase (`t % Graph::phases()`, plus one for `t = 0`), so a routine always
-//! reads and writes the same nodes; the routine counts its own runs to know its timestep
-//! (its runs are in order: one stream, FIFO). Every routine checks every input.
+//! reads and writes the same nodes; the timestep is the routine's index `t`, given by each
+//! schedule (`schedule_with`, a `Bindings` per routine refilled every step) and snapshotted
+//! into its plan. Every routine checks every input against its timestep.
 //!
 //! On two devices, columns are split in halves; an input produced on the other device is
 //! copied (`device_to_device`, `MergeBufferUse::No`) once per timestep into a receiving
@@ -12,15 +13,13 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Arc,
-    },
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use tributary::{
-    kernels::{Access, RoutineSpec},
+    kernels::{Access, Bindings, RoutineSpec},
+    protocol::Routine,
     DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
 };
 use tributary_actors::{RoutineHandle, StreamConfig, System};
@@ -53,16 +52,21 @@ impl Outputs {
     }
 }
 
-/// The timestep of the `n`-th run (from 0) of the routine of `phase` (`None`: `t = 0`).
-fn timestep(phase: Option<usize>, phases: usize, n: usize) -> usize {
+/// The first timestep of the routine of `phase` (`None`: `t = 0`): its inputs and output
+/// are those of every timestep of the phase.
+fn first_timestep(phase: Option<usize>, phases: usize) -> usize {
     match phase {
         None => 0,
-        Some(0) => phases * (n + 1),
-        Some(r) => r + phases * n,
+        Some(0) => phases,
+        Some(r) => r,
     }
 }
 
-/// The routine of column `i` for `phase` (`None`: timestep 0).
+/// The name of the routines' timestep index.
+const T: &str = "t";
+
+/// The routine of column `i` for `phase` (`None`: timestep 0), with its timestep as the
+/// index `t`.
 fn task_spec(
     graph: Graph,
     outputs: &Outputs,
@@ -71,10 +75,7 @@ fn task_spec(
     iterations: u64,
     checks: &Arc<Checks>,
 ) -> Result<RoutineSpec> {
-    let phases = graph.phases();
-    // A representative timestep of the phase: its inputs and output are those of every
-    // timestep of the phase.
-    let t0 = timestep(phase, phases, 0);
+    let t0 = first_timestep(phase, graph.phases());
     let deps = graph.deps(t0, i);
     let mut params = vec![(outputs.of(t0, i).clone(), Access::Write)];
     if t0 > 0 {
@@ -83,14 +84,13 @@ fn task_spec(
                 .map(|&j| (outputs.of(t0 - 1, j).clone(), Access::Read)),
         );
     }
-    let runs = AtomicUsize::new(0);
     let checks = checks.clone();
     RoutineSpec::custom(
         format!("task{i}.{}", phase.map_or(-1, |p| p as i64)),
         params,
         None,
         move |args| {
-            let t = timestep(phase, phases, runs.fetch_add(1, Ordering::Relaxed));
+            let t = args.index(T)? as usize;
             for (k, &j) in deps.iter().enumerate() {
                 check_input(
                     t,
@@ -106,7 +106,29 @@ fn task_spec(
             checks.record(deps.len(), value);
             Ok(())
         },
-    )
+    )?
+    .with_index(T)
+}
+
+/// A routine with the bindings it is scheduled with, refilled every timestep.
+struct Task<R> {
+    routine: R,
+    bindings: Bindings,
+}
+
+impl<R> Task<R> {
+    fn new(routine: R, of: &Routine) -> Task<R> {
+        Task {
+            bindings: of.bindings(),
+            routine,
+        }
+    }
+
+    /// Sets the timestep to `t`.
+    fn at(&mut self, t: usize) -> Result<()> {
+        self.bindings.set(T, t as i64)?;
+        Ok(())
+    }
 }
 
 /// The phase of timestep `t`.
@@ -137,15 +159,18 @@ pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Dur
         let mut column = Vec::new();
         for phase in phases_with_first(&graph) {
             let spec = task_spec(graph, &outputs, i, phase, iterations, checks)?;
-            column.push(e.link(&ctx, spec)?);
+            let routine = e.link(&ctx, spec)?;
+            column.push(Task::new(routine.clone(), &routine));
         }
         routines.push(column);
     }
     let start = Instant::now();
     for t in 0..graph.steps {
         let s = slot(phase_of(&graph, t));
-        for column in &routines {
-            e.schedule(&column[s])?;
+        for column in &mut routines {
+            let task = &mut column[s];
+            task.at(t)?;
+            e.schedule_with(&task.routine, &task.bindings)?;
         }
     }
     e.sync_all()?;
@@ -166,12 +191,14 @@ pub fn system(
         .streams(StreamConfig::MostParallelStreams(per_device))
         .spawn()?;
     let outputs = Outputs::new(graph.width)?;
-    let mut routines: Vec<Vec<RoutineHandle>> = Vec::new();
+    let mut routines: Vec<Vec<Task<RoutineHandle>>> = Vec::new();
     for i in 0..graph.width {
         let ctx = sys.device(device_of(i)).stream(i % per_device).context()?;
         let mut column = Vec::new();
         for phase in phases_with_first(&graph) {
-            column.push(ctx.link(task_spec(graph, &outputs, i, phase, iterations, checks)?)?);
+            let handle = ctx.link(task_spec(graph, &outputs, i, phase, iterations, checks)?)?;
+            let routine = handle.routine().clone();
+            column.push(Task::new(handle, &routine));
         }
         routines.push(column);
     }
@@ -205,7 +232,7 @@ pub fn system(
                 remote.sort_unstable();
                 remote.dedup();
                 for j in remote {
-                    let src = routines[j][prev].context();
+                    let src = routines[j][prev].routine.context();
                     sys.device_to_device(
                         outputs.of(t - 1, j),
                         &src,
@@ -215,8 +242,10 @@ pub fn system(
                 }
             }
         }
-        for column in &routines {
-            column[s].schedule()?;
+        for column in &mut routines {
+            let task = &mut column[s];
+            task.at(t)?;
+            task.routine.schedule_with(&task.bindings)?;
         }
     }
     sys.sync()?;

@@ -140,11 +140,16 @@ impl Job {
     }
 }
 
+// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
+// allocation per schedule to save a memcpy of a value moved a few times.
+#[allow(clippy::large_enum_variant)]
 enum Job {
     Run {
         kernel: crate::kernels::Kernel,
         args: Vec<ResolvedArg>,
         merge: Option<ResolvedArg>,
+        /// The index values snapshotted into the plan.
+        bindings: crate::kernels::Bindings,
     },
     Copy {
         src: Region,
@@ -202,8 +207,10 @@ impl CpuBackend {
                 kernel,
                 args,
                 merge,
+                bindings,
                 ..
             } => Job::Run {
+                bindings: bindings.clone(),
                 kernel: kernel.clone(),
                 args: args
                     .iter()
@@ -313,8 +320,9 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
-        match kernel {
+    fn check_routine(&self, device: DeviceId, spec: &crate::kernels::RoutineSpec) -> Result<()> {
+        let routine = spec.name.as_str();
+        match &spec.kernel {
             Kernel::Shader(_) => Err(super::unsupported_kernel(
                 routine,
                 device,
@@ -573,6 +581,7 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             kernel,
             args,
             merge,
+            bindings,
         } => {
             let views = args.iter().map(view).collect();
             let merge = merge.as_ref().map(view);
@@ -582,7 +591,7 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             // do not alias any other binding. Own timeline: the dependencies awaited in
             // `run_item` are those operations themselves, so every other use of a buffer
             // this job writes, and every writer of a buffer it reads, has finished.
-            let kargs = unsafe { KernelArgs::new(views, merge) };
+            let kargs = unsafe { KernelArgs::new(views, merge) }.with_bindings(bindings);
             run_cpu(&kernel, &kargs)
         }
         Job::Copy { src, dst } => {

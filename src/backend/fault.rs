@@ -338,13 +338,12 @@ impl Backend for FaultBackend {
         self.inner.min_alignment(device)
     }
 
-    fn check_kernel(
+    fn check_routine(
         &self,
         device: DeviceId,
-        routine: &str,
-        kernel: &crate::kernels::Kernel,
+        spec: &crate::kernels::RoutineSpec,
     ) -> crate::error::Result<()> {
-        self.inner.check_kernel(device, routine, kernel)
+        self.inner.check_routine(device, spec)
     }
 }
 
@@ -405,18 +404,24 @@ fn inject(mut plan: Plan, fault: Fault, timeline: &Arc<Timeline>) -> Plan {
     // replaced, its label kept so that the failure names it.
     plan.work = match plan.work {
         Work::Run {
-            name, args, merge, ..
+            name,
+            args,
+            merge,
+            bindings,
+            ..
         } => Work::Run {
             name,
             kernel: Kernel::Cpu(kernel),
             args,
             merge,
+            bindings,
         },
         other => Work::Run {
             name: other.label().into(),
             kernel: Kernel::Cpu(kernel),
             args: Vec::new(),
             merge: None,
+            bindings: crate::kernels::Bindings::none(),
         },
     };
     plan

@@ -61,7 +61,7 @@ use crate::{
     error::{DeviceError, Error, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::Kernel,
+    kernels::RoutineSpec,
     protocol::Plan,
     sync::Arc,
 };
@@ -142,11 +142,14 @@ pub trait Backend: Send + Sync + 'static {
         1
     }
 
-    /// Refuses, at link time, a kernel that `device` can never run (a Rust closure on a
-    /// GPU, a shader on the CPU) with [`Error::InvalidRoutine`]. Default: every kernel.
-    /// The stream still fails the event of such a kernel if one reaches it.
-    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
-        let _ = (device, routine, kernel);
+    /// Refuses, at link time, a routine that `device` can never run: a kernel of another
+    /// backend (a Rust closure on a GPU, a shader on the CPU) with
+    /// [`Error::InvalidRoutine`], a shader whose immediates and index values exceed the
+    /// device's push constants with [`Error::PushConstantsTooLarge`]. Default: every
+    /// routine. A wrapper backend must forward it. The stream still fails the event of
+    /// such a routine if one reaches it.
+    fn check_routine(&self, device: DeviceId, spec: &RoutineSpec) -> Result<()> {
+        let _ = (device, spec);
         Ok(())
     }
 
@@ -324,7 +327,7 @@ pub(crate) fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
     DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
-/// The [`Backend::check_kernel`] error of a backend that cannot run `kernel` at all.
+/// The [`Backend::check_routine`] error of a backend that cannot run `kernel` at all.
 pub(crate) fn unsupported_kernel(
     routine: &str,
     device: DeviceId,

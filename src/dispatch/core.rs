@@ -283,10 +283,13 @@ impl DeviceCore {
             DeviceOp::Schedule {
                 stamp,
                 routine,
+                bindings,
                 promise,
             } => {
                 let hosted = reads_or_writes_hosted(&routine);
-                let plans = self.with_host(hosted, stamp, |s, h| s.schedule(&routine, h));
+                let plans = self.with_host(hosted, stamp, |s, h| {
+                    s.schedule_with(&routine, &bindings, h)
+                });
                 self.decide(promise, routine.context().stream(), plans);
             }
             DeviceOp::Transfer {
@@ -398,7 +401,7 @@ impl DeviceCore {
             // the routine instead of failing the device.
             let device = self.state.device();
             let check = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                backend.check_kernel(device, &spec.name, &spec.kernel)
+                backend.check_routine(device, &spec)
             }));
             check.unwrap_or_else(|payload| {
                 Err(Error::InvalidRoutine {

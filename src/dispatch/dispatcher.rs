@@ -31,7 +31,7 @@ use crate::{
     error::{Error, Result},
     event::{Event, Timeline},
     ids::{DeviceId, StreamId},
-    kernels::RoutineSpec,
+    kernels::{Bindings, RoutineSpec},
     memory::AlignedBuffer,
     node::TensorNode,
     pending::{Oneshot, PendingEvent, SeqPromise},
@@ -326,15 +326,10 @@ impl Dispatcher {
         })
     }
 
-    /// Schedules `routine`: its event, planned when its device reaches it.
-    pub fn schedule(&self, routine: &Routine) -> Result<PendingEvent> {
+    /// Schedules `routine` with `bindings` (checked by the caller, `Routine::bind`): its
+    /// event, planned when its device reaches it.
+    pub fn schedule(&self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
         let (pending, promise) = self.pending(routine.context().stream())?;
-        self.schedule_with(routine, promise)?;
-        Ok(pending)
-    }
-
-    /// Schedules `routine`, deciding `promise` (made by [`Dispatcher::pending_event`]).
-    pub fn schedule_with(&self, routine: &Routine, promise: SeqPromise) -> Result<()> {
         let d = self.index_of(routine.context().device())?;
         self.post(vec![Part::new(
             d,
@@ -343,9 +338,11 @@ impl Dispatcher {
             DeviceOp::Schedule {
                 stamp: 0,
                 routine: routine.clone(),
+                bindings,
                 promise,
             },
-        )])
+        )])?;
+        Ok(pending)
     }
 
     /// Uploads (`up`) or downloads the host array of hosted `node` in `ctx`.
@@ -611,6 +608,7 @@ impl Dispatcher {
                             DeviceOp::Schedule {
                                 stamp: 0,
                                 routine: merge,
+                                bindings: Bindings::none(),
                                 promise,
                             },
                         ));
@@ -646,6 +644,7 @@ impl Dispatcher {
                         DeviceOp::Schedule {
                             stamp: 0,
                             routine,
+                            bindings: Bindings::none(),
                             promise,
                         },
                     ));

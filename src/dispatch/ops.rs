@@ -13,7 +13,7 @@ use crate::{
     error::{Error, Result},
     event::Event,
     ids::{BufferLoc, StreamId},
-    kernels::RoutineSpec,
+    kernels::{Bindings, RoutineSpec},
     memory::{AlignedBuffer, PoolStats},
     node::TensorNode,
     pending::{Oneshot, SeqPromise},
@@ -140,6 +140,8 @@ pub enum DeviceOp {
         stamp: u64,
         /// The routine.
         routine: Routine,
+        /// Values of its declared indices, checked and snapshotted when it was posted.
+        bindings: Bindings,
         /// Its event.
         promise: SeqPromise,
     },

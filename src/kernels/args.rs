@@ -10,7 +10,7 @@
 
 use std::{cell::Cell, fmt, marker::PhantomData, mem, ptr::NonNull, slice};
 
-use super::spec::Access;
+use super::{bindings::Bindings, spec::Access};
 use crate::node::{DType, Element, Shape};
 
 /// Which argument of a kernel an [`ArgError`] is about.
@@ -81,6 +81,21 @@ pub enum ArgError {
         /// What is wrong.
         reason: String,
     },
+    /// The routine declares no index of this name.
+    #[error("the routine declares no index {name} (it declares {declared})")]
+    UnknownIndex {
+        /// The name asked for.
+        name: String,
+        /// The indices it declares.
+        declared: String,
+    },
+    /// The index is declared but these arguments carry no value for it (arguments made
+    /// by hand without complete [`Bindings`]; a scheduled routine always has them).
+    #[error("index {name} has no value")]
+    UnboundIndex {
+        /// The index.
+        name: String,
+    },
     /// A byte vector whose length is not a whole number of elements.
     #[error("{bytes} bytes are not a whole number of {dtype} elements")]
     BadLength {
@@ -134,6 +149,7 @@ pub struct KernelArgs<'a> {
     views: Vec<ArgView>,
     merge: Option<ArgView>,
     borrows: Vec<Cell<Borrow>>,
+    bindings: Bindings,
     _memory: PhantomData<&'a mut [u8]>,
 }
 
@@ -142,6 +158,7 @@ impl fmt::Debug for KernelArgs<'_> {
         f.debug_struct("KernelArgs")
             .field("views", &self.views)
             .field("merge", &self.merge)
+            .field("bindings", &self.bindings)
             .finish()
     }
 }
@@ -240,8 +257,43 @@ impl<'a> KernelArgs<'a> {
             views,
             merge,
             borrows,
+            bindings: Bindings::none(),
             _memory: PhantomData,
         }
+    }
+
+    /// These arguments with the values of the routine's indices (the plan's snapshot).
+    /// Safe: the values are plain numbers.
+    pub fn with_bindings(mut self, bindings: Bindings) -> KernelArgs<'a> {
+        self.bindings = bindings;
+        self
+    }
+
+    /// The value of the routine's index `name`, as given when it was scheduled
+    /// ([`RoutineSpec::with_index`](super::RoutineSpec::with_index)); it fits the index's
+    /// declared type. [`ArgError::UnknownIndex`] if the routine declares no such index.
+    pub fn index(&self, name: &str) -> Result<i64, ArgError> {
+        match self.bindings.iter().find(|(d, _)| d.name() == name) {
+            Some((_, Some(v))) => Ok(v),
+            Some((d, None)) => Err(ArgError::UnboundIndex {
+                name: d.name().to_string(),
+            }),
+            None => Err(ArgError::UnknownIndex {
+                name: name.to_string(),
+                declared: self
+                    .bindings
+                    .decls()
+                    .iter()
+                    .map(|d| d.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+        }
+    }
+
+    /// Every index value, with its declaration, in declaration order.
+    pub fn bindings(&self) -> &Bindings {
+        &self.bindings
     }
 
     /// Number of parameters.

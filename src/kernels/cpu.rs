@@ -8,6 +8,7 @@ use std::{
 
 use super::{
     args::{ArgView, KernelArgs},
+    bindings::{Bindings, IntoBindings},
     spec::{Access, Builtin, Kernel, RoutineSpec},
 };
 use crate::node::{Bf16, DType, Element, F16};
@@ -66,6 +67,38 @@ pub fn run_on_host(
     buffers: &mut [Vec<u8>],
     merge: Option<&[u8]>,
 ) -> Result<(), String> {
+    run_on_host_with(spec, buffers, merge, Bindings::none())
+}
+
+/// [`run_on_host`] with values for the spec's declared indices (as a schedule gives them:
+/// anything [`IntoBindings`] accepts); a missing, unknown, repeated or out-of-range value is
+/// an error before anything runs.
+///
+/// ```
+/// use tributary::kernels::{self, Access, RoutineSpec};
+/// use tributary::{DType, TensorNode};
+/// let y = TensorNode::new("y", DType::I32, [2]);
+/// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+///     let t = a.index("t")? as i32;
+///     a.output::<i32>(0)?.fill(t);
+///     Ok(())
+/// })?
+/// .with_index("t")?;
+/// let mut bufs = vec![vec![0u8; 8]];
+/// kernels::run_on_host_with(&spec, &mut bufs, None, &[("t", 5)]).expect("runs");
+/// assert_eq!(kernels::from_bytes::<i32>(&bufs[0])?, vec![5, 5]);
+/// assert!(kernels::run_on_host(&spec, &mut bufs, None).is_err()); // no value for t
+/// # Ok::<(), tributary::Error>(())
+/// ```
+pub fn run_on_host_with(
+    spec: &RoutineSpec,
+    buffers: &mut [Vec<u8>],
+    merge: Option<&[u8]>,
+    bindings: impl IntoBindings,
+) -> Result<(), String> {
+    let bindings = bindings
+        .into_bindings(spec.bindings())
+        .map_err(|e| e.to_string())?;
     if buffers.len() != spec.params.len() {
         return Err(format!(
             "{}: {} buffers for {} parameters",
@@ -139,7 +172,7 @@ pub fn run_on_host(
         // rounds up), aligned to 8 bytes (enough for every dtype), and valid for reads and
         // writes; no two views share an allocation, so none overlap. The temporaries are
         // neither moved nor accessed until `args` is dropped at the end of this block.
-        let args = unsafe { KernelArgs::new(views, merge_view) };
+        let args = unsafe { KernelArgs::new(views, merge_view) }.with_bindings(bindings);
         run_cpu(&spec.kernel, &args)
     };
     result?;

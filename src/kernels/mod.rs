@@ -25,17 +25,23 @@
 //! [`run_cpu`] runs either kind over [`KernelArgs`]; [`run_on_host`] runs a spec on plain
 //! byte vectors (tests, the engine's sequential reference interpreter).
 //!
+//! **Bindings.** A routine may declare named integer indices
+//! ([`RoutineSpec::with_index`]) whose values each schedule gives, snapshotted into the
+//! plan ([`Bindings`]; the `bindings` module explains why and how each backend passes them).
+//!
 //! **Determinism.** Every CPU built-in runs sequentially, with a fixed order of
 //! floating-point operations (documented per built-in), no fused multiply-add and no
 //! threads, so results are bitwise reproducible. `f16` and `bf16` arithmetic converts each
 //! element to `f32`, computes in `f32` and rounds the result back (ties to even).
 
 mod args;
+mod bindings;
 mod cpu;
 mod spec;
 
 pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
-pub use cpu::{run_cpu, run_on_host};
+pub use bindings::{Bindings, IndexDecl, IndexType, IntoBindings, MAX_INDICES};
+pub use cpu::{run_cpu, run_on_host, run_on_host_with};
 pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
 pub use spec::{
     add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul, matmul_nt,

@@ -4,7 +4,10 @@ use std::{collections::HashSet, fmt, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
-use super::args::KernelArgs;
+use super::{
+    args::KernelArgs,
+    bindings::{Bindings, IndexDecl, IndexType, MAX_INDICES},
+};
 use crate::{
     error::{Error, Result},
     node::{DType, TensorNode},
@@ -98,8 +101,15 @@ pub enum ShaderSource {
 /// `@group(0) @binding(i)`, bound over the node's buffer rounded up to whole 4-byte words
 /// (so `arrayLength` of an `array<u32>` over 5 `u8` elements is 2); the merge buffer, if the
 /// routine reads one, is binding `params.len()`; `immediates` are the push constants (WGSL
-/// `var<immediate>`), at most 128 bytes. The backend dispatches `workgroups` once; the shader must bound its own
-/// indices. Like every kernel, it must write every element of its `Write` parameters.
+/// `var<immediate>`). The values of the routine's declared indices
+/// ([`RoutineSpec::with_index`]) follow the immediates in the same push-constant block, in
+/// declaration order, each at the next multiple of its size (4 bytes for `u32`/`i32`, 8 for
+/// `i64`, as a `vec2<u32>` low word first), exactly where further members of a WGSL struct
+/// would be: `struct P { n: u32, alpha: f32, t: u32 }` over 8 bytes of immediates and an
+/// index `t`. Immediates and indices together must fit the device's push constants
+/// (128 bytes on lavapipe; checked at link, [`Error::PushConstantsTooLarge`]). The backend
+/// dispatches `workgroups` once; the shader must bound its own indices. Like every kernel,
+/// it must write every element of its `Write` parameters.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ShaderKernel {
     /// The code.
@@ -177,8 +187,10 @@ pub enum CudaScalar {
 ///
 /// Parameter interface (C): parameter `i` of the routine is a device pointer to the node's
 /// buffer (`T* p_i`, in argument order), then the merge buffer's pointer if the routine
-/// reads one, then `scalars` by value in order; for example `extern "C" __global__ void
-/// f(float* y, const float* x, unsigned long long n, float alpha)`. Buffers are aligned to
+/// reads one, then `scalars` by value in order, then the values of the routine's declared
+/// indices ([`RoutineSpec::with_index`]) in declaration order (`unsigned int` for `u32`,
+/// `int` for `i32`, `long long` for `i64`); for example `extern "C" __global__ void
+/// f(float* y, const float* x, unsigned long long n, float alpha, unsigned int t)`. Buffers are aligned to
 /// at least their element size. The backend launches `grid` blocks of `block` threads with
 /// `shared_mem_bytes` of dynamic shared memory once; the kernel must bound its own indices
 /// and, like every kernel, write every element of its `Write` parameters. A grid or block
@@ -486,6 +498,8 @@ impl Builtin {
 ///
 /// Invariants (checked by [`RoutineSpec::new`]): at least one parameter, and no node twice
 /// among the parameters. The merge node may also be a parameter (`g += merge(g)`).
+/// Declared indices ([`RoutineSpec::with_index`]): at most [`MAX_INDICES`], distinct
+/// names, none on a built-in.
 #[derive(Clone, Debug)]
 pub struct RoutineSpec {
     /// The routine's name (in traces and failures).
@@ -496,6 +510,8 @@ pub struct RoutineSpec {
     pub merge: Option<TensorNode>,
     /// What it computes.
     pub kernel: Kernel,
+    /// Its declared indices, in order (values given per schedule).
+    indices: Vec<IndexDecl>,
 }
 
 impl RoutineSpec {
@@ -530,7 +546,93 @@ impl RoutineSpec {
             params,
             merge,
             kernel,
+            indices: Vec::new(),
         })
+    }
+
+    /// Declares an integer index `name` of type [`IndexType::U32`], whose value each
+    /// schedule gives ([`Engine::schedule_with`](crate::Engine::schedule_with)); see
+    /// [`RoutineSpec::with_index_typed`].
+    ///
+    /// ```
+    /// use tributary::kernels::{Access, RoutineSpec};
+    /// use tributary::{DType, Engine, EngineConfig, Error, TensorNode};
+    /// let mut e = Engine::cpu(EngineConfig::default())?;
+    /// let y = TensorNode::new("y", DType::U8, [4]);
+    /// let spec = RoutineSpec::custom("y = t", vec![(y.clone(), Access::Write)], None, |a| {
+    ///     let t = a.index("t")?;
+    ///     a.output::<u8>(0)?.fill(t as u8);
+    ///     Ok(())
+    /// })?
+    /// .with_index("t")?;
+    /// let root = e.context(0, 0)?;
+    /// let r = e.link(&root, spec)?;
+    /// e.schedule_with(&r, &[("t", 7)])?;
+    /// assert_eq!(e.read::<u8>(r.context(), &y)?, vec![7; 4]);
+    /// // A routine with indices cannot be scheduled without their values.
+    /// assert!(matches!(e.schedule(&r), Err(Error::MissingBinding { .. })));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn with_index(self, name: &str) -> Result<RoutineSpec> {
+        self.with_index_typed(name, IndexType::U32)
+    }
+
+    /// Declares an integer index `name` of type `ty`: a value given per schedule, in
+    /// `ty`'s range, snapshotted into the plan when the routine is scheduled (never read
+    /// when it runs). A CPU closure reads it with
+    /// [`KernelArgs::index`](super::KernelArgs::index), a shader as push constants after
+    /// its immediates ([`ShaderKernel`]), a CUDA kernel as arguments after its scalars
+    /// ([`CudaKernel`]).
+    ///
+    /// [`Error::InvalidRoutine`] for an empty or repeated name, more than [`MAX_INDICES`]
+    /// indices, or a built-in kernel (built-ins read no index).
+    ///
+    /// ```
+    /// use tributary::kernels::{self, Access, IndexType, RoutineSpec};
+    /// use tributary::{DType, Error, TensorNode};
+    /// let y = TensorNode::new("y", DType::F32, [4]);
+    /// let spec = RoutineSpec::custom("f", vec![(y.clone(), Access::Write)], None, |_| Ok(()))?
+    ///     .with_index_typed("offset", IndexType::I64)?;
+    /// assert_eq!(spec.indices()[0].name(), "offset");
+    /// assert!(matches!(spec.with_index("offset"), Err(Error::InvalidRoutine { .. })));
+    /// assert!(matches!(kernels::fill(&y, 1.0)?.with_index("t"), Err(Error::InvalidRoutine { .. })));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn with_index_typed(mut self, name: &str, ty: IndexType) -> Result<RoutineSpec> {
+        let reason = if name.is_empty() {
+            Some("an index needs a name".to_string())
+        } else if self.indices.iter().any(|d| d.name() == name) {
+            Some(format!("index {name} is declared twice"))
+        } else if self.indices.len() >= MAX_INDICES {
+            Some(format!(
+                "index {name} is one too many: a routine declares at most {MAX_INDICES}"
+            ))
+        } else if let Kernel::Builtin(b) = &self.kernel {
+            Some(format!(
+                "index {name}: the built-in {} reads no index",
+                b.name()
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(Error::InvalidRoutine {
+                routine: self.name,
+                reason,
+            });
+        }
+        self.indices.push(IndexDecl::new(name, ty));
+        Ok(self)
+    }
+
+    /// The declared indices, in order.
+    pub fn indices(&self) -> &[IndexDecl] {
+        &self.indices
+    }
+
+    /// Empty bindings for this spec's indices (for [`run_on_host_with`](super::run_on_host_with)).
+    pub fn bindings(&self) -> Bindings {
+        Bindings::empty_for(&self.name, &self.indices)
     }
 
     /// A spec running a Rust closure (CPU devices only); see [`RoutineSpec::new`].

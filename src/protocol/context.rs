@@ -10,7 +10,7 @@ use std::{collections::HashMap, fmt, sync::Arc};
 
 use crate::{
     ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
-    kernels::RoutineSpec,
+    kernels::{Bindings, IndexDecl, IntoBindings, RoutineSpec},
     node::TensorNode,
 };
 
@@ -104,6 +104,9 @@ pub struct Routine(pub(crate) Arc<RoutineInner>);
 pub(crate) struct RoutineInner {
     pub(crate) spec: RoutineSpec,
     pub(crate) context: Context,
+    /// Empty bindings of its declared indices: what every schedule fills, sharing the
+    /// declarations and the routine's name.
+    pub(crate) empty_bindings: Bindings,
 }
 
 impl Routine {
@@ -125,6 +128,41 @@ impl Routine {
     /// The node the routine expects in its stream's merge buffer, if any.
     pub fn merge_node(&self) -> Option<&TensorNode> {
         self.0.spec.merge.as_ref()
+    }
+
+    /// The integer indices it declares, in order
+    /// ([`RoutineSpec::with_index`](crate::kernels::RoutineSpec::with_index)).
+    pub fn indices(&self) -> &[IndexDecl] {
+        self.0.empty_bindings.decls()
+    }
+
+    /// Empty bindings of its indices, to fill with [`Bindings::set`] and give to a
+    /// schedule; keep one and refill it every step (no allocation).
+    pub fn bindings(&self) -> Bindings {
+        self.0.empty_bindings.clone()
+    }
+
+    /// Complete bindings of its indices from `values` (pairs such as `&[("t", 3)]`, or a
+    /// [`Bindings`]): [`Error::MissingBinding`](crate::Error::MissingBinding),
+    /// [`Error::UnknownBinding`](crate::Error::UnknownBinding),
+    /// [`Error::DuplicateBinding`](crate::Error::DuplicateBinding) or
+    /// [`Error::BindingOutOfRange`](crate::Error::BindingOutOfRange) otherwise. Every
+    /// schedule checks its values this way.
+    ///
+    /// ```
+    /// # use tributary::kernels::{Access, RoutineSpec};
+    /// # use tributary::{DType, Engine, EngineConfig, Error, TensorNode};
+    /// # let mut e = Engine::cpu(EngineConfig::default())?;
+    /// # let y = TensorNode::new("y", DType::F32, [4]);
+    /// # let spec = RoutineSpec::custom("f", vec![(y, Access::Write)], None, |_| Ok(()))?.with_index("t")?;
+    /// let root = e.context(0, 0)?;
+    /// let r = e.link(&root, spec)?;
+    /// assert_eq!(r.bind(&[("t", 3)])?.get("t"), Some(3));
+    /// assert!(matches!(r.bind(&[("t", 3), ("t", 4)]), Err(Error::DuplicateBinding { .. })));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn bind(&self, values: impl IntoBindings) -> crate::error::Result<Bindings> {
+        values.into_bindings(self.bindings())
     }
 }
 

@@ -26,7 +26,7 @@ use crate::{
     error::{Error, Result},
     event::{Event, Timeline},
     ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
-    kernels::{Access, RoutineSpec},
+    kernels::{Access, Bindings, RoutineSpec},
     memory::{Allocation, DevicePools, PoolConfig, PoolMemory, PoolStats},
     node::{MemoryMode, Sharing, TensorNode},
     protocol::{
@@ -536,6 +536,7 @@ impl DeviceState {
         let (arrays, plans) = self.place(ctx, decisions)?;
         let child = self.child_context(ctx, arrays);
         let routine = Routine(Arc::new(RoutineInner {
+            empty_bindings: Bindings::empty_for(&spec.name, spec.indices()),
             spec,
             context: child,
         }));
@@ -730,8 +731,23 @@ impl DeviceState {
     // ----------------------------------------------------------------------------------
 
     /// Schedules a linked routine: auto-uploads of lagging hosted inputs, then the routine.
+    /// A routine that declares indices needs their values: [`DeviceState::schedule_with`].
     pub fn schedule(&mut self, routine: &Routine, host: &mut HostTable) -> Result<Vec<Plan>> {
-        self.schedule_inner(routine, MergeFrom::Slot, host)
+        self.schedule_with(routine, &Bindings::none(), host)
+    }
+
+    /// [`DeviceState::schedule`] with values for the routine's declared indices, checked
+    /// against its declarations first ([`Routine::bind`]: a missing, unknown, repeated or
+    /// out-of-range value refuses the schedule and changes nothing) and snapshotted into
+    /// the routine's plan.
+    pub fn schedule_with(
+        &mut self,
+        routine: &Routine,
+        bindings: &Bindings,
+        host: &mut HostTable,
+    ) -> Result<Vec<Plan>> {
+        let bindings = routine.bind(bindings)?;
+        self.schedule_inner(routine, MergeFrom::Slot, bindings, host)
     }
 
     /// Schedules `routine` reading `source` in place as its merge buffer (`StreamingFor`).
@@ -746,7 +762,8 @@ impl DeviceState {
     ) -> Result<Vec<Plan>> {
         self.check_streaming(routine, source)?;
         source.check_written()?;
-        self.schedule_inner(routine, MergeFrom::Source(source), host)
+        let bindings = routine.bind(Bindings::none())?;
+        self.schedule_inner(routine, MergeFrom::Source(source), bindings, host)
     }
 
     /// Checks, without changing anything, that `routine` can be scheduled on this device
@@ -755,6 +772,8 @@ impl DeviceState {
     /// plans anything on the source device.
     pub fn check_streaming(&self, routine: &Routine, source: &Source) -> Result<()> {
         self.check_context(routine.context())?;
+        // A streaming consumer is scheduled without index values.
+        routine.bind(Bindings::none())?;
         self.resolve(routine, &MergeFrom::Source(source))
             .map(|_| ())
     }
@@ -859,6 +878,7 @@ impl DeviceState {
         &mut self,
         routine: &Routine,
         merge_from: MergeFrom<'_>,
+        bindings: Bindings,
         host: &mut HostTable,
     ) -> Result<Vec<Plan>> {
         let ctx = routine.context().clone();
@@ -867,8 +887,8 @@ impl DeviceState {
         let spec = &routine.0.spec;
 
         // Resolve every binding before touching any table.
-        let (bindings, merge) = self.resolve(routine, &merge_from)?;
-        for (p, b) in spec.params.iter().zip(&bindings) {
+        let (args, merge) = self.resolve(routine, &merge_from)?;
+        for (p, b) in spec.params.iter().zip(&args) {
             if !matches!(p.access, Access::Write) {
                 self.check_written(&ctx, &p.node, b.loc.loc, || {
                     format!("routine '{}'", spec.name)
@@ -878,7 +898,7 @@ impl DeviceState {
 
         // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
         let mut plans = Vec::new();
-        for (p, b) in spec.params.iter().zip(&bindings) {
+        for (p, b) in spec.params.iter().zip(&args) {
             if p.node.mode().is_hosted() && !matches!(p.access, Access::Write) {
                 let version = host.version(p.node.id());
                 let lagging = self
@@ -894,7 +914,7 @@ impl DeviceState {
 
         // Rule 1: RAW on inputs, WAR and WAW on outputs (any stream, any device).
         let mut deps = Vec::new();
-        for (p, b) in spec.params.iter().zip(&bindings) {
+        for (p, b) in spec.params.iter().zip(&args) {
             if let Some(rec) = self.buffers.get_mut(&b.loc.loc) {
                 if !matches!(p.access, Access::Write) {
                     rec.uses.read_deps(&mut deps);
@@ -916,7 +936,7 @@ impl DeviceState {
         }
 
         let event = self.issue(stream);
-        for (p, b) in spec.params.iter().zip(&bindings) {
+        for (p, b) in spec.params.iter().zip(&args) {
             let Some(rec) = self.buffers.get_mut(&b.loc.loc) else {
                 continue;
             };
@@ -945,10 +965,15 @@ impl DeviceState {
             event,
             deps,
             work: Work::Run {
-                name: spec.name.as_str().into(),
+                name: routine
+                    .0
+                    .empty_bindings
+                    .routine_arc()
+                    .map_or_else(|| spec.name.as_str().into(), Arc::clone),
                 kernel: spec.kernel.clone(),
-                args: bindings,
+                args,
                 merge,
+                bindings,
             },
         });
         Ok(plans)

@@ -2,9 +2,10 @@
 //!
 //! A [`Plan`] is the whole outcome of scheduling one operation: the stream it runs on,
 //! the events it must wait for ([`Dep`]), the work, and the event it completes. Bindings
-//! (buffer locations, the merge-buffer source, host arrays) are resolved when the plan is
-//! made, i.e. at schedule time, never at execution time (OCANNL read some of them at
-//! execution time on the CPU and at launch time on CUDA; DESIGN.md §1).
+//! (buffer locations, the merge-buffer source, host arrays, the values of a routine's
+//! declared indices) are resolved when the plan is made, i.e. at schedule time, never at
+//! execution time (OCANNL read some of them at execution time on the CPU and at launch
+//! time on CUDA; DESIGN.md §1).
 //!
 //! Plans are made by the protocol only: see [`Plan`] for why and how the types ensure it.
 
@@ -14,7 +15,7 @@ use crate::{
     error::{Error, Failure},
     event::Event,
     ids::{BufferLoc, DeviceId, StreamId},
-    kernels::{Access, Kernel},
+    kernels::{Access, Bindings, Kernel},
     memory::AlignedBuffer,
     node::{DType, Shape},
 };
@@ -128,6 +129,9 @@ impl ArgBinding {
 ///
 /// Its variants are `#[non_exhaustive]`: code outside this crate can inspect work but not
 /// make it (see [`Plan`]).
+// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
+// allocation per schedule to save a memcpy of a value moved a few times.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub enum Work {
     /// Run a kernel over bound buffers.
@@ -141,6 +145,9 @@ pub enum Work {
         args: Vec<ArgBinding>,
         /// The merge-buffer argument, resolved at schedule time.
         merge: Option<ArgBinding>,
+        /// The values of the routine's declared indices, snapshotted at schedule time
+        /// (complete; empty for a routine without indices).
+        bindings: Bindings,
     },
     /// Copy `bytes` from one buffer to another (possibly on another device).
     #[non_exhaustive]
@@ -194,11 +201,23 @@ impl Work {
         args: Vec<ArgBinding>,
         merge: Option<ArgBinding>,
     ) -> Work {
+        Work::run_bound(name, kernel, args, merge, Bindings::none())
+    }
+
+    /// [`Work::Run`] with values for the routine's indices.
+    pub fn run_bound(
+        name: impl Into<Arc<str>>,
+        kernel: Kernel,
+        args: Vec<ArgBinding>,
+        merge: Option<ArgBinding>,
+        bindings: Bindings,
+    ) -> Work {
         Work::Run {
             name: name.into(),
             kernel,
             args,
             merge,
+            bindings,
         }
     }
 

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use tributary::{
-    kernels::RoutineSpec,
+    kernels::{Bindings, RoutineSpec},
     memory::{PoolConfig, PoolStats},
     protocol::{Context, Routine, TableSizes},
     DType, Engine, EngineConfig, Error, Event, MergeBufferUse, Result, TensorNode,
@@ -33,6 +33,13 @@ pub enum Data {
     F32(Vec<f32>),
     F64(Vec<f64>),
     I32(Vec<i32>),
+}
+
+/// Values for a routine's indices as a host gives them: name-value pairs, or a
+/// [`Bindings`] (which a raw `Schedule` message carries as it is).
+pub enum Given<'a> {
+    Pairs(&'a [(&'a str, i64)]),
+    Bindings(Bindings),
 }
 
 /// Values read back, in the element type asked for.
@@ -95,6 +102,8 @@ pub trait Api {
     fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<Routine>;
     /// Schedules `routine`; returns once it has an event (or was refused).
     fn schedule(&mut self, routine: &Routine) -> Result<Event>;
+    /// Schedules `routine` with values for its indices.
+    fn schedule_with(&mut self, routine: &Routine, given: Given<'_>) -> Result<Event>;
     /// Writes `data` as `node`'s host value and adds a buffer of it to a child of `ctx`.
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context>;
     /// Uploads `node`'s host array into its buffer in `ctx` (named like the engine's).
@@ -174,6 +183,12 @@ impl Api for EngineApi {
     }
     fn schedule(&mut self, routine: &Routine) -> Result<Event> {
         self.0.schedule(routine)
+    }
+    fn schedule_with(&mut self, routine: &Routine, given: Given<'_>) -> Result<Event> {
+        match given {
+            Given::Pairs(pairs) => self.0.schedule_with(routine, pairs),
+            Given::Bindings(b) => self.0.schedule_with(routine, b),
+        }
     }
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context> {
         with_data!(data, |v| self.0.init_from_host(ctx, node, &v))
@@ -263,6 +278,13 @@ impl Api for SystemApi {
     }
     fn schedule(&mut self, routine: &Routine) -> Result<Event> {
         self.0.schedule(routine)?.event()
+    }
+    fn schedule_with(&mut self, routine: &Routine, given: Given<'_>) -> Result<Event> {
+        match given {
+            Given::Pairs(pairs) => self.0.schedule_with(routine, pairs),
+            Given::Bindings(b) => self.0.schedule_with(routine, b),
+        }?
+        .event()
     }
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context> {
         with_data!(data, |v| Ok(self
@@ -385,6 +407,17 @@ impl Api for MessagesApi {
     }
     fn schedule(&mut self, routine: &Routine) -> Result<Event> {
         let (msg, ticket) = Schedule::new(&self.0, routine.clone());
+        self.ticketed(routine.context(), msg, ticket)
+    }
+    fn schedule_with(&mut self, routine: &Routine, given: Given<'_>) -> Result<Event> {
+        // Pairs have no message form: a host turns them into `Bindings` first (which
+        // checks them); `Bindings` go into the message unchecked, for the actor to check.
+        let bindings = match given {
+            Given::Pairs(pairs) => routine.bind(pairs)?,
+            Given::Bindings(b) => b,
+        };
+        let (mut msg, ticket) = Schedule::new(&self.0, routine.clone());
+        msg.bindings = bindings;
         self.ticketed(routine.context(), msg, ticket)
     }
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context> {

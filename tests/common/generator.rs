@@ -59,8 +59,8 @@ pub enum Abs {
         value: i8,
         schedule: bool,
     },
-    /// Schedule a live routine.
-    Schedule { routine: u16 },
+    /// Schedule a live routine (with `t` for its index, if it declares one).
+    Schedule { routine: u16, t: i16 },
     /// `init_from_host` of a hosted node not yet in the context.
     Init { ctx: u16, node: u8, data: Data },
     /// `from_host` of a hosted node of the context.
@@ -150,10 +150,10 @@ fn arb_abs() -> impl Strategy<Value = Abs> {
     let nd = || 0u8..32;
     prop_oneof![
         2 => (0u8..4, 0u8..3).prop_map(|(device, stream)| Abs::Root { device, stream }),
-        30 => (ix(), 0u8..8, nd(), nd(), any::<i8>(), prop::bool::weighted(0.7)).prop_map(
+        30 => (ix(), 0u8..9, nd(), nd(), any::<i8>(), prop::bool::weighted(0.7)).prop_map(
             |(ctx, kind, a, b, value, schedule)| Abs::Link { ctx, kind, a, b, value, schedule }
         ),
-        14 => ix().prop_map(|routine| Abs::Schedule { routine }),
+        14 => (ix(), any::<i16>()).prop_map(|(routine, t)| Abs::Schedule { routine, t }),
         8 => (ix(), nd(), arb_data()).prop_map(|(ctx, node, data)| Abs::Init { ctx, node, data }),
         3 => (ix(), nd()).prop_map(|(ctx, node)| Abs::FromHost { ctx, node }),
         3 => (ix(), nd()).prop_map(|(ctx, node)| Abs::ToHost { ctx, node }),
@@ -187,6 +187,15 @@ pub fn arb_program(profile: Profile) -> impl Strategy<Value = AbsProgram> {
             pool_bytes,
             ops,
         })
+}
+
+/// Schedules `routine`, with the value `t` for its index if it declares one.
+fn schedule_op(indexed: bool, routine: R, t: i64) -> Op {
+    if indexed {
+        Op::ScheduleWith { routine, t }
+    } else {
+        Op::Schedule { routine }
+    }
 }
 
 fn pick<T: Copy>(v: &[T], i: impl Into<usize>) -> Option<T> {
@@ -239,7 +248,8 @@ impl Resolver {
         };
         let src = pick(&compat, b);
         let alpha = [2.0, -1.0, 0.5, 0.1, 3.0][usize::from(b) % 5];
-        Some(match (kind % 8, src) {
+        Some(match (kind % 9, src) {
+            (8, _) => Kernel::FillIndex { dst },
             (1, Some(src)) => Kernel::Copy { dst, src },
             (2 | 6, Some(src)) => Kernel::AddInto { dst, src },
             (3 | 7, _) => Kernel::AddMerge { dst },
@@ -274,14 +284,16 @@ impl Resolver {
             } => {
                 let ctx = self.ctx(ctx)?;
                 let kernel = self.kernel(kind, a, b, value)?;
+                let indexed = kernel.index().is_some();
                 if self.push(Op::Link { ctx, kernel }) && schedule {
                     let routine = R(self.reference.routine_count() - 1);
-                    self.push(Op::Schedule { routine });
+                    self.push(schedule_op(indexed, routine, i64::from(value) * 37));
                 }
             }
-            Abs::Schedule { routine } => {
+            Abs::Schedule { routine, t } => {
                 let routine = pick(&r.live_routines(), routine)?;
-                self.push(Op::Schedule { routine });
+                let indexed = r.kernel_of(routine).index().is_some();
+                self.push(schedule_op(indexed, routine, i64::from(t)));
             }
             Abs::Init { ctx, node, data } => {
                 let ctx = self.ctx(ctx)?;

@@ -46,7 +46,7 @@ use std::{
 
 use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
-    kernels::{Access, Kernel},
+    kernels::{Access, RoutineSpec},
     memory::AlignedBuffer,
     protocol::{current_issue, issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
     DeviceError, DeviceId, PoolId, StreamId, Timeline,
@@ -635,13 +635,8 @@ impl Backend for RecordingBackend {
         self.inner.min_alignment(device)
     }
 
-    fn check_kernel(
-        &self,
-        device: DeviceId,
-        routine: &str,
-        kernel: &Kernel,
-    ) -> tributary::Result<()> {
-        self.inner.check_kernel(device, routine, kernel)
+    fn check_routine(&self, device: DeviceId, spec: &RoutineSpec) -> tributary::Result<()> {
+        self.inner.check_routine(device, spec)
     }
 
     fn device_info(&self, device: DeviceId) -> Result<DeviceInfo, DeviceError> {

@@ -168,6 +168,11 @@ pub enum Kernel {
     Matmul { c: N, a: N, b: N },
     /// `dst[j] = Σ_i src[i, j]`, summed in increasing `i` from 0 (f32).
     SumRows { dst: N, src: N },
+    /// `dst[i] = t` (converted to the dtype), where `t` is the routine's index
+    /// [`Kernel::INDEX`] of type `i32`, given by each schedule ([`Op::ScheduleWith`]): a
+    /// user kernel (a closure, WGSL or CUDA C), the only one whose effect depends on a
+    /// per-schedule binding.
+    FillIndex { dst: N },
 }
 
 impl Kernel {
@@ -183,7 +188,16 @@ impl Kernel {
             Kernel::Axpy { y, x, .. } => vec![(y, ReadWrite), (x, Read)],
             Kernel::Matmul { c, a, b } => vec![(c, Write), (a, Read), (b, Read)],
             Kernel::SumRows { dst, src } => vec![(dst, Write), (src, Read)],
+            Kernel::FillIndex { dst } => vec![(dst, Write)],
         }
+    }
+
+    /// The name of [`Kernel::FillIndex`]'s index.
+    pub const INDEX: &'static str = "t";
+
+    /// The index the kernel declares, if any (of type `i32`).
+    pub fn index(&self) -> Option<&'static str> {
+        matches!(self, Kernel::FillIndex { .. }).then_some(Kernel::INDEX)
     }
 
     /// The node expected in the merge buffer.
@@ -208,6 +222,7 @@ impl fmt::Display for Kernel {
             Kernel::Axpy { y, x, alpha } => write!(f, "axpy(n{}, n{}, {alpha})", y.0, x.0),
             Kernel::Matmul { c, a, b } => write!(f, "matmul(n{}, n{}, n{})", c.0, a.0, b.0),
             Kernel::SumRows { dst, src } => write!(f, "sum_rows(n{}, n{})", dst.0, src.0),
+            Kernel::FillIndex { dst } => write!(f, "fill_index(n{})", dst.0),
         }
     }
 }
@@ -273,6 +288,8 @@ pub enum Op {
     Link { ctx: C, kernel: Kernel },
     /// Schedules a routine.
     Schedule { routine: R },
+    /// Schedules a routine with the value `t` for its index [`Kernel::INDEX`].
+    ScheduleWith { routine: R, t: i64 },
     /// Writes the host array, then adds the node to a child of `ctx` (creates a context).
     InitFromHost { ctx: C, node: N, data: Data },
     /// Uploads the host array into the node's buffer in `ctx`.
@@ -344,6 +361,9 @@ impl Program {
                     routines += 1;
                 }
                 Op::Schedule { routine } => writeln!(f, "schedule(r{})", routine.0)?,
+                Op::ScheduleWith { routine, t } => {
+                    writeln!(f, "schedule_with(r{}, t = {t})", routine.0)?
+                }
                 Op::InitFromHost { ctx, node, data } => {
                     writeln!(
                         f,
@@ -709,6 +729,11 @@ impl Builder {
     /// `schedule(routine)`.
     pub fn schedule(&mut self, routine: R) -> &mut Self {
         self.op(Op::Schedule { routine })
+    }
+
+    /// `schedule_with(routine, t)`.
+    pub fn schedule_with(&mut self, routine: R, t: i64) -> &mut Self {
+        self.op(Op::ScheduleWith { routine, t })
     }
 
     /// `device_to_device(node, src, dst, mode)`.

@@ -391,7 +391,7 @@ impl Reference {
             }
         };
         match *k {
-            Kernel::Fill { .. } | Kernel::AddMerge { .. } => Ok(()),
+            Kernel::Fill { .. } | Kernel::AddMerge { .. } | Kernel::FillIndex { .. } => Ok(()),
             Kernel::Copy { dst, src } | Kernel::AddInto { dst, src } => {
                 if dst == src || numel(dst) != numel(src) {
                     Err("SizeMismatch: elementwise".into())
@@ -503,12 +503,23 @@ impl Reference {
         Ok(Obs::Done)
     }
 
-    fn schedule(&mut self, r: R) -> Res<Obs> {
+    /// Schedules routine `r` with the value `t` for its index, if given: a routine with an
+    /// index needs one (`MissingBinding`), one without takes none (`UnknownBinding`), and it
+    /// must fit `i32` (`BindingOutOfRange`).
+    fn schedule(&mut self, r: R, t: Option<i64>) -> Res<Obs> {
         let routine = self
             .routines
             .get(r.0)
             .ok_or_else(|| format!("Unknown: routine r{}", r.0))?;
         let (c, kernel) = (C(routine.ctx), routine.kernel.clone());
+        match (kernel.index(), t) {
+            (Some(name), None) => return Err(format!("MissingBinding: {name} of r{}", r.0)),
+            (None, Some(t)) => return Err(format!("UnknownBinding: {t} for r{}", r.0)),
+            (Some(_), Some(t)) if i32::try_from(t).is_err() => {
+                return Err(format!("BindingOutOfRange: {t} for r{}", r.0))
+            }
+            _ => {}
+        }
         let ctx = self.live_ctx(c)?;
         let merge = match kernel.merge() {
             None => MergeFrom::None,
@@ -523,12 +534,12 @@ impl Reference {
                 }
             },
         };
-        self.run(c, &kernel, merge)
+        self.run(c, &kernel, merge, t)
     }
 
-    /// Runs a routine: uploads of lagging hosted inputs, the kernel, the bookkeeping of
-    /// its outputs.
-    fn run(&mut self, c: C, kernel: &Kernel, merge: MergeFrom) -> Res<Obs> {
+    /// Runs a routine (with `t` the value of its index): uploads of lagging hosted inputs,
+    /// the kernel, the bookkeeping of its outputs.
+    fn run(&mut self, c: C, kernel: &Kernel, merge: MergeFrom, t: Option<i64>) -> Res<Obs> {
         let params = kernel.params();
         let mut bufs = Vec::with_capacity(params.len());
         for &(n, _) in &params {
@@ -550,7 +561,7 @@ impl Reference {
             MergeFrom::Source(b) => Some(self.bufs[b].data.clone()),
         };
         let mut vals: Vec<Vals> = bufs.iter().map(|&b| self.bufs[b].data.clone()).collect();
-        self.compute(kernel, &mut vals, merge)?;
+        self.compute(kernel, &mut vals, merge, t)?;
         for ((&(n, acc), &b), v) in params.iter().zip(&bufs).zip(vals) {
             if acc == Acc::Read {
                 continue;
@@ -565,7 +576,13 @@ impl Reference {
         Ok(Obs::Done)
     }
 
-    fn compute(&self, kernel: &Kernel, vals: &mut [Vals], merge: Option<Vals>) -> Res<()> {
+    fn compute(
+        &self,
+        kernel: &Kernel,
+        vals: &mut [Vals],
+        merge: Option<Vals>,
+        t: Option<i64>,
+    ) -> Res<()> {
         fn zip_f32(d: &mut Vals, s: &Vals, f: impl Fn(f32, f32) -> f32) -> Res<()> {
             match (d, s) {
                 (Vals::F32(d), Vals::F32(s)) => {
@@ -594,6 +611,13 @@ impl Reference {
                 Vals::F32(d) => d.fill(value as f32),
                 Vals::I32(d) => d.fill(value as i32),
             },
+            Kernel::FillIndex { .. } => {
+                let t = t.ok_or("MissingBinding: t")?;
+                match dst {
+                    Vals::F32(d) => d.fill(t as f32),
+                    Vals::I32(d) => d.fill(t as i32),
+                }
+            }
             Kernel::Copy { .. } => *dst = tail[0].clone(),
             Kernel::AddInto { .. } => add(dst, &tail[0])?,
             Kernel::AddMerge { .. } => {
@@ -752,7 +776,9 @@ impl Reference {
             }
             (D2d::StreamingFor(r), _) => {
                 let (rc, kernel) = (C(self.routines[r.0].ctx), self.routines[r.0].kernel.clone());
-                self.run(rc, &kernel, MergeFrom::Source(sb))
+                // A streaming consumer gets no index values (the generator's consumers,
+                // `add_merge`, declare none).
+                self.run(rc, &kernel, MergeFrom::Source(sb), None)
             }
             (D2d::No, None) => Err("Unknown: no destination buffer".into()),
         }
@@ -856,7 +882,8 @@ impl Reference {
         match op {
             Op::Root { device, stream } => self.root(*device, *stream),
             Op::Link { ctx, kernel } => self.link(*ctx, kernel),
-            Op::Schedule { routine } => self.schedule(*routine),
+            Op::Schedule { routine } => self.schedule(*routine, None),
+            Op::ScheduleWith { routine, t } => self.schedule(*routine, Some(*t)),
             Op::InitFromHost { ctx, node, data } => self.init_from_host(*ctx, *node, *data),
             Op::FromHost { ctx, node } => {
                 let b = self.hosted_buf(*ctx, *node)?;

@@ -111,6 +111,8 @@ pub struct SystemExecutor {
     tickets: Vec<Ticket>,
     events: Vec<tributary::Event>,
     recorder: Option<Arc<GraphRecorder>>,
+    /// The backend's name, which picks the user kernels' language.
+    backend: String,
 }
 
 fn err(e: tributary::Error) -> String {
@@ -120,7 +122,9 @@ fn err(e: tributary::Error) -> String {
 impl SystemExecutor {
     fn new(sys: System, setup: &Setup) -> Result<SystemExecutor, String> {
         let (nodes, index) = create_nodes(setup)?;
+        let backend = sys.device_info(0).map_err(err)?.backend;
         Ok(SystemExecutor {
+            backend,
             sys,
             setup: setup.clone(),
             nodes,
@@ -235,7 +239,7 @@ impl Executor for SystemExecutor {
                 Ok(Obs::Done)
             }
             Op::Link { ctx, kernel } => {
-                let spec = kernel_spec(&self.nodes, kernel).map_err(err)?;
+                let spec = kernel_spec(&self.nodes, kernel, &self.backend).map_err(err)?;
                 let r = self.sys.link(&self.context(*ctx)?, spec).map_err(err)?;
                 self.ctxs.push((r.routine().context().clone(), true));
                 self.routines.push(r.routine().clone());
@@ -244,6 +248,14 @@ impl Executor for SystemExecutor {
             Op::Schedule { routine } => {
                 let t = self.sys.schedule(&self.routine(*routine)?).map_err(err)?;
                 self.tickets.push(t);
+                Ok(Obs::Done)
+            }
+            Op::ScheduleWith { routine, t } => {
+                let ticket = self
+                    .sys
+                    .schedule_with(&self.routine(*routine)?, &[(Kernel::INDEX, *t)])
+                    .map_err(err)?;
+                self.tickets.push(ticket);
                 Ok(Obs::Done)
             }
             Op::InitFromHost { ctx, node, data } => {

@@ -20,7 +20,6 @@ use crate::{
     error::{DeviceError, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::Kernel,
     node::DType,
     protocol::GlobalLoc,
     sync::Arc as SyncArc,
@@ -478,9 +477,9 @@ impl Backend for CudaBackend {
         16
     }
 
-    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
-        match unsupported_on_cuda(kernel) {
-            Some(why) => Err(unsupported_kernel(routine, device, "cuda", why)),
+    fn check_routine(&self, device: DeviceId, spec: &crate::kernels::RoutineSpec) -> Result<()> {
+        match unsupported_on_cuda(&spec.kernel) {
+            Some(why) => Err(unsupported_kernel(&spec.name, device, "cuda", why)),
             None => Ok(()),
         }
     }

@@ -7,8 +7,8 @@
 //! # The contract with the runtime
 //!
 //! [`kernel_launches`] takes the kernel of a [`Work::Run`](crate::protocol::Work::Run), its
-//! argument bindings (in the kernel's argument order), the merge binding if any, and the
-//! device's [`LaunchLimits`], and returns the launches to enqueue on the stream, in order
+//! argument bindings (in the kernel's argument order), the merge binding if any, the values
+//! of the routine's indices, and the device's [`LaunchLimits`], and returns the launches to enqueue on the stream, in order
 //! (possibly none: a kernel over no elements launches nothing), or a message that fails the
 //! plan. It checks what the CPU backend checks: arity, declared accesses, the merge buffer,
 //! dtypes, each buffer's bytes against its shape, and the built-in's dimensions; and for
@@ -27,7 +27,8 @@
 //!   memory;
 //! - the ordered parameters: [`LaunchParam::Buffer`]`(i)` is argument `i`'s device pointer
 //!   (its pool's base plus the buffer's offset, resolved by the runtime),
-//!   [`LaunchParam::Merge`] the merge buffer's, the others scalars by value. The runtime
+//!   [`LaunchParam::Merge`] the merge buffer's, the others scalars by value (a user
+//!   kernel's own scalars, then its index values). The runtime
 //!   pushes them in order with cudarc's launch builder; their C types are given by
 //!   [`LaunchParam::c_type`].
 //!
@@ -46,7 +47,7 @@
 //! # Kernels that cannot run here
 //!
 //! [`Kernel::Cpu`] closures and [`Kernel::Shader`] shaders do not run on CUDA devices:
-//! [`unsupported_on_cuda`] says why (the runtime's `check_kernel` refuses them at link
+//! [`unsupported_on_cuda`] says why (the runtime's `check_routine` refuses them at link
 //! time with it, and [`kernel_launches`] fails such a plan if one arrives anyway).
 
 mod source;
@@ -57,7 +58,7 @@ pub mod nvrtc;
 use std::{borrow::Cow, sync::Arc};
 
 use crate::{
-    kernels::{Builtin, CudaKernel, CudaScalar, CudaSource, Kernel},
+    kernels::{Bindings, Builtin, CudaKernel, CudaScalar, CudaSource, IndexType, Kernel},
     node::{Bf16, DType, F16},
     protocol::ArgBinding,
 };
@@ -232,29 +233,36 @@ pub fn unsupported_on_cuda(kernel: &Kernel) -> Option<&'static str> {
     }
 }
 
-/// The launches that run `kernel` over `args` (and `merge`), in order; see the module doc.
+/// The launches that run `kernel` over `args` (and `merge`) with the values of its
+/// indices `bindings` (launch arguments of a user kernel after its scalars; built-ins read
+/// none), in order; see the module doc.
 pub fn kernel_launches(
     kernel: &Kernel,
     args: &[ArgBinding],
     merge: Option<&ArgBinding>,
+    bindings: &Bindings,
     limits: &LaunchLimits,
 ) -> Result<Vec<Launch>, String> {
     match kernel {
         Kernel::Builtin(b) => {
             builtin_launches(b, args, merge, limits).map_err(|e| format!("{}: {e}", b.name()))
         }
-        Kernel::Cuda(k) => user_launches(k, args, merge, limits),
+        Kernel::Cuda(k) => user_launches(k, args, merge, bindings, limits),
         Kernel::Cpu(_) | Kernel::Shader(_) => Err(unsupported_on_cuda(kernel)
             .unwrap_or("unsupported kernel")
             .to_string()),
     }
 }
 
-/// The launches of a user CUDA kernel: one, or none when its grid or block is empty.
+/// The launches of a user CUDA kernel: one, or none when its grid or block is empty. Its
+/// parameters: the buffers, the merge buffer, the scalars, then the index values of
+/// `bindings` in declaration order (`u32` as `unsigned int`, `i32` as `int`, `i64` as
+/// `long long`).
 pub fn user_launches(
     k: &CudaKernel,
     args: &[ArgBinding],
     merge: Option<&ArgBinding>,
+    bindings: &Bindings,
     limits: &LaunchLimits,
 ) -> Result<Vec<Launch>, String> {
     let (program, text) = match &k.source {
@@ -311,6 +319,10 @@ pub fn user_launches(
         params.push(LaunchParam::Merge);
     }
     params.extend(k.scalars.iter().copied().map(LaunchParam::from));
+    for (decl, value) in bindings.iter() {
+        let value = value.ok_or_else(|| format!("index {} has no value", decl.name()))?;
+        params.push(index_param(decl.ty(), value)?);
+    }
     let blocks: u64 = k.grid.iter().map(|&g| u64::from(g)).product();
     Ok(vec![Launch {
         program,
@@ -321,6 +333,16 @@ pub fn user_launches(
         params,
         items: blocks.saturating_mul(threads_per_block),
     }])
+}
+
+/// The launch argument of an index value of type `ty`.
+fn index_param(ty: IndexType, value: i64) -> Result<LaunchParam, String> {
+    let out_of_range = || format!("{value} is out of range for {ty}");
+    Ok(match ty {
+        IndexType::U32 => LaunchParam::U32(u32::try_from(value).map_err(|_| out_of_range())?),
+        IndexType::I32 => LaunchParam::I32(i32::try_from(value).map_err(|_| out_of_range())?),
+        IndexType::I64 => LaunchParam::I64(value),
+    })
 }
 
 /// The element count of a binding, checked against its bytes.

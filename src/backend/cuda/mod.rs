@@ -85,7 +85,7 @@
 //! `compute_XY` once per device (the built-ins are one CUDA C program per dtype; PTX loads
 //! as it is), keeps the module and its entry points, and launches with `cuLaunchKernel`.
 //! [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and WGSL/SPIR-V shaders cannot run
-//! here: [`Backend::check_kernel`] refuses them at link time. `tests/cuda_kernels.rs`
+//! here: [`Backend::check_routine`] refuses them at link time. `tests/cuda_kernels.rs`
 //! compiles every program with NVRTC and assembles it with `ptxas` for `sm_80` and `sm_90`
 //! where those tools are installed (CI installs them).
 //!

@@ -252,6 +252,7 @@ fn lower(
     kernel: &Kernel,
     args: &[(ArgBinding, Region)],
     merge: Option<&(ArgBinding, Region)>,
+    indices: &crate::kernels::Bindings,
     gpu: &Gpu,
 ) -> std::result::Result<Vec<DeviceLaunch>, String> {
     let bindings: Vec<ArgBinding> = args.iter().map(|(b, _)| b.clone()).collect();
@@ -259,6 +260,7 @@ fn lower(
         kernel,
         &bindings,
         merge.map(|(b, _)| b),
+        indices,
         &gpu.limits.launch_limits(),
     )?;
     launches
@@ -350,11 +352,16 @@ impl ParamCell {
 // The stream.
 
 /// A plan resolved to regions at submission.
+// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
+// allocation per schedule to save a memcpy of a value moved a few times.
+#[allow(clippy::large_enum_variant)]
 enum Job {
     Run {
         kernel: Kernel,
         args: Vec<(ArgBinding, Region)>,
         merge: Option<(ArgBinding, Region)>,
+        /// The index values snapshotted into the plan (launch arguments).
+        bindings: crate::kernels::Bindings,
     },
     Copy {
         src: Region,
@@ -531,8 +538,10 @@ impl CudaStreamQueue {
                 kernel,
                 args,
                 merge,
+                bindings,
                 ..
             } => Job::Run {
+                bindings: bindings.clone(),
                 kernel: kernel.clone(),
                 args: args
                     .iter()
@@ -929,6 +938,7 @@ impl Submitter {
                 kernel,
                 args,
                 merge,
+                bindings,
             } => {
                 for (i, (_, region)) in args.iter().enumerate() {
                     if !self.local(region) {
@@ -952,7 +962,7 @@ impl Submitter {
                 for (_, region) in args.iter().chain(merge.iter()) {
                     keep.push(Keep::Pool(region.pool.clone()));
                 }
-                for launch in lower(kernel, args, merge.as_ref(), &self.gpu)? {
+                for launch in lower(kernel, args, merge.as_ref(), bindings, &self.gpu)? {
                     self.launch(&launch, keep)?;
                 }
                 Ok(())

@@ -14,10 +14,10 @@ use super::{
 };
 use crate::{
     backend::{recording::StreamTrace, unsupported_kernel, Backend, StreamQueue},
-    error::{DeviceError, Result},
+    error::{DeviceError, Error, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::Kernel,
+    kernels::{Kernel, RoutineSpec},
     protocol::GlobalLoc,
     sync::Arc as SyncArc,
     trace::Recorder,
@@ -319,8 +319,9 @@ impl Backend for VulkanBackend {
             .map_or(1, |g| g.core.physical.limits.min_storage_offset_alignment)
     }
 
-    fn check_kernel(&self, device: DeviceId, routine: &str, kernel: &Kernel) -> Result<()> {
-        match kernel {
+    fn check_routine(&self, device: DeviceId, spec: &RoutineSpec) -> Result<()> {
+        let routine = spec.name.as_str();
+        match &spec.kernel {
             Kernel::Cpu(_) => Err(unsupported_kernel(
                 routine,
                 device,
@@ -333,7 +334,26 @@ impl Backend for VulkanBackend {
                 "vulkan",
                 CUDA_KERNEL_ON_VULKAN,
             )),
-            Kernel::Builtin(_) | Kernel::Shader(_) => Ok(()),
+            Kernel::Builtin(_) => Ok(()),
+            Kernel::Shader(s) => {
+                // Immediates and index values share the push constants: refuse at link
+                // what no schedule could dispatch.
+                let bytes = super::kernels::push_constant_size(s.immediates.len(), spec.indices());
+                let limit = self
+                    .shared
+                    .gpu(device)
+                    .map_or(u32::MAX, |g| g.core.physical.limits.max_push_constants);
+                if bytes > limit as usize {
+                    return Err(Error::PushConstantsTooLarge {
+                        routine: routine.to_string(),
+                        device,
+                        bytes,
+                        immediates: s.immediates.len(),
+                        limit,
+                    });
+                }
+                Ok(())
+            }
         }
     }
 }

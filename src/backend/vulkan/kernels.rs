@@ -15,7 +15,7 @@ use super::{
     shaders::{self, Op, Ty},
 };
 use crate::{
-    kernels::{Builtin, Kernel, ShaderKernel, ShaderSource},
+    kernels::{Bindings, Builtin, IndexDecl, Kernel, ShaderKernel, ShaderSource},
     node::DType,
     protocol::ArgBinding,
 };
@@ -80,6 +80,35 @@ pub(super) fn compile_wgsl(src: &str, float64: bool) -> Result<Vec<u32>, String>
     };
     naga::back::spv::write_vec(&module, &info, &options, None)
         .map_err(|e| format!("SPIR-V generation failed: {e}"))
+}
+
+/// The push-constant size of a shader with `immediates` bytes of immediates and indices
+/// `decls`: each index at the next multiple of its size after the immediates (where a
+/// further WGSL struct member would be), the whole rounded up to 4 bytes.
+pub(super) fn push_constant_size(immediates: usize, decls: &[IndexDecl]) -> usize {
+    decls
+        .iter()
+        .fold(immediates, |end, d| {
+            let size = d.ty().size_in_bytes();
+            end.next_multiple_of(size) + size
+        })
+        .next_multiple_of(4)
+}
+
+/// The push constants of a shader: its immediates, then the values of its indices laid
+/// out as [`push_constant_size`] says (little-endian, zero padding).
+pub(super) fn push_constants(immediates: &[u8], bindings: &Bindings) -> Vec<u8> {
+    let mut push = immediates.to_vec();
+    for (d, v) in bindings.iter() {
+        let size = d.ty().size_in_bytes();
+        // Little-endian, so the low `size` bytes of the `i64` are the value in its type
+        // (which it fits: the protocol checked it).
+        let bytes = v.unwrap_or(0).to_le_bytes();
+        push.resize(push.len().next_multiple_of(size), 0);
+        push.extend_from_slice(&bytes[..size]);
+    }
+    push.resize(push.len().next_multiple_of(4), 0);
+    push
 }
 
 /// A compute pipeline with its own layout: `bindings` storage buffers (push descriptors)
@@ -390,12 +419,14 @@ impl Lowering<'_> {
         kernel: &Kernel,
         args: &[Arg],
         merge: Option<&Arg>,
+        bindings: &Bindings,
     ) -> Result<Lowered, String> {
         match kernel {
+            // Built-ins read no index (they declare none).
             Kernel::Builtin(b) => self
                 .builtin(b, args, merge)
                 .map_err(|e| format!("{}: {e}", b.name())),
-            Kernel::Shader(s) => self.shader(s, args, merge),
+            Kernel::Shader(s) => self.shader(s, args, merge, bindings),
             Kernel::Cpu(_) => Err(CPU_KERNEL_ON_VULKAN.to_string()),
             Kernel::Cuda(_) => Err(CUDA_KERNEL_ON_VULKAN.to_string()),
         }
@@ -406,6 +437,7 @@ impl Lowering<'_> {
         s: &ShaderKernel,
         args: &[Arg],
         merge: Option<&Arg>,
+        bindings: &Bindings,
     ) -> Result<Lowered, String> {
         let float64 = self.core.physical.float64;
         let (key, words) = match &s.source {
@@ -423,15 +455,15 @@ impl Lowering<'_> {
             }
         };
         let max_push = self.core.physical.limits.max_push_constants;
-        let push_size = s.immediates.len().next_multiple_of(4);
+        let push = push_constants(&s.immediates, bindings);
+        let push_size = push.len();
         if push_size > max_push as usize {
             return Err(format!(
-                "{} bytes of immediates, the device allows {max_push}",
+                "{push_size} bytes of push constants ({} of immediates, then the indices), \
+                 the device allows {max_push}",
                 s.immediates.len()
             ));
         }
-        let mut push = s.immediates.clone();
-        push.resize(push_size, 0);
         let mut bindings = Vec::with_capacity(args.len() + 1);
         for (i, a) in args.iter().enumerate() {
             bindings.push(self.bind(&a.region, &format!("argument {i}"))?);
@@ -784,3 +816,57 @@ pub(super) const CPU_KERNEL_ON_VULKAN: &str =
 pub(super) const CUDA_KERNEL_ON_VULKAN: &str =
     "CUDA kernels (CUDA C or PTX) run on CUDA devices only; a Vulkan device runs built-ins \
      and shader kernels (Kernel::Shader)";
+
+#[cfg(all(test, not(tributary_loom)))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{
+        kernels::{Access, IndexType, RoutineSpec},
+        node::TensorNode,
+    };
+
+    /// Indices follow the immediates like further members of a WGSL struct: each at the
+    /// next multiple of its size, the block rounded up to whole words.
+    #[test]
+    fn push_constants_place_indices_after_the_immediates() {
+        let y = TensorNode::new("y", DType::F32, [4]);
+        let spec = RoutineSpec::shader(
+            "s",
+            vec![(y, Access::Write)],
+            None,
+            ShaderKernel::wgsl("", [1, 1, 1]).with_immediates(vec![0xAA; 6]),
+        )
+        .unwrap()
+        .with_index("t")
+        .unwrap()
+        .with_index_typed("w", IndexType::I64)
+        .unwrap()
+        .with_index_typed("o", IndexType::I32)
+        .unwrap();
+        // 6 immediates, t at 8..12, w at 16..24, o at 24..28.
+        assert_eq!(push_constant_size(6, spec.indices()), 28);
+        let b = spec
+            .bindings()
+            .with("t", 0x0102_0304)
+            .unwrap()
+            .with("w", -2)
+            .unwrap()
+            .with("o", -3)
+            .unwrap();
+        let push = push_constants(&[0xAA; 6], &b);
+        assert_eq!(push.len(), 28);
+        assert_eq!(&push[..6], &[0xAA; 6]);
+        assert_eq!(&push[6..8], &[0, 0]);
+        assert_eq!(&push[8..12], &0x0102_0304u32.to_le_bytes());
+        assert_eq!(&push[12..16], &[0; 4]);
+        assert_eq!(&push[16..24], &(-2i64).to_le_bytes());
+        assert_eq!(&push[24..28], &(-3i32).to_le_bytes());
+        // No indices: the immediates rounded up to words, as before.
+        assert_eq!(push_constant_size(5, &[]), 8);
+        assert_eq!(
+            push_constants(&[1; 5], &Bindings::none()),
+            vec![1, 1, 1, 1, 1, 0, 0, 0]
+        );
+    }
+}

@@ -92,9 +92,13 @@
 //! backend, and each invocation owns whole words (no write races on packed halves). `f64`
 //! needs `shaderFloat64`. [`Kernel::Cpu`](crate::kernels::Kernel::Cpu) closures and
 //! [`Kernel::Cuda`](crate::kernels::Kernel::Cuda) kernels cannot run
-//! here: [`Backend::check_kernel`] refuses them at link time and the stream fails their
+//! here: [`Backend::check_routine`] refuses them at link time and the stream fails their
 //! event if one arrives anyway. [`Kernel::Shader`](crate::kernels::Kernel::Shader) runs
-//! user WGSL or SPIR-V (parameters at bindings `0..n`, the merge buffer at `n`).
+//! user WGSL or SPIR-V (parameters at bindings `0..n`, the merge buffer at `n`; its
+//! immediates, then the values of the routine's declared indices, in push constants, laid
+//! out as [`ShaderKernel`](crate::kernels::ShaderKernel) documents;
+//! [`Backend::check_routine`] refuses at link a shader whose push constants exceed the
+//! device's `maxPushConstantsSize`).
 //!
 //! **Results against the CPU backend.** Fill, copy, copy-range, memset and the integer
 //! kernels are bitwise equal. The element-wise float kernels, matmuls and `sum_rows`

@@ -170,11 +170,16 @@ fn host_wait(
 }
 
 /// A plan resolved to buffers at submission.
+// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
+// allocation per schedule to save a memcpy of a value moved a few times.
+#[allow(clippy::large_enum_variant)]
 enum Job {
     Run {
         kernel: Kernel,
         args: Vec<Arg>,
         merge: Option<Arg>,
+        /// The index values snapshotted into the plan (push constants of a shader).
+        bindings: crate::kernels::Bindings,
     },
     Copy {
         src: Region,
@@ -333,8 +338,10 @@ impl VulkanStream {
                 kernel,
                 args,
                 merge,
+                bindings,
                 ..
             } => Job::Run {
+                bindings: bindings.clone(),
                 kernel: kernel.clone(),
                 args: args
                     .iter()
@@ -641,6 +648,7 @@ impl Submitter {
                 kernel,
                 args,
                 merge,
+                bindings,
             } => {
                 for (i, a) in args.iter().enumerate() {
                     if !local(&a.region) {
@@ -659,7 +667,7 @@ impl Submitter {
                     pipelines: &self.gpu.pipelines,
                     spirv: &self.spirv,
                 }
-                .lower(kernel, args, merge.as_ref())?;
+                .lower(kernel, args, merge.as_ref(), bindings)?;
                 for a in args.iter().chain(merge.iter()) {
                     keep.push(Keep::Buffer(a.region.buffer.clone()));
                 }

@@ -11,6 +11,9 @@ use crate::{
     protocol::GlobalLoc,
 };
 
+/// No index values (the built-ins', and user kernels that declare none).
+const NONE: Bindings = Bindings::none();
+
 /// A device with 132 multiprocessors and the usual limits.
 const BIG: LaunchLimits = LaunchLimits {
     multiprocessor_count: 132,
@@ -232,8 +235,9 @@ fn every_builtin_launches_what_its_signature_takes_and_covers_its_items() {
                         unreachable!()
                     };
                     let (args, merge) = bindings(&spec);
-                    let launches = kernel_launches(&spec.kernel, &args, merge.as_ref(), &limits)
-                        .unwrap_or_else(|e| panic!("{} {dtype} {m}x{k}x{n}: {e}", spec.name));
+                    let launches =
+                        kernel_launches(&spec.kernel, &args, merge.as_ref(), &NONE, &limits)
+                            .unwrap_or_else(|e| panic!("{} {dtype} {m}x{k}x{n}: {e}", spec.name));
                     let got: Vec<u64> = launches.iter().map(|l| l.items).collect();
                     // Tiled matmuls cover tiles, the others what `cases` says.
                     let items: Vec<u64> = match launches.first() {
@@ -268,7 +272,9 @@ fn every_entry_point_of_the_source_is_used_by_some_builtin() {
         for limits in [BIG, TINY] {
             for (spec, _) in cases(dtype, 2, 3, 4) {
                 let (args, merge) = bindings(&spec);
-                for l in kernel_launches(&spec.kernel, &args, merge.as_ref(), &limits).unwrap() {
+                for l in
+                    kernel_launches(&spec.kernel, &args, merge.as_ref(), &NONE, &limits).unwrap()
+                {
                     used.insert(l.entry_point);
                 }
             }
@@ -426,7 +432,7 @@ fn user_kernels_take_buffers_then_merge_then_scalars() {
     ];
     let merge = binding(2, DType::F32, &[8], Access::Read);
     let kernel = Kernel::Cuda(k.clone());
-    let l = kernel_launches(&kernel, &args, Some(&merge), &BIG).unwrap();
+    let l = kernel_launches(&kernel, &args, Some(&merge), &NONE, &BIG).unwrap();
     assert_eq!(l.len(), 1);
     let l = &l[0];
     assert_eq!(
@@ -450,23 +456,71 @@ fn user_kernels_take_buffers_then_merge_then_scalars() {
     );
     assert_eq!(l.items, 8 * 128);
     // Without a merge buffer, the scalars follow the buffers.
-    let l = user_launches(&k, &args, None, &BIG).unwrap();
+    let l = user_launches(&k, &args, None, &NONE, &BIG).unwrap();
     assert_eq!(l[0].params[2], LaunchParam::F32(0.5));
     // PTX is loaded as it is.
     let ptx = CudaKernel::ptx(".version 8.0", "k", [1, 1, 1], [1, 1, 1]);
-    let l = user_launches(&ptx, &args, None, &BIG).unwrap();
+    let l = user_launches(&ptx, &args, None, &NONE, &BIG).unwrap();
     assert_eq!(l[0].program.ptx(), Some(".version 8.0"));
     assert!(l[0].program.cuda_c().is_none());
     // An empty grid launches nothing.
     let empty = CudaKernel::cuda_c("", "k", [0, 1, 1], [32, 1, 1]);
-    assert!(user_launches(&empty, &args, None, &BIG).unwrap().is_empty());
+    assert!(user_launches(&empty, &args, None, &NONE, &BIG)
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn index_values_follow_the_scalars_in_declaration_order() {
+    let k = CudaKernel::cuda_c("", "k", [1, 1, 1], [32, 1, 1]).with_scalars([CudaScalar::F32(0.5)]);
+    let args = [binding(0, DType::F32, &[8], Access::Write)];
+    let spec = RoutineSpec::cuda(
+        "k",
+        vec![(TensorNode::new("y", DType::F32, [8]), Access::Write)],
+        None,
+        k.clone(),
+    )
+    .unwrap()
+    .with_index("t")
+    .unwrap()
+    .with_index_typed("o", kernels::IndexType::I32)
+    .unwrap()
+    .with_index_typed("w", kernels::IndexType::I64)
+    .unwrap();
+    let b = spec
+        .bindings()
+        .with("w", -(1 << 40))
+        .unwrap()
+        .with("o", -3)
+        .unwrap()
+        .with("t", 4_000_000_000)
+        .unwrap();
+    let l = user_launches(&k, &args, None, &b, &BIG).unwrap();
+    assert_eq!(
+        l[0].params,
+        vec![
+            LaunchParam::Buffer(0),
+            LaunchParam::F32(0.5),
+            LaunchParam::U32(4_000_000_000),
+            LaunchParam::I32(-3),
+            LaunchParam::I64(-(1 << 40)),
+        ]
+    );
+    // Incomplete bindings (made by hand) fail the plan instead of launching garbage.
+    let err = user_launches(&k, &args, None, &spec.bindings(), &BIG).unwrap_err();
+    assert!(err.contains("index t has no value"), "{err}");
+    // Built-ins ignore them.
+    let fill = kernels::fill(&TensorNode::new("y", DType::F32, [8]), 1.0).unwrap();
+    let a = kernel_launches(&fill.kernel, &args, None, &b, &BIG).unwrap();
+    let n = kernel_launches(&fill.kernel, &args, None, &NONE, &BIG).unwrap();
+    assert_eq!(a, n);
 }
 
 #[test]
 fn user_kernels_beyond_the_limits_are_refused() {
     let args = [binding(0, DType::F32, &[8], Access::ReadWrite)];
     let refuse = |k: CudaKernel, needle: &str| {
-        let err = user_launches(&k, &args, None, &TINY).unwrap_err();
+        let err = user_launches(&k, &args, None, &NONE, &TINY).unwrap_err();
         assert!(err.contains(needle), "{err}");
     };
     let k = |grid, block| CudaKernel::cuda_c("src", "k", grid, block);
@@ -502,7 +556,7 @@ fn closures_and_shaders_are_not_cuda_kernels() {
         let why = unsupported_on_cuda(&spec.kernel).unwrap();
         let (args, _) = bindings(&spec);
         assert_eq!(
-            kernel_launches(&spec.kernel, &args, None, &BIG).unwrap_err(),
+            kernel_launches(&spec.kernel, &args, None, &NONE, &BIG).unwrap_err(),
             why
         );
     }

@@ -1,0 +1,571 @@
+//! Per-schedule bindings: named integer indices a routine declares, given values each time
+//! it is scheduled.
+//!
+//! A routine linked once and scheduled every step often needs one number that changes per
+//! step: a training step's index, a batch offset, Task Bench's timestep. OCANNL's routines
+//! carried such *static indices* (`bindings`) and read them at execution time on the CPU
+//! but at launch time on CUDA (DESIGN.md §1): a value set for one schedule could leak into
+//! another. Here a routine declares its indices ([`RoutineSpec::with_index`]), each
+//! schedule gives their values ([`Engine::schedule_with`]), and the values are
+//! **snapshotted into the plan** ([`Work::Run`] carries a [`Bindings`]) when the routine is
+//! scheduled, never read when it runs: two schedules of one routine queued behind a slow
+//! kernel each run with their own values.
+//!
+//! What a kernel sees: a CPU closure reads them from its arguments
+//! ([`KernelArgs::index`]); a Vulkan shader as push constants after the kernel's own
+//! immediates ([`ShaderKernel`]); a CUDA kernel as launch arguments after its scalars
+//! ([`CudaKernel`]). Built-ins declare none.
+//!
+//! Values are `i64`; each index has a declared [`IndexType`] whose range the value must fit.
+//! Every misuse is a typed error naming the routine and the index, with the value:
+//! [`Error::MissingBinding`], [`Error::UnknownBinding`], [`Error::DuplicateBinding`],
+//! [`Error::BindingOutOfRange`]; a refused schedule changes nothing.
+//!
+//! Cost: a [`Bindings`] holds its values inline (at most [`MAX_INDICES`]) and shares the
+//! routine's declarations by reference count, so building, reusing and snapshotting one
+//! allocates nothing.
+//!
+//! [`RoutineSpec::with_index`]: super::RoutineSpec::with_index
+//! [`Engine::schedule_with`]: crate::Engine::schedule_with
+//! [`Work::Run`]: crate::protocol::Work::Run
+//! [`KernelArgs::index`]: super::KernelArgs::index
+//! [`ShaderKernel`]: super::ShaderKernel
+//! [`CudaKernel`]: super::CudaKernel
+
+use std::{fmt, sync::Arc};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The most indices one routine may declare (their values live inline in every plan).
+pub const MAX_INDICES: usize = 8;
+
+/// The type of an index: the range its values must fit, and how a GPU kernel receives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum IndexType {
+    /// `0..=u32::MAX`; WGSL `u32`, C `unsigned int`. The default: indices, offsets and
+    /// steps are rarely negative, and WGSL indexes arrays with `u32`.
+    U32,
+    /// `i32::MIN..=i32::MAX`; WGSL `i32`, C `int`.
+    I32,
+    /// Any `i64`; C `long long`; in WGSL (which has no 64-bit integers without an
+    /// extension) a `vec2<u32>` of the low then the high word (little-endian).
+    I64,
+}
+
+impl IndexType {
+    /// The type's name (`u32`, `i32`, `i64`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            IndexType::U32 => "u32",
+            IndexType::I32 => "i32",
+            IndexType::I64 => "i64",
+        }
+    }
+
+    /// Bytes a value takes in push constants and launch arguments (also its alignment).
+    pub const fn size_in_bytes(self) -> usize {
+        match self {
+            IndexType::U32 | IndexType::I32 => 4,
+            IndexType::I64 => 8,
+        }
+    }
+
+    /// Whether `value` is in the type's range.
+    ///
+    /// ```
+    /// use tributary::kernels::IndexType;
+    /// assert!(IndexType::U32.contains(4_000_000_000));
+    /// assert!(!IndexType::U32.contains(-1));
+    /// assert!(!IndexType::I32.contains(1 << 31));
+    /// assert!(IndexType::I64.contains(i64::MIN));
+    /// ```
+    pub const fn contains(self, value: i64) -> bool {
+        match self {
+            IndexType::U32 => value >= 0 && value <= u32::MAX as i64,
+            IndexType::I32 => value >= i32::MIN as i64 && value <= i32::MAX as i64,
+            IndexType::I64 => true,
+        }
+    }
+}
+
+impl fmt::Display for IndexType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One declared index of a routine: its name and type.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct IndexDecl {
+    name: Arc<str>,
+    ty: IndexType,
+}
+
+impl IndexDecl {
+    pub(crate) fn new(name: &str, ty: IndexType) -> IndexDecl {
+        IndexDecl {
+            name: name.into(),
+            ty,
+        }
+    }
+
+    /// The index's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its type.
+    pub fn ty(&self) -> IndexType {
+        self.ty
+    }
+}
+
+/// The declarations of a linked routine (or of a spec), shared by every [`Bindings`] made
+/// for it.
+#[derive(Debug, PartialEq, Eq)]
+struct IndexSet {
+    routine: Arc<str>,
+    decls: Box<[IndexDecl]>,
+}
+
+/// Values for the indices a routine declares, in declaration order: what one schedule
+/// snapshots into its plan.
+///
+/// Made from a routine ([`Routine::bindings`], [`Routine::bind`]) or a spec
+/// ([`RoutineSpec::bindings`]); [`Bindings::set`] checks the name and the range at once.
+/// It is cheap to keep and refill every step: the values are inline, the declarations
+/// shared.
+///
+/// ```
+/// use tributary::kernels::{Access, IndexType, RoutineSpec};
+/// use tributary::{DType, Engine, EngineConfig, Error, TensorNode};
+/// let mut e = Engine::cpu(EngineConfig::default())?;
+/// let y = TensorNode::new("y", DType::I32, [4]);
+/// let spec = RoutineSpec::custom("y = t + base", vec![(y.clone(), Access::Write)], None, |a| {
+///     let v = (a.index("t")? + a.index("base")?) as i32;
+///     a.output::<i32>(0)?.fill(v);
+///     Ok(())
+/// })?
+/// .with_index("t")?
+/// .with_index_typed("base", IndexType::I32)?;
+/// let root = e.context(0, 0)?;
+/// let r = e.link(&root, spec)?;
+/// let mut b = r.bindings();
+/// b.set("base", -100)?;
+/// for step in 0..3 {
+///     b.set("t", step)?; // reused every step: no allocation
+///     e.schedule_with(&r, &b)?;
+/// }
+/// e.sync_all()?;
+/// assert_eq!(e.read::<i32>(r.context(), &y)?, vec![-98; 4]);
+/// assert!(matches!(b.set("t", -1), Err(Error::BindingOutOfRange { value: -1, .. })));
+/// assert!(matches!(b.set("s", 1), Err(Error::UnknownBinding { .. })));
+/// # Ok::<(), Error>(())
+/// ```
+///
+/// [`Routine::bindings`]: crate::protocol::Routine::bindings
+/// [`Routine::bind`]: crate::protocol::Routine::bind
+/// [`RoutineSpec::bindings`]: super::RoutineSpec::bindings
+#[derive(Clone)]
+pub struct Bindings {
+    /// `None`: no declared index (a routine without indices, or [`Bindings::none`]).
+    set: Option<Arc<IndexSet>>,
+    values: [i64; MAX_INDICES],
+    /// Bit `i`: index `i` has a value.
+    given: u16,
+}
+
+impl Bindings {
+    /// No values, for no declared index: what [`Engine::schedule`] gives.
+    ///
+    /// [`Engine::schedule`]: crate::Engine::schedule
+    pub const fn none() -> Bindings {
+        Bindings {
+            set: None,
+            values: [0; MAX_INDICES],
+            given: 0,
+        }
+    }
+
+    /// Empty bindings for `decls` of `routine` (no value given yet).
+    pub(crate) fn empty_for(routine: &str, decls: &[IndexDecl]) -> Bindings {
+        Bindings {
+            set: Some(Arc::new(IndexSet {
+                routine: routine.into(),
+                decls: decls.into(),
+            })),
+            ..Bindings::none()
+        }
+    }
+
+    /// The declared indices, in order.
+    pub fn decls(&self) -> &[IndexDecl] {
+        self.set.as_ref().map_or(&[], |s| &s.decls)
+    }
+
+    /// The routine's name (empty for [`Bindings::none`]).
+    pub fn routine(&self) -> &str {
+        self.set.as_ref().map_or("", |s| &s.routine)
+    }
+
+    /// The routine's name, shared (for plans).
+    pub(crate) fn routine_arc(&self) -> Option<&Arc<str>> {
+        self.set.as_ref().map(|s| &s.routine)
+    }
+
+    /// Number of declared indices.
+    pub fn len(&self) -> usize {
+        self.decls().len()
+    }
+
+    /// Whether no index is declared.
+    pub fn is_empty(&self) -> bool {
+        self.decls().is_empty()
+    }
+
+    /// Whether every declared index has a value.
+    pub fn is_complete(&self) -> bool {
+        self.missing().is_none()
+    }
+
+    /// The first declared index without a value.
+    fn missing(&self) -> Option<&IndexDecl> {
+        self.decls()
+            .iter()
+            .enumerate()
+            .find(|(i, _)| self.given & (1 << i) == 0)
+            .map(|(_, d)| d)
+    }
+
+    /// The value of index `name`, if declared and given.
+    pub fn get(&self, name: &str) -> Option<i64> {
+        self.position(name).and_then(|i| self.value_at(i))
+    }
+
+    /// The value of the `i`-th declared index, if given.
+    pub fn value_at(&self, i: usize) -> Option<i64> {
+        (i < self.len() && self.given & (1 << i) != 0).then(|| self.values[i])
+    }
+
+    /// Declared indices with their values (`None`: not given), in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&IndexDecl, Option<i64>)> + '_ {
+        self.decls()
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d, self.value_at(i)))
+    }
+
+    fn position(&self, name: &str) -> Option<usize> {
+        self.decls().iter().position(|d| &*d.name == name)
+    }
+
+    fn declared_list(&self) -> String {
+        let names: Vec<String> = self
+            .decls()
+            .iter()
+            .map(|d| format!("{}: {}", d.name, d.ty))
+            .collect();
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    /// Gives index `name` the value `value` (replacing an earlier one).
+    /// [`Error::UnknownBinding`] if the routine declares no such index,
+    /// [`Error::BindingOutOfRange`] if `value` does not fit its type; on error nothing
+    /// changes.
+    pub fn set(&mut self, name: &str, value: i64) -> Result<&mut Bindings> {
+        let i = self.checked_position(name, value)?;
+        self.values[i] = value;
+        self.given |= 1 << i;
+        Ok(self)
+    }
+
+    /// [`Bindings::set`], by value (for chaining).
+    pub fn with(mut self, name: &str, value: i64) -> Result<Bindings> {
+        self.set(name, value)?;
+        Ok(self)
+    }
+
+    /// The position of `name`, after checking that `value` fits its type.
+    fn checked_position(&self, name: &str, value: i64) -> Result<usize> {
+        let i = self.position(name).ok_or_else(|| Error::UnknownBinding {
+            routine: self.routine().to_string(),
+            binding: name.to_string(),
+            value,
+            declared: self.declared_list(),
+        })?;
+        let ty = self.decls()[i].ty;
+        if !ty.contains(value) {
+            return Err(Error::BindingOutOfRange {
+                routine: self.routine().to_string(),
+                binding: name.to_string(),
+                value,
+                ty,
+            });
+        }
+        Ok(i)
+    }
+
+    /// These bindings filled from `pairs`: every name declared, none twice, every value
+    /// in range, every declared index given.
+    fn filled_from(mut self, pairs: &[(&str, i64)]) -> Result<Bindings> {
+        for &(name, value) in pairs {
+            let i = self.checked_position(name, value)?;
+            if self.given & (1 << i) != 0 {
+                return Err(Error::DuplicateBinding {
+                    routine: self.routine().to_string(),
+                    binding: name.to_string(),
+                    first: self.values[i],
+                    second: value,
+                });
+            }
+            self.values[i] = value;
+            self.given |= 1 << i;
+        }
+        self.complete()
+    }
+
+    /// `self` if every declared index has a value, else [`Error::MissingBinding`].
+    pub(crate) fn complete(self) -> Result<Bindings> {
+        match self.missing() {
+            None => Ok(self),
+            Some(d) => Err(Error::MissingBinding {
+                routine: self.routine().to_string(),
+                binding: d.name.to_string(),
+                declared: self.declared_list(),
+            }),
+        }
+    }
+
+    /// `given`, checked against the declarations of `self` (empty bindings of a routine):
+    /// the same declarations take the values as they are, others are matched by name.
+    fn adopt(self, given: &Bindings) -> Result<Bindings> {
+        let same = match (&self.set, &given.set) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a.decls == b.decls,
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return Bindings {
+                values: given.values,
+                given: given.given,
+                ..self
+            }
+            .complete();
+        }
+        let mut pairs: [(&str, i64); MAX_INDICES] = [("", 0); MAX_INDICES];
+        let mut n = 0;
+        for (d, v) in given.iter() {
+            if let Some(v) = v {
+                pairs[n] = (d.name(), v);
+                n += 1;
+            }
+        }
+        self.filled_from(&pairs[..n])
+    }
+
+    /// The values in declaration order (an index without a value reads 0: see
+    /// [`Bindings::is_complete`]).
+    pub fn values(&self) -> &[i64] {
+        &self.values[..self.len()]
+    }
+}
+
+impl Default for Bindings {
+    fn default() -> Bindings {
+        Bindings::none()
+    }
+}
+
+impl fmt::Debug for Bindings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut m = f.debug_map();
+        for (d, v) in self.iter() {
+            match v {
+                Some(v) => m.entry(&d.name(), &v),
+                None => m.entry(&d.name(), &"unset"),
+            };
+        }
+        m.finish()
+    }
+}
+
+/// What a schedule accepts as values for a routine's indices: a [`Bindings`] (owned or
+/// borrowed) or name-value pairs (`&[("t", 3)]`).
+///
+/// Pairs are checked all at once: an undeclared name is [`Error::UnknownBinding`], a name
+/// given twice [`Error::DuplicateBinding`], a value outside its type
+/// [`Error::BindingOutOfRange`], a declared index left out [`Error::MissingBinding`].
+/// A [`Bindings`] made for another routine is matched by name the same way.
+pub trait IntoBindings {
+    /// The complete bindings for the routine whose empty bindings are `empty`.
+    fn into_bindings(self, empty: Bindings) -> Result<Bindings>;
+}
+
+impl IntoBindings for &[(&str, i64)] {
+    fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
+        empty.filled_from(self)
+    }
+}
+
+impl<const N: usize> IntoBindings for &[(&str, i64); N] {
+    fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
+        empty.filled_from(self)
+    }
+}
+
+impl IntoBindings for &Bindings {
+    fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
+        empty.adopt(self)
+    }
+}
+
+impl IntoBindings for Bindings {
+    fn into_bindings(self, empty: Bindings) -> Result<Bindings> {
+        empty.adopt(&self)
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn empty() -> Bindings {
+        Bindings::empty_for(
+            "r",
+            &[
+                IndexDecl::new("t", IndexType::U32),
+                IndexDecl::new("o", IndexType::I32),
+                IndexDecl::new("w", IndexType::I64),
+            ],
+        )
+    }
+
+    #[test]
+    fn pairs_are_checked_all_at_once() {
+        let b = (&[("o", -5), ("t", 7), ("w", i64::MIN)])
+            .into_bindings(empty())
+            .unwrap();
+        assert_eq!(b.values(), &[7, -5, i64::MIN]);
+        assert_eq!(b.get("o"), Some(-5));
+        assert_eq!(b.get("x"), None);
+        match (&[("t", 1), ("o", 2)]).into_bindings(empty()) {
+            Err(Error::MissingBinding {
+                routine, binding, ..
+            }) => assert_eq!((routine.as_str(), binding.as_str()), ("r", "w")),
+            other => panic!("{other:?}"),
+        }
+        match (&[("t", 1), ("t", 2)]).into_bindings(empty()) {
+            Err(Error::DuplicateBinding {
+                binding,
+                first,
+                second,
+                ..
+            }) => assert_eq!((binding.as_str(), first, second), ("t", 1, 2)),
+            other => panic!("{other:?}"),
+        }
+        match (&[("q", 9)]).into_bindings(empty()) {
+            Err(Error::UnknownBinding {
+                binding,
+                value,
+                declared,
+                ..
+            }) => {
+                assert_eq!((binding.as_str(), value), ("q", 9));
+                assert_eq!(declared, "t: u32, o: i32, w: i64");
+            }
+            other => panic!("{other:?}"),
+        }
+        match (&[("t", -1)]).into_bindings(empty()) {
+            Err(Error::BindingOutOfRange {
+                binding, value, ty, ..
+            }) => assert_eq!((binding.as_str(), value, ty), ("t", -1, IndexType::U32)),
+            other => panic!("{other:?}"),
+        }
+        match (&[("o", 1 << 31)]).into_bindings(empty()) {
+            Err(Error::BindingOutOfRange { ty, .. }) => assert_eq!(ty, IndexType::I32),
+            other => panic!("{other:?}"),
+        }
+        // No indices: empty pairs are complete, any pair is unknown.
+        assert!((&[] as &[(&str, i64)])
+            .into_bindings(Bindings::none())
+            .unwrap()
+            .is_empty());
+        assert!(matches!(
+            (&[("t", 1)]).into_bindings(Bindings::none()),
+            Err(Error::UnknownBinding { .. })
+        ));
+    }
+
+    #[test]
+    fn set_refuses_without_changing_anything() {
+        let mut b = empty();
+        b.set("t", 3).unwrap().set("o", -3).unwrap();
+        assert!(!b.is_complete());
+        assert!(b.set("t", u32::MAX as i64 + 1).is_err());
+        assert!(b.set("nope", 0).is_err());
+        assert_eq!(b.get("t"), Some(3));
+        assert_eq!(b.value_at(2), None);
+        b.set("w", 1).unwrap();
+        assert!(b.is_complete());
+        assert_eq!(format!("{b:?}"), r#"{"t": 3, "o": -3, "w": 1}"#);
+    }
+
+    #[test]
+    fn bindings_of_another_routine_are_matched_by_name() {
+        let mine = empty();
+        let b =
+            (&mine.clone().with("t", 1).unwrap().with("o", 2).unwrap()).into_bindings(mine.clone());
+        assert!(matches!(b, Err(Error::MissingBinding { .. })));
+        // Same declarations, other routine value: taken as they are.
+        let full = empty()
+            .with("t", 1)
+            .unwrap()
+            .with("o", 2)
+            .unwrap()
+            .with("w", 3)
+            .unwrap();
+        assert_eq!(
+            full.into_bindings(mine.clone()).unwrap().values(),
+            &[1, 2, 3]
+        );
+        // Other declarations: by name.
+        let other = Bindings::empty_for(
+            "s",
+            &[
+                IndexDecl::new("w", IndexType::I64),
+                IndexDecl::new("t", IndexType::I64),
+                IndexDecl::new("o", IndexType::I64),
+            ],
+        );
+        let b = other
+            .clone()
+            .with("w", 9)
+            .unwrap()
+            .with("t", 8)
+            .unwrap()
+            .with("o", 7)
+            .unwrap();
+        assert_eq!(
+            (&b).into_bindings(mine.clone()).unwrap().values(),
+            &[8, 7, 9]
+        );
+        // A value out of the routine's range is refused there.
+        let b = other.with("w", 0).unwrap().with("t", -8).unwrap();
+        assert!(matches!(
+            b.into_bindings(mine.clone()),
+            Err(Error::BindingOutOfRange { value: -8, .. })
+        ));
+        // None given for a routine with indices: missing.
+        assert!(matches!(
+            Bindings::none().into_bindings(mine),
+            Err(Error::MissingBinding { .. })
+        ));
+    }
+}
