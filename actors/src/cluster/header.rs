@@ -78,6 +78,8 @@ pub(crate) struct OpDesc {
     pub(crate) op: Option<ReduceOp>,
     /// Transfer only: (sender, receiver).
     pub(crate) route: Option<(usize, usize)>,
+    /// All-reduce only: the algorithm this operation uses instead of the cluster's.
+    pub(crate) algorithm: Option<CrossRankAlgorithm>,
 }
 
 impl OpDesc {
@@ -364,6 +366,7 @@ mod tests {
             dtype,
             op: Some(op),
             route: None,
+            algorithm: None,
         }
     }
 

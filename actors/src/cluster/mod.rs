@@ -255,6 +255,7 @@ impl Cluster {
             dtype: DType::U8,
             op: None,
             route: None,
+            algorithm: None,
         };
         self.run_token_op(desc, 0, |net, guard, op| net.barrier(guard, op))
     }
@@ -272,6 +273,7 @@ impl Cluster {
             dtype: DType::F64,
             op: Some(tributary::collective::ReduceOp::Sum),
             route: None,
+            algorithm: None,
         };
         let sink = out.clone();
         self.run_token_op(desc, 1, move |net, guard, op| {
@@ -347,6 +349,7 @@ impl Cluster {
             dtype: DType::U8,
             op: None,
             route: None,
+            algorithm: None,
         };
         self.run_token_op(desc, 0, move |net, _guard, _op| {
             let mut s = inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -400,6 +403,7 @@ fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
         dtype: node.dtype(),
         op: None,
         route: Some((from, to)),
+        algorithm: None,
     }
 }
 

@@ -159,8 +159,12 @@ impl Network {
 
     /// The algorithm an all-reduce of `bytes` wire bytes uses (the same on every rank with
     /// the same configuration; the header carries it, so a difference is a mismatch).
-    pub(crate) fn algorithm_for(&self, wire_bytes: usize) -> CrossRankAlgorithm {
-        match self.config.algorithm {
+    pub(crate) fn algorithm_for(
+        &self,
+        chosen: Option<CrossRankAlgorithm>,
+        wire_bytes: usize,
+    ) -> CrossRankAlgorithm {
+        match chosen.unwrap_or(self.config.algorithm) {
             CrossRankAlgorithm::Auto if wire_bytes <= self.config.direct_max_bytes => {
                 CrossRankAlgorithm::Direct
             }
@@ -298,7 +302,9 @@ impl Network {
             return;
         }
         let algorithm = match skipped.desc.kind {
-            OpKind::AllReduce => self.algorithm_for(wire_bytes(&skipped.desc)),
+            OpKind::AllReduce => {
+                self.algorithm_for(skipped.desc.algorithm, wire_bytes(&skipped.desc))
+            }
             _ => CrossRankAlgorithm::Direct,
         };
         let result = match skipped.desc.kind {
@@ -539,7 +545,7 @@ impl Network {
         let dtype = op.desc.dtype;
         let wire = Wire::of(dtype)?;
         let n = op.desc.elements() as usize;
-        let algorithm = self.algorithm_for(n * wire.size());
+        let algorithm = self.algorithm_for(op.desc.algorithm, n * wire.size());
         let headers =
             self.exchange_headers(guard, op, algorithm, Status::Ready, op.contributions)?;
         let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();

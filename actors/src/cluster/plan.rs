@@ -25,7 +25,7 @@ use tributary::{
 };
 
 use super::{
-    header::{OpDesc, OpKind},
+    header::{CrossRankAlgorithm, OpDesc, OpKind},
     network::{check_dtype, Issued, Network},
     Cluster,
 };
@@ -222,6 +222,7 @@ impl ClusterAllReduce {
                 dtype: node.dtype(),
                 op: Some(op),
                 route: None,
+            algorithm: None,
             };
             network.push((r, desc));
         }
@@ -296,6 +297,16 @@ impl ClusterAllReduce {
             }
         }
         Ok(ClusterTicket::new(ops, events))
+    }
+
+    /// Uses `algorithm` across ranks instead of the cluster's
+    /// ([`ClusterConfig::algorithm`](crate::cluster::ClusterConfig::algorithm)); every rank
+    /// must choose the same (the header carries it).
+    pub fn with_algorithm(mut self, algorithm: CrossRankAlgorithm) -> ClusterAllReduce {
+        for (_, desc) in &mut self.network {
+            desc.algorithm = Some(algorithm);
+        }
+        self
     }
 
     /// Finalizes the routines' contexts (the network buffers are freed).
