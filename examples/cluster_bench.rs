@@ -95,11 +95,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "bytes", "MPI_Allreduce", "GB/s", "direct (ratio)", "ring (ratio)", "mpi (ratio)"
         );
     }
-    let bus = |bytes: usize, secs: f64| 2.0 * (ranks - 1) as f64 / ranks as f64 * bytes as f64 / secs / 1e9;
+    let bus = |bytes: usize, secs: f64| {
+        2.0 * (ranks - 1) as f64 / ranks as f64 * bytes as f64 / secs / 1e9
+    };
     for &bytes in &args.sizes {
         let n = (bytes / 4).max(1);
         let iters = (args.budget / bytes.max(1)).clamp(3, 2000);
-        let node = TensorNode::new(format!("g{bytes}"), DType::F32, [n]).with_mode(MemoryMode::on_device())?;
+        let node = TensorNode::new(format!("g{bytes}"), DType::F32, [n])
+            .with_mode(MemoryMode::on_device())?;
         let mut contexts = Vec::new();
         for d in 0..args.devices {
             let r = cluster.context(d, 0)?.link(RoutineSpec::custom(
@@ -120,9 +123,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .collect::<Result<_, _>>()?,
         );
         let mut cells = Vec::new();
-        for algorithm in [CrossRankAlgorithm::Direct, CrossRankAlgorithm::Ring, CrossRankAlgorithm::Mpi] {
+        for algorithm in [
+            CrossRankAlgorithm::Direct,
+            CrossRankAlgorithm::Ring,
+            CrossRankAlgorithm::Mpi,
+        ] {
             let plan = cluster
-                .all_reduce_plan(std::slice::from_ref(&node), &contexts, ReduceOp::Mean, Strategy::Tree)?
+                .all_reduce_plan(
+                    std::slice::from_ref(&node),
+                    &contexts,
+                    ReduceOp::Mean,
+                    Strategy::Tree,
+                )?
                 .with_algorithm(algorithm);
             plan.run()?.wait()?; // warm-up: buffers allocated, pages touched
             let mut times = Vec::new();
@@ -140,7 +152,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }
             plan.finalize()?;
             let t = median(times);
-            cells.push(format!("{:>7.2} GB/s ({:.2}x)", bus(bytes, t), baseline / t));
+            cells.push(format!(
+                "{:>7.2} GB/s ({:.2}x)",
+                bus(bytes, t),
+                baseline / t
+            ));
         }
         if rank == 0 {
             println!(

@@ -8,7 +8,6 @@
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
 
 #[path = "../examples/data_parallel/model.rs"]
-#[allow(dead_code)]
 mod model;
 
 mod cluster;
@@ -66,9 +65,9 @@ mod bodies {
         ((case * 3 + rank * 5 + device * 7 + i) % 5) as f64
     }
 
-    fn check<T: Element + Copy>(got: &[T], want: &[f64], to: impl Fn(f64) -> T, what: &str)
+    fn check<T>(got: &[T], want: &[f64], to: impl Fn(f64) -> T, what: &str)
     where
-        T: PartialEq + std::fmt::Debug,
+        T: Element + Copy + PartialEq + std::fmt::Debug,
     {
         assert_eq!(got.len(), want.len(), "{what}: length");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -128,10 +127,25 @@ mod bodies {
                 let values: Vec<f64> = (0..n).map(|i| value(case, rank, d, i)).collect();
                 let ctx = cluster.context(d, 0).expect("context");
                 let ctx = match dtype {
-                    DType::F32 => init(ctx, &node, &values.iter().map(|v| *v as f32).collect::<Vec<_>>()),
+                    DType::F32 => init(
+                        ctx,
+                        &node,
+                        &values.iter().map(|v| *v as f32).collect::<Vec<_>>(),
+                    ),
                     DType::F64 => init(ctx, &node, &values),
-                    DType::F16 => init(ctx, &node, &values.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>()),
-                    _ => init(ctx, &node, &values.iter().map(|v| bf16::from_f64(*v)).collect::<Vec<_>>()),
+                    DType::F16 => init(
+                        ctx,
+                        &node,
+                        &values.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>(),
+                    ),
+                    _ => init(
+                        ctx,
+                        &node,
+                        &values
+                            .iter()
+                            .map(|v| bf16::from_f64(*v))
+                            .collect::<Vec<_>>(),
+                    ),
                 }
                 .expect("init");
                 contexts.push(ctx);
@@ -158,10 +172,27 @@ mod bodies {
             let what = format!("case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank}");
             for ctx in &contexts {
                 match dtype {
-                    DType::F32 => check(&ctx.read::<f32>(&node).expect("read"), &want, |v| v as f32, &what),
-                    DType::F64 => check(&ctx.read::<f64>(&node).expect("read"), &want, |v| v, &what),
-                    DType::F16 => check(&ctx.read::<f16>(&node).expect("read"), &want, f16::from_f64, &what),
-                    _ => check(&ctx.read::<bf16>(&node).expect("read"), &want, bf16::from_f64, &what),
+                    DType::F32 => check(
+                        &ctx.read::<f32>(&node).expect("read"),
+                        &want,
+                        |v| v as f32,
+                        &what,
+                    ),
+                    DType::F64 => {
+                        check(&ctx.read::<f64>(&node).expect("read"), &want, |v| v, &what)
+                    }
+                    DType::F16 => check(
+                        &ctx.read::<f16>(&node).expect("read"),
+                        &want,
+                        f16::from_f64,
+                        &what,
+                    ),
+                    _ => check(
+                        &ctx.read::<bf16>(&node).expect("read"),
+                        &want,
+                        bf16::from_f64,
+                        &what,
+                    ),
                 }
             }
             plan.finalize().expect("finalize");
@@ -189,15 +220,28 @@ mod bodies {
                 contexts.push(init(ctx, &node, &values).expect("init"));
             }
             cluster
-                .all_reduce(std::slice::from_ref(&node), &contexts, ReduceOp::Mean, Strategy::Tree)
+                .all_reduce(
+                    std::slice::from_ref(&node),
+                    &contexts,
+                    ReduceOp::Mean,
+                    Strategy::Tree,
+                )
                 .expect("all-reduce");
             let mine: Vec<f32> = contexts[0].read(&node).expect("read");
             for ctx in &contexts[1..] {
-                assert_eq!(ctx.read::<f32>(&node).expect("read"), mine, "devices differ");
+                assert_eq!(
+                    ctx.read::<f32>(&node).expect("read"),
+                    mine,
+                    "devices differ"
+                );
             }
             if rank == 0 {
                 for to in 1..cluster.size() {
-                    cluster.send(&node, &contexts[0], to).expect("send").wait().expect("sent");
+                    cluster
+                        .send(&node, &contexts[0], to)
+                        .expect("send")
+                        .wait()
+                        .expect("sent");
                 }
                 continue;
             }
@@ -206,11 +250,23 @@ mod bodies {
             let theirs_node = TensorNode::new(format!("w{case}"), DType::F32, [n])
                 .with_mode(MemoryMode::on_device())
                 .expect("node");
-            let holder = init(cluster.context(0, 0).expect("ctx"), &theirs_node, &vec![0f32; n]).expect("init");
-            cluster.recv(&theirs_node, &holder, 0).expect("recv").wait().expect("received");
+            let holder = init(
+                cluster.context(0, 0).expect("ctx"),
+                &theirs_node,
+                &vec![0f32; n],
+            )
+            .expect("init");
+            cluster
+                .recv(&theirs_node, &holder, 0)
+                .expect("recv")
+                .wait()
+                .expect("received");
             let theirs: Vec<f32> = holder.read(&theirs_node).expect("read");
             assert!(
-                theirs.iter().zip(&mine).all(|(a, b)| a.to_bits() == b.to_bits()),
+                theirs
+                    .iter()
+                    .zip(&mine)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "rank {rank}'s result differs from rank 0's (case {case})"
             );
         }
@@ -224,11 +280,26 @@ mod bodies {
             .with_mode(MemoryMode::on_device())
             .expect("node");
         let mine: Vec<f64> = (0..1000).map(|i| (rank * 1000 + i) as f64).collect();
-        let src = init(cluster.context(1 % cluster.devices_per_rank()[rank], 0).expect("ctx"), &node, &mine).expect("init");
-        let dst = init(cluster.context(0, 0).expect("ctx"), &node, &vec![0f64; 1000]).expect("init");
+        let src = init(
+            cluster
+                .context(1 % cluster.devices_per_rank()[rank], 0)
+                .expect("ctx"),
+            &node,
+            &mine,
+        )
+        .expect("init");
+        let dst = init(
+            cluster.context(0, 0).expect("ctx"),
+            &node,
+            &vec![0f64; 1000],
+        )
+        .expect("init");
         let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
         let (a, b) = if rank % 2 == 0 {
-            (cluster.send(&node, &src, to).expect("send"), cluster.recv(&node, &dst, from).expect("recv"))
+            (
+                cluster.send(&node, &src, to).expect("send"),
+                cluster.recv(&node, &dst, from).expect("recv"),
+            )
         } else {
             let b = cluster.recv(&node, &dst, from).expect("recv");
             (cluster.send(&node, &src, to).expect("send"), b)
@@ -238,8 +309,12 @@ mod bodies {
         let want: Vec<f64> = (0..1000).map(|i| (from * 1000 + i) as f64).collect();
         assert_eq!(dst.read::<f64>(&node).expect("read"), want);
         // A compute routine reading the received node waits for the transfer by itself.
-        let doubled = TensorNode::new("msg2", DType::F64, [1000]).with_mode(MemoryMode::on_device()).expect("node");
-        let r = dst.link(kernels::scale(&doubled, &node, 2.0).expect("spec")).expect("link");
+        let doubled = TensorNode::new("msg2", DType::F64, [1000])
+            .with_mode(MemoryMode::on_device())
+            .expect("node");
+        let r = dst
+            .link(kernels::scale(&doubled, &node, 2.0).expect("spec"))
+            .expect("link");
         r.schedule().expect("schedule");
         let want2: Vec<f64> = want.iter().map(|v| v * 2.0).collect();
         assert_eq!(r.context().read::<f64>(&doubled).expect("read"), want2);
@@ -261,8 +336,9 @@ mod bodies {
         let reference = single.params(0).expect("params");
         single_sys.shutdown().expect("shutdown");
         assert_ne!(reference, init, "the step changed nothing");
-        let dp = model::DataParallel::on_cluster(cluster.clone(), &cfg, &data, &init, Strategy::Tree)
-            .expect("on the cluster");
+        let dp =
+            model::DataParallel::on_cluster(cluster.clone(), &cfg, &data, &init, Strategy::Tree)
+                .expect("on the cluster");
         dp.step().expect("step");
         let params = dp.params(0).expect("params");
         for i in 1..dp.replicas() {
@@ -271,7 +347,10 @@ mod bodies {
         let close = |a: &[f32], b: &[f32], what: &str| {
             for (i, (x, y)) in a.iter().zip(b).enumerate() {
                 let scale = x.abs().max(y.abs()).max(1e-3);
-                assert!((x - y).abs() <= 1e-5 * scale, "{what}[{i}]: {x} vs {y} (full batch)");
+                assert!(
+                    (x - y).abs() <= 1e-5 * scale,
+                    "{what}[{i}]: {x} vs {y} (full batch)"
+                );
             }
         };
         close(&params.w1, &reference.w1, "w1");
@@ -286,11 +365,21 @@ mod bodies {
             .chain(&params.b1)
             .chain(&params.w2)
             .chain(&params.b2)
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3));
-        let parts = [(digest >> 40) as f64, ((digest >> 20) & 0xfffff) as f64, (digest & 0xfffff) as f64];
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+                (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
+            });
+        let parts = [
+            (digest >> 40) as f64,
+            ((digest >> 20) & 0xfffff) as f64,
+            (digest & 0xfffff) as f64,
+        ];
         let sums = cluster.sum_host(&parts).expect("sum");
         let n = cluster.size() as f64;
-        assert_eq!(sums, parts.iter().map(|p| p * n).collect::<Vec<_>>(), "ranks hold different parameters");
+        assert_eq!(
+            sums,
+            parts.iter().map(|p| p * n).collect::<Vec<_>>(),
+            "ranks hold different parameters"
+        );
         assert!(dp.loss().expect("loss").is_finite());
     }
 }

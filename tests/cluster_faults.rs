@@ -47,7 +47,9 @@ mod bodies {
             .map(|d| {
                 let mut ctx = cluster.context(d, 0).expect("ctx");
                 for n in nodes {
-                    let r = ctx.link(kernels::fill(n, value).expect("spec")).expect("link");
+                    let r = ctx
+                        .link(kernels::fill(n, value).expect("spec"))
+                        .expect("link");
                     r.schedule().expect("schedule");
                     ctx = r.context();
                 }
@@ -60,7 +62,9 @@ mod bodies {
     fn filled_from(ctxs: &[ContextHandle], g: &TensorNode, value: f64) -> Vec<ContextHandle> {
         ctxs.iter()
             .map(|ctx| {
-                let r = ctx.link(kernels::fill(g, value).expect("spec")).expect("link");
+                let r = ctx
+                    .link(kernels::fill(g, value).expect("spec"))
+                    .expect("link");
                 r.schedule().expect("schedule");
                 r.context()
             })
@@ -84,20 +88,49 @@ mod bodies {
     pub fn mismatched_order(cluster: &Arc<Cluster>) {
         let (a, b) = (node("a", 64), node("b", 64));
         let ctxs = filled(cluster, &[a.clone(), b.clone()], 1.0);
-        let order = if cluster.rank() == 0 { [&a, &b] } else { [&b, &a] };
+        let order = if cluster.rank() == 0 {
+            [&a, &b]
+        } else {
+            [&b, &a]
+        };
         let started = Instant::now();
-        let first = cluster.all_reduce(std::slice::from_ref(order[0]), &ctxs, ReduceOp::Sum, Strategy::Tree);
+        let first = cluster.all_reduce(
+            std::slice::from_ref(order[0]),
+            &ctxs,
+            ReduceOp::Sum,
+            Strategy::Tree,
+        );
         match &first {
-            Err(Error::CollectiveMismatch { call: 0, rank, this_rank, .. }) => {
+            Err(Error::CollectiveMismatch {
+                call: 0,
+                rank,
+                this_rank,
+                ..
+            }) => {
                 assert_eq!(*this_rank, cluster.rank());
                 // Rank 0 sees rank 1 first; the others see rank 0.
                 assert_eq!(*rank, if cluster.rank() == 0 { 1 } else { 0 });
             }
-            other => panic!("rank {}: expected a mismatch, got {other:?}", cluster.rank()),
+            other => panic!(
+                "rank {}: expected a mismatch, got {other:?}",
+                cluster.rank()
+            ),
         }
-        assert!(started.elapsed() < DEADLINE, "a mismatch waits for no deadline");
-        let second = cluster.all_reduce(std::slice::from_ref(order[1]), &ctxs, ReduceOp::Sum, Strategy::Tree);
-        assert_eq!(second.err(), first.err(), "the cluster stays stopped at the first fault");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "a mismatch waits for no deadline"
+        );
+        let second = cluster.all_reduce(
+            std::slice::from_ref(order[1]),
+            &ctxs,
+            ReduceOp::Sum,
+            Strategy::Tree,
+        );
+        assert_eq!(
+            second.err(),
+            first.err(),
+            "the cluster stays stopped at the first fault"
+        );
         local_work_still_runs(cluster);
     }
 
@@ -108,20 +141,43 @@ mod bodies {
         let g = node("g", 1000);
         let ctxs = filled(cluster, std::slice::from_ref(&g), 1.0);
         // One all-reduce that everyone takes part in.
-        cluster.all_reduce(std::slice::from_ref(&g), &ctxs, ReduceOp::Sum, Strategy::Star).expect("first");
+        cluster
+            .all_reduce(
+                std::slice::from_ref(&g),
+                &ctxs,
+                ReduceOp::Sum,
+                Strategy::Star,
+            )
+            .expect("first");
         if cluster.rank() == last {
             return; // shuts down: MPI_Finalize
         }
         let started = Instant::now();
-        let err = cluster.all_reduce(std::slice::from_ref(&g), &ctxs, ReduceOp::Sum, Strategy::Star);
+        let err = cluster.all_reduce(
+            std::slice::from_ref(&g),
+            &ctxs,
+            ReduceOp::Sum,
+            Strategy::Star,
+        );
         let took = started.elapsed();
         match err {
-            Err(Error::RankUnreachable { rank, call: 1, waited, .. }) => {
+            Err(Error::RankUnreachable {
+                rank,
+                call: 1,
+                waited,
+                ..
+            }) => {
                 assert_eq!((rank, waited), (last, DEADLINE));
             }
-            other => panic!("rank {}: expected RankUnreachable, got {other:?}", cluster.rank()),
+            other => panic!(
+                "rank {}: expected RankUnreachable, got {other:?}",
+                cluster.rank()
+            ),
         }
-        assert!(took >= DEADLINE && took < DEADLINE + Duration::from_secs(20), "took {took:?}");
+        assert!(
+            took >= DEADLINE && took < DEADLINE + Duration::from_secs(20),
+            "took {took:?}"
+        );
         local_work_still_runs(cluster);
         // No partial sum lands anywhere: reading the result fails with the fault as its
         // root cause.
@@ -145,13 +201,21 @@ mod bodies {
         let g = node("g", 4096);
         let ctxs = filled(cluster, std::slice::from_ref(&g), 1.0);
         let ticket = cluster
-            .all_reduce_plan(std::slice::from_ref(&g), &ctxs, ReduceOp::Mean, Strategy::Tree)
+            .all_reduce_plan(
+                std::slice::from_ref(&g),
+                &ctxs,
+                ReduceOp::Mean,
+                Strategy::Tree,
+            )
             .expect("plan")
             .run()
             .expect("issued");
         match ticket.wait() {
             Err(Error::RankUnreachable { rank, .. }) => assert_eq!(rank, last),
-            other => panic!("rank {}: expected RankUnreachable, got {other:?}", cluster.rank()),
+            other => panic!(
+                "rank {}: expected RankUnreachable, got {other:?}",
+                cluster.rank()
+            ),
         }
         // A read of the result fails with the fault as its root cause instead of hanging.
         let read = ctxs[0].read::<f32>(&g);
@@ -173,13 +237,18 @@ mod bodies {
             .map(|ctx| {
                 let r = ctx
                     .link(
-                        RoutineSpec::custom("grad", vec![(g.clone(), Access::Write)], None, move |args| {
-                            if rank == 1 {
-                                return Err("the gradient failed".into());
-                            }
-                            args.output::<f32>(0)?.fill(2.0);
-                            Ok(())
-                        })
+                        RoutineSpec::custom(
+                            "grad",
+                            vec![(g.clone(), Access::Write)],
+                            None,
+                            move |args| {
+                                if rank == 1 {
+                                    return Err("the gradient failed".into());
+                                }
+                                args.output::<f32>(0)?.fill(2.0);
+                                Ok(())
+                            },
+                        )
                         .expect("spec"),
                     )
                     .expect("link");
@@ -188,20 +257,40 @@ mod bodies {
             })
             .collect();
         let plan = cluster
-            .all_reduce_plan(std::slice::from_ref(&g), &broken, ReduceOp::Sum, Strategy::Tree)
+            .all_reduce_plan(
+                std::slice::from_ref(&g),
+                &broken,
+                ReduceOp::Sum,
+                Strategy::Tree,
+            )
             .expect("plan");
         let result = plan.run().expect("issued").wait();
         match (rank, &result) {
             (1, Err(Error::Failed(f))) => assert!(f.message.contains("the gradient failed"), "{f}"),
-            (r, Err(Error::RankInputFailed { rank: 1, call: 0, .. })) if r != 1 => {}
+            (
+                r,
+                Err(Error::RankInputFailed {
+                    rank: 1, call: 0, ..
+                }),
+            ) if r != 1 => {}
             other => panic!("unexpected outcome {other:?}"),
         }
         // The ranks are still in step: after writing g again, the next all-reduce sums 1.0
         // from every context of every rank.
         plan.finalize().expect("finalize");
         let healed = filled_from(&broken, &g, 1.0);
-        cluster.all_reduce(std::slice::from_ref(&g), &healed, ReduceOp::Sum, Strategy::Tree).expect("second");
-        assert_eq!(healed[1].read::<f32>(&g).expect("read"), vec![2.0 * cluster.size() as f32; 256]);
+        cluster
+            .all_reduce(
+                std::slice::from_ref(&g),
+                &healed,
+                ReduceOp::Sum,
+                Strategy::Tree,
+            )
+            .expect("second");
+        assert_eq!(
+            healed[1].read::<f32>(&g).expect("read"),
+            vec![2.0 * cluster.size() as f32; 256]
+        );
     }
 }
 

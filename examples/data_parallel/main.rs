@@ -162,9 +162,11 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
     use std::sync::Arc;
     use tributary_actors::cluster::Cluster;
     if args.backend != BackendArg::Cpu || args.trace.is_some() {
-        return Err("--mpi runs on CPU devices without --trace (the GPU path is designed in \
+        return Err(
+            "--mpi runs on CPU devices without --trace (the GPU path is designed in \
                     DESIGN.md §9, not built)"
-            .into());
+                .into(),
+        );
     }
     let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
     let (rank, ranks) = (cluster.rank(), cluster.size());
@@ -199,7 +201,9 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
     let params = dp.params(0)?;
     for i in 1..dp.replicas() {
         if dp.params(i)? != params {
-            return Err(format!("rank {rank}: replica {i}'s parameters differ from replica 0's").into());
+            return Err(
+                format!("rank {rank}: replica {i}'s parameters differ from replica 0's").into(),
+            );
         }
     }
     // Bitwise the same on every rank: a digest of the bits, summed across ranks, is the
@@ -213,7 +217,11 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
         .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
             (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
         });
-    let parts = [(digest >> 40) as f64, ((digest >> 20) & 0xfffff) as f64, (digest & 0xfffff) as f64];
+    let parts = [
+        (digest >> 40) as f64,
+        ((digest >> 20) & 0xfffff) as f64,
+        (digest & 0xfffff) as f64,
+    ];
     let sums = cluster.sum_host(&parts)?;
     if sums != parts.iter().map(|p| p * ranks as f64).collect::<Vec<_>>() {
         return Err(format!("rank {rank}: the ranks' parameters differ").into());
@@ -238,7 +246,9 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
 /// Without the `mpi` feature, `--mpi` says how to get it.
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &Args, _: Strategy) -> Result<(), Box<dyn Error>> {
-    Err("--mpi needs the `mpi` feature: cargo build --release --features mpi --example \
+    Err(
+        "--mpi needs the `mpi` feature: cargo build --release --features mpi --example \
          data_parallel, then mpirun -np R target/release/examples/data_parallel --mpi"
-        .into())
+            .into(),
+    )
 }

@@ -191,17 +191,26 @@ impl DataParallel {
         init: &Params,
         strategy: Strategy,
     ) -> Result<DataParallel> {
-        Self::sharded(sys, cfg, devices, 0, devices, data, init, |grads, contexts| {
-            let plan = AllReducePlan::new(
-                sys,
-                grads,
-                contexts,
-                ReduceOp::Sum,
-                strategy,
-                Transfer::Auto,
-            )?;
-            Ok(Reducer::Local(plan))
-        })
+        Self::sharded(
+            sys,
+            cfg,
+            devices,
+            0,
+            devices,
+            data,
+            init,
+            |grads, contexts| {
+                let plan = AllReducePlan::new(
+                    sys,
+                    grads,
+                    contexts,
+                    ReduceOp::Sum,
+                    strategy,
+                    Transfer::Auto,
+                )?;
+                Ok(Reducer::Local(plan))
+            },
+        )
     }
 
     /// Places the model on every device of this rank of `cluster`: the batch is split into
@@ -220,10 +229,19 @@ impl DataParallel {
         let total = per_rank.iter().sum();
         let devices = per_rank[cluster.rank()];
         let sys = cluster.system().clone();
-        Self::sharded(&sys, cfg, devices, first, total, data, init, |grads, contexts| {
-            let plan = cluster.all_reduce_plan(grads, contexts, ReduceOp::Sum, strategy)?;
-            Ok(Reducer::Cluster(plan, cluster.clone()))
-        })
+        Self::sharded(
+            &sys,
+            cfg,
+            devices,
+            first,
+            total,
+            data,
+            init,
+            |grads, contexts| {
+                let plan = cluster.all_reduce_plan(grads, contexts, ReduceOp::Sum, strategy)?;
+                Ok(Reducer::Cluster(plan, cluster.clone()))
+            },
+        )
     }
 
     /// Places shards `first..first + devices` of `total` on the devices of `sys`.

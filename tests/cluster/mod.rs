@@ -139,7 +139,10 @@ pub fn launch(test: &str, launches: &[Launch]) {
             started.elapsed().as_secs_f64()
         );
         match status {
-            None => panic!("MPI test {test} on {} ranks hung past {timeout:?}\n{report}", l.ranks),
+            None => panic!(
+                "MPI test {test} on {} ranks hung past {timeout:?}\n{report}",
+                l.ranks
+            ),
             Some(s) if !s.success() => {
                 panic!("MPI test {test} on {} ranks failed: {s}\n{report}", l.ranks)
             }

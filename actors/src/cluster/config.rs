@@ -100,10 +100,18 @@ impl ClusterBuilder {
             return Err(invalid("cpu_devices", "0".into(), "a rank needs a device"));
         }
         if c.compute_streams == 0 {
-            return Err(invalid("compute_streams", "0".into(), "a device needs a compute stream"));
+            return Err(invalid(
+                "compute_streams",
+                "0".into(),
+                "a device needs a compute stream",
+            ));
         }
         if c.deadline.is_zero() {
-            return Err(invalid("deadline", "0s".into(), "no operation could finish"));
+            return Err(invalid(
+                "deadline",
+                "0s".into(),
+                "no operation could finish",
+            ));
         }
         if c.chunk_bytes < 8 || c.chunk_bytes > i32::MAX as usize {
             return Err(invalid(

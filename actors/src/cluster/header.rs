@@ -376,7 +376,9 @@ mod tests {
         let h = Header::new(&d, 7, 3, CrossRankAlgorithm::Ring, Status::InputFailed);
         assert_eq!(Header::decode(&h.encode()), Some(h.clone()));
         assert_eq!(Header::decode(&[0u8; HEADER_BYTES]), None);
-        assert!(h.describe().contains("dw1 (256 elements, f16, mean, ring) as call 7"));
+        assert!(h
+            .describe()
+            .contains("dw1 (256 elements, f16, mean, ring) as call 7"));
     }
 
     /// Random pairs of operations: `check_headers` refuses exactly those that differ in
@@ -390,7 +392,13 @@ mod tests {
             seed ^= seed << 17;
             seed % n
         };
-        let labels = ["w", "dw1", "dw2", "a-much-longer-label-than-forty-bytes-of-header-0", "a-much-longer-label-than-forty-bytes-of-header-1"];
+        let labels = [
+            "w",
+            "dw1",
+            "dw2",
+            "a-much-longer-label-than-forty-bytes-of-header-0",
+            "a-much-longer-label-than-forty-bytes-of-header-1",
+        ];
         let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16];
         let shapes: [&[usize]; 4] = [&[4], &[2, 2], &[4, 1], &[5]];
         let ops = [ReduceOp::Sum, ReduceOp::Mean];
@@ -420,8 +428,16 @@ mod tests {
                 mismatches += 1;
                 match (on0, on1) {
                     (
-                        Err(Error::CollectiveMismatch { rank: 1, this_rank: 0, .. }),
-                        Err(Error::CollectiveMismatch { rank: 0, this_rank: 1, .. }),
+                        Err(Error::CollectiveMismatch {
+                            rank: 1,
+                            this_rank: 0,
+                            ..
+                        }),
+                        Err(Error::CollectiveMismatch {
+                            rank: 0,
+                            this_rank: 1,
+                            ..
+                        }),
                     ) => {}
                     other => panic!("{a:?} vs {b:?} (calls {ca}, {cb}) not refused: {other:?}"),
                 }
@@ -429,7 +445,10 @@ mod tests {
                 assert_eq!((on0, on1), (Ok(()), Ok(())), "{a:?} refused");
             }
         }
-        assert!(mismatches > 1000, "the generator made {mismatches} mismatches");
+        assert!(
+            mismatches > 1000,
+            "the generator made {mismatches} mismatches"
+        );
     }
 
     #[test]
@@ -437,13 +456,21 @@ mod tests {
         let d = desc("g", &[4], DType::F32, ReduceOp::Sum);
         let all: Vec<Header> = (0..3)
             .map(|r| {
-                let status = if r == 2 { Status::InputFailed } else { Status::Ready };
+                let status = if r == 2 {
+                    Status::InputFailed
+                } else {
+                    Status::Ready
+                };
                 Header::new(&d, 0, r, CrossRankAlgorithm::Direct, status)
             })
             .collect();
         assert!(matches!(
             check_headers(0, &all[0], &all, "all_reduce of g"),
-            Err(Error::RankInputFailed { rank: 2, call: 0, .. })
+            Err(Error::RankInputFailed {
+                rank: 2,
+                call: 0,
+                ..
+            })
         ));
     }
 }

@@ -222,9 +222,7 @@ impl Cluster {
             });
         }
         let desc = transfer_desc(node, from, self.rank());
-        let routine = self
-            .net_root
-            .link(plan::recv_spec(&self.net, node)?)?;
+        let routine = self.net_root.link(plan::recv_spec(&self.net, node)?)?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let event = match routine.schedule().and_then(|t| t.event()) {
@@ -235,12 +233,9 @@ impl Cluster {
             }
         };
         let _ = issued.event.set(event);
-        let copy = self.sys.device_to_device(
-            node,
-            routine.protocol_context(),
-            ctx,
-            MergeBufferUse::No,
-        )?;
+        let copy =
+            self.sys
+                .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
         self.sys.finalize(routine.protocol_context())?;
         Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
     }

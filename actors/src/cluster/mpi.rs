@@ -73,7 +73,12 @@ impl Mpi {
         if initialized != 0 || finalized != 0 {
             return Err(Error::InvalidConfig {
                 setting: "cluster".into(),
-                value: if finalized != 0 { "MPI finalised" } else { "MPI initialised" }.into(),
+                value: if finalized != 0 {
+                    "MPI finalised"
+                } else {
+                    "MPI initialised"
+                }
+                .into(),
                 reason: "one cluster per process: the cluster initialises MPI itself, and MPI \
                          cannot be initialised again after it was finalised"
                     .into(),
@@ -376,7 +381,10 @@ impl Mpi {
 fn too_large(len: usize) -> Error {
     Error::InvalidSize {
         node: "network message".into(),
-        reason: format!("{len} units do not fit one MPI message (at most {})", c_int::MAX),
+        reason: format!(
+            "{len} units do not fit one MPI message (at most {})",
+            c_int::MAX
+        ),
     }
 }
 

@@ -298,7 +298,10 @@ impl Network {
 
     /// Sends the header of an operation whose input failed here, so the others fail it too.
     fn catch_up(&self, guard: &mut ExecGuard<'_>, skipped: &Issued) {
-        if guard.state.broken.is_some() || self.closed.load(Ordering::Acquire) {
+        if guard.state.broken.is_some()
+            || self.closed.load(Ordering::Acquire)
+            || mutant!("cluster_catch_up")
+        {
             return;
         }
         let algorithm = match skipped.desc.kind {
@@ -419,8 +422,18 @@ impl Network {
                 // is only read by the sends; `keep` is not reallocated and outlives the
                 // requests (`wait` and `abandon` keep it with them on a fault).
                 unsafe {
-                    requests.push(self.mpi.irecv(base.add(peer * HEADER_BYTES), HEADER_BYTES, peer, t)?);
-                    requests.push(self.mpi.isend(base.add(rank * HEADER_BYTES), HEADER_BYTES, peer, t)?);
+                    requests.push(self.mpi.irecv(
+                        base.add(peer * HEADER_BYTES),
+                        HEADER_BYTES,
+                        peer,
+                        t,
+                    )?);
+                    requests.push(self.mpi.isend(
+                        base.add(rank * HEADER_BYTES),
+                        HEADER_BYTES,
+                        peer,
+                        t,
+                    )?);
                 }
             }
             Ok(())
@@ -436,14 +449,15 @@ impl Network {
                 all.push(mine.clone());
                 continue;
             }
-            let h = Header::decode(&bytes[r * HEADER_BYTES..(r + 1) * HEADER_BYTES])
-                .ok_or_else(|| Error::CollectiveMismatch {
+            let h = Header::decode(&bytes[r * HEADER_BYTES..(r + 1) * HEADER_BYTES]).ok_or_else(
+                || Error::CollectiveMismatch {
                     call: op.seq,
                     rank: r,
                     this_rank: rank,
                     ours: mine.describe(),
                     theirs: "a message that is no tributary header".into(),
-                })?;
+                },
+            )?;
             all.push(h);
         }
         check_headers(rank, &mine, &all, &op.desc.describe())?;
@@ -472,7 +486,10 @@ impl Network {
             // while requests may use it.
             unsafe {
                 requests.push(self.mpi.irecv(base, HEADER_BYTES, peer, t)?);
-                requests.push(self.mpi.isend(base.add(HEADER_BYTES), HEADER_BYTES, peer, t)?);
+                requests.push(
+                    self.mpi
+                        .isend(base.add(HEADER_BYTES), HEADER_BYTES, peer, t)?,
+                );
             }
             Ok(())
         })();
@@ -493,14 +510,18 @@ impl Network {
         all[if rank == from { 1 } else { 0 }] = theirs;
         let me = if rank == from { 0 } else { 1 };
         check_headers(me, &mine, &all, &op.desc.describe()).map_err(|e| match e {
-            Error::CollectiveMismatch { call, ours, theirs, .. } => Error::CollectiveMismatch {
+            Error::CollectiveMismatch {
+                call, ours, theirs, ..
+            } => Error::CollectiveMismatch {
                 call,
                 rank: peer,
                 this_rank: rank,
                 ours,
                 theirs,
             },
-            Error::RankInputFailed { call, operation, .. } => Error::RankInputFailed {
+            Error::RankInputFailed {
+                call, operation, ..
+            } => Error::RankInputFailed {
                 rank: peer,
                 call,
                 operation,
@@ -702,7 +723,11 @@ impl Network {
         for s in 0..size - 1 {
             let send = seg((rank + size - s) % size);
             let recv = seg((rank + 2 * size - s - 1) % size);
-            let src = if s == 0 { input.as_ptr() } else { out.cast_const() };
+            let src = if s == 0 {
+                input.as_ptr()
+            } else {
+                out.cast_const()
+            };
             let mut receives = Vec::new();
             let mut sends = Vec::new();
             let posted = (|| {
@@ -711,7 +736,9 @@ impl Network {
                     let len = chunk.min(recv.len() - at);
                     // SAFETY: staging holds `longest` bytes; the chunk is inside it and only
                     // this receive writes it. Kept in `keep` (see `wait` and `abandon`).
-                    receives.push((at, len, unsafe { self.mpi.irecv(staging.add(at), len, left, t)? }));
+                    receives.push((at, len, unsafe {
+                        self.mpi.irecv(staging.add(at), len, left, t)?
+                    }));
                     at += len.max(1);
                 }
                 let mut at = 0;
@@ -784,8 +811,14 @@ impl Network {
         self.transfer_headers(guard, op, Status::Ready)?;
         let (_, to) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the input view outlives the request (module docs of `cluster`).
-        let request =
-            unsafe { self.mpi.isend(input.as_ptr(), input.len(), to, tag(op.seq, phase::TRANSFER_DATA))? };
+        let request = unsafe {
+            self.mpi.isend(
+                input.as_ptr(),
+                input.len(),
+                to,
+                tag(op.seq, phase::TRANSFER_DATA),
+            )?
+        };
         self.wait(guard, vec![request], Vec::new(), op, self.deadline())
             .map(|_| ())
     }
@@ -802,8 +835,12 @@ impl Network {
         // SAFETY: the output view outlives the request (module docs of `cluster`) and
         // nothing else writes it while this routine runs.
         let request = unsafe {
-            self.mpi
-                .irecv(output.as_mut_ptr(), output.len(), from, tag(op.seq, phase::TRANSFER_DATA))?
+            self.mpi.irecv(
+                output.as_mut_ptr(),
+                output.len(),
+                from,
+                tag(op.seq, phase::TRANSFER_DATA),
+            )?
         };
         self.wait(guard, vec![request], Vec::new(), op, self.deadline())
             .map(|_| ())
@@ -830,8 +867,10 @@ fn bytemuck_bytes_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
 
 /// Whether `dtype` can be all-reduced across ranks (f32, f64, and f16/bf16 through f32).
 pub(crate) fn check_dtype(dtype: DType, routine: &str) -> Result<()> {
-    Wire::of(dtype).map(|_| ()).map_err(|_| Error::InvalidRoutine {
-        routine: routine.to_string(),
-        reason: format!("{dtype} cannot be all-reduced across ranks (f32, f64, f16, bf16 can)"),
-    })
+    Wire::of(dtype)
+        .map(|_| ())
+        .map_err(|_| Error::InvalidRoutine {
+            routine: routine.to_string(),
+            reason: format!("{dtype} cannot be all-reduced across ranks (f32, f64, f16, bf16 can)"),
+        })
 }

@@ -40,10 +40,12 @@ pub(crate) fn all_reduce_spec(net: &Arc<Network>, node: &TensorNode) -> Result<R
         vec![(node.clone(), Access::Write)],
         Some(node.clone()),
         move |args| {
-            net.execute(|net, guard, op| match (args.merge_bytes(), args.output_bytes(0)) {
-                (Ok(input), Ok(output)) => net.all_reduce(guard, op, input, output),
-                (Err(e), _) | (_, Err(e)) => net.input_failed(guard, op, e.to_string()),
-            })
+            net.execute(
+                |net, guard, op| match (args.merge_bytes(), args.output_bytes(0)) {
+                    (Ok(input), Ok(output)) => net.all_reduce(guard, op, input, output),
+                    (Err(e), _) | (_, Err(e)) => net.input_failed(guard, op, e.to_string()),
+                },
+            )
         },
     )
 }
@@ -115,7 +117,9 @@ impl ClusterTicket {
         for op in &self.ops {
             let r = match op.event.get() {
                 Some(e) => e.wait(),
-                None => Err(Error::Internal("a network operation was never scheduled".into())),
+                None => Err(Error::Internal(
+                    "a network operation was never scheduled".into(),
+                )),
             };
             op.outcome(r)?;
         }
@@ -168,10 +172,12 @@ impl ClusterAllReduce {
             check_dtype(node.dtype(), "cluster all_reduce")?;
             let mut seen = Vec::new();
             for ctx in &contexts {
-                let entry = ctx.array(node.id()).ok_or_else(|| Error::NodeNotInContext {
-                    node: node.to_string(),
-                    context: ctx.id(),
-                })?;
+                let entry = ctx
+                    .array(node.id())
+                    .ok_or_else(|| Error::NodeNotInContext {
+                        node: node.to_string(),
+                        context: ctx.id(),
+                    })?;
                 let key = (ctx.device(), entry.loc);
                 if seen.contains(&key) {
                     return Err(invalid(format!(
@@ -222,7 +228,7 @@ impl ClusterAllReduce {
                 dtype: node.dtype(),
                 op: Some(op),
                 route: None,
-            algorithm: None,
+                algorithm: None,
             };
             network.push((r, desc));
         }
@@ -342,13 +348,14 @@ impl ClusterBucketedAllReduce {
         bucket_bytes: u64,
     ) -> Result<ClusterBucketedAllReduce> {
         let sys = &cluster.sys;
-        let dtype: DType = grads
-            .first()
-            .map(|g| g.dtype())
-            .ok_or_else(|| Error::InvalidRoutine {
-                routine: "cluster bucketed all_reduce".into(),
-                reason: "no gradients".into(),
-            })?;
+        let dtype: DType =
+            grads
+                .first()
+                .map(|g| g.dtype())
+                .ok_or_else(|| Error::InvalidRoutine {
+                    routine: "cluster bucketed all_reduce".into(),
+                    reason: "no gradients".into(),
+                })?;
         let mut sizes = Vec::with_capacity(grads.len());
         for g in grads {
             g.check_data(dtype, g.numel())?;
@@ -374,7 +381,8 @@ impl ClusterBucketedAllReduce {
                 let mut offset = 0;
                 for &i in group {
                     let g = &grads[i];
-                    let r = sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
                     ctx = r.routine().context().clone();
                     p.push(r.routine().clone());
                     offset += g.numel();
@@ -384,7 +392,8 @@ impl ClusterBucketedAllReduce {
                 let mut offset = 0;
                 for &i in group {
                     let g = &grads[i];
-                    let r = sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
                     u.push(r.routine().clone());
                     offset += g.numel();
                 }

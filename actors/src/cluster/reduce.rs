@@ -33,7 +33,10 @@ impl Wire {
 
     /// Whether the storage dtype travels as it is (no conversion).
     pub(crate) fn same_as_storage(self, dtype: DType) -> bool {
-        matches!((self, dtype), (Wire::F32, DType::F32) | (Wire::F64, DType::F64))
+        matches!(
+            (self, dtype),
+            (Wire::F32, DType::F32) | (Wire::F64, DType::F64)
+        )
     }
 }
 
@@ -133,7 +136,10 @@ mod tests {
         let mut a = bytemuck::cast_slice(&[1f32, 2.0, 3.0]).to_vec();
         add_into(Wire::F32, &mut a, bytemuck::cast_slice(&[0.5f32, 0.5, 0.5]));
         scale(Wire::F32, &mut a, 0.5);
-        assert_eq!(bytemuck::pod_collect_to_vec::<u8, f32>(&a), vec![0.75, 1.25, 1.75]);
+        assert_eq!(
+            bytemuck::pod_collect_to_vec::<u8, f32>(&a),
+            vec![0.75, 1.25, 1.75]
+        );
         // 1 + 2^-11 + 2^-11 is exact in f32 but not in f16: adding in f16 twice would round
         // each time and lose both halves; widening sums them first.
         let eps = half::f16::from_f32(1.0 / 2048.0).to_bits().to_le_bytes();
@@ -144,7 +150,10 @@ mod tests {
         }
         let mut out = [0u8; 2];
         narrow(DType::F16, &sum, &mut out).expect("f16");
-        assert_eq!(half::f16::from_bits(u16::from_le_bytes(out)).to_f32(), 1.0 + 1.0 / 1024.0);
+        assert_eq!(
+            half::f16::from_bits(u16::from_le_bytes(out)).to_f32(),
+            1.0 + 1.0 / 1024.0
+        );
         assert!(Wire::of(DType::I32).is_err());
     }
 }
