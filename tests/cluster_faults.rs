@@ -83,8 +83,9 @@ mod bodies {
         assert_eq!(r.context().read::<f32>(&x).expect("read"), vec![4.0; 8]);
     }
 
-    /// Rank 0 all-reduces `a` then `b`, every other rank `b` then `a`: the first call is a
-    /// `CollectiveMismatch` on every rank at once, the second fails with it too.
+    /// Rank 0 all-reduces `a` then `b`, every other rank `b` then `a`: the first of them
+    /// (network call 1, after a barrier) is a `CollectiveMismatch` on every rank at once,
+    /// the second fails with it too.
     pub fn mismatched_order(cluster: &Arc<Cluster>) {
         let (a, b) = (node("a", 64), node("b", 64));
         let ctxs = filled(cluster, &[a.clone(), b.clone()], 1.0);
@@ -93,6 +94,8 @@ mod bodies {
         } else {
             [&b, &a]
         };
+        // Every rank starts the timed call together: the mismatch waits for no deadline.
+        cluster.barrier().expect("barrier");
         let started = Instant::now();
         let first = cluster.all_reduce(
             std::slice::from_ref(order[0]),
@@ -102,7 +105,7 @@ mod bodies {
         );
         match &first {
             Err(Error::CollectiveMismatch {
-                call: 0,
+                call: 1,
                 rank,
                 this_rank,
                 ..

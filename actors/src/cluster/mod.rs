@@ -17,7 +17,7 @@
 //!
 //! The SPMD contract: every rank issues the same cluster operations (all-reduces of the
 //! same node labels, shapes and dtypes; the same transfers) in the same order, from one
-//! host thread. Every network operation starts with a header exchange ([`header`]), so a
+//! host thread. Every network operation starts with a header exchange (`header.rs`), so a
 //! rank that breaks the contract gets [`Error::CollectiveMismatch`] on every rank, and a
 //! rank that exited, died or stopped issuing gets [`Error::RankUnreachable`] naming it on
 //! the others, within [`ClusterConfig::deadline`]. Either fault stops the cluster (every
