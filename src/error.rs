@@ -458,6 +458,65 @@ pub enum Error {
         /// The plan's operation.
         operation: String,
     },
+    // ----- A cluster of systems across processes (tributary-actors, feature `mpi`) -------
+    /// A rank sent nothing for a network operation within the cluster's deadline: it
+    /// exited, died, or stopped issuing the same operations as this rank.
+    #[error("rank {rank} sent nothing for {operation} (network call {call}) within {waited:?}: it exited, died or stopped issuing the same operations")]
+    RankUnreachable {
+        /// The rank that was waited for.
+        rank: usize,
+        /// The network call's index (the n-th network operation of this rank's program).
+        call: u64,
+        /// The operation (`all_reduce of dw1 [8, 32] f32 sum`, ...).
+        operation: String,
+        /// The deadline that ran out.
+        waited: Duration,
+    },
+    /// Two ranks issued different network operations as the same call: the SPMD contract
+    /// (every rank issues the same collectives, on the same nodes, shapes and dtypes, in the
+    /// same order) was broken. Every rank involved reports it.
+    #[error("network call {call}: rank {rank} issued {theirs}, rank {this_rank} issued {ours} (every rank must issue the same collectives in the same order)")]
+    CollectiveMismatch {
+        /// The call's index.
+        call: u64,
+        /// The rank whose operation differs from this rank's.
+        rank: usize,
+        /// This rank.
+        this_rank: usize,
+        /// What this rank issued.
+        ours: String,
+        /// What `rank` issued.
+        theirs: String,
+    },
+    /// A rank could not take part in a network operation because its own input failed
+    /// there (a failed dependency on that rank; its own error names the cause).
+    #[error("rank {rank} could not take part in {operation} (network call {call}): its input failed there")]
+    RankInputFailed {
+        /// The rank whose input failed.
+        rank: usize,
+        /// The call's index.
+        call: u64,
+        /// The operation.
+        operation: String,
+    },
+    /// A rank index outside the cluster.
+    #[error("no rank {rank}: the cluster has {size} ranks")]
+    NoSuchRank {
+        /// The rank given.
+        rank: usize,
+        /// The number of ranks.
+        size: usize,
+    },
+    /// An MPI function returned an error code.
+    #[error("{function} failed with MPI error {code}: {message}")]
+    Mpi {
+        /// The MPI function.
+        function: String,
+        /// Its error code.
+        code: i32,
+        /// The MPI library's text for the code.
+        message: String,
+    },
 }
 
 impl Error {
@@ -513,6 +572,11 @@ impl Error {
             Error::ActorPanicked { .. } => "ActorPanicked",
             Error::HostArrayBusy { .. } => "HostArrayBusy",
             Error::WrongStream { .. } => "WrongStream",
+            Error::RankUnreachable { .. } => "RankUnreachable",
+            Error::CollectiveMismatch { .. } => "CollectiveMismatch",
+            Error::RankInputFailed { .. } => "RankInputFailed",
+            Error::NoSuchRank { .. } => "NoSuchRank",
+            Error::Mpi { .. } => "Mpi",
         }
     }
 

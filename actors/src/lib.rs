@@ -64,6 +64,19 @@
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
+/// `mutant!("rule")` is true when this crate is compiled with
+/// `--cfg tributary_mutant="rule"` (`TRIBUTARY_MUTANT=rule`, through `build.rs`): the rule
+/// of that name is then switched off, so its test can prove it notices
+/// (`loom_tests/run.sh` lists every rule and the test that catches it).
+#[allow(unused_macros)]
+macro_rules! mutant {
+    ($rule:literal) => {
+        cfg!(tributary_mutant = $rule)
+    };
+}
+
+#[cfg(feature = "mpi")]
+pub mod cluster;
 mod collective;
 mod config;
 mod coordinator;

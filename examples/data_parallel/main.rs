@@ -10,6 +10,9 @@
 //! cargo run --release --example data_parallel -- --backend vulkan --devices 2
 //! cargo run --release --example data_parallel -- --epochs 5 --trace dp.trace.json
 //! RUST_LOG=debug cargo run --example data_parallel -- --epochs 1   # the runtime's spans
+//! # across MPI ranks: R ranks x D devices, one shard each (feature `mpi`)
+//! cargo build --release --features mpi --example data_parallel
+//! mpirun -np 2 target/release/examples/data_parallel --mpi --devices 2
 //! ```
 
 #[path = "../common/mod.rs"]
@@ -55,6 +58,11 @@ struct Args {
     /// where each stream's time went.
     #[arg(long, value_name = "FILE.json")]
     trace: Option<String>,
+    /// Run as one rank of an MPI job (`mpirun -np R ...`): R x `--devices` replicas, one
+    /// shard each, gradients all-reduced inside each rank and across ranks (CPU devices;
+    /// needs the `mpi` feature).
+    #[arg(long)]
+    mpi: bool,
 }
 
 fn main() -> ExitCode {
@@ -68,6 +76,9 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         StrategyArg::Tree => Strategy::Tree,
         StrategyArg::Ring => Strategy::Ring,
     };
+    if args.mpi {
+        return run_mpi(&args, strategy);
+    }
     let backend = args
         .backend
         .kind(Some(args.devices))
@@ -143,4 +154,101 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         return Err(format!("the loss did not fall ({first} -> {last})").into());
     }
     Ok(())
+}
+
+/// One rank of the data-parallel training across MPI ranks.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
+    use std::sync::Arc;
+    use tributary_actors::cluster::Cluster;
+    if args.backend != BackendArg::Cpu || args.trace.is_some() {
+        return Err(
+            "--mpi runs on CPU devices without --trace (the GPU path is designed in \
+                    DESIGN.md §9, not built)"
+                .into(),
+        );
+    }
+    let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
+    let (rank, ranks) = (cluster.rank(), cluster.size());
+    let cfg = model::ModelConfig::default();
+    let data = model::make_data(&cfg);
+    let init = model::init_params(&cfg);
+    let dp = model::DataParallel::on_cluster(cluster.clone(), &cfg, &data, &init, strategy)?;
+    let replicas: usize = cluster.devices_per_rank().iter().sum();
+    if rank == 0 {
+        println!(
+            "training a {}-{}-{} MLP on {} samples over {ranks} ranks x {:?} CPU devices \
+             ({replicas} replicas), all-reduce {:?} inside each rank",
+            cfg.dim,
+            cfg.hidden,
+            cfg.classes,
+            cfg.samples,
+            cluster.devices_per_rank(),
+            strategy
+        );
+    }
+    let start = Instant::now();
+    let mut first = None;
+    for epoch in 0..args.epochs {
+        dp.step()?;
+        let loss = dp.loss()?;
+        first.get_or_insert(loss);
+        if rank == 0 && (epoch % 10 == 0 || epoch + 1 == args.epochs) {
+            println!("epoch {epoch:>3}: loss {loss:.4}");
+        }
+    }
+    let elapsed = start.elapsed();
+    let params = dp.params(0)?;
+    for i in 1..dp.replicas() {
+        if dp.params(i)? != params {
+            return Err(
+                format!("rank {rank}: replica {i}'s parameters differ from replica 0's").into(),
+            );
+        }
+    }
+    // Bitwise the same on every rank: a digest of the bits, summed across ranks, is the
+    // number of ranks times this rank's (20-bit parts, exact in f64).
+    let digest = params
+        .w1
+        .iter()
+        .chain(&params.b1)
+        .chain(&params.w2)
+        .chain(&params.b2)
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
+        });
+    let parts = [
+        (digest >> 40) as f64,
+        ((digest >> 20) & 0xfffff) as f64,
+        (digest & 0xfffff) as f64,
+    ];
+    let sums = cluster.sum_host(&parts)?;
+    if sums != parts.iter().map(|p| p * ranks as f64).collect::<Vec<_>>() {
+        return Err(format!("rank {rank}: the ranks' parameters differ").into());
+    }
+    let (first, last) = (first.unwrap_or(f32::NAN), dp.loss()?);
+    if rank == 0 {
+        println!(
+            "loss {first:.4} -> {last:.4}, accuracy {:.1}%, {:.1} ms per epoch; {replicas} replicas \
+             identical on {ranks} ranks",
+            100.0 * model::accuracy(&cfg, &params, &data),
+            elapsed.as_secs_f64() * 1e3 / args.epochs.max(1) as f64
+        );
+    }
+    drop(dp);
+    cluster.shutdown()?;
+    if args.epochs >= 2 && !(last.is_finite() && last < first) {
+        return Err(format!("the loss did not fall ({first} -> {last})").into());
+    }
+    Ok(())
+}
+
+/// Without the `mpi` feature, `--mpi` says how to get it.
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Args, _: Strategy) -> Result<(), Box<dyn Error>> {
+    Err(
+        "--mpi needs the `mpi` feature: cargo build --release --features mpi --example \
+         data_parallel, then mpirun -np R target/release/examples/data_parallel --mpi"
+            .into(),
+    )
 }

@@ -14,6 +14,8 @@ use tributary::{
     protocol::Context,
     DType, HostedKind, MemoryMode, Result, TensorNode,
 };
+#[cfg(feature = "mpi")]
+use tributary_actors::cluster::{Cluster, ClusterAllReduce};
 use tributary_actors::{AllReducePlan, RoutineHandle, System};
 
 /// Sizes and hyper-parameters.
@@ -159,13 +161,24 @@ struct Replica {
     rows: usize,
 }
 
-/// Data-parallel training of the MLP over every device of a system (one stream each).
+/// How the replicas' gradients are summed.
+enum Reducer {
+    /// Over the devices of one system.
+    Local(AllReducePlan),
+    /// Over this rank's devices and every other rank's (hierarchical), and the cluster
+    /// that sums the loss across ranks.
+    #[cfg(feature = "mpi")]
+    Cluster(ClusterAllReduce, std::sync::Arc<Cluster>),
+}
+
+/// Data-parallel training of the MLP over every device of a system (one stream each), or
+/// over every device of every rank of a cluster.
 pub struct DataParallel {
     sys: System,
     cfg: ModelConfig,
     nodes: Nodes,
     replicas: Vec<Replica>,
-    reduce: AllReducePlan,
+    reduce: Reducer,
 }
 
 impl DataParallel {
@@ -177,6 +190,71 @@ impl DataParallel {
         data: &Data,
         init: &Params,
         strategy: Strategy,
+    ) -> Result<DataParallel> {
+        Self::sharded(
+            sys,
+            cfg,
+            devices,
+            0,
+            devices,
+            data,
+            init,
+            |grads, contexts| {
+                let plan = AllReducePlan::new(
+                    sys,
+                    grads,
+                    contexts,
+                    ReduceOp::Sum,
+                    strategy,
+                    Transfer::Auto,
+                )?;
+                Ok(Reducer::Local(plan))
+            },
+        )
+    }
+
+    /// Places the model on every device of this rank of `cluster`: the batch is split into
+    /// one shard per device of every rank (rank-major), and gradients are all-reduced
+    /// across all of them (inside the rank with `strategy`, then across ranks).
+    #[cfg(feature = "mpi")]
+    pub fn on_cluster(
+        cluster: std::sync::Arc<Cluster>,
+        cfg: &ModelConfig,
+        data: &Data,
+        init: &Params,
+        strategy: Strategy,
+    ) -> Result<DataParallel> {
+        let per_rank = cluster.devices_per_rank().to_vec();
+        let first = per_rank[..cluster.rank()].iter().sum();
+        let total = per_rank.iter().sum();
+        let devices = per_rank[cluster.rank()];
+        let sys = cluster.system().clone();
+        Self::sharded(
+            &sys,
+            cfg,
+            devices,
+            first,
+            total,
+            data,
+            init,
+            |grads, contexts| {
+                let plan = cluster.all_reduce_plan(grads, contexts, ReduceOp::Sum, strategy)?;
+                Ok(Reducer::Cluster(plan, cluster.clone()))
+            },
+        )
+    }
+
+    /// Places shards `first..first + devices` of `total` on the devices of `sys`.
+    #[allow(clippy::too_many_arguments)]
+    fn sharded(
+        sys: &System,
+        cfg: &ModelConfig,
+        devices: usize,
+        first: usize,
+        total: usize,
+        data: &Data,
+        init: &Params,
+        reducer: impl FnOnce(&[TensorNode], &[Context]) -> Result<Reducer>,
     ) -> Result<DataParallel> {
         let (d, h, c) = (cfg.dim, cfg.hidden, cfg.classes);
         let hosted =
@@ -197,9 +275,11 @@ impl DataParallel {
         let values = [&init.w1, &init.b1, &init.w2, &init.b2];
         let scale = 1.0 / cfg.samples as f64;
         let mut replicas = Vec::new();
-        let mut start = 0;
-        for i in 0..devices {
-            let rows = cfg.samples / devices + usize::from(i < cfg.samples % devices);
+        let rows_of = |i: usize| cfg.samples / total + usize::from(i < cfg.samples % total);
+        let mut start: usize = (0..first).map(rows_of).sum();
+        for device in 0..devices {
+            let i = first + device;
+            let rows = rows_of(i);
             let shard = start..start + rows;
             start += rows;
             let konst = MemoryMode::Hosted(HostedKind::Constant);
@@ -212,7 +292,7 @@ impl DataParallel {
             let da1 = f32_node(&format!("da1_{i}"), &[rows, h], dev)?;
             let dz1 = f32_node(&format!("dz1_{i}"), &[rows, h], dev)?;
             let loss = f32_node(&format!("loss{i}"), &[1], dev)?;
-            let mut ctx = sys.context(i, 0)?;
+            let mut ctx = sys.context(device, 0)?;
             for (p, v) in params.iter().zip(values) {
                 ctx = ctx.init_from_host(p, v)?;
             }
@@ -253,14 +333,7 @@ impl DataParallel {
             });
         }
         let contexts: Vec<Context> = replicas.iter().map(|r| r.ctx.clone()).collect();
-        let reduce = AllReducePlan::new(
-            sys,
-            &grads,
-            &contexts,
-            ReduceOp::Sum,
-            strategy,
-            Transfer::Auto,
-        )?;
+        let reduce = reducer(&grads, &contexts)?;
         Ok(DataParallel {
             sys: sys.clone(),
             cfg: cfg.clone(),
@@ -278,7 +351,15 @@ impl DataParallel {
                 routine.schedule()?;
             }
         }
-        self.reduce.run()?;
+        match &self.reduce {
+            Reducer::Local(plan) => {
+                plan.run()?;
+            }
+            #[cfg(feature = "mpi")]
+            Reducer::Cluster(plan, _) => {
+                plan.run()?;
+            }
+        }
         for r in &self.replicas {
             for s in &r.sgd {
                 s.schedule()?;
@@ -292,6 +373,11 @@ impl DataParallel {
         let mut total = 0.0;
         for r in &self.replicas {
             total += self.sys.read::<f32>(&r.ctx, &r.loss)?[0];
+        }
+        #[cfg(feature = "mpi")]
+        if let Reducer::Cluster(_, cluster) = &self.reduce {
+            // Every rank's shards: the same sum, bitwise, on every rank.
+            total = cluster.sum_host(&[f64::from(total)])?[0] as f32;
         }
         Ok(total / self.cfg.samples as f32)
     }
@@ -311,6 +397,15 @@ impl DataParallel {
     /// Number of replicas.
     pub fn replicas(&self) -> usize {
         self.replicas.len()
+    }
+
+    /// The cluster the model runs on, if it does.
+    #[cfg(feature = "mpi")]
+    pub fn cluster(&self) -> Option<&Cluster> {
+        match &self.reduce {
+            Reducer::Cluster(_, c) => Some(c),
+            Reducer::Local(_) => None,
+        }
     }
 
     /// Rows of each shard.

@@ -1,0 +1,476 @@
+//! What a network operation is, and the header every rank sends before its data.
+//!
+//! The SPMD contract (every rank issues the same collectives on the same nodes, shapes and
+//! dtypes, in the same order) is what MPI and NCCL assume and never check: a rank that
+//! breaks it gets a hang or a wrong sum. Here each network operation starts with a small
+//! fixed-size header exchange; every rank compares every header with its own before any
+//! data moves, so a mismatch is [`Error::CollectiveMismatch`] on every rank that sees it.
+//! A rank whose input failed sends its header with [`Status::InputFailed`] instead of its
+//! data, so that the others fail that operation with [`Error::RankInputFailed`] and stay in
+//! step.
+
+use std::hash::{Hash, Hasher};
+
+use tributary::{collective::ReduceOp, DType, Error};
+
+/// The kind of a network operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    /// An all-reduce across every rank.
+    AllReduce = 1,
+    /// A node sent from one rank to another (both describe it the same way).
+    Transfer = 2,
+    /// Headers only: every rank reached this point (the cluster's shutdown).
+    Barrier = 3,
+    /// User MPI code on the network stream: no header.
+    Raw = 4,
+}
+
+/// How the cross-rank part of an all-reduce moves data (the same on every rank: it is part
+/// of the header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum CrossRankAlgorithm {
+    /// By size: `Direct` up to [`ClusterConfig::direct_max_bytes`], `Ring` above.
+    ///
+    /// [`ClusterConfig::direct_max_bytes`]: crate::cluster::ClusterConfig::direct_max_bytes
+    Auto,
+    /// Every rank sends its header and data to every other rank in one message and sums
+    /// the contributions in rank order: one round trip, `(R-1)·n` bytes per rank.
+    Direct,
+    /// Reduce-scatter then all-gather around the ranks over `MPI_Isend`/`MPI_Irecv` in
+    /// chunks: `2(R-1)/R·n` bytes per rank.
+    Ring,
+    /// `MPI_Iallreduce`, the MPI library's own algorithm.
+    Mpi,
+}
+
+impl CrossRankAlgorithm {
+    fn code(self) -> u8 {
+        match self {
+            CrossRankAlgorithm::Auto => 0,
+            CrossRankAlgorithm::Direct => 1,
+            CrossRankAlgorithm::Ring => 2,
+            CrossRankAlgorithm::Mpi => 3,
+        }
+    }
+
+    fn from_code(code: u8) -> &'static str {
+        match code {
+            0 => "auto",
+            1 => "direct",
+            2 => "ring",
+            3 => "mpi",
+            _ => "?",
+        }
+    }
+}
+
+/// One network operation as this rank describes it.
+#[derive(Clone, Debug)]
+pub(crate) struct OpDesc {
+    pub(crate) kind: OpKind,
+    /// The node's label (the same on every rank in an SPMD program; ids are not).
+    pub(crate) label: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: DType,
+    /// All-reduce only.
+    pub(crate) op: Option<ReduceOp>,
+    /// Transfer only: (sender, receiver).
+    pub(crate) route: Option<(usize, usize)>,
+    /// All-reduce only: the algorithm this operation uses instead of the cluster's.
+    pub(crate) algorithm: Option<CrossRankAlgorithm>,
+}
+
+impl OpDesc {
+    pub(crate) fn elements(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64
+    }
+
+    /// `all_reduce of dw1 [8, 32] f32 sum`, `transfer of x [4] f32 from rank 0 to rank 1`.
+    pub(crate) fn describe(&self) -> String {
+        match self.kind {
+            OpKind::AllReduce => format!(
+                "all_reduce of {} {:?} {} {}",
+                self.label,
+                self.shape,
+                self.dtype,
+                match self.op {
+                    Some(ReduceOp::Mean) => "mean",
+                    _ => "sum",
+                }
+            ),
+            OpKind::Transfer => {
+                let (from, to) = self.route.unwrap_or((0, 0));
+                format!(
+                    "transfer of {} {:?} {} from rank {from} to rank {to}",
+                    self.label, self.shape, self.dtype
+                )
+            }
+            OpKind::Barrier => "barrier".to_string(),
+            OpKind::Raw => format!("MPI code ({})", self.label),
+        }
+    }
+}
+
+/// Whether a rank takes part in an operation with data, or only sends its header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    Ready = 0,
+    /// Its input failed on that rank: it sends the header and nothing else.
+    InputFailed = 1,
+}
+
+/// The bytes of a header on the wire.
+pub(crate) const HEADER_BYTES: usize = 96;
+const MAGIC: u32 = 0x7472_6962; // "trib"
+const LABEL_BYTES: usize = 40;
+
+/// The header of one network operation on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub(crate) call: u64,
+    pub(crate) sender: u32,
+    pub(crate) kind: u8,
+    pub(crate) op: u8,
+    pub(crate) dtype: u8,
+    pub(crate) algorithm: u8,
+    pub(crate) status: u8,
+    pub(crate) elements: u64,
+    pub(crate) label_hash: u64,
+    pub(crate) shape_hash: u64,
+    pub(crate) route: (u32, u32),
+    /// The label's first bytes, for error messages.
+    pub(crate) label: [u8; LABEL_BYTES],
+    pub(crate) ndim: u8,
+    /// How many contributions the sender adds (its contexts), for the mean; not compared.
+    pub(crate) contributions: u16,
+}
+
+fn hash_of(value: impl Hash) -> u64 {
+    // FNV-1a through `Hasher`: the same on every rank and every build (std's
+    // `DefaultHasher` is only stable within one build, and ranks may differ).
+    struct Fnv(u64);
+    impl Hasher for Fnv {
+        fn finish(&self) -> u64 {
+            self.0
+        }
+        fn write(&mut self, bytes: &[u8]) {
+            for b in bytes {
+                self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+            }
+        }
+    }
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    value.hash(&mut h);
+    h.finish()
+}
+
+fn dtype_code(dtype: DType) -> u8 {
+    DType::ALL
+        .iter()
+        .position(|d| *d == dtype)
+        .map_or(u8::MAX, |i| i as u8)
+}
+
+impl Header {
+    /// This rank's header for `desc` as network call `call`.
+    pub(crate) fn new(
+        desc: &OpDesc,
+        call: u64,
+        sender: usize,
+        algorithm: CrossRankAlgorithm,
+        status: Status,
+    ) -> Header {
+        let mut label = [0u8; LABEL_BYTES];
+        let bytes = desc.label.as_bytes();
+        let n = bytes.len().min(LABEL_BYTES);
+        label[..n].copy_from_slice(&bytes[..n]);
+        let (from, to) = desc.route.unwrap_or((0, 0));
+        Header {
+            call,
+            sender: sender as u32,
+            kind: desc.kind as u8,
+            op: match desc.op {
+                None => 0,
+                Some(ReduceOp::Sum) => 1,
+                Some(_) => 2,
+            },
+            dtype: dtype_code(desc.dtype),
+            algorithm: algorithm.code(),
+            status: status as u8,
+            elements: desc.elements(),
+            label_hash: hash_of(&desc.label),
+            shape_hash: hash_of(&desc.shape),
+            route: (from as u32, to as u32),
+            label,
+            ndim: desc.shape.len().min(255) as u8,
+            contributions: 0,
+        }
+    }
+
+    pub(crate) fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..12].copy_from_slice(&self.call.to_le_bytes());
+        b[12..16].copy_from_slice(&self.sender.to_le_bytes());
+        b[16] = self.kind;
+        b[17] = self.op;
+        b[18] = self.dtype;
+        b[19] = self.algorithm;
+        b[20] = self.status;
+        b[21] = self.ndim;
+        b[22..24].copy_from_slice(&self.contributions.to_le_bytes());
+        b[24..32].copy_from_slice(&self.elements.to_le_bytes());
+        b[32..40].copy_from_slice(&self.label_hash.to_le_bytes());
+        b[40..48].copy_from_slice(&self.shape_hash.to_le_bytes());
+        b[48..52].copy_from_slice(&self.route.0.to_le_bytes());
+        b[52..56].copy_from_slice(&self.route.1.to_le_bytes());
+        b[56..96].copy_from_slice(&self.label);
+        b
+    }
+
+    /// `None` for bytes that are no header (another program's message).
+    pub(crate) fn decode(b: &[u8]) -> Option<Header> {
+        let word = |r: std::ops::Range<usize>| b.get(r).map(|s| s.to_vec());
+        let u64_at = |at: usize| {
+            word(at..at + 8).map(|v| u64::from_le_bytes(v.try_into().unwrap_or([0; 8])))
+        };
+        let u32_at = |at: usize| {
+            word(at..at + 4).map(|v| u32::from_le_bytes(v.try_into().unwrap_or([0; 4])))
+        };
+        if b.len() < HEADER_BYTES || u32_at(0)? != MAGIC {
+            return None;
+        }
+        let mut label = [0u8; LABEL_BYTES];
+        label.copy_from_slice(&b[56..96]);
+        Some(Header {
+            call: u64_at(4)?,
+            sender: u32_at(12)?,
+            kind: b[16],
+            op: b[17],
+            dtype: b[18],
+            algorithm: b[19],
+            status: b[20],
+            ndim: b[21],
+            elements: u64_at(24)?,
+            label_hash: u64_at(32)?,
+            shape_hash: u64_at(40)?,
+            route: (u32_at(48)?, u32_at(52)?),
+            label,
+            contributions: u16::from_le_bytes([b[22], b[23]]),
+        })
+    }
+
+    /// Whether two ranks' headers describe the same operation (everything but the sender
+    /// and the status).
+    pub(crate) fn same_operation(&self, other: &Header) -> bool {
+        if mutant!("cluster_header_check") {
+            return true;
+        }
+        (
+            self.call,
+            self.kind,
+            self.op,
+            self.dtype,
+            self.algorithm,
+            self.elements,
+            self.label_hash,
+            self.shape_hash,
+            self.route,
+            self.ndim,
+        ) == (
+            other.call,
+            other.kind,
+            other.op,
+            other.dtype,
+            other.algorithm,
+            other.elements,
+            other.label_hash,
+            other.shape_hash,
+            other.route,
+            other.ndim,
+        )
+    }
+
+    /// A readable account of the header, for [`Error::CollectiveMismatch`].
+    pub(crate) fn describe(&self) -> String {
+        let end = self
+            .label
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(LABEL_BYTES);
+        let label = String::from_utf8_lossy(&self.label[..end]);
+        let dtype = DType::ALL
+            .get(self.dtype as usize)
+            .map_or("?".to_string(), |d| d.to_string());
+        let what = match self.kind {
+            1 => format!(
+                "all_reduce of {label} ({} elements, {dtype}, {}, {})",
+                self.elements,
+                if self.op == 2 { "mean" } else { "sum" },
+                CrossRankAlgorithm::from_code(self.algorithm)
+            ),
+            2 => format!(
+                "transfer of {label} ({} elements, {dtype}) from rank {} to rank {}",
+                self.elements, self.route.0, self.route.1
+            ),
+            3 => "barrier".to_string(),
+            k => format!("operation of kind {k}"),
+        };
+        format!("{what} as call {}", self.call)
+    }
+}
+
+/// Checks the headers of every rank (index = rank) against this rank's: the first rank in
+/// rank order whose operation differs is a [`Error::CollectiveMismatch`]; else the first
+/// rank whose input failed is a [`Error::RankInputFailed`].
+pub(crate) fn check_headers(
+    this_rank: usize,
+    mine: &Header,
+    all: &[Header],
+    operation: &str,
+) -> Result<(), Error> {
+    for (rank, theirs) in all.iter().enumerate() {
+        if rank != this_rank && !mine.same_operation(theirs) {
+            return Err(Error::CollectiveMismatch {
+                call: mine.call,
+                rank,
+                this_rank,
+                ours: mine.describe(),
+                theirs: theirs.describe(),
+            });
+        }
+    }
+    for (rank, theirs) in all.iter().enumerate() {
+        if rank != this_rank && theirs.status != Status::Ready as u8 {
+            return Err(Error::RankInputFailed {
+                rank,
+                call: mine.call,
+                operation: operation.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(label: &str, shape: &[usize], dtype: DType, op: ReduceOp) -> OpDesc {
+        OpDesc {
+            kind: OpKind::AllReduce,
+            label: label.into(),
+            shape: shape.to_vec(),
+            dtype,
+            op: Some(op),
+            route: None,
+            algorithm: None,
+        }
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let d = desc("dw1", &[8, 32], DType::F16, ReduceOp::Mean);
+        let h = Header::new(&d, 7, 3, CrossRankAlgorithm::Ring, Status::InputFailed);
+        assert_eq!(Header::decode(&h.encode()), Some(h.clone()));
+        assert_eq!(Header::decode(&[0u8; HEADER_BYTES]), None);
+        assert!(h
+            .describe()
+            .contains("dw1 (256 elements, f16, mean, ring) as call 7"));
+    }
+
+    /// Random pairs of operations: `check_headers` refuses exactly those that differ in
+    /// something but the sender and status, on every rank, naming the other rank.
+    #[test]
+    fn every_difference_is_a_mismatch_on_every_rank() {
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let labels = [
+            "w",
+            "dw1",
+            "dw2",
+            "a-much-longer-label-than-forty-bytes-of-header-0",
+            "a-much-longer-label-than-forty-bytes-of-header-1",
+        ];
+        let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16];
+        let shapes: [&[usize]; 4] = [&[4], &[2, 2], &[4, 1], &[5]];
+        let ops = [ReduceOp::Sum, ReduceOp::Mean];
+        let mut mismatches = 0;
+        for _ in 0..2000 {
+            let mut pick = || {
+                desc(
+                    labels[next(labels.len() as u64) as usize],
+                    shapes[next(shapes.len() as u64) as usize],
+                    dtypes[next(dtypes.len() as u64) as usize],
+                    ops[next(2) as usize],
+                )
+            };
+            let (a, b) = (pick(), pick());
+            let (ca, cb) = (next(3), next(3));
+            let differ = a.label != b.label
+                || a.shape != b.shape
+                || a.dtype != b.dtype
+                || a.op != b.op
+                || ca != cb;
+            let ha = Header::new(&a, ca, 0, CrossRankAlgorithm::Ring, Status::Ready);
+            let hb = Header::new(&b, cb, 1, CrossRankAlgorithm::Ring, Status::Ready);
+            let all = [ha.clone(), hb.clone()];
+            let on0 = check_headers(0, &ha, &all, "op");
+            let on1 = check_headers(1, &hb, &all, "op");
+            if differ {
+                mismatches += 1;
+                match (on0, on1) {
+                    (
+                        Err(Error::CollectiveMismatch {
+                            rank: 1,
+                            this_rank: 0,
+                            ..
+                        }),
+                        Err(Error::CollectiveMismatch {
+                            rank: 0,
+                            this_rank: 1,
+                            ..
+                        }),
+                    ) => {}
+                    other => panic!("{a:?} vs {b:?} (calls {ca}, {cb}) not refused: {other:?}"),
+                }
+            } else {
+                assert_eq!((on0, on1), (Ok(()), Ok(())), "{a:?} refused");
+            }
+        }
+        assert!(
+            mismatches > 1000,
+            "the generator made {mismatches} mismatches"
+        );
+    }
+
+    #[test]
+    fn a_failed_input_fails_the_others_naming_its_rank() {
+        let d = desc("g", &[4], DType::F32, ReduceOp::Sum);
+        let all: Vec<Header> = (0..3)
+            .map(|r| {
+                let status = if r == 2 {
+                    Status::InputFailed
+                } else {
+                    Status::Ready
+                };
+                Header::new(&d, 0, r, CrossRankAlgorithm::Direct, status)
+            })
+            .collect();
+        assert!(matches!(
+            check_headers(0, &all[0], &all, "all_reduce of g"),
+            Err(Error::RankInputFailed {
+                rank: 2,
+                call: 0,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,413 @@
+//! A cluster of systems across processes on MPI (feature `mpi`).
+//!
+//! Data-parallel training outgrows one machine; this module lets a tributary program span
+//! several processes, on one machine or many, with the same promise as one [`System`]:
+//! program order is the specification, and no barrier is written by hand.
+//!
+//! Each MPI rank runs a [`Cluster`]: a [`System`] over its local CPU devices plus a
+//! *network stream* (stream `compute_streams` of device 0). Network operations (the
+//! cross-rank part of an all-reduce, a transfer of a node between ranks) are routines on
+//! that stream, so the device actors' tables order them like any other stream's work: an
+//! all-reduce waits for the gradients it reads, the routine that reads the result waits
+//! for it, compute on the other streams overlaps the communication, and nobody waits on
+//! the host. The routine's kernel runs on the network stream's own worker thread, which is
+//! the one thread that calls MPI while the cluster runs: non-blocking requests polled
+//! against a deadline, so no actor thread ever blocks in MPI and a dead rank is an error,
+//! not a hang (DESIGN.md §9 explains the choice and what it costs).
+//!
+//! The SPMD contract: every rank issues the same cluster operations (all-reduces of the
+//! same node labels, shapes and dtypes; the same transfers) in the same order, from one
+//! host thread. Every network operation starts with a header exchange (`header.rs`), so a
+//! rank that breaks the contract gets [`Error::CollectiveMismatch`] on every rank, and a
+//! rank that exited, died or stopped issuing gets [`Error::RankUnreachable`] naming it on
+//! the others, within [`ClusterConfig::deadline`]. Either fault stops the cluster (every
+//! later network operation fails with it) while the local [`System`] keeps serving local
+//! work. A rank whose *input* failed (a failed gradient routine) still sends its header,
+//! so the others fail that one operation with [`Error::RankInputFailed`] and go on.
+//!
+//! Memory: network operations hand MPI pointers into pool memory. A request abandoned at
+//! a fault is never waited for again, and MPI progresses requests only inside MPI calls,
+//! which the cluster stops making after a fault, until `MPI_Finalize`; the cluster keeps
+//! the backend (its pools) alive until after that call. A late message from a rank
+//! declared dead may therefore change a buffer the failed operation was writing, at
+//! shutdown at the latest; it never touches freed memory.
+//!
+//! ```no_run
+//! use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
+//! use tributary_actors::cluster::Cluster;
+//! // mpirun -np 2 <this program>: every rank runs the same code.
+//! let cluster = Cluster::builder().cpu_devices(2).spawn()?;
+//! let g = cluster.system().node("g", DType::F32, [1024]).with_mode(MemoryMode::on_device())?;
+//! let mut replicas = Vec::new();
+//! for d in 0..2 {
+//!     let r = cluster.context(d, 0)?.link(kernels::fill(&g, cluster.rank() as f64)?)?;
+//!     r.schedule()?;
+//!     replicas.push(r.context());
+//! }
+//! let plan = cluster.all_reduce_plan(&[g.clone()], &replicas, ReduceOp::Sum, Strategy::Tree)?;
+//! plan.run()?.wait()?; // 2 ranks x 2 devices: 0 + 0 + 1 + 1
+//! assert_eq!(replicas[1].read::<f32>(&g)?, vec![2.0; 1024]);
+//! cluster.shutdown()?;
+//! # Ok::<(), tributary::Error>(())
+//! ```
+
+mod config;
+pub(crate) mod header;
+mod mpi;
+mod network;
+mod plan;
+mod reduce;
+
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc, Mutex,
+};
+
+pub use ::mpi as mpi_crate;
+pub use config::{ClusterBuilder, ClusterConfig};
+pub use header::CrossRankAlgorithm;
+pub use plan::{ClusterAllReduce, ClusterBucketedAllReduce, ClusterTicket};
+use tributary::{
+    backend::Backend,
+    kernels::{Access, RoutineSpec},
+    protocol::Context,
+    DType, Error, MemoryMode, MergeBufferUse, Result, TensorNode,
+};
+
+use crate::{ContextHandle, System};
+use header::{OpDesc, OpKind};
+use network::Network;
+
+/// This rank's part of a cluster: its [`System`], its network stream and MPI.
+///
+/// Created once per process ([`Cluster::builder`]); MPI is initialised by it and finalised
+/// by [`Cluster::shutdown`] (or its drop).
+pub struct Cluster {
+    sys: System,
+    /// The backend the system runs on, kept until after `MPI_Finalize` (module docs).
+    backend: Arc<dyn Backend>,
+    net: Arc<Network>,
+    devices: Vec<usize>,
+    compute_streams: usize,
+    net_root: ContextHandle,
+    token: TensorNode,
+    shut_down: AtomicBool,
+    /// Serialises issuing network operations (sequence numbers follow issue order).
+    issuing: Mutex<()>,
+}
+
+/// What [`Cluster::with_mpi`] gives the code it runs on the network stream.
+pub struct RawComm {
+    comm: ::mpi::ffi::MPI_Comm,
+    rank: usize,
+    size: usize,
+}
+
+impl RawComm {
+    /// The cluster's communicator (a duplicate of `MPI_COMM_WORLD`, errors returned).
+    pub fn raw(&self) -> ::mpi::ffi::MPI_Comm {
+        self.comm
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Cluster {
+    /// A builder (CPU devices per rank, compute streams, deadline, algorithm).
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder::default()
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.net.rank()
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.net.size()
+    }
+
+    /// How many devices each rank runs (index = rank).
+    pub fn devices_per_rank(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// This rank's system.
+    pub fn system(&self) -> &System {
+        &self.sys
+    }
+
+    /// The stream index of the network stream (on device 0); compute streams are below it.
+    pub fn network_stream(&self) -> usize {
+        self.compute_streams
+    }
+
+    /// A root context on compute stream `stream` of local device `device`
+    /// ([`Error::NoSuchStream`] for the network stream or beyond).
+    pub fn context(&self, device: usize, stream: usize) -> Result<ContextHandle> {
+        if stream >= self.compute_streams {
+            return Err(Error::NoSuchStream {
+                device: tributary::DeviceId(device as u32),
+                index: stream,
+                count: self.compute_streams,
+            });
+        }
+        self.sys.context(device, stream)
+    }
+
+    fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.size() {
+            return Err(Error::NoSuchRank {
+                rank,
+                size: self.size(),
+            });
+        }
+        if rank == self.rank() {
+            return Err(Error::InvalidRoutine {
+                routine: "cluster transfer".into(),
+                reason: format!("rank {rank} is this rank: a transfer needs another rank"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends the value of `node` in `ctx` to rank `to`, which issues the matching
+    /// [`Cluster::recv`]. Returns at once; the ticket completes when the data left.
+    pub fn send(&self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
+        self.check_rank(to)?;
+        let desc = transfer_desc(node, self.rank(), to);
+        let routine = self
+            .net_root
+            .link(plan::send_spec(&self.net, &self.token, node)?)?;
+        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        let issued = self.net.issue(desc, 0);
+        let event = match self
+            .sys
+            .device_to_device(
+                node,
+                ctx,
+                routine.protocol_context(),
+                MergeBufferUse::StreamingFor(routine.routine().clone()),
+            )
+            .and_then(|t| t.map(|t| t.event()).transpose())
+        {
+            Ok(Some(e)) => e,
+            Ok(None) => {
+                self.net.retract(&issued);
+                return Err(Error::Internal("a send planned nothing".into()));
+            }
+            Err(e) => {
+                self.net.retract(&issued);
+                return Err(e);
+            }
+        };
+        let _ = issued.event.set(event.clone());
+        self.sys.finalize(routine.protocol_context())?;
+        Ok(ClusterTicket::new(vec![issued], vec![event]))
+    }
+
+    /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
+    /// hold the node. Returns at once; reads of the node in `ctx` wait for the data.
+    pub fn recv(&self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
+        self.check_rank(from)?;
+        if !ctx.contains(node) {
+            return Err(Error::NodeNotInContext {
+                node: node.to_string(),
+                context: ctx.id(),
+            });
+        }
+        let desc = transfer_desc(node, from, self.rank());
+        let routine = self.net_root.link(plan::recv_spec(&self.net, node)?)?;
+        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        let issued = self.net.issue(desc, 0);
+        let event = match routine.schedule().and_then(|t| t.event()) {
+            Ok(e) => e,
+            Err(e) => {
+                self.net.retract(&issued);
+                return Err(e);
+            }
+        };
+        let _ = issued.event.set(event);
+        let copy =
+            self.sys
+                .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
+        self.sys.finalize(routine.protocol_context())?;
+        let copy = copy.map(|t| t.event()).transpose()?;
+        Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
+    }
+
+    /// Issues a header-only network operation on the token and waits for it: every rank
+    /// reached this point (or the typed error says which did not).
+    pub fn barrier(&self) -> Result<()> {
+        let desc = OpDesc {
+            kind: OpKind::Barrier,
+            label: "barrier".into(),
+            shape: vec![1],
+            dtype: DType::U8,
+            op: None,
+            route: None,
+            algorithm: None,
+        };
+        self.run_token_op(desc, 0, |net, guard, op| net.barrier(guard, op))
+    }
+
+    /// Sums `values` across ranks (every rank passes as many; a mismatch is an error) and
+    /// returns the sums, in rank order on every rank (so bitwise the same everywhere): for
+    /// metrics such as a loss.
+    pub fn sum_host(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let input: Vec<f64> = values.to_vec();
+        let out = Arc::new(Mutex::new(vec![0f64; values.len()]));
+        let desc = OpDesc {
+            kind: OpKind::AllReduce,
+            label: "cluster.sum_host".into(),
+            shape: vec![values.len()],
+            dtype: DType::F64,
+            op: Some(tributary::collective::ReduceOp::Sum),
+            route: None,
+            algorithm: None,
+        };
+        let sink = out.clone();
+        self.run_token_op(desc, 1, move |net, guard, op| {
+            let mut o = sink.lock().unwrap_or_else(|e| e.into_inner());
+            net.all_reduce(
+                guard,
+                op,
+                bytemuck::cast_slice(&input),
+                bytemuck::cast_slice_mut(&mut o),
+            )
+        })?;
+        let v = out.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(v)
+    }
+
+    /// Links a routine writing the token whose kernel runs `body` as network operation
+    /// `desc`, issues it, waits for it and finalizes it.
+    fn run_token_op(
+        &self,
+        desc: OpDesc,
+        contributions: usize,
+        body: impl Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<()> {
+        let net = self.net.clone();
+        let spec = RoutineSpec::custom(
+            format!("cluster.{}", desc.label),
+            vec![(self.token.clone(), Access::Write)],
+            None,
+            move |args| {
+                net.execute(|net, guard, op| body(net, guard, op))?;
+                args.output_bytes(0)?.fill(1);
+                Ok(())
+            },
+        )?;
+        let routine = self.net_root.link(spec)?;
+        let ticket = {
+            let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+            let issued = self.net.issue(desc, contributions);
+            match routine.schedule().and_then(|t| t.event()) {
+                Ok(e) => {
+                    let _ = issued.event.set(e);
+                    ClusterTicket::new(vec![issued], Vec::new())
+                }
+                Err(e) => {
+                    self.net.retract(&issued);
+                    return Err(e);
+                }
+            }
+        };
+        let waited = ticket.wait();
+        self.sys.finalize(routine.protocol_context())?;
+        waited
+    }
+
+    /// Runs `f` on the network stream, in program order with the cluster's network
+    /// operations, with the cluster's communicator; returns its result. For MPI code of
+    /// the application's own (every rank must run the same MPI calls in it); `f` must
+    /// leave no request pending.
+    pub fn with_mpi<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&RawComm) -> R + Send + 'static,
+    ) -> Result<R> {
+        type Slot<R> = (Option<Box<dyn FnOnce(&RawComm) -> R + Send>>, Option<R>);
+        let slot: Arc<Mutex<Slot<R>>> = Arc::new(Mutex::new((Some(Box::new(f)), None)));
+        let inner = slot.clone();
+        let desc = OpDesc {
+            kind: OpKind::Raw,
+            label: "with_mpi".into(),
+            shape: vec![1],
+            dtype: DType::U8,
+            op: None,
+            route: None,
+            algorithm: None,
+        };
+        self.run_token_op(desc, 0, move |net, _guard, _op| {
+            let mut s = inner.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(f) = s.0.take() {
+                let comm = RawComm {
+                    comm: net.mpi().raw(),
+                    rank: net.rank(),
+                    size: net.size(),
+                };
+                s.1 = Some(f(&comm));
+            }
+            Ok(())
+        })?;
+        let value = slot.lock().unwrap_or_else(|e| e.into_inner()).1.take();
+        value.ok_or_else(|| Error::Internal("with_mpi: the code did not run".into()))
+    }
+
+    /// Waits for the network stream, tells the other ranks about operations whose input
+    /// failed last, ends MPI, then shuts the system down. Every rank calls it.
+    pub fn shutdown(&self) -> Result<crate::ShutdownReport> {
+        if self.shut_down.swap(true, Ordering::AcqRel) {
+            return Err(Error::ShutDown("the cluster is already shut down".into()));
+        }
+        // The network stream's operations end by themselves (each within its deadline).
+        let drained = self.sys.await_stream(0, self.compute_streams);
+        self.net.flush_and_close();
+        self.net.finalize();
+        let report = self.sys.shutdown();
+        // Only now may the pools go (module docs).
+        let _ = &self.backend;
+        match (drained, report) {
+            (_, Err(e)) => Err(e),
+            (_, Ok(r)) => Ok(r),
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if !self.shut_down.load(Ordering::Acquire) {
+            let _ = self.shutdown();
+        }
+    }
+}
+
+fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
+    OpDesc {
+        kind: OpKind::Transfer,
+        label: node.label().to_string(),
+        shape: node.shape().dims().to_vec(),
+        dtype: node.dtype(),
+        op: None,
+        route: Some((from, to)),
+        algorithm: None,
+    }
+}
+
+/// The mode of the 1-byte token nodes network routines write (they must write something).
+fn token_mode() -> MemoryMode {
+    MemoryMode::on_device()
+}

@@ -1,0 +1,876 @@
+//! The network stream's side: what runs, in stream order, when a network operation's
+//! routine runs, and the state that keeps the ranks in step.
+//!
+//! Every network operation is a routine on one stream of the rank (the *network stream*),
+//! so the device actor's tables order it like any other work: it waits for the writes of
+//! what it reads, later writers wait for it. Its kernel runs [`Network::execute`] on that
+//! stream's worker thread, which is the only thread calling MPI while the cluster runs:
+//! the header exchange, then the data, polled against the deadline.
+//!
+//! Ranks stay in step through the *issue queue*: the host appends each network operation
+//! (with its sequence number) before scheduling it, and the kernel that runs takes its
+//! entry from the front. An operation whose input failed on this rank never runs its
+//! kernel (the stream fails it with the root cause): the next kernel finds its entry still
+//! queued with a failed event and first sends that operation's header with
+//! [`Status::InputFailed`], so the other ranks fail it with a typed error and stay in step
+//! ([`Network::flush`] does the same when the cluster shuts down).
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock,
+    },
+    time::{Duration, Instant},
+};
+
+use tributary::{collective::ReduceOp, DType, Error, Event, EventStatus, Result};
+
+use super::{
+    header::{check_headers, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES},
+    mpi::{Mpi, Request, WaitError},
+    reduce::{self, Wire},
+};
+
+/// The cluster's network settings that every rank must share (they decide the algorithm).
+#[derive(Clone, Debug)]
+pub(crate) struct NetworkConfig {
+    pub(crate) deadline: Duration,
+    pub(crate) algorithm: CrossRankAlgorithm,
+    pub(crate) direct_max_bytes: usize,
+    pub(crate) chunk_bytes: usize,
+}
+
+/// One network operation, from its issue to its completion.
+pub(crate) struct Issued {
+    pub(crate) seq: u64,
+    pub(crate) desc: OpDesc,
+    /// How many contributions this rank adds (its contexts; all-reduce only).
+    pub(crate) contributions: usize,
+    /// The event of its routine, set right after it was scheduled.
+    pub(crate) event: OnceLock<Event>,
+    /// The typed error it failed with on the network stream, if it did.
+    pub(crate) error: OnceLock<Error>,
+}
+
+impl Issued {
+    /// `(typed error or event error)`: what a waiter should see for this operation.
+    pub(crate) fn outcome(&self, event_result: Result<()>) -> Result<()> {
+        match (event_result, self.error.get()) {
+            (Ok(()), _) => Ok(()),
+            (Err(_), Some(typed)) => Err(typed.clone()),
+            (Err(e), None) => Err(e),
+        }
+    }
+}
+
+#[derive(Default)]
+struct IssueState {
+    queue: VecDeque<Arc<Issued>>,
+    next_collective: u64,
+    /// Next sequence number of a transfer to / from each rank.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+/// What only the network stream's worker touches.
+struct ExecState {
+    /// The fault that broke the cluster (every later operation fails with it).
+    broken: Option<Error>,
+    /// Receive buffers (f64 words: aligned for every element type).
+    staging: Vec<f64>,
+    /// Requests and buffers given up at a fault: never waited for, never freed, so that
+    /// whatever MPI may still do with them (at the latest in `MPI_Finalize`) finds them.
+    abandoned: Vec<(Vec<Request>, Vec<f64>)>,
+}
+
+/// The rank's network: MPI, the issue queue and the worker's state.
+pub(crate) struct Network {
+    mpi: Mpi,
+    config: NetworkConfig,
+    issue: Mutex<IssueState>,
+    exec: Mutex<ExecState>,
+    closed: AtomicBool,
+    finalized: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a panic in code that only updates plain fields; the state
+    // stays usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Message tags: `(sequence mod 4096) << 3 | phase`, at most 32767 (the smallest
+/// `MPI_TAG_UB` the standard allows). Operations in flight at once are never 4096 apart:
+/// a collective cannot finish on one rank before every rank started it.
+mod phase {
+    pub(super) const HEADER: i32 = 0;
+    pub(super) const DIRECT: i32 = 1;
+    pub(super) const SCATTER: i32 = 2;
+    pub(super) const GATHER: i32 = 3;
+    pub(super) const TRANSFER_HEADER: i32 = 4;
+    pub(super) const TRANSFER_DATA: i32 = 5;
+}
+
+fn tag(seq: u64, phase: i32) -> i32 {
+    (((seq % 4096) as i32) << 3) | phase
+}
+
+/// Whether an error stops the cluster: after it the ranks are no longer known to be in step.
+fn breaks_cluster(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::RankUnreachable { .. } | Error::CollectiveMismatch { .. } | Error::Mpi { .. }
+    )
+}
+
+impl Network {
+    pub(crate) fn new(mpi: Mpi, config: NetworkConfig) -> Network {
+        let size = mpi.size();
+        Network {
+            mpi,
+            config,
+            issue: Mutex::new(IssueState {
+                sent: vec![0; size],
+                received: vec![0; size],
+                ..IssueState::default()
+            }),
+            exec: Mutex::new(ExecState {
+                broken: None,
+                staging: Vec::new(),
+                abandoned: Vec::new(),
+            }),
+            closed: AtomicBool::new(false),
+            finalized: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.mpi.rank()
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.mpi.size()
+    }
+
+    pub(crate) fn mpi(&self) -> &Mpi {
+        &self.mpi
+    }
+
+    /// The algorithm an all-reduce of `bytes` wire bytes uses (the same on every rank with
+    /// the same configuration; the header carries it, so a difference is a mismatch).
+    pub(crate) fn algorithm_for(
+        &self,
+        chosen: Option<CrossRankAlgorithm>,
+        wire_bytes: usize,
+    ) -> CrossRankAlgorithm {
+        match chosen.unwrap_or(self.config.algorithm) {
+            CrossRankAlgorithm::Auto if wire_bytes <= self.config.direct_max_bytes => {
+                CrossRankAlgorithm::Direct
+            }
+            CrossRankAlgorithm::Auto => CrossRankAlgorithm::Ring,
+            a => a,
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // The host's side: issue order.
+    // ------------------------------------------------------------------------------------
+
+    /// Appends an operation to the issue queue and gives it its sequence number (the
+    /// collective counter, or the counter of transfers between its two ranks).
+    pub(crate) fn issue(&self, desc: OpDesc, contributions: usize) -> Arc<Issued> {
+        let mut st = lock(&self.issue);
+        let seq = match (desc.kind, desc.route) {
+            (OpKind::Transfer, Some((from, to))) => {
+                let (counters, peer) = if from == self.rank() {
+                    (&mut st.sent, to)
+                } else {
+                    (&mut st.received, from)
+                };
+                let last = counters.len() - 1;
+                let c = &mut counters[peer.min(last)];
+                let seq = *c;
+                *c += 1;
+                seq
+            }
+            (OpKind::Raw, _) => u64::MAX,
+            _ => {
+                let seq = st.next_collective;
+                st.next_collective += 1;
+                seq
+            }
+        };
+        let issued = Arc::new(Issued {
+            seq,
+            desc,
+            contributions,
+            event: OnceLock::new(),
+            error: OnceLock::new(),
+        });
+        st.queue.push_back(issued.clone());
+        issued
+    }
+
+    /// Takes back an operation whose scheduling was refused (nothing will run it). Only the
+    /// newest operation can be refused (the host issues one at a time), so its sequence
+    /// number is returned to its counter.
+    pub(crate) fn retract(&self, issued: &Arc<Issued>) {
+        let mut st = lock(&self.issue);
+        if st.queue.back().is_some_and(|b| Arc::ptr_eq(b, issued)) {
+            st.queue.pop_back();
+            match (issued.desc.kind, issued.desc.route) {
+                (OpKind::Transfer, Some((from, to))) => {
+                    if from == self.mpi.rank() {
+                        st.sent[to] -= 1;
+                    } else {
+                        st.received[from] -= 1;
+                    }
+                }
+                (OpKind::Raw, _) => {}
+                _ => st.next_collective -= 1,
+            }
+        }
+    }
+
+    /// The operations whose kernel will never run (their event failed) before the first
+    /// that may still run, taken off the queue, then that one (left queued unless `take`).
+    fn front(&self, take: bool) -> (Vec<Arc<Issued>>, Option<Arc<Issued>>) {
+        let mut st = lock(&self.issue);
+        let mut skipped = Vec::new();
+        while let Some(first) = st.queue.front() {
+            let failed = first
+                .event
+                .get()
+                .is_some_and(|e| matches!(e.status(), EventStatus::Failed(_)));
+            if failed {
+                if let Some(s) = st.queue.pop_front() {
+                    skipped.push(s);
+                }
+                continue;
+            }
+            let me = if take { st.queue.pop_front() } else { None };
+            return (skipped, me);
+        }
+        (skipped, None)
+    }
+
+    // ------------------------------------------------------------------------------------
+    // The network stream's side.
+    // ------------------------------------------------------------------------------------
+
+    /// Runs the network operation whose kernel is running now: first catches up the
+    /// operations skipped before it, then `body` unless the cluster is broken or closed.
+    /// Records a typed error on the operation, and breaks the cluster on a fault.
+    pub(crate) fn execute(
+        &self,
+        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &Issued) -> Result<()>,
+    ) -> std::result::Result<(), String> {
+        let (skipped, me) = self.front(true);
+        let mut guard = ExecGuard {
+            state: lock(&self.exec),
+        };
+        for s in &skipped {
+            self.catch_up(&mut guard, s);
+        }
+        let Some(me) = me else {
+            return Err("a network routine ran that the cluster did not issue".into());
+        };
+        let result = if self.closed.load(Ordering::Acquire) {
+            Err(Error::ShutDown("the cluster is shut down".into()))
+        } else if let Some(b) = &guard.state.broken {
+            Err(b.clone())
+        } else {
+            body(self, &mut guard, &me)
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if breaks_cluster(&e) && guard.state.broken.is_none() {
+                    guard.state.broken = Some(e.clone());
+                }
+                let text = e.to_string();
+                let _ = me.error.set(e);
+                Err(text)
+            }
+        }
+    }
+
+    /// Sends the header of an operation whose input failed here, so the others fail it too.
+    fn catch_up(&self, guard: &mut ExecGuard<'_>, skipped: &Issued) {
+        if guard.state.broken.is_some()
+            || self.closed.load(Ordering::Acquire)
+            || mutant!("cluster_catch_up")
+        {
+            return;
+        }
+        let algorithm = match skipped.desc.kind {
+            OpKind::AllReduce => {
+                self.algorithm_for(skipped.desc.algorithm, wire_bytes(&skipped.desc))
+            }
+            _ => CrossRankAlgorithm::Direct,
+        };
+        let result = match skipped.desc.kind {
+            OpKind::AllReduce | OpKind::Barrier => self
+                .exchange_headers(guard, skipped, algorithm, Status::InputFailed, 0)
+                .map(|_| ()),
+            OpKind::Transfer => self
+                .transfer_headers(guard, skipped, Status::InputFailed)
+                .map(|_| ()),
+            OpKind::Raw => Ok(()),
+        };
+        // The others learn of it through the header; this rank's own operation already
+        // failed with its root cause. Only a fault matters here.
+        if let Err(e) = result {
+            if breaks_cluster(&e) {
+                guard.state.broken = Some(e);
+            }
+        }
+    }
+
+    /// Catches up skipped operations at the end (the last ones may have failed with nothing
+    /// after them), then marks the network closed. Called by the cluster's shutdown after
+    /// the network stream drained.
+    pub(crate) fn flush_and_close(&self) {
+        let (skipped, _) = self.front(false);
+        let mut guard = ExecGuard {
+            state: lock(&self.exec),
+        };
+        for s in &skipped {
+            self.catch_up(&mut guard, s);
+        }
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Ends MPI, once. Abandoned requests and buffers are kept until after it.
+    pub(crate) fn finalize(&self) {
+        if !self.finalized.swap(true, Ordering::AcqRel) {
+            self.closed.store(true, Ordering::Release);
+            let _guard = lock(&self.exec);
+            self.mpi.finalize();
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.deadline
+    }
+
+    /// Waits for `requests`; a stall or an MPI error abandons them (and `keep`) and is the
+    /// typed fault for `op`.
+    fn wait(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        mut requests: Vec<Request>,
+        keep: Vec<f64>,
+        op: &Issued,
+        deadline: Instant,
+    ) -> Result<Vec<f64>> {
+        match self.mpi.wait_all(&mut requests, deadline) {
+            Ok(()) => Ok(keep),
+            Err(e) => {
+                guard.state.abandoned.push((requests, keep));
+                Err(match e {
+                    WaitError::Mpi(e) => e,
+                    WaitError::Stalled(s) => Error::RankUnreachable {
+                        rank: s.peer.unwrap_or(usize::MAX),
+                        call: op.seq,
+                        operation: op.desc.describe(),
+                        waited: self.config.deadline,
+                    },
+                })
+            }
+        }
+    }
+
+    /// The error of a failed post: the requests already posted are abandoned with `keep`.
+    fn abandon(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        requests: Vec<Request>,
+        keep: Vec<f64>,
+        e: Error,
+    ) -> Error {
+        guard.state.abandoned.push((requests, keep));
+        e
+    }
+
+    /// Every rank's header of a collective (index = rank), after checking them against
+    /// this rank's: a mismatch or a failed input elsewhere is an error here too.
+    fn exchange_headers(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        algorithm: CrossRankAlgorithm,
+        status: Status,
+        contributions: usize,
+    ) -> Result<Vec<Header>> {
+        let (rank, size) = (self.rank(), self.size());
+        let mut mine = Header::new(&op.desc, op.seq, rank, algorithm, status);
+        mine.contributions = contributions.min(u16::MAX as usize) as u16;
+        // One buffer, never reallocated once posted: a slot per rank (this rank's slot
+        // holds the outgoing header). `wait` keeps it while a request may use it.
+        let slot = HEADER_BYTES / 8;
+        let mut keep = vec![0f64; slot * size];
+        bytemuck_bytes_mut(&mut keep)[rank * HEADER_BYTES..(rank + 1) * HEADER_BYTES]
+            .copy_from_slice(&mine.encode());
+        let base = keep.as_mut_ptr().cast::<u8>();
+        let t = tag(op.seq, phase::HEADER);
+        let mut requests = Vec::with_capacity(2 * size);
+        let posted = (|| {
+            for peer in (0..size).filter(|&p| p != rank) {
+                // SAFETY: slot `peer` of `keep` is written only by this receive, slot `rank`
+                // is only read by the sends; `keep` is not reallocated and outlives the
+                // requests (`wait` and `abandon` keep it with them on a fault).
+                unsafe {
+                    requests.push(self.mpi.irecv(
+                        base.add(peer * HEADER_BYTES),
+                        HEADER_BYTES,
+                        peer,
+                        t,
+                    )?);
+                    requests.push(self.mpi.isend(
+                        base.add(rank * HEADER_BYTES),
+                        HEADER_BYTES,
+                        peer,
+                        t,
+                    )?);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = posted {
+            return Err(self.abandon(guard, requests, keep, e));
+        }
+        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
+        let bytes: &[u8] = bytemuck_bytes(&keep);
+        let mut all = Vec::with_capacity(size);
+        for r in 0..size {
+            if r == rank {
+                all.push(mine.clone());
+                continue;
+            }
+            let h = Header::decode(&bytes[r * HEADER_BYTES..(r + 1) * HEADER_BYTES]).ok_or_else(
+                || Error::CollectiveMismatch {
+                    call: op.seq,
+                    rank: r,
+                    this_rank: rank,
+                    ours: mine.describe(),
+                    theirs: "a message that is no tributary header".into(),
+                },
+            )?;
+            all.push(h);
+        }
+        check_headers(rank, &mine, &all, &op.desc.describe())?;
+        Ok(all)
+    }
+
+    /// The header exchange of a transfer between its two ranks.
+    fn transfer_headers(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        status: Status,
+    ) -> Result<()> {
+        let rank = self.rank();
+        let (from, to) = op.desc.route.unwrap_or((rank, rank));
+        let peer = if from == rank { to } else { from };
+        let mine = Header::new(&op.desc, op.seq, rank, CrossRankAlgorithm::Direct, status);
+        let mut keep = vec![0f64; 2 * HEADER_BYTES / 8];
+        bytemuck_bytes_mut(&mut keep)[HEADER_BYTES..].copy_from_slice(&mine.encode());
+        let base = keep.as_mut_ptr().cast::<u8>();
+        let t = tag(op.seq, phase::TRANSFER_HEADER);
+        let mut requests = Vec::with_capacity(2);
+        let posted = (|| {
+            // SAFETY: `keep` holds two header slots and is not reallocated; the first
+            // receives, the second holds the outgoing header; `wait` and `abandon` keep it
+            // while requests may use it.
+            unsafe {
+                requests.push(self.mpi.irecv(base, HEADER_BYTES, peer, t)?);
+                requests.push(
+                    self.mpi
+                        .isend(base.add(HEADER_BYTES), HEADER_BYTES, peer, t)?,
+                );
+            }
+            Ok(())
+        })();
+        if let Err(e) = posted {
+            return Err(self.abandon(guard, requests, keep, e));
+        }
+        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
+        let theirs = Header::decode(&bytemuck_bytes(&keep)[..HEADER_BYTES]).ok_or_else(|| {
+            Error::CollectiveMismatch {
+                call: op.seq,
+                rank: peer,
+                this_rank: rank,
+                ours: mine.describe(),
+                theirs: "a message that is no tributary header".into(),
+            }
+        })?;
+        let mut all = vec![mine.clone(), mine.clone()];
+        all[if rank == from { 1 } else { 0 }] = theirs;
+        let me = if rank == from { 0 } else { 1 };
+        check_headers(me, &mine, &all, &op.desc.describe()).map_err(|e| match e {
+            Error::CollectiveMismatch {
+                call, ours, theirs, ..
+            } => Error::CollectiveMismatch {
+                call,
+                rank: peer,
+                this_rank: rank,
+                ours,
+                theirs,
+            },
+            Error::RankInputFailed {
+                call, operation, ..
+            } => Error::RankInputFailed {
+                rank: peer,
+                call,
+                operation,
+            },
+            e => e,
+        })
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Operations.
+    // ------------------------------------------------------------------------------------
+
+    /// A header exchange and nothing else.
+    pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
+        self.exchange_headers(guard, op, CrossRankAlgorithm::Direct, Status::Ready, 0)
+            .map(|_| ())
+    }
+
+    /// Tells the other ranks that this rank's input of `op` is unusable (a view error).
+    pub(crate) fn input_failed(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        why: String,
+    ) -> Result<()> {
+        self.catch_up(guard, op);
+        Err(Error::Internal(format!(
+            "the input of {} could not be read on this rank: {why}",
+            op.desc.describe()
+        )))
+    }
+
+    /// The cross-rank all-reduce of `input` into `output` (same size; the storage dtype of
+    /// the operation), the mean divided by the contributions of every rank.
+    pub(crate) fn all_reduce(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        let dtype = op.desc.dtype;
+        let wire = Wire::of(dtype)?;
+        let n = op.desc.elements() as usize;
+        let algorithm = self.algorithm_for(op.desc.algorithm, n * wire.size());
+        let headers =
+            self.exchange_headers(guard, op, algorithm, Status::Ready, op.contributions)?;
+        let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
+        let scale = match op.desc.op {
+            Some(ReduceOp::Mean) => Some(1.0 / total.max(1) as f64),
+            _ => None,
+        };
+        if wire.same_as_storage(dtype) {
+            return self.all_reduce_wire(guard, op, algorithm, wire, n, input, output, scale);
+        }
+        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums).
+        let wide_in = reduce::widen(dtype, input)?;
+        let mut wide_out = vec![0f32; n];
+        self.all_reduce_wire(
+            guard,
+            op,
+            algorithm,
+            wire,
+            n,
+            bytemuck_bytes(&wide_in),
+            bytemuck_bytes_mut(&mut wide_out),
+            scale,
+        )?;
+        reduce::narrow(dtype, &wide_out, output)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_wire(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        algorithm: CrossRankAlgorithm,
+        wire: Wire,
+        n: usize,
+        input: &[u8],
+        output: &mut [u8],
+        scale: Option<f64>,
+    ) -> Result<()> {
+        if self.size() == 1 {
+            output.copy_from_slice(input);
+            if let Some(s) = scale {
+                reduce::scale(wire, output, s);
+            }
+            return Ok(());
+        }
+        match algorithm {
+            CrossRankAlgorithm::Direct | CrossRankAlgorithm::Auto => {
+                self.direct(guard, op, wire, input, output, scale)
+            }
+            CrossRankAlgorithm::Ring => self.ring(guard, op, wire, n, input, output, scale),
+            CrossRankAlgorithm::Mpi => {
+                // SAFETY: `input` and `output` are the operation's distinct buffers (the
+                // kernel's merge view and output view, or this function's own vectors),
+                // alive until the request completes or, abandoned, until finalisation
+                // (module docs of `cluster`: the pools outlive `MPI_Finalize`).
+                let request = unsafe {
+                    self.mpi.iallreduce_sum(
+                        input.as_ptr(),
+                        output.as_mut_ptr(),
+                        n,
+                        matches!(wire, Wire::F64),
+                    )?
+                };
+                self.wait(guard, vec![request], Vec::new(), op, self.deadline())?;
+                if let Some(s) = scale {
+                    reduce::scale(wire, output, s);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Every rank sends its whole input to every other; each sums all in rank order.
+    fn direct(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        wire: Wire,
+        input: &[u8],
+        output: &mut [u8],
+        scale: Option<f64>,
+    ) -> Result<()> {
+        let (rank, size, bytes) = (self.rank(), self.size(), input.len());
+        let t = tag(op.seq, phase::DIRECT);
+        let slot = bytes.div_ceil(8);
+        let mut keep = std::mem::take(&mut guard.state.staging);
+        keep.clear();
+        keep.resize(slot * size, 0.0);
+        let base = keep.as_mut_ptr().cast::<u8>();
+        let mut requests = Vec::with_capacity(2 * size);
+        let posted = (|| {
+            for peer in (0..size).filter(|&p| p != rank) {
+                // SAFETY: slot `peer` of `keep` (not reallocated from here on) receives only
+                // this message; `wait` and `abandon` keep `keep` while a request may use it.
+                // The input is the operation's input view, alive until finalisation (module
+                // docs of `cluster`).
+                unsafe {
+                    requests.push(self.mpi.irecv(base.add(peer * slot * 8), bytes, peer, t)?);
+                    requests.push(self.mpi.isend(input.as_ptr(), bytes, peer, t)?);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = posted {
+            return Err(self.abandon(guard, requests, keep, e));
+        }
+        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
+        let all = bytemuck_bytes(&keep);
+        for r in 0..size {
+            let part = if r == rank {
+                input
+            } else {
+                &all[r * slot * 8..r * slot * 8 + bytes]
+            };
+            if r == 0 {
+                output.copy_from_slice(part);
+            } else {
+                reduce::add_into(wire, output, part);
+            }
+        }
+        if let Some(s) = scale {
+            reduce::scale(wire, output, s);
+        }
+        guard.state.staging = keep;
+        Ok(())
+    }
+
+    /// Reduce-scatter then all-gather around the ranks, in chunks.
+    #[allow(clippy::too_many_arguments)]
+    fn ring(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        wire: Wire,
+        n: usize,
+        input: &[u8],
+        output: &mut [u8],
+        scale: Option<f64>,
+    ) -> Result<()> {
+        let (rank, size, es) = (self.rank(), self.size(), wire.size());
+        let right = (rank + 1) % size;
+        let left = (rank + size - 1) % size;
+        let seg = |j: usize| (j * n / size * es)..((j + 1) * n / size * es);
+        let longest = (0..size).map(|j| seg(j).len()).max().unwrap_or(0);
+        let chunk = self.config.chunk_bytes.max(es) / es * es;
+        let mut keep = std::mem::take(&mut guard.state.staging);
+        keep.clear();
+        keep.resize(longest.div_ceil(8), 0.0);
+        let staging = keep.as_mut_ptr().cast::<u8>();
+        let out = output.as_mut_ptr();
+        // Reduce-scatter: at step s, send segment r - s, receive r - s - 1 and add this
+        // rank's input of it (each segment is received once: the input is still unread).
+        let t = tag(op.seq, phase::SCATTER);
+        for s in 0..size - 1 {
+            let send = seg((rank + size - s) % size);
+            let recv = seg((rank + 2 * size - s - 1) % size);
+            let src = if s == 0 {
+                input.as_ptr()
+            } else {
+                out.cast_const()
+            };
+            let mut receives = Vec::new();
+            let mut sends = Vec::new();
+            let posted = (|| {
+                let mut at = 0;
+                while at < recv.len() || (at == 0 && recv.is_empty()) {
+                    let len = chunk.min(recv.len() - at);
+                    // SAFETY: staging holds `longest` bytes; the chunk is inside it and only
+                    // this receive writes it. Kept in `keep` (see `wait` and `abandon`).
+                    receives.push((at, len, unsafe {
+                        self.mpi.irecv(staging.add(at), len, left, t)?
+                    }));
+                    at += len.max(1);
+                }
+                let mut at = 0;
+                while at < send.len() || (at == 0 && send.is_empty()) {
+                    let len = chunk.min(send.len() - at);
+                    // SAFETY: the segment is inside the input (step 0) or the output, which
+                    // outlive the requests (module docs of `cluster`); no receive of this
+                    // step writes it.
+                    sends.push(unsafe { self.mpi.isend(src.add(send.start + at), len, right, t)? });
+                    at += len.max(1);
+                }
+                Ok(())
+            })();
+            if let Err(e) = posted {
+                let mut all: Vec<Request> = receives.into_iter().map(|(_, _, r)| r).collect();
+                all.extend(sends);
+                return Err(self.abandon(guard, all, keep, e));
+            }
+            for (at, len, request) in receives {
+                keep = self.wait(guard, vec![request], keep, op, self.deadline())?;
+                let range = recv.start + at..recv.start + at + len;
+                // SAFETY: the output range is this step's receive segment, which no pending
+                // request reads (the sends read another segment); the staging chunk was
+                // just received.
+                let (dst, incoming) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(out.add(range.start), len),
+                        std::slice::from_raw_parts(staging.add(at), len),
+                    )
+                };
+                dst.copy_from_slice(&input[range]);
+                reduce::add_into(wire, dst, incoming);
+            }
+            keep = self.wait(guard, sends, keep, op, self.deadline())?;
+        }
+        // This rank now holds segment r + 1 in full.
+        let full = seg((rank + 1) % size);
+        if let Some(s) = scale {
+            // SAFETY: no request is pending.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.add(full.start), full.len()) };
+            reduce::scale(wire, dst, s);
+        }
+        // All-gather: at step s, send segment r + 1 - s, receive segment r - s in place.
+        let t = tag(op.seq, phase::GATHER);
+        for s in 0..size - 1 {
+            let send = seg((rank + 1 + size - s) % size);
+            let recv = seg((rank + size - s) % size);
+            let mut requests = Vec::new();
+            let posted = (|| {
+                // SAFETY: the receive writes segment `recv` of the output and the send reads
+                // segment `send`, two different segments; the output outlives the requests
+                // (module docs of `cluster`).
+                unsafe {
+                    requests.push(self.mpi.irecv(out.add(recv.start), recv.len(), left, t)?);
+                    requests.push(self.mpi.isend(out.add(send.start), send.len(), right, t)?);
+                }
+                Ok(())
+            })();
+            if let Err(e) = posted {
+                return Err(self.abandon(guard, requests, keep, e));
+            }
+            keep = self.wait(guard, requests, keep, op, self.deadline())?;
+        }
+        guard.state.staging = keep;
+        Ok(())
+    }
+
+    /// The sending side of a transfer.
+    pub(crate) fn send(&self, guard: &mut ExecGuard<'_>, op: &Issued, input: &[u8]) -> Result<()> {
+        self.transfer_headers(guard, op, Status::Ready)?;
+        let (_, to) = op.desc.route.unwrap_or((0, 0));
+        // SAFETY: the input view outlives the request (module docs of `cluster`).
+        let request = unsafe {
+            self.mpi.isend(
+                input.as_ptr(),
+                input.len(),
+                to,
+                tag(op.seq, phase::TRANSFER_DATA),
+            )?
+        };
+        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
+            .map(|_| ())
+    }
+
+    /// The receiving side of a transfer, into `output`.
+    pub(crate) fn recv(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        output: &mut [u8],
+    ) -> Result<()> {
+        self.transfer_headers(guard, op, Status::Ready)?;
+        let (from, _) = op.desc.route.unwrap_or((0, 0));
+        // SAFETY: the output view outlives the request (module docs of `cluster`) and
+        // nothing else writes it while this routine runs.
+        let request = unsafe {
+            self.mpi.irecv(
+                output.as_mut_ptr(),
+                output.len(),
+                from,
+                tag(op.seq, phase::TRANSFER_DATA),
+            )?
+        };
+        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
+            .map(|_| ())
+    }
+}
+
+/// The worker's exclusive access to the execution state.
+pub(crate) struct ExecGuard<'a> {
+    state: MutexGuard<'a, ExecState>,
+}
+
+/// The wire bytes of an all-reduce of `desc`.
+fn wire_bytes(desc: &OpDesc) -> usize {
+    Wire::of(desc.dtype).map_or(0, |w| w.size()) * desc.elements() as usize
+}
+
+fn bytemuck_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+fn bytemuck_bytes_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(v)
+}
+
+/// Whether `dtype` can be all-reduced across ranks (f32, f64, and f16/bf16 through f32).
+pub(crate) fn check_dtype(dtype: DType, routine: &str) -> Result<()> {
+    Wire::of(dtype)
+        .map(|_| ())
+        .map_err(|_| Error::InvalidRoutine {
+            routine: routine.to_string(),
+            reason: format!("{dtype} cannot be all-reduced across ranks (f32, f64, f16, bf16 can)"),
+        })
+}

@@ -1,0 +1,506 @@
+//! Hierarchical all-reduce across ranks, its bucketed form, and the network routines.
+//!
+//! An all-reduce of a node over this rank's contexts `c0..cD-1` and every other rank's:
+//!
+//! 1. *reduce inside the rank* through merge buffers: the reduce half of a `Star` or `Tree`
+//!    plan of `tributary::collective` (`ck += cj` steps), which leaves the rank's sum in
+//!    `c0`;
+//! 2. *across ranks*: the network routine reads `c0`'s buffer in place
+//!    (`MergeBufferUse::StreamingFor`, no copy) and writes the global sum (or mean) into
+//!    its own buffer on the network stream;
+//! 3. *broadcast inside the rank*: a device-to-device copy from the network routine's
+//!    buffer into every `ck`.
+//!
+//! Every step is issued in program order and waits exactly for what it reads and
+//! overwrites, so the next step's compute waits by itself and independent work overlaps.
+
+use std::sync::Arc;
+
+use tributary::{
+    backend::Backend,
+    collective::{self, ReduceOp, Step, Strategy},
+    kernels::{self, Access, RoutineSpec},
+    protocol::{Context, Routine},
+    DType, Error, Event, MemoryMode, MergeBufferUse, Result, TensorNode,
+};
+
+use super::{
+    header::{CrossRankAlgorithm, OpDesc, OpKind},
+    network::{check_dtype, Issued, Network},
+    Cluster,
+};
+use crate::{RoutineHandle, System, Ticket};
+
+/// The network routine of a cross-rank all-reduce of `node`: reads the merge buffer (the
+/// rank's sum, in place), writes `node` in its own context.
+pub(crate) fn all_reduce_spec(net: &Arc<Network>, node: &TensorNode) -> Result<RoutineSpec> {
+    let net = net.clone();
+    RoutineSpec::custom(
+        format!("cluster.all_reduce({})", node.label()),
+        vec![(node.clone(), Access::Write)],
+        Some(node.clone()),
+        move |args| {
+            net.execute(
+                |net, guard, op| match (args.merge_bytes(), args.output_bytes(0)) {
+                    (Ok(input), Ok(output)) => net.all_reduce(guard, op, input, output),
+                    (Err(e), _) | (_, Err(e)) => net.input_failed(guard, op, e.to_string()),
+                },
+            )
+        },
+    )
+}
+
+/// The network routine of a send of `node` (read in place as the merge buffer).
+pub(crate) fn send_spec(
+    net: &Arc<Network>,
+    token: &TensorNode,
+    node: &TensorNode,
+) -> Result<RoutineSpec> {
+    let net = net.clone();
+    RoutineSpec::custom(
+        format!("cluster.send({})", node.label()),
+        vec![(token.clone(), Access::Write)],
+        Some(node.clone()),
+        move |args| {
+            net.execute(|net, guard, op| match args.merge_bytes() {
+                Ok(input) => net.send(guard, op, input),
+                Err(e) => net.input_failed(guard, op, e.to_string()),
+            })?;
+            args.output_bytes(0)?.fill(1);
+            Ok(())
+        },
+    )
+}
+
+/// The network routine of a receive into `node` (in its own context).
+pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<RoutineSpec> {
+    let net = net.clone();
+    RoutineSpec::custom(
+        format!("cluster.recv({})", node.label()),
+        vec![(node.clone(), Access::Write)],
+        None,
+        move |args| {
+            net.execute(|net, guard, op| match args.output_bytes(0) {
+                Ok(output) => net.recv(guard, op, output),
+                Err(e) => net.input_failed(guard, op, e.to_string()),
+            })
+        },
+    )
+}
+
+/// What a cluster operation returns at once: its network operations and the events of its
+/// last writes. [`ClusterTicket::wait`] gives the network operations' typed errors.
+pub struct ClusterTicket {
+    ops: Vec<Arc<Issued>>,
+    events: Vec<Event>,
+    tickets: Vec<Ticket>,
+}
+
+impl ClusterTicket {
+    pub(crate) fn new(ops: Vec<Arc<Issued>>, events: Vec<Event>) -> ClusterTicket {
+        ClusterTicket {
+            ops,
+            events,
+            tickets: Vec::new(),
+        }
+    }
+
+    pub(crate) fn with_ticket(mut self, t: Ticket) -> ClusterTicket {
+        self.tickets.push(t);
+        self
+    }
+
+    /// Waits for the operation. A failed network operation returns its typed error
+    /// (`RankUnreachable`, `CollectiveMismatch`, `RankInputFailed`, ...); a failed local
+    /// step returns its `Error::Failed`.
+    pub fn wait(&self) -> Result<()> {
+        for op in &self.ops {
+            let r = match op.event.get() {
+                Some(e) => e.wait(),
+                None => Err(Error::Internal(
+                    "a network operation was never scheduled".into(),
+                )),
+            };
+            op.outcome(r)?;
+        }
+        for t in &self.tickets {
+            t.wait()?;
+        }
+        for e in &self.events {
+            e.wait()?;
+        }
+        Ok(())
+    }
+
+    /// The events of the operation's last writes (every context's copy of the result).
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+}
+
+/// A linked hierarchical all-reduce of some nodes over this rank's contexts and every
+/// other rank's, ready to run every training step ([`Cluster::all_reduce_plan`]).
+pub struct ClusterAllReduce {
+    sys: System,
+    net: Arc<Network>,
+    nodes: Vec<TensorNode>,
+    contexts: Vec<Context>,
+    /// The intra-rank reduce steps (`Step::Reduce` only), with their transfer mode.
+    reduce: Vec<(Step, bool)>,
+    /// `merge[ctx][node]`: the merge routine of a reduce destination.
+    merge: Vec<Vec<Option<Routine>>>,
+    network: Vec<(RoutineHandle, OpDesc)>,
+}
+
+impl ClusterAllReduce {
+    pub(crate) fn new(
+        cluster: &Cluster,
+        nodes: &[TensorNode],
+        contexts: Vec<Context>,
+        op: ReduceOp,
+        strategy: Strategy,
+    ) -> Result<ClusterAllReduce> {
+        let sys = &cluster.sys;
+        let invalid = |reason: String| Error::InvalidRoutine {
+            routine: "cluster all_reduce".into(),
+            reason,
+        };
+        if contexts.is_empty() || nodes.is_empty() {
+            return Err(invalid("no contexts or no nodes".into()));
+        }
+        for node in nodes {
+            check_dtype(node.dtype(), "cluster all_reduce")?;
+            let mut seen = Vec::new();
+            for ctx in &contexts {
+                let entry = ctx
+                    .array(node.id())
+                    .ok_or_else(|| Error::NodeNotInContext {
+                        node: node.to_string(),
+                        context: ctx.id(),
+                    })?;
+                let key = (ctx.device(), entry.loc);
+                if seen.contains(&key) {
+                    return Err(invalid(format!(
+                        "two contexts share the buffer of {node} on {}",
+                        ctx.device()
+                    )));
+                }
+                seen.push(key);
+            }
+        }
+        let (d, k) = (contexts.len(), nodes.len());
+        // The reduce half of a Star or Tree plan leaves the sum in context 0 (a Ring would
+        // scatter it).
+        let intra = if strategy == Strategy::Star {
+            Strategy::Star
+        } else {
+            Strategy::Tree
+        };
+        let backend: &Arc<dyn Backend> = &cluster.backend;
+        let reduce: Vec<(Step, bool)> = collective::plan(d, k, intra, ReduceOp::Sum)
+            .into_iter()
+            .filter_map(|s| match s {
+                Step::Reduce { src, dst, .. } => Some((
+                    s,
+                    backend.can_stream(contexts[src].device(), contexts[dst].device()),
+                )),
+                _ => None,
+            })
+            .collect();
+        let mut merge = vec![vec![None; k]; d];
+        for (step, _) in &reduce {
+            if let Step::Reduce { chunk, dst, .. } = *step {
+                if merge[dst][chunk].is_none() {
+                    let r = sys.link(&contexts[dst], kernels::add_merge(&nodes[chunk])?)?;
+                    merge[dst][chunk] = Some(r.routine().clone());
+                }
+            }
+        }
+        let mut network = Vec::with_capacity(k);
+        for node in nodes {
+            let r = cluster
+                .net_root
+                .link(all_reduce_spec(&cluster.net, node)?)?;
+            let desc = OpDesc {
+                kind: OpKind::AllReduce,
+                label: node.label().to_string(),
+                shape: node.shape().dims().to_vec(),
+                dtype: node.dtype(),
+                op: Some(op),
+                route: None,
+                algorithm: None,
+            };
+            network.push((r, desc));
+        }
+        Ok(ClusterAllReduce {
+            sys: sys.clone(),
+            net: cluster.net.clone(),
+            nodes: nodes.to_vec(),
+            contexts,
+            reduce,
+            merge,
+            network,
+        })
+    }
+
+    /// Issues the all-reduce: the reduce inside the rank, the network routines, the
+    /// broadcast. Returns once everything is issued; reads of the nodes wait by themselves.
+    pub fn run(&self) -> Result<ClusterTicket> {
+        let sys = &self.sys;
+        for (step, streaming) in &self.reduce {
+            let Step::Reduce { chunk, src, dst } = *step else {
+                continue;
+            };
+            let routine = self.merge[dst][chunk]
+                .clone()
+                .ok_or_else(|| Error::Internal("a reduce step without its merge routine".into()))?;
+            let node = &self.nodes[chunk];
+            if *streaming {
+                sys.device_to_device(
+                    node,
+                    &self.contexts[src],
+                    &self.contexts[dst],
+                    MergeBufferUse::StreamingFor(routine),
+                )?;
+            } else {
+                sys.device_to_device(
+                    node,
+                    &self.contexts[src],
+                    &self.contexts[dst],
+                    MergeBufferUse::Copy,
+                )?;
+                sys.schedule(&routine)?;
+            }
+        }
+        let mut ops = Vec::with_capacity(self.nodes.len());
+        let mut events = Vec::new();
+        for (node, (routine, desc)) in self.nodes.iter().zip(&self.network) {
+            let issued = self.net.issue(desc.clone(), self.contexts.len());
+            let event = match sys
+                .device_to_device(
+                    node,
+                    &self.contexts[0],
+                    routine.protocol_context(),
+                    MergeBufferUse::StreamingFor(routine.routine().clone()),
+                )
+                .and_then(|t| t.map(|t| t.event()).transpose())
+            {
+                Ok(Some(e)) => e,
+                Ok(None) => {
+                    self.net.retract(&issued);
+                    return Err(Error::Internal("a cross-rank step planned nothing".into()));
+                }
+                Err(e) => {
+                    self.net.retract(&issued);
+                    return Err(e);
+                }
+            };
+            let _ = issued.event.set(event);
+            ops.push(issued);
+            for ctx in &self.contexts {
+                if let Some(t) =
+                    sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?
+                {
+                    events.push(t.event()?);
+                }
+            }
+        }
+        Ok(ClusterTicket::new(ops, events))
+    }
+
+    /// Uses `algorithm` across ranks instead of the cluster's
+    /// ([`ClusterConfig::algorithm`](crate::cluster::ClusterConfig::algorithm)); every rank
+    /// must choose the same (the header carries it).
+    pub fn with_algorithm(mut self, algorithm: CrossRankAlgorithm) -> ClusterAllReduce {
+        for (_, desc) in &mut self.network {
+            desc.algorithm = Some(algorithm);
+        }
+        self
+    }
+
+    /// Finalizes the routines' contexts (the network buffers are freed).
+    pub fn finalize(self) -> Result<()> {
+        for r in self.merge.iter().flatten().flatten() {
+            self.sys.finalize(r.context())?;
+        }
+        for (r, _) in &self.network {
+            self.sys.finalize(r.protocol_context())?;
+        }
+        Ok(())
+    }
+}
+
+/// Gradients packed into buckets, all-reduced across ranks per bucket, and unpacked: the
+/// bucketing of `BucketedAllReduce` around [`ClusterAllReduce`].
+pub struct ClusterBucketedAllReduce {
+    sys: System,
+    pack: Vec<Vec<Routine>>,
+    unpack: Vec<Vec<Routine>>,
+    reduce: ClusterAllReduce,
+    contexts: Vec<Context>,
+    buckets: usize,
+}
+
+impl ClusterBucketedAllReduce {
+    pub(crate) fn new(
+        cluster: &Cluster,
+        grads: &[TensorNode],
+        contexts: Vec<Context>,
+        op: ReduceOp,
+        strategy: Strategy,
+        bucket_bytes: u64,
+    ) -> Result<ClusterBucketedAllReduce> {
+        let sys = &cluster.sys;
+        let dtype: DType =
+            grads
+                .first()
+                .map(|g| g.dtype())
+                .ok_or_else(|| Error::InvalidRoutine {
+                    routine: "cluster bucketed all_reduce".into(),
+                    reason: "no gradients".into(),
+                })?;
+        let mut sizes = Vec::with_capacity(grads.len());
+        for g in grads {
+            g.check_data(dtype, g.numel())?;
+            sizes.push(g.size_in_bytes()?);
+        }
+        let groups = collective::buckets(&sizes, bucket_bytes);
+        // Labels name the bucket and its first gradient, so that every rank agrees on them.
+        let buckets: Vec<TensorNode> = groups
+            .iter()
+            .enumerate()
+            .map(|(b, group)| {
+                let elems: usize = group.iter().map(|&i| grads[i].numel()).sum();
+                let first = group.first().map_or("", |&i| grads[i].label());
+                TensorNode::new_zeroed(format!("bucket{b}.{first}"), dtype, [elems])
+                    .with_mode(MemoryMode::on_device())
+            })
+            .collect::<Result<_>>()?;
+        let (mut pack, mut unpack, mut holders) = (Vec::new(), Vec::new(), Vec::new());
+        for ctx in contexts {
+            let mut ctx = ctx;
+            let (mut p, mut u) = (Vec::new(), Vec::new());
+            for (bucket, group) in buckets.iter().zip(&groups) {
+                let mut offset = 0;
+                for &i in group {
+                    let g = &grads[i];
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
+                    ctx = r.routine().context().clone();
+                    p.push(r.routine().clone());
+                    offset += g.numel();
+                }
+            }
+            for (bucket, group) in buckets.iter().zip(&groups) {
+                let mut offset = 0;
+                for &i in group {
+                    let g = &grads[i];
+                    let r =
+                        sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
+                    u.push(r.routine().clone());
+                    offset += g.numel();
+                }
+            }
+            pack.push(p);
+            unpack.push(u);
+            holders.push(ctx);
+        }
+        let reduce = ClusterAllReduce::new(cluster, &buckets, holders.clone(), op, strategy)?;
+        Ok(ClusterBucketedAllReduce {
+            sys: sys.clone(),
+            pack,
+            unpack,
+            reduce,
+            contexts: holders,
+            buckets: buckets.len(),
+        })
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets
+    }
+
+    /// The contexts holding the buckets (descendants of the given ones).
+    pub fn contexts(&self) -> &[Context] {
+        &self.contexts
+    }
+
+    /// Packs, all-reduces across ranks and unpacks; returns once everything is issued.
+    pub fn run(&self) -> Result<ClusterTicket> {
+        for p in self.pack.iter().flatten() {
+            self.sys.schedule(p)?;
+        }
+        let ticket = self.reduce.run()?;
+        let mut tickets = Vec::new();
+        for u in self.unpack.iter().flatten() {
+            tickets.push(self.sys.schedule(u)?);
+        }
+        let mut t = ticket;
+        for x in tickets {
+            t = t.with_ticket(x);
+        }
+        Ok(t)
+    }
+
+    /// Finalizes every context the plan linked (innermost first).
+    pub fn finalize(self) -> Result<()> {
+        for u in self.unpack.iter().flatten() {
+            self.sys.finalize(u.context())?;
+        }
+        self.reduce.finalize()?;
+        for p in self.pack.iter().rev() {
+            for r in p.iter().rev() {
+                self.sys.finalize(r.context())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Cluster {
+    /// Links a hierarchical all-reduce of `nodes` over this rank's `contexts` (one per
+    /// replica, each holding every node in a buffer of its own) and every other rank's:
+    /// reduce inside the rank (`strategy`: `Star`, or `Tree` for `Tree` and `Ring`), all-
+    /// reduce across ranks on the network stream, broadcast inside the rank. A `Mean`
+    /// divides by the number of contexts of all ranks together.
+    pub fn all_reduce_plan<C: AsRef<Context>>(
+        &self,
+        nodes: &[TensorNode],
+        contexts: impl IntoIterator<Item = C>,
+        op: ReduceOp,
+        strategy: Strategy,
+    ) -> Result<ClusterAllReduce> {
+        let contexts = contexts.into_iter().map(|c| c.as_ref().clone()).collect();
+        ClusterAllReduce::new(self, nodes, contexts, op, strategy)
+    }
+
+    /// One hierarchical all-reduce ([`Cluster::all_reduce_plan`], run, waited for, its
+    /// routines finalized).
+    pub fn all_reduce<C: AsRef<Context>>(
+        &self,
+        nodes: &[TensorNode],
+        contexts: impl IntoIterator<Item = C>,
+        op: ReduceOp,
+        strategy: Strategy,
+    ) -> Result<()> {
+        let plan = self.all_reduce_plan(nodes, contexts, op, strategy)?;
+        let waited = plan.run().and_then(|t| t.wait());
+        plan.finalize()?;
+        waited
+    }
+
+    /// A bucketed hierarchical all-reduce of `grads` (same dtype) in buckets of at most
+    /// `bucket_bytes` bytes.
+    pub fn bucketed_all_reduce<C: AsRef<Context>>(
+        &self,
+        grads: &[TensorNode],
+        contexts: impl IntoIterator<Item = C>,
+        op: ReduceOp,
+        strategy: Strategy,
+        bucket_bytes: u64,
+    ) -> Result<ClusterBucketedAllReduce> {
+        let contexts = contexts.into_iter().map(|c| c.as_ref().clone()).collect();
+        ClusterBucketedAllReduce::new(self, grads, contexts, op, strategy, bucket_bytes)
+    }
+}

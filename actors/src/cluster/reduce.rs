@@ -1,0 +1,159 @@
+//! Element arithmetic of cross-rank reductions: what travels (f32 or f64 partial sums),
+//! adding, scaling, and the f16/bf16 conversions (accumulated in f32, rounded once).
+
+use tributary::{half, DType, Error, Result};
+
+/// The element type partial sums travel in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wire {
+    F32,
+    F64,
+}
+
+impl Wire {
+    /// The wire type of a storage dtype: f32 for f32, f16 and bf16; f64 for f64.
+    pub(crate) fn of(dtype: DType) -> Result<Wire> {
+        match dtype {
+            DType::F32 | DType::F16 | DType::BF16 => Ok(Wire::F32),
+            DType::F64 => Ok(Wire::F64),
+            other => Err(Error::DTypeMismatch {
+                node: "cross-rank all-reduce".into(),
+                expected: "f32, f64, f16 or bf16".into(),
+                found: other.to_string(),
+            }),
+        }
+    }
+
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Wire::F32 => 4,
+            Wire::F64 => 8,
+        }
+    }
+
+    /// Whether the storage dtype travels as it is (no conversion).
+    pub(crate) fn same_as_storage(self, dtype: DType) -> bool {
+        matches!(
+            (self, dtype),
+            (Wire::F32, DType::F32) | (Wire::F64, DType::F64)
+        )
+    }
+}
+
+/// `dst += src`, element-wise; both hold whole wire elements and are aligned to them (pool
+/// buffers and staging words are).
+pub(crate) fn add_into(wire: Wire, dst: &mut [u8], src: &[u8]) {
+    match wire {
+        Wire::F32 => add_typed::<f32>(dst, src),
+        Wire::F64 => add_typed::<f64>(dst, src),
+    }
+}
+
+fn add_typed<T: bytemuck::Pod + std::ops::AddAssign>(dst: &mut [u8], src: &[u8]) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        (Ok(d), Ok(s)) => {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d += *s;
+            }
+        }
+        // Unaligned views (never for pool buffers or staging): element by element.
+        _ => {
+            let n = std::mem::size_of::<T>();
+            for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+                let mut a: T = bytemuck::pod_read_unaligned(d);
+                a += bytemuck::pod_read_unaligned::<T>(s);
+                d.copy_from_slice(bytemuck::bytes_of(&a));
+            }
+        }
+    }
+}
+
+/// `x *= factor`, element-wise (the mean).
+pub(crate) fn scale(wire: Wire, x: &mut [u8], factor: f64) {
+    match wire {
+        Wire::F32 => {
+            let f = factor as f32;
+            for c in x.chunks_exact_mut(4) {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * f;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Wire::F64 => {
+            for c in x.chunks_exact_mut(8) {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                let v = f64::from_le_bytes(b) * factor;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// f16 / bf16 bytes as f32 values.
+pub(crate) fn widen(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
+    let words = bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]));
+    match dtype {
+        DType::F16 => Ok(words.map(|w| half::f16::from_bits(w).to_f32()).collect()),
+        DType::BF16 => Ok(words.map(|w| half::bf16::from_bits(w).to_f32()).collect()),
+        other => Err(Error::DTypeMismatch {
+            node: "cross-rank all-reduce".into(),
+            expected: "f16 or bf16".into(),
+            found: other.to_string(),
+        }),
+    }
+}
+
+/// f32 values into f16 / bf16 bytes (round to nearest even, once).
+pub(crate) fn narrow(dtype: DType, values: &[f32], out: &mut [u8]) -> Result<()> {
+    for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
+        let bits = match dtype {
+            DType::F16 => half::f16::from_f32(*v).to_bits(),
+            DType::BF16 => half::bf16::from_f32(*v).to_bits(),
+            other => {
+                return Err(Error::DTypeMismatch {
+                    node: "cross-rank all-reduce".into(),
+                    expected: "f16 or bf16".into(),
+                    found: other.to_string(),
+                })
+            }
+        };
+        c.copy_from_slice(&bits.to_le_bytes());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adds_scales_and_rounds_once() {
+        let mut a = bytemuck::cast_slice(&[1f32, 2.0, 3.0]).to_vec();
+        add_into(Wire::F32, &mut a, bytemuck::cast_slice(&[0.5f32, 0.5, 0.5]));
+        scale(Wire::F32, &mut a, 0.5);
+        assert_eq!(
+            bytemuck::pod_collect_to_vec::<u8, f32>(&a),
+            vec![0.75, 1.25, 1.75]
+        );
+        // 1 + 2^-11 + 2^-11 is exact in f32 but not in f16: adding in f16 twice would round
+        // each time and lose both halves; widening sums them first.
+        let eps = half::f16::from_f32(1.0 / 2048.0).to_bits().to_le_bytes();
+        let one = half::f16::ONE.to_bits().to_le_bytes();
+        let mut sum = widen(DType::F16, &one).expect("f16");
+        for _ in 0..2 {
+            sum[0] += widen(DType::F16, &eps).expect("f16")[0];
+        }
+        let mut out = [0u8; 2];
+        narrow(DType::F16, &sum, &mut out).expect("f16");
+        assert_eq!(
+            half::f16::from_bits(u16::from_le_bytes(out)).to_f32(),
+            1.0 + 1.0 / 1024.0
+        );
+        assert!(Wire::of(DType::I32).is_err());
+    }
+}

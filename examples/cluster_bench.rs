@@ -1,0 +1,177 @@
+//! Cross-rank all-reduce bandwidth of a tributary cluster beside `MPI_Allreduce` on
+//! buffers of the same size, in the same run (feature `mpi`).
+//!
+//! Every rank runs this program (`mpirun -np R`); rank 0 prints. For each size it times,
+//! on the same ranks: `MPI_Allreduce` (sum, out of place, f32) on plain vectors, run on the
+//! cluster's network stream through `Cluster::with_mpi`; then the cluster's hierarchical
+//! all-reduce of one node over this rank's `--devices` contexts with each cross-rank
+//! algorithm (`direct`, `ring`, `mpi` = `MPI_Iallreduce`), issued `iters` times back to
+//! back and waited for at the end (the training loop's shape). It prints the median time
+//! per all-reduce over `--reps` repetitions, the bus bandwidth `2 (R-1)/R · bytes / time`
+//! and the ratio to `MPI_Allreduce`.
+//!
+//! ```sh
+//! cargo build --release --features mpi --example cluster_bench
+//! mpirun -np 2 target/release/examples/cluster_bench                 # 2 ranks x 1 device
+//! mpirun -np 2 target/release/examples/cluster_bench --devices 2     # hierarchical 2 x 2
+//! mpirun -np 4 target/release/examples/cluster_bench                 # flat 4 x 1
+//! ```
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::{process::ExitCode, sync::Arc, time::Instant};
+
+use clap::Parser;
+use tributary::{
+    collective::{ReduceOp, Strategy},
+    kernels::{Access, RoutineSpec},
+    DType, MemoryMode, TensorNode,
+};
+use tributary_actors::cluster::{mpi_crate::ffi, Cluster, CrossRankAlgorithm};
+
+#[derive(Parser, Debug)]
+#[command(about = "Cross-rank all-reduce bandwidth beside MPI_Allreduce (run under mpirun)")]
+struct Args {
+    /// CPU devices per rank (contexts reduced inside the rank before the cross-rank step).
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// Sizes in bytes (f32 elements x 4).
+    #[arg(long, value_delimiter = ',', default_values_t = [4096usize, 65536, 1 << 20, 16 << 20])]
+    sizes: Vec<usize>,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Largest total bytes moved per timed repetition (sets the iterations per size).
+    #[arg(long, default_value_t = 64 << 20)]
+    budget: usize,
+}
+
+fn main() -> ExitCode {
+    common::init_logging();
+    common::exit_code(run(Args::parse()))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Seconds per `MPI_Allreduce` of `n` f32, on the network stream.
+fn mpi_allreduce(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tributary::Error> {
+    cluster.with_mpi(move |comm| {
+        let send = vec![1f32; n];
+        let mut recv = vec![0f32; n];
+        // SAFETY: both buffers hold `n` f32 and live through the blocking calls; the
+        // communicator is the cluster's, used on the network stream (`with_mpi`).
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            let t = Instant::now();
+            for _ in 0..iters {
+                ffi::MPI_Allreduce(
+                    send.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    n as i32,
+                    ffi::RSMPI_FLOAT,
+                    ffi::RSMPI_SUM,
+                    comm.raw(),
+                );
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        }
+    })
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
+    let (rank, ranks) = (cluster.rank(), cluster.size());
+    if rank == 0 {
+        println!(
+            "{ranks} ranks x {} CPU devices; median of {} repetitions; bus bandwidth = 2(R-1)/R x bytes / time",
+            args.devices, args.reps
+        );
+        println!(
+            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22}",
+            "bytes", "MPI_Allreduce", "GB/s", "direct (ratio)", "ring (ratio)", "mpi (ratio)"
+        );
+    }
+    let bus = |bytes: usize, secs: f64| {
+        2.0 * (ranks - 1) as f64 / ranks as f64 * bytes as f64 / secs / 1e9
+    };
+    for &bytes in &args.sizes {
+        let n = (bytes / 4).max(1);
+        let iters = (args.budget / bytes.max(1)).clamp(3, 2000);
+        let node = TensorNode::new(format!("g{bytes}"), DType::F32, [n])
+            .with_mode(MemoryMode::on_device())?;
+        let mut contexts = Vec::new();
+        for d in 0..args.devices {
+            let r = cluster.context(d, 0)?.link(RoutineSpec::custom(
+                "init",
+                vec![(node.clone(), Access::Write)],
+                None,
+                |a| {
+                    a.output::<f32>(0)?.fill(1.0);
+                    Ok(())
+                },
+            )?)?;
+            r.schedule()?;
+            contexts.push(r.context());
+        }
+        let baseline = median(
+            (0..args.reps)
+                .map(|_| mpi_allreduce(&cluster, n, iters))
+                .collect::<Result<_, _>>()?,
+        );
+        let mut cells = Vec::new();
+        for algorithm in [
+            CrossRankAlgorithm::Direct,
+            CrossRankAlgorithm::Ring,
+            CrossRankAlgorithm::Mpi,
+        ] {
+            let plan = cluster
+                .all_reduce_plan(
+                    std::slice::from_ref(&node),
+                    &contexts,
+                    ReduceOp::Mean,
+                    Strategy::Tree,
+                )?
+                .with_algorithm(algorithm);
+            plan.run()?.wait()?; // warm-up: buffers allocated, pages touched
+            let mut times = Vec::new();
+            for _ in 0..args.reps {
+                cluster.barrier()?;
+                let t = Instant::now();
+                let mut last = None;
+                for _ in 0..iters {
+                    last = Some(plan.run()?);
+                }
+                if let Some(l) = last {
+                    l.wait()?;
+                }
+                times.push(t.elapsed().as_secs_f64() / iters as f64);
+            }
+            plan.finalize()?;
+            let t = median(times);
+            cells.push(format!(
+                "{:>7.2} GB/s ({:.2}x)",
+                bus(bytes, t),
+                baseline / t
+            ));
+        }
+        if rank == 0 {
+            println!(
+                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22}",
+                baseline * 1e6,
+                bus(bytes, baseline),
+                cells[0],
+                cells[1],
+                cells[2]
+            );
+        }
+        for ctx in contexts {
+            ctx.finalize()?;
+        }
+    }
+    cluster.shutdown()?;
+    Ok(())
+}
