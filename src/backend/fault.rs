@@ -419,7 +419,7 @@ fn inject(mut plan: Plan, fault: Fault, timeline: &Arc<Timeline>) -> Plan {
         other => Work::Run {
             name: other.label().into(),
             kernel: Kernel::Cpu(kernel),
-            args: Vec::new(),
+            args: Vec::new().into(),
             merge: None,
             bindings: crate::kernels::Bindings::none(),
         },

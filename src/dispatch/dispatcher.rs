@@ -197,8 +197,39 @@ impl Dispatcher {
     }
 
     /// Posts `parts` as one atomic step: stamps, host-array gates, one post.
-    fn post(&self, parts: Vec<Part>) -> Result<()> {
+    fn post(&self, mut parts: Vec<Part>) -> Result<()> {
+        if parts.len() == 1 {
+            if let Some(p) = parts.pop() {
+                return self.post_one(p);
+            }
+        }
         self.post_holding(parts, None)
+    }
+
+    /// One operation to one device: no allocation unless it touches a hosted node (then
+    /// the general path takes its node locks and gates).
+    fn post_one(&self, p: Part) -> Result<()> {
+        let mut hosted = false;
+        hosted_uses(&p.op, |_, _| hosted = true);
+        if hosted {
+            return self.post_holding(vec![p], None);
+        }
+        let Part {
+            device, offset, op, ..
+        } = p;
+        let mut op = Some(op);
+        self.devices[device]
+            .inbox
+            .post_with(|push| {
+                if let Some(mut op) = op.take() {
+                    // Inside the lock: stamp order is this inbox's order.
+                    if let Some(s) = op.stamp_mut() {
+                        *s = reserve_issue_stamps(STEP_STAMPS) + offset;
+                    }
+                    push(op);
+                }
+            })
+            .map_err(Self::closed)
     }
 
     /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
@@ -331,7 +362,7 @@ impl Dispatcher {
     pub fn schedule(&self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
         let (pending, promise) = self.pending(routine.context().stream())?;
         let d = self.index_of(routine.context().device())?;
-        self.post(vec![Part::new(
+        self.post_one(Part::new(
             d,
             0,
             0,
@@ -341,7 +372,7 @@ impl Dispatcher {
                 bindings,
                 promise,
             },
-        )])?;
+        ))?;
         Ok(pending)
     }
 

@@ -106,12 +106,44 @@ impl<T> Inbox<T> {
     /// Posts one operation; see [`post_atomically`].
     pub fn post(&self, op: T) -> Result<(), Refused> {
         let mut op = Some(op);
-        post_atomically(&[self], |i, push| {
-            debug_assert_eq!(i, 0);
+        self.post_with(|push| {
             if let Some(op) = op.take() {
                 push(op);
             }
         })
+    }
+
+    /// [`post_atomically`] to this inbox alone, without allocating: `fill` runs under the
+    /// lock (once, on the successful attempt) and pushes the operations.
+    pub fn post_with(&self, fill: impl FnOnce(&mut dyn FnMut(T))) -> Result<(), Refused> {
+        let mut s = self.state.lock();
+        loop {
+            if s.closed {
+                return Err(Refused::Closed(self.device));
+            }
+            if s.queue.len() < self.capacity {
+                break;
+            }
+            drop(s);
+            // See `post_atomically`: a consumer waiting for another device keeps its queue
+            // until kicked.
+            self.kick();
+            s = self.state.lock();
+            while !s.closed && s.queue.len() >= self.capacity {
+                s = self.room.wait(s);
+            }
+        }
+        let queue = &mut s.queue;
+        fill(&mut |op| queue.push_back(op));
+        let kick = !s.scheduled && !s.queue.is_empty();
+        if kick {
+            s.scheduled = true;
+        }
+        drop(s);
+        if kick {
+            self.kick();
+        }
+        Ok(())
     }
 
     /// Posts one operation from a consumer (a device core telling another device

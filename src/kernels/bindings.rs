@@ -210,11 +210,6 @@ impl Bindings {
         self.set.as_ref().map_or("", |s| &s.routine)
     }
 
-    /// The routine's name, shared (for plans).
-    pub(crate) fn routine_arc(&self) -> Option<&Arc<str>> {
-        self.set.as_ref().map(|s| &s.routine)
-    }
-
     /// Number of declared indices.
     pub fn len(&self) -> usize {
         self.decls().len()

@@ -107,6 +107,10 @@ pub(crate) struct RoutineInner {
     /// Empty bindings of its declared indices: what every schedule fills, sharing the
     /// declarations and the routine's name.
     pub(crate) empty_bindings: Bindings,
+    /// Its name, shared by every plan that runs it.
+    pub(crate) name: std::sync::Arc<str>,
+    /// Its parameters' buffers, resolved when it was linked (its context is immutable).
+    pub(crate) args: std::sync::Arc<[crate::protocol::ArgBinding]>,
 }
 
 impl Routine {

@@ -535,8 +535,23 @@ impl DeviceState {
         }
         let (arrays, plans) = self.place(ctx, decisions)?;
         let child = self.child_context(ctx, arrays);
+        // The bindings of its buffers are fixed now (contexts are immutable): every
+        // schedule shares them instead of resolving them again.
+        let mut args = Vec::with_capacity(spec.params.len());
+        for p in &spec.params {
+            let e = self.entry(&child, &p.node)?;
+            args.push(ArgBinding {
+                loc: self.global(e.loc),
+                bytes: e.bytes,
+                dtype: p.node.dtype(),
+                shape: p.node.shape().clone(),
+                access: p.access,
+            });
+        }
         let routine = Routine(Arc::new(RoutineInner {
             empty_bindings: Bindings::empty_for(&spec.name, spec.indices()),
+            name: spec.name.as_str().into(),
+            args: args.into(),
             spec,
             context: child,
         }));
@@ -784,26 +799,19 @@ impl DeviceState {
         &self,
         routine: &Routine,
         merge_from: &MergeFrom<'_>,
-    ) -> Result<(Vec<ArgBinding>, Option<ArgBinding>)> {
+    ) -> Result<(Arc<[ArgBinding]>, Option<ArgBinding>)> {
         let ctx = routine.context();
         let stream = ctx.stream();
         let spec = &routine.0.spec;
-        let mut bindings = Vec::with_capacity(spec.params.len());
-        for p in &spec.params {
-            let e = self.entry(ctx, &p.node)?;
-            if !self.buffers.contains_key(&e.loc) {
+        // Resolved when the routine was linked; its buffers must still be live.
+        let bindings = routine.0.args.clone();
+        for (p, b) in spec.params.iter().zip(bindings.iter()) {
+            if !self.buffers.contains_key(&b.loc.loc) {
                 return Err(Error::BufferNotFound {
                     node: p.node.to_string(),
-                    loc: e.loc,
+                    loc: b.loc.loc,
                 });
             }
-            bindings.push(ArgBinding {
-                loc: self.global(e.loc),
-                bytes: e.bytes,
-                dtype: p.node.dtype(),
-                shape: p.node.shape().clone(),
-                access: p.access,
-            });
         }
         if let MergeFrom::Source(src) = merge_from {
             if spec.merge.is_none() {
@@ -888,7 +896,7 @@ impl DeviceState {
 
         // Resolve every binding before touching any table.
         let (args, merge) = self.resolve(routine, &merge_from)?;
-        for (p, b) in spec.params.iter().zip(&args) {
+        for (p, b) in spec.params.iter().zip(args.iter()) {
             if !matches!(p.access, Access::Write) {
                 self.check_written(&ctx, &p.node, b.loc.loc, || {
                     format!("routine '{}'", spec.name)
@@ -898,7 +906,7 @@ impl DeviceState {
 
         // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
         let mut plans = Vec::new();
-        for (p, b) in spec.params.iter().zip(&args) {
+        for (p, b) in spec.params.iter().zip(args.iter()) {
             if p.node.mode().is_hosted() && !matches!(p.access, Access::Write) {
                 let version = host.version(p.node.id());
                 let lagging = self
@@ -914,13 +922,13 @@ impl DeviceState {
 
         // Rule 1: RAW on inputs, WAR and WAW on outputs (any stream, any device).
         let mut deps = Vec::new();
-        for (p, b) in spec.params.iter().zip(&args) {
+        for (p, b) in spec.params.iter().zip(args.iter()) {
             if let Some(rec) = self.buffers.get_mut(&b.loc.loc) {
                 if !matches!(p.access, Access::Write) {
                     rec.uses.read_deps(&mut deps);
                 }
                 if !matches!(p.access, Access::Read) {
-                    rec.uses.write_deps(&mut deps);
+                    rec.uses.write_deps(stream, &mut deps);
                 }
             }
         }
@@ -936,7 +944,7 @@ impl DeviceState {
         }
 
         let event = self.issue(stream);
-        for (p, b) in spec.params.iter().zip(&args) {
+        for (p, b) in spec.params.iter().zip(args.iter()) {
             let Some(rec) = self.buffers.get_mut(&b.loc.loc) else {
                 continue;
             };
@@ -965,11 +973,7 @@ impl DeviceState {
             event,
             deps,
             work: Work::Run {
-                name: routine
-                    .0
-                    .empty_bindings
-                    .routine_arc()
-                    .map_or_else(|| spec.name.as_str().into(), Arc::clone),
+                name: routine.0.name.clone(),
                 kernel: spec.kernel.clone(),
                 args,
                 merge,
@@ -1039,7 +1043,7 @@ impl DeviceState {
                 loc,
             });
         };
-        rec.uses.write_deps(&mut deps);
+        rec.uses.write_deps(stream, &mut deps);
         let bytes = rec.bytes;
         let event = self.issue(stream);
         let order = host.order();
@@ -1117,7 +1121,7 @@ impl DeviceState {
         let bytes = rec.bytes;
         let hrec = host.record(node)?;
         // WAR and WAW on the host array.
-        hrec.uses.write_deps(&mut deps);
+        hrec.uses.write_deps(stream, &mut deps);
         let event = self.issue(stream);
         if let Some(rec) = self.buffers.get_mut(&loc) {
             rec.uses.record_read(event.clone());
@@ -1296,7 +1300,7 @@ impl DeviceState {
                 });
             };
             let mut deps = source.deps.clone();
-            rec.uses.write_deps(&mut deps);
+            rec.uses.write_deps(stream, &mut deps);
             let event = self.issue(stream);
             if let Some(rec) = self.buffers.get_mut(&loc) {
                 rec.uses.record_write(event.clone());
@@ -1346,7 +1350,7 @@ impl DeviceState {
             slot.uses = BufferUses::default();
         }
         let mut deps = source.deps.clone();
-        slot.uses.write_deps(&mut deps);
+        slot.uses.write_deps(stream, &mut deps);
         let event = self.issue(stream);
         let slot = &mut self.streams[idx].merge;
         slot.uses.record_write(event.clone());

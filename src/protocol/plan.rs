@@ -141,8 +141,9 @@ pub enum Work {
         name: Arc<str>,
         /// The kernel.
         kernel: Kernel,
-        /// Parameters in the kernel's argument order.
-        args: Vec<ArgBinding>,
+        /// Parameters in the kernel's argument order (shared: resolved when the routine
+        /// was linked).
+        args: Arc<[ArgBinding]>,
         /// The merge-buffer argument, resolved at schedule time.
         merge: Option<ArgBinding>,
         /// The values of the routine's declared indices, snapshotted at schedule time
@@ -215,7 +216,7 @@ impl Work {
         Work::Run {
             name: name.into(),
             kernel,
-            args,
+            args: args.into(),
             merge,
             bindings,
         }

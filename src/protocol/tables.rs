@@ -116,6 +116,23 @@ impl Uses {
         }));
     }
 
+    /// Pending uses on streams other than `stream` as order dependencies of an operation
+    /// on `stream`, after pruning: a use on `stream` itself is ordered before it by the
+    /// stream's FIFO order (a use recorded in the tables was issued earlier), and an order
+    /// dependency carries no failure, so it would only cost a wait.
+    pub fn order_deps(&mut self, stream: StreamId, out: &mut Vec<Dep>) {
+        self.prune();
+        out.extend(
+            self.events
+                .iter()
+                .filter(|e| e.stream() != stream)
+                .map(|e| Dep {
+                    event: e.clone(),
+                    kind: DepKind::Order,
+                }),
+        );
+    }
+
     /// Pending uses on streams other than `stream`, after pruning.
     pub fn others(&mut self, stream: StreamId) -> impl Iterator<Item = &Event> {
         self.prune();
@@ -141,13 +158,14 @@ impl BufferUses {
         self.writers.deps(DepKind::Data, out);
     }
 
-    /// Dependencies of an operation that overwrites the buffer (WAR and WAW).
-    pub fn write_deps(&mut self, out: &mut Vec<Dep>) {
+    /// Dependencies of an operation on `stream` that overwrites the buffer (WAR and WAW,
+    /// on other streams: see [`Uses::order_deps`]).
+    pub fn write_deps(&mut self, stream: StreamId, out: &mut Vec<Dep>) {
         if !mutant!("war") {
-            self.readers.deps(DepKind::Order, out);
+            self.readers.order_deps(stream, out);
         }
         if !mutant!("waw") {
-            self.writers.deps(DepKind::Order, out);
+            self.writers.order_deps(stream, out);
         }
     }
 

@@ -179,7 +179,7 @@ fn touches(work: &Work) -> (Vec<Touch>, Vec<Arc<AlignedBuffer>>) {
     let mut hosts = Vec::new();
     match work {
         Work::Run { args, merge, .. } => {
-            for b in args {
+            for b in args.iter() {
                 let (loc, bytes, access) = binding_parts(b);
                 if access.reads() {
                     out.push(device_touch(loc, bytes, false));
