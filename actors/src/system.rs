@@ -163,6 +163,24 @@ impl System {
             + 1
     }
 
+    /// How many fences host-array order has cost so far: `gates` (an operation on one
+    /// device ordered after another device's earlier operations, posted with it: no round
+    /// trip) and `waited` (fences a host read or write waited for, one per device).
+    /// Reading parameters and writing one's own buffers costs none: a data-parallel step
+    /// in steady state adds nothing here.
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder().spawn()?;
+    /// let w = sys.node("w", tributary::DType::F32, [2]);
+    /// sys.host_write(&w.with_mode(tributary::MemoryMode::hosted_changed_on_devices())?, &[1.0f32, 2.0])?;
+    /// assert_eq!(sys.fence_stats().waited, 2); // one fence per device
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn fence_stats(&self) -> tributary::dispatch::FenceStats {
+        self.dispatcher().fence_counts()
+    }
+
     /// The engine-side router this system posts through.
     pub(crate) fn dispatcher(&self) -> &Dispatcher {
         &self.shared.dispatcher

@@ -114,6 +114,26 @@ pub struct Dispatcher {
     can_stream: CanStream,
     host: Arc<Mutex<HostTable>>,
     nodes: NodeLocks,
+    /// Statistics: fences posted as gates, and fences waited for by the host.
+    fences: FenceCounts,
+}
+
+/// How often host-array order cost a fence (statistics, [`Dispatcher::fence_counts`]).
+#[derive(Debug, Default)]
+struct FenceCounts {
+    gates: std::sync::atomic::AtomicU64,
+    waited: std::sync::atomic::AtomicU64,
+}
+
+/// Fences posted so far: `gates` ordered a device operation after another device's
+/// earlier ones (no round trip); `waited` were waited for by a host call (host reads and
+/// writes: one round trip per device each).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FenceStats {
+    /// Fences an operation was gated on.
+    pub gates: u64,
+    /// Fences a host call waited for.
+    pub waited: u64,
 }
 
 impl Dispatcher {
@@ -130,6 +150,16 @@ impl Dispatcher {
             can_stream,
             host,
             nodes: NodeLocks::default(),
+            fences: FenceCounts::default(),
+        }
+    }
+
+    /// Fences posted so far (see [`FenceStats`]).
+    pub fn fence_counts(&self) -> FenceStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        FenceStats {
+            gates: self.fences.gates.load(Relaxed),
+            waited: self.fences.waited.load(Relaxed),
         }
     }
 
@@ -311,6 +341,10 @@ impl Dispatcher {
                 _ => &guards[&node.id()],
             };
             for e in guard.with(|o| o.gate(device, use_)) {
+                // Relaxed: a statistic.
+                self.fences
+                    .gates
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let (r, answer) = reply::<()>();
                 parts[i].gates.push(answer);
                 fences.push(Part {
@@ -694,6 +728,10 @@ impl Dispatcher {
     pub async fn host_write(&self, node: &TensorNode, bytes: &[u8]) -> Result<()> {
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
         for fence in self.fence_all()? {
+            // Relaxed: a statistic.
+            self.fences
+                .waited
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _ = answer(fence).await;
         }
         loop {
@@ -722,6 +760,10 @@ impl Dispatcher {
     pub async fn host_read(&self, node: &TensorNode) -> Result<Vec<u8>> {
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
         for fence in self.fence_all()? {
+            // Relaxed: a statistic.
+            self.fences
+                .waited
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _ = answer(fence).await;
         }
         let newer = self.host.lock().record(node)?.newer_on_device();

@@ -31,7 +31,9 @@ use std::future::Future;
 use std::task::{Context, Poll, Wake, Waker};
 
 pub use self::core::{DeviceCore, PlanSink, Progress};
-pub use dispatcher::{answer, AllReduceCall, AnswerFuture, CanStream, DeviceSlot, Dispatcher};
+pub use dispatcher::{
+    answer, AllReduceCall, AnswerFuture, CanStream, DeviceSlot, Dispatcher, FenceStats,
+};
 pub use hosted::{HostUse, NodeOrder};
 pub use inbox::Inbox;
 
