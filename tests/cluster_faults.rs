@@ -181,6 +181,7 @@ mod bodies {
             took >= DEADLINE && took < DEADLINE + Duration::from_secs(20),
             "took {took:?}"
         );
+        super::cluster::a_rank_is_gone();
         local_work_still_runs(cluster);
         // No partial sum lands anywhere: reading the result fails with the fault as its
         // root cause.
@@ -220,6 +221,7 @@ mod bodies {
                 cluster.rank()
             ),
         }
+        super::cluster::a_rank_is_gone();
         // A read of the result fails with the fault as its root cause instead of hanging.
         let read = ctxs[0].read::<f32>(&g);
         assert!(

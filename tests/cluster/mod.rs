@@ -51,6 +51,15 @@ impl Launch {
 
 static ONE_JOB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
+/// Set by a body whose cluster lost a rank: its shutdown may then end in the fault
+/// (`MPI_Finalize` waited for the dead rank past the deadline).
+static A_RANK_IS_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called by a body that saw a rank become unreachable (see [`A_RANK_IS_GONE`]).
+pub fn a_rank_is_gone() {
+    A_RANK_IS_GONE.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 fn log(line: &str) {
     eprintln!("{line}");
 }
@@ -171,7 +180,24 @@ pub fn run_rank(config: ClusterConfig, body: impl FnOnce(&std::sync::Arc<Cluster
     );
     let (rank, size) = (cluster.rank(), cluster.size());
     body(&cluster);
-    cluster.shutdown().expect("cluster shuts down");
+    let started = std::time::Instant::now();
+    match cluster.shutdown() {
+        Ok(_) => {}
+        // MPI_Finalize waited for the dead rank: bounded by the deadline, and the fault
+        // names the rank the body saw go.
+        Err(tributary::Error::RankUnreachable {
+            rank: gone, waited, ..
+        }) if A_RANK_IS_GONE.load(std::sync::atomic::Ordering::SeqCst) => {
+            assert_eq!(gone, size - 1, "the fault names the rank that went");
+            assert!(
+                started.elapsed() < waited + Duration::from_secs(20),
+                "shutdown took {:?}",
+                started.elapsed()
+            );
+            println!("rank {rank} of {size}: shutdown bounded by the deadline ({gone} is gone)");
+        }
+        Err(e) => panic!("rank {rank}: the cluster does not shut down: {e:?}"),
+    }
     println!("rank {rank} of {size}: ok");
 }
 

@@ -32,6 +32,12 @@
 //! declared dead may therefore change a buffer the failed operation was writing, at
 //! shutdown at the latest; it never touches freed memory.
 //!
+//! Shutdown after a rank fault: `MPI_Finalize` waits for every rank, and Open MPI may wait
+//! for a dead one forever. [`Cluster::shutdown`] bounds it by the deadline: past it, the
+//! local system is shut down all the same and the fault ([`Error::RankUnreachable`]) is
+//! returned; the pools stay alive with the thread still inside `MPI_Finalize`. (Launching
+//! with `OMPI_MCA_async_mpi_finalize=1` skips Open MPI's fence, so finalisation returns.)
+//!
 //! ```no_run
 //! use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
 //! use tributary_actors::cluster::Cluster;
@@ -369,6 +375,10 @@ impl Cluster {
 
     /// Waits for the network stream, tells the other ranks about operations whose input
     /// failed last, ends MPI, then shuts the system down. Every rank calls it.
+    ///
+    /// On a cluster a rank fault stopped, `MPI_Finalize` is waited for at most the
+    /// deadline, then the fault ([`Error::RankUnreachable`]) is returned (module docs); the
+    /// local system is shut down either way.
     pub fn shutdown(&self) -> Result<crate::ShutdownReport> {
         if self.shut_down.swap(true, Ordering::AcqRel) {
             return Err(Error::ShutDown("the cluster is already shut down".into()));
@@ -376,13 +386,13 @@ impl Cluster {
         // The network stream's operations end by themselves (each within its deadline).
         let drained = self.sys.await_stream(0, self.compute_streams);
         self.net.flush_and_close();
-        self.net.finalize();
+        // The pools live until MPI_Finalize returned (module docs), however long that is.
+        let finalized = self.net.finalize(Box::new(self.backend.clone()));
         let report = self.sys.shutdown();
-        // Only now may the pools go (module docs).
-        let _ = &self.backend;
-        match (drained, report) {
-            (_, Err(e)) => Err(e),
-            (_, Ok(r)) => Ok(r),
+        match (drained, report, finalized) {
+            (_, Err(e), _) => Err(e),
+            (_, Ok(_), Err(fault)) => Err(fault),
+            (_, Ok(r), Ok(())) => Ok(r),
         }
     }
 }

@@ -343,11 +343,47 @@ impl Network {
     }
 
     /// Ends MPI, once. Abandoned requests and buffers are kept until after it.
-    pub(crate) fn finalize(&self) {
-        if !self.finalized.swap(true, Ordering::AcqRel) {
-            self.closed.store(true, Ordering::Release);
+    ///
+    /// `MPI_Finalize` waits for every rank (Open MPI fences all processes), a dead one
+    /// included: after a rank became unreachable it may never return. So on a cluster a
+    /// rank fault broke, it runs on a thread of its own and is waited for at most the
+    /// deadline; past it, the fault is returned and the thread is left to finish or to end
+    /// with the process. `keep_alive` (the pools MPI may still write into) and the network
+    /// (abandoned requests and their buffers) live as long as that thread: whatever MPI
+    /// still does with them finds them alive. On a healthy cluster it runs here and waits
+    /// for the other ranks' shutdowns, as MPI defines.
+    pub(crate) fn finalize(
+        self: &Arc<Self>,
+        keep_alive: Box<dyn std::any::Any + Send>,
+    ) -> Result<()> {
+        if self.finalized.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.closed.store(true, Ordering::Release);
+        let broken = lock(&self.exec).broken.clone();
+        let Some(fault @ Error::RankUnreachable { .. }) = broken else {
             let _guard = lock(&self.exec);
             self.mpi.finalize();
+            return Ok(());
+        };
+        let (done, finished) = std::sync::mpsc::sync_channel::<()>(1);
+        let net = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tributary-mpi-finalize".into())
+            .spawn(move || {
+                let _keep_alive = keep_alive;
+                let _guard = lock(&net.exec);
+                net.mpi.finalize();
+                let _ = done.send(());
+            });
+        if spawned.is_err() {
+            // No thread to bound it with: finalising here could hang, not finalising only
+            // skips MPI's tidy end (the process exits all the same).
+            return Err(fault);
+        }
+        match finished.recv_timeout(self.config.deadline) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(fault),
         }
     }
 
