@@ -50,6 +50,18 @@
 //! and every load that may conclude "done" uses `Acquire`, so the operation's effects are
 //! visible to whoever observes its completion.
 //!
+//! # Spinning before parking
+//!
+//! A blocking wait first polls the word for a short window (50 µs, less for a shorter
+//! timeout; [`crate::sync::spin::SpinWait`]) **without** setting `WAITERS`, and parks only
+//! when the window has passed. An operation that completes within the window (a small
+//! kernel on another core) therefore costs neither side a system call: the waiter never
+//! slept, and `signal` saw no `WAITERS` bit, so it took no lock and woke nobody. This is
+//! safe for the same reason as the handshake above: a spinning waiter is not registered,
+//! so no signal owes it a wake-up; once it stops spinning it registers and re-checks like
+//! any waiter. Its polls are `Acquire` loads of the word, so a waiter that sees its
+//! operation complete while spinning sees its effects too. Async waiters never spin.
+//!
 //! # Failures
 //!
 //! Failures are kept in a map from sequence number to root cause that holds **only failed
@@ -70,7 +82,12 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Failure, Result};
 use crate::ids::StreamId;
 use crate::sync::atomic::{AtomicU64, Ordering};
-use crate::sync::{Arc, Condvar, Mutex};
+use crate::sync::{spin::SpinWait, Arc, Condvar, Mutex};
+
+/// How long a blocking wait polls the timeline before it parks (module documentation,
+/// "Spinning before parking"): long enough to cover a small operation another core is
+/// running, short enough that an idle waiter stops using its core at once.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
 
 /// The largest sequence number a timeline can represent (2^61 - 1).
 ///
@@ -409,6 +426,29 @@ impl Timeline {
         }
     }
 
+    /// Polls the word for `window` without announcing a waiter (module documentation,
+    /// "Spinning before parking"): the result if the operation is decided in that time,
+    /// `None` when the window passed or the lock is needed to decide (a failure or a
+    /// poison, whose cause is read under the lock).
+    fn spin_for(&self, seq: u64, window: Duration) -> Option<Result<()>> {
+        let mut spin = SpinWait::new(window);
+        while spin.spin() {
+            if mutant!("spin_relaxed") {
+                // Relaxed: the mutant; a waiter that returns on this load has not
+                // synchronised with the completion, so it may miss the operation's effects.
+                if counter(self.word.load(Ordering::Relaxed)) >= seq {
+                    return Some(Ok(()));
+                }
+            }
+            match self.status_fast(seq) {
+                Some(EventStatus::Pending) => {}
+                Some(status) => return status.into_result(),
+                None => return None,
+            }
+        }
+        None
+    }
+
     /// Sets WAITERS before the caller checks the status (module documentation).
     fn announce_waiter(&self) {
         if mutant!("lost_wakeup") {
@@ -453,6 +493,9 @@ impl Timeline {
 
     fn wait_until(&self, seq: u64, deadline: Option<Instant>, after: Duration) -> Result<()> {
         if let Some(result) = self.status_fast(seq).and_then(EventStatus::into_result) {
+            return result;
+        }
+        if let Some(result) = self.spin_for(seq, after.min(WAIT_SPIN)) {
             return result;
         }
         let mut inner = self.inner.lock();

@@ -22,7 +22,7 @@ use actix::{Actor, Addr, Arbiter, MailboxError};
 use serde::{Deserialize, Serialize};
 use tributary::trace::Recorder;
 use tributary::{
-    backend::{Backend, BackendKind},
+    backend::{cpu::CpuConfig, Backend, BackendKind},
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig, PoolStats},
     protocol::{Context, DeviceState, HostTable, Routine, TableSizes},
@@ -91,6 +91,9 @@ pub struct SystemConfig {
     pub record_timeline: bool,
     /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
     pub backend: BackendKind,
+    /// How the CPU backend runs its streams (TOML `[cpu]`: `workers`, `spin_us`,
+    /// `dedicated_streams`); ignored by other backends.
+    pub cpu: CpuConfig,
 }
 
 impl Default for SystemConfig {
@@ -103,6 +106,7 @@ impl Default for SystemConfig {
             shutdown_timeout_ms: 10_000,
             record_timeline: false,
             backend: BackendKind::Cpu,
+            cpu: CpuConfig::default(),
         }
     }
 }
@@ -205,6 +209,22 @@ impl SystemBuilder {
     /// ```
     pub fn cpu_devices(mut self, n: usize) -> Self {
         self.config.cpu_devices = n;
+        self
+    }
+
+    /// How the CPU backend runs its streams: worker threads, spin window, streams with a
+    /// thread of their own (default: one worker per core, 50 µs).
+    ///
+    /// ```
+    /// use tributary::backend::cpu::CpuConfig;
+    /// let sys = tributary_actors::System::builder()
+    ///     .cpu(CpuConfig::default().with_workers(1))
+    ///     .spawn()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn cpu(mut self, config: CpuConfig) -> Self {
+        self.config.cpu = config;
         self
     }
 
@@ -425,9 +445,11 @@ impl System {
         let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
         let backend: Arc<dyn Backend> = match instance {
             Some(backend) => backend,
-            None => config
-                .backend
-                .create_with_recorder(config.cpu_devices, recorder.clone())?,
+            None => {
+                config
+                    .backend
+                    .create_with(config.cpu_devices, &config.cpu, recorder.clone())?
+            }
         };
         if backend.devices().is_empty() {
             return Err(Error::InvalidConfig {
