@@ -14,10 +14,13 @@
 //! the workers) a spinner hands its core to the thread that will make the progress it
 //! waits for.
 //!
-//! Under `tributary_loom` there is no clock: a non-zero window is exactly one round, which
-//! yields to loom's scheduler, so models explore both a waiter that sees the condition
-//! while spinning and one that goes on to park, and every execution of a model takes the
-//! same steps (loom replays executions, so they must not depend on real time).
+//! Under `tributary_loom` there is no clock: a non-zero window is exactly one round, and
+//! every execution of a model takes the same steps (loom replays executions, so they must
+//! not depend on real time). The round does not yield: loom runs a yielding thread only
+//! once the others are blocked, so a yield would let every signaller finish first and
+//! hide the waiter that gives up spinning and parks; the caller's second poll of its
+//! condition is a point where loom may switch threads, which explores both a waiter that
+//! sees the condition while spinning and one that goes on to park.
 
 use std::time::Duration;
 #[cfg(not(tributary_loom))]
@@ -77,11 +80,7 @@ impl SpinWait {
         }
         #[cfg(tributary_loom)]
         {
-            let open = std::mem::replace(&mut self.open, false);
-            if open {
-                loom::thread::yield_now();
-            }
-            open
+            std::mem::replace(&mut self.open, false)
         }
     }
 }

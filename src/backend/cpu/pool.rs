@@ -208,6 +208,13 @@ impl WorkerPool {
     /// Makes `stream` ready: a worker will run it.
     pub(super) fn enqueue(&self, stream: StdArc<StreamTask>) {
         let mut ready = self.ready.lock();
+        if ready.stop {
+            // Every stream has shut down (it took no more work, and what it took is done
+            // or given up on): a late wake-up (a submission whose plan the worker already
+            // ran, found it idle and scheduled it again) has nothing to run, and a stream
+            // left in the queue of a pool without workers would keep both alive forever.
+            return;
+        }
         ready.queue.push_back(stream);
         // Relaxed: a hint (see the field).
         self.ready_hint.fetch_add(1, Ordering::Relaxed);
