@@ -303,21 +303,25 @@ fn refused_work_keeps_stream_order() {
 /// (the one-thread-per-stream design on a shared pool) deadlocks here.
 #[test]
 fn blocked_stream_on_one_worker() {
-    run_model("queue::blocked_stream_on_one_worker", builder(Some(3)), || {
-        let mut both = streams(2);
-        let (b, queue_b) = both.pop().unwrap();
-        let (a, queue_a) = both.pop().unwrap();
-        let (pa, ra) = counted(&a, 1);
-        let dep = Dep::new(pa.event().clone(), DepKind::Data);
-        let (pb, rb) = counted_reading(&b, 1, vec![dep], Some(ra.clone()));
-        let (ea, eb) = (pa.event().clone(), pb.event().clone());
-        queue_b.submit(pb).unwrap();
-        queue_a.submit(pa).unwrap();
-        check(Ok(()), eb.wait(), &rb);
-        check(Ok(()), ea.wait(), &ra);
-        queue_a.shutdown();
-        queue_b.shutdown();
-    });
+    run_model(
+        "queue::blocked_stream_on_one_worker",
+        builder(Some(3)),
+        || {
+            let mut both = streams(2);
+            let (b, queue_b) = both.pop().unwrap();
+            let (a, queue_a) = both.pop().unwrap();
+            let (pa, ra) = counted(&a, 1);
+            let dep = Dep::new(pa.event().clone(), DepKind::Data);
+            let (pb, rb) = counted_reading(&b, 1, vec![dep], Some(ra.clone()));
+            let (ea, eb) = (pa.event().clone(), pb.event().clone());
+            queue_b.submit(pb).unwrap();
+            queue_a.submit(pa).unwrap();
+            check(Ok(()), eb.wait(), &rb);
+            check(Ok(()), ea.wait(), &ra);
+            queue_a.shutdown();
+            queue_b.shutdown();
+        },
+    );
 }
 
 /// A stream parked on an event of another stream is woken when that event completes,

@@ -46,6 +46,7 @@ MUTANTS=(
   "lost_wakeup:event::wait_vs_signal event::async_vs_signal event::spinning_and_parked_waiters_see_completion queue::parked_stream_is_woken"
   "relaxed_signal:event::completion_publishes_data event::spinning_and_parked_waiters_see_completion"
   "spin_relaxed:event::spinning_and_parked_waiters_see_completion"
+  "wake_past_only:event::wait_vs_signal event::spinning_and_parked_waiters_see_completion"
   "fail_no_wake:event::failure_wakes_and_fails_every_waiter protocol::failure_fails_dependents_with_root_cause"
   "failed_bit:event::failure_wakes_and_fails_every_waiter queue::shutdown_drains_queued_work"
   # the loom models' own stream threads (src/sync/channel.rs, used by loom_tests/world.rs)

@@ -34,7 +34,10 @@
 //! - `S` comes after `W`'s `fetch_or(WAITERS)`: `S` sees `WAITERS` (the bit is cleared only
 //!   under the lock when nobody is registered), takes the lock, and therefore runs after
 //!   `W`'s critical section, i.e. after `W` is asleep in the condition variable or has
-//!   stored its waker; `S` notifies it; or
+//!   stored its waker; `S` notifies it (a blocked thread registers the number it waits
+//!   for, and `S` notifies the condition variable only when the lowest registered number
+//!   is decided, so that a host waiting for the last operation of a long queue is not woken
+//!   for nothing by every operation before it; mutant `wake_past_only`); or
 //! - `S` comes before: `W`'s check, which reads the word after its own `fetch_or`, sees the
 //!   new counter and does not sleep.
 //!
@@ -151,8 +154,9 @@ struct Inner {
     failures: BTreeMap<u64, StdArc<Failure>>,
     /// Set once, when the stream dies: the counter at that moment and the cause.
     poison: Option<(u64, StdArc<Failure>)>,
-    /// Threads blocked in a wait.
-    blocked: usize,
+    /// Threads blocked in a wait, counted by the sequence number each waits for: a signal
+    /// that decides none of them wakes nobody (no system call).
+    blocked: BTreeMap<u64, usize>,
     /// Registered async waiters, by (sequence number, registration id).
     wakers: BTreeMap<(u64, u64), Waker>,
     /// Next registration id for `wakers`.
@@ -307,7 +311,7 @@ impl Timeline {
             inner.failures.insert(seq, cause);
         }
         // The lock is held, so `inner` says exactly who is registered.
-        if (inner.blocked > 0 || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
+        if (!inner.blocked.is_empty() || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
             let ready = self.wake_locked(&mut inner);
             drop(inner);
             wake_all(ready);
@@ -463,7 +467,7 @@ impl Timeline {
 
     /// Clears WAITERS if nobody is registered any more. Called with the lock held.
     fn clear_waiters_if_idle(&self, inner: &Inner) {
-        if inner.blocked == 0 && inner.wakers.is_empty() {
+        if inner.blocked.is_empty() && inner.wakers.is_empty() {
             // Relaxed: the bit is only a hint for `signal` to take the lock; registrations
             // happen under the lock we hold, so no waiter can be lost by clearing it, and a
             // `signal` that still sees the old bit merely takes the lock for nothing.
@@ -484,7 +488,19 @@ impl Timeline {
             let pending = inner.wakers.split_off(&(counter(word) + 1, 0));
             std::mem::replace(&mut inner.wakers, pending)
         };
-        if inner.blocked > 0 {
+        // Wake the blocked threads only if the lowest number one of them waits for is
+        // decided now (all of them when poisoned): a thread woken for nothing would cost
+        // a system call here and a context switch there, for every operation completed
+        // while a host waits for a later one (`sync_all`).
+        let decided = |&lowest: &u64| {
+            inner.poison.is_some()
+                || if mutant!("wake_past_only") {
+                    counter(word) > lowest
+                } else {
+                    counter(word) >= lowest
+                }
+        };
+        if inner.blocked.keys().next().is_some_and(decided) {
             self.cond.notify_all();
         }
         self.clear_waiters_if_idle(inner);
@@ -499,7 +515,7 @@ impl Timeline {
             return result;
         }
         let mut inner = self.inner.lock();
-        inner.blocked += 1;
+        *inner.blocked.entry(seq).or_insert(0) += 1;
         self.announce_waiter();
         let result = loop {
             if let Some(result) = self.status_locked(seq, &inner).into_result() {
@@ -519,7 +535,13 @@ impl Timeline {
                 }
             };
         };
-        inner.blocked -= 1;
+        if let std::collections::btree_map::Entry::Occupied(mut waiting) = inner.blocked.entry(seq)
+        {
+            *waiting.get_mut() -= 1;
+            if *waiting.get() == 0 {
+                waiting.remove();
+            }
+        }
         self.clear_waiters_if_idle(&inner);
         result
     }

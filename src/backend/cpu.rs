@@ -518,11 +518,11 @@ fn complete(
             return;
         }
     };
-    let start = Instant::now();
-    let bytes = job.bytes();
+    // Timed and sized only for the trace.
+    let start = recorder.map(|_| (Instant::now(), job.bytes()));
     let after = recorder.map(|_| crate::trace::cross_stream(stream, &item.deps));
     let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
-    if let Some(rec) = recorder {
+    if let (Some(rec), Some((start, bytes))) = (recorder, start) {
         // Recorded before the event completes, so waiters always end after it.
         rec.record(TraceRecord {
             kind: TraceKind::Work,
