@@ -35,6 +35,7 @@
 
 use std::{
     collections::HashMap,
+    hash::{BuildHasherDefault, Hasher},
     panic::{catch_unwind, AssertUnwindSafe},
     sync::Arc,
     time::Instant,
@@ -60,7 +61,30 @@ pub use config::{CpuConfig, MAX_SPIN_US, MAX_WORKERS};
 use pool::WorkerPool;
 use stream::StreamTask;
 
-type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>>;
+/// The pools of one device. Looked up for every binding of every plan submitted (on the
+/// submitting thread: an actor's, or the engine's owner), so hashed cheaply.
+type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>, BuildHasherDefault<PoolIdHasher>>;
+
+/// Hashes a [`PoolId`] (a small integer) by one multiplication (Fibonacci hashing), not
+/// by SipHash: pool ids are chosen by the protocol, not by an adversary.
+#[derive(Default)]
+struct PoolIdHasher(u64);
+
+impl Hasher for PoolIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 struct Shared {
     devices: Vec<DeviceId>,
@@ -169,7 +193,8 @@ enum Job {
 }
 
 struct Submitted {
-    plan_label: String,
+    /// The plan's label (for a routine, its name, shared: no allocation per plan).
+    plan_label: Arc<str>,
     seq: u64,
     deps: Vec<crate::protocol::Dep>,
     job: std::result::Result<Job, String>,
@@ -212,7 +237,9 @@ impl CpuBackend {
         CpuBackend {
             shared: Arc::new(Shared {
                 devices: (0..devices as u32).map(|i| DeviceId(first.0 + i)).collect(),
-                pools: (0..devices).map(|_| Mutex::new(HashMap::new())).collect(),
+                pools: (0..devices)
+                    .map(|_| Mutex::new(PoolMap::default()))
+                    .collect(),
                 config,
                 workers: Mutex::new(None),
             }),
@@ -249,14 +276,15 @@ impl CpuBackend {
         self
     }
 
-    fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
+    fn resolve_arg(&self, b: ArgBinding) -> std::result::Result<ResolvedArg, String> {
         Ok(ResolvedArg {
             region: self.shared.resolve(b.loc, b.bytes)?,
-            binding: b.clone(),
+            binding: b,
         })
     }
 
-    fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
+    /// Resolves the plan's work (taking it: its bindings move into the job).
+    fn resolve(&self, work: Work) -> std::result::Result<Job, String> {
         let s = &self.shared;
         Ok(match work {
             Work::Run {
@@ -265,27 +293,27 @@ impl CpuBackend {
                 merge,
                 ..
             } => Job::Run {
-                kernel: kernel.clone(),
+                kernel,
                 args: args
-                    .iter()
+                    .into_iter()
                     .map(|b| self.resolve_arg(b))
                     .collect::<std::result::Result<_, _>>()?,
-                merge: merge.as_ref().map(|b| self.resolve_arg(b)).transpose()?,
+                merge: merge.map(|b| self.resolve_arg(b)).transpose()?,
             },
             Work::Copy { src, dst, bytes } => Job::Copy {
-                src: s.resolve(*src, *bytes)?,
-                dst: s.resolve(*dst, *bytes)?,
+                src: s.resolve(src, bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::FromHost { host, dst, bytes } => Job::Copy {
-                src: Region::host(host.clone(), *bytes)?,
-                dst: s.resolve(*dst, *bytes)?,
+                src: Region::host(host, bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::ToHost { src, host, bytes } => Job::Copy {
-                src: s.resolve(*src, *bytes)?,
-                dst: Region::host(host.clone(), *bytes)?,
+                src: s.resolve(src, bytes)?,
+                dst: Region::host(host, bytes)?,
             },
             Work::Memset { dst, bytes } => Job::Memset {
-                dst: s.resolve(*dst, *bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::Marker => Job::Marker,
         })
@@ -409,13 +437,15 @@ impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
         plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
-        let label = plan.work.label();
-        let job = self.backend.resolve(&plan.work);
+        let plan_label = match &plan.work {
+            Work::Run { name, .. } => name.clone(),
+            other => other.label().into(),
+        };
         let item = Submitted {
-            plan_label: label.clone(),
+            plan_label,
             seq,
             deps: plan.deps,
-            job,
+            job: self.backend.resolve(plan.work),
         };
         let Some(item) = self.task.push(item) else {
             return Ok(());
@@ -423,7 +453,7 @@ impl StreamQueue for CpuStream {
         let failure = Arc::new(Failure {
             stream: self.stream,
             seq,
-            operation: label,
+            operation: item.plan_label.to_string(),
             message: "stream is shut down".into(),
         });
         // Nobody will ever run it: fail its event so that no waiter hangs, once its
@@ -507,7 +537,7 @@ fn complete(
         Arc::new(Failure {
             stream,
             seq: item.seq,
-            operation: item.plan_label.clone(),
+            operation: item.plan_label.to_string(),
             message,
         })
     };
@@ -526,7 +556,7 @@ fn complete(
         // Recorded before the event completes, so waiters always end after it.
         rec.record(TraceRecord {
             kind: TraceKind::Work,
-            name: item.plan_label.clone(),
+            name: item.plan_label.to_string(),
             stream,
             seq: item.seq,
             start_ns: rec.ns(start),

@@ -320,7 +320,7 @@ impl StreamTask {
             if let (Some(since), Some(rec)) = (head.blocked_since.take(), &self.recorder) {
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
-                    name: head.item.plan_label.clone(),
+                    name: head.item.plan_label.to_string(),
                     stream: self.stream,
                     seq: head.item.seq,
                     start_ns: rec.ns(since),
