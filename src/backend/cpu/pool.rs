@@ -285,3 +285,57 @@ impl Drop for Exited<'_> {
         self.0.exited.notify_all();
     }
 }
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_stream_stops_the_pool_and_joins_its_workers() {
+        let pool = WorkerPool::start("test-pool", 2, Duration::from_micros(10)).unwrap();
+        assert!(pool.attach(), "a running pool takes more streams");
+        assert!(pool.detach(None), "not the last stream: nothing to join");
+        assert_eq!(pool.lifecycle.lock().running, 2);
+        assert!(pool.detach(None), "the last stream joins the workers");
+        let life = pool.lifecycle.lock();
+        assert_eq!((life.running, life.streams, life.stopped), (0, 0, true));
+        assert!(life.threads.is_empty());
+        drop(life);
+        assert!(
+            !pool.attach(),
+            "a stopped pool takes no stream: start a new one"
+        );
+    }
+
+    #[test]
+    fn a_bounded_stop_returns_once_the_workers_exited() {
+        let pool = WorkerPool::start("test-pool", 3, Duration::ZERO).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert!(pool.detach(Some(deadline)));
+        assert_eq!(pool.lifecycle.lock().running, 0);
+    }
+
+    #[test]
+    fn a_backend_restarts_its_pool_after_the_last_stream_left() {
+        let backend = super::super::CpuBackend::with_config(
+            crate::DeviceId(0),
+            1,
+            super::super::CpuConfig::default().with_workers(1),
+        )
+        .unwrap();
+        let sid = |index| crate::StreamId {
+            device: crate::DeviceId(0),
+            index,
+        };
+        let first = backend.pool_for(sid(0)).unwrap();
+        let second = backend.pool_for(sid(1)).unwrap();
+        assert!(StdArc::ptr_eq(&first, &second), "streams share the pool");
+        assert!(first.detach(None) && second.detach(None));
+        let third = backend.pool_for(sid(0)).unwrap();
+        assert!(
+            !StdArc::ptr_eq(&first, &third),
+            "a stopped pool is replaced"
+        );
+        assert!(third.detach(None));
+    }
+}
