@@ -1,12 +1,91 @@
-//! Schedule-to-completion latency of one empty routine on an idle system (alone, behind a
-//! cross-stream dependency, behind a cross-device dependency), beside a raw two-thread
-//! handoff over crossbeam channels.
+//! Schedule-to-completion latency of one small routine, beside a raw two-thread handoff
+//! over crossbeam channels measured the same way:
+//!
+//! - `engine_hot` / `system_hot`: through `Engine` and through `System` (one CPU device,
+//!   one stream), back to back, so the workers and the waiting host thread are spinning;
+//!   `raw_handoff` hands a job to a persistent worker thread and waits for the reply;
+//! - `engine_idle` / `system_idle` / `raw_handoff_idle`: the same, each operation after a
+//!   sleep of [`IDLE_GAP`] (longer than every spin window, so every thread has parked);
+//! - `actor_path/*`: through `System` on 2 devices × 2 streams: alone, behind a
+//!   cross-stream dependency, behind a cross-device copy.
 
 use std::time::{Duration, Instant};
 
-use criterion::Criterion;
-use tributary::{kernels, DType, MemoryMode, MergeBufferUse, Sharing, TensorNode};
+use criterion::{BenchmarkGroup, Criterion};
+use tributary::{
+    kernels, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, TensorNode,
+};
 use tributary_actors::{StreamConfig, System};
+
+/// The pause before each operation of an `*_idle` measurement: far longer than the spin
+/// windows (50 µs for the CPU workers and for a waiting host thread; crossbeam's are
+/// shorter), so that every thread involved is parked when the operation starts.
+const IDLE_GAP: Duration = Duration::from_micros(500);
+
+/// Times `op` `iters` times, each after `IDLE_GAP` of sleep (the sleep is not timed).
+fn idle(iters: u64, mut op: impl FnMut()) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        std::thread::sleep(IDLE_GAP);
+        let start = Instant::now();
+        op();
+        total += start.elapsed();
+    }
+    total
+}
+
+/// `engine_hot`, `engine_idle`: one `fill` of one element through an `Engine` on one CPU
+/// device with one stream, from `schedule` to the return of the event's `wait`.
+fn engine(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    let mut engine = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let x = node("x", MemoryMode::on_device());
+    let ctx = engine.context(0, 0).expect("ctx");
+    let r = engine
+        .link(&ctx, kernels::fill(&x, 1.0).expect("spec"))
+        .expect("link");
+    g.bench_function("engine_hot", |b| {
+        b.iter(|| engine.schedule(&r).expect("schedule").wait().expect("wait"))
+    });
+    g.bench_function("engine_idle", |b| {
+        b.iter_custom(|iters| {
+            idle(iters, || {
+                engine.schedule(&r).expect("schedule").wait().expect("wait")
+            })
+        })
+    });
+}
+
+/// `system_hot`, `system_idle`: the same routine through a `System` on one CPU device
+/// with one stream, from `schedule` to the return of the ticket's `wait`.
+fn system(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    let sys = System::builder()
+        .cpu_devices(1)
+        .streams(StreamConfig::OnlyDevicesParallel)
+        .spawn()
+        .expect("spawn");
+    let x = node("x", MemoryMode::on_device());
+    let r = sys
+        .context(0, 0)
+        .expect("ctx")
+        .link(kernels::fill(&x, 1.0).expect("spec"))
+        .expect("link");
+    g.bench_function("system_hot", |b| {
+        b.iter(|| r.schedule().expect("schedule").wait().expect("wait"))
+    });
+    g.bench_function("system_idle", |b| {
+        b.iter_custom(|iters| {
+            idle(iters, || {
+                r.schedule().expect("schedule").wait().expect("wait")
+            })
+        })
+    });
+    let _ = sys.shutdown();
+}
 
 fn node(label: &str, mode: MemoryMode) -> TensorNode {
     TensorNode::new(label, DType::F32, [1])
@@ -16,12 +95,14 @@ fn node(label: &str, mode: MemoryMode) -> TensorNode {
 
 /// Registers this module's benchmarks.
 pub fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("latency");
+    engine(&mut g);
+    system(&mut g);
     let sys = System::builder()
         .cpu_devices(2)
         .streams(StreamConfig::MostParallelStreams(2))
         .spawn()
         .expect("spawn");
-    let mut g = c.benchmark_group("latency");
 
     // One routine, alone.
     let x = node("x", MemoryMode::on_device());
@@ -89,17 +170,12 @@ pub fn bench(c: &mut Criterion) {
         })
     });
     // A parked (futex) handoff: what an idle worker costs to wake.
-    g.bench_function("raw_handoff_parked", |b| {
+    g.bench_function("raw_handoff_idle", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                std::thread::sleep(Duration::from_micros(200));
-                let start = Instant::now();
+            idle(iters, || {
                 let _ = tx.send(1.0);
                 let _ = back_rx.recv();
-                total += start.elapsed();
-            }
-            total
+            })
         })
     });
     g.finish();

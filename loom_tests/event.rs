@@ -119,6 +119,45 @@ fn completion_publishes_data() {
     });
 }
 
+/// Two blocking waiters and a signal: each waiter spins for a moment before it parks
+/// (`Timeline::wait`, "Spinning before parking"), and loom runs the signal before, during
+/// and after each one's spin, so one may see the completion while spinning (without
+/// registering: the signal owes it no wake-up) while the other parks and must be woken;
+/// both see the data written before the signal.
+#[test]
+fn spinning_and_parked_waiters_see_completion() {
+    struct Data(UnsafeCell<u64>);
+    // SAFETY: the only write happens before `signal(1)`, every read after a wait observed
+    // event 1 complete; loom checks exactly that.
+    unsafe impl Sync for Data {}
+
+    run_model(
+        "event::spinning_and_parked_waiters_see_completion",
+        builder(Some(3)),
+        || {
+            let t = Timeline::new(sid());
+            let data = Arc::new(Data(UnsafeCell::new(0)));
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    let (t, data) = (t.clone(), data.clone());
+                    thread::spawn(move || {
+                        let waited = t.wait(1);
+                        // SAFETY: ordered after the write by the wait (checked by loom).
+                        let seen = data.0.with(|p| unsafe { *p });
+                        (waited, seen)
+                    })
+                })
+                .collect();
+            // SAFETY: the waiters read only after the event (checked by loom).
+            data.0.with_mut(|p| unsafe { *p = 7 });
+            t.signal(1);
+            for waiter in waiters {
+                assert_eq!(waiter.join().unwrap(), (Ok(()), 7));
+            }
+        },
+    );
+}
+
 /// A failure alone wakes every waiter of the failed operation (nothing else will) and
 /// fails it with the root cause; the operation after it still succeeds.
 #[test]

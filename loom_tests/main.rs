@@ -1,6 +1,6 @@
 //! loom models of tributary's synchronisation: the event timeline, the protocol driving
-//! real streams, and the CPU stream queue. They run on the real engine code compiled
-//! against loom (`--cfg tributary_loom`, see `src/sync.rs`):
+//! real streams, the CPU stream queue and worker pool, and the shim's channel. They run on
+//! the real engine code compiled against loom (`--cfg tributary_loom`, see `src/sync.rs`):
 //!
 //! ```text
 //! RUSTFLAGS="--cfg tributary_loom" CARGO_TARGET_DIR=target-loom \
@@ -16,6 +16,7 @@
 
 mod actor_world;
 mod actors;
+mod channel;
 mod event;
 mod harness;
 mod protocol;

@@ -1,6 +1,8 @@
-//! Models of the CPU stream queue (`src/backend/cpu.rs`), on the real backend: its worker
-//! thread, channel and locks come from the sync shim, so under loom the worker is a model
-//! thread and every hand-off is explored.
+//! Models of the CPU stream queue (`src/backend/cpu.rs`, `cpu/pool.rs`, `cpu/stream.rs`),
+//! on the real backend: its worker pool, locks, scheduling word and threads come from the
+//! sync shim, so under loom the worker is a model thread and every hand-off is explored.
+//! Every model runs on a pool of **one worker**, the case where a stream that held its
+//! worker while waiting would deadlock the others.
 //!
 //! The contract checked: work accepted by `submit` runs, and its event completes only
 //! after it ran (no lost work); work refused because the stream is shut down fails its
@@ -8,23 +10,31 @@
 //! `shutdown` drains what was accepted, then returns (no hang). A refused operation's event
 //! fails only after its dependencies and the stream's earlier operations are decided, as
 //! if it had waited for them (`src/protocol/unsubmitted.rs`): the tables prune everything
-//! ordered before a completed event.
+//! ordered before a completed event. On the pool: a stream whose head waits for another
+//! stream gives its worker back (the other stream runs, then it does); a stream parked on
+//! an event is woken when the event completes, whenever that happens; a stream's next plan
+//! never overtakes its head; a failed data dependency fails the plan without running it.
 
 use std::sync::Arc as StdArc;
 
 use tributary::{
-    backend::{cpu::CpuBackend, Backend, StreamQueue},
+    backend::{
+        cpu::{CpuBackend, CpuConfig},
+        Backend, StreamQueue,
+    },
     event::{Event, EventStatus},
     kernels::{Access, CpuKernel, Kernel},
     protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
     sync::{thread, Arc, UnsafeCell},
-    BufferLoc, DType, DeviceId, Error, PoolId, StreamId, Timeline,
+    BufferLoc, DType, DeviceId, Error, Failure, PoolId, StreamId, Timeline,
 };
 
 use crate::harness::{builder, run_model};
 
 const DEVICE: DeviceId = DeviceId(0);
 const POOL: PoolId = PoolId(0);
+/// Plans per stream a model may use (each writes its own word of the pool).
+const SLOTS: u64 = 4;
 
 /// How many times the kernel of a plan ran.
 struct Runs(UnsafeCell<u32>);
@@ -42,21 +52,35 @@ impl Runs {
     }
 }
 
-/// A stream of a one-device CPU backend, with one 64-byte pool for kernel arguments.
-fn stream() -> (Arc<Timeline>, StdArc<dyn StreamQueue>) {
-    let backend = CpuBackend::new(DEVICE, 1);
+/// One stream of a backend: its timeline and queue.
+type Stream = (Arc<Timeline>, StdArc<dyn StreamQueue>);
+
+/// `n` streams of a one-device CPU backend on a pool of one worker, with one 64-byte pool
+/// for kernel arguments.
+fn streams(n: u32) -> Vec<Stream> {
+    let config = CpuConfig::default().with_workers(1);
+    let backend = CpuBackend::with_config(DEVICE, 1, config).unwrap();
     backend.create_pool(DEVICE, POOL, 64, 64).unwrap();
-    let sid = StreamId {
-        device: DEVICE,
-        index: 0,
-    };
-    let timeline = Timeline::new(sid);
-    // SAFETY: a fresh timeline, completed by this queue only; the plans submitted are
-    // `counted`'s, each on its own word of the pool, made under `Plan::from_parts`'s
-    // contract.
-    let queue: StdArc<dyn StreamQueue> =
-        StdArc::from(unsafe { backend.start_stream(sid, timeline.clone()) }.unwrap());
-    (timeline, queue)
+    (0..n)
+        .map(|index| {
+            let sid = StreamId {
+                device: DEVICE,
+                index,
+            };
+            let timeline = Timeline::new(sid);
+            // SAFETY: a fresh timeline, completed by this queue only; the plans submitted
+            // are `counted`'s, each on its own word of the pool, made under
+            // `Plan::from_parts`'s contract.
+            let queue: StdArc<dyn StreamQueue> =
+                StdArc::from(unsafe { backend.start_stream(sid, timeline.clone()) }.unwrap());
+            (timeline, queue)
+        })
+        .collect()
+}
+
+/// A stream of a one-device CPU backend (one worker).
+fn stream() -> Stream {
+    streams(1).pop().unwrap()
 }
 
 /// Plan `seq` on `timeline`: a kernel that counts its runs in the returned cell.
@@ -67,19 +91,40 @@ fn counted(timeline: &Arc<Timeline>, seq: u64) -> (Plan, StdArc<Runs>) {
 /// [`counted`], waiting for `deps` first (events of timelines no queue completes, which
 /// the model signals itself; they stand for producers on other streams).
 fn counted_after(timeline: &Arc<Timeline>, seq: u64, deps: Vec<Dep>) -> (Plan, StdArc<Runs>) {
+    counted_reading(timeline, seq, deps, None)
+}
+
+/// [`counted_after`], whose kernel also reads `before`, the run count of a plan that must
+/// have run first (its dependency, or its predecessor on the stream), and fails unless it
+/// is 1. The read is a loom cell access: unordered with that plan's write, it is a
+/// causality violation.
+fn counted_reading(
+    timeline: &Arc<Timeline>,
+    seq: u64,
+    deps: Vec<Dep>,
+    before: Option<StdArc<Runs>>,
+) -> (Plan, StdArc<Runs>) {
+    assert!(seq < SLOTS, "model bug: too many plans on a stream");
     let runs = StdArc::new(Runs(UnsafeCell::new(0)));
     let r = runs.clone();
     let kernel = Kernel::Cpu(CpuKernel::new(move |_| {
+        if let Some(before) = &before {
+            let ran = before.get();
+            if ran != 1 {
+                return Err(format!("ran before the plan it must follow ({ran} runs)"));
+            }
+        }
         // SAFETY: see `Runs`.
         r.0.with_mut(|p| unsafe { *p += 1 });
         Ok(())
     }));
+    let slot = u64::from(timeline.stream().index) * SLOTS + seq;
     let arg = ArgBinding::new(
         GlobalLoc {
             device: DEVICE,
             loc: BufferLoc {
                 pool: POOL,
-                offset: 4 * seq,
+                offset: 4 * slot,
             },
         },
         4,
@@ -90,8 +135,8 @@ fn counted_after(timeline: &Arc<Timeline>, seq: u64, deps: Vec<Dep>) -> (Plan, S
     let work = Work::run(format!("counted#{seq}"), kernel, vec![arg], None);
     // SAFETY: `seq` is issued once, to this plan, on `timeline`, whose queue it is
     // submitted to; it needs no dependencies because no other plan touches its 4 bytes
-    // (each plan writes its own word of the pool), which exist in the live pool `POOL`;
-    // `deps` only add waits.
+    // (each plan writes its own word of the pool, by stream and sequence number), which
+    // exist in the live pool `POOL`; `deps` only add waits.
     let plan = unsafe {
         Plan::from_parts(
             timeline.stream(),
@@ -187,7 +232,7 @@ fn idle_worker_is_woken() {
 fn producer() -> (Arc<Timeline>, Dep) {
     let other = Timeline::new(StreamId {
         device: DEVICE,
-        index: 1,
+        index: 7,
     });
     let dep = Dep::new(Event::new(other.clone(), 1), DepKind::Data);
     (other, dep)
@@ -228,7 +273,7 @@ fn refused_work_fails_after_its_dependencies() {
 fn refused_work_keeps_stream_order() {
     run_model(
         "queue::refused_work_keeps_stream_order",
-        builder(None),
+        builder(Some(3)),
         || {
             let (timeline, queue) = stream();
             queue.shutdown();
@@ -248,6 +293,111 @@ fn refused_work_keeps_stream_order() {
             check(s2, w2, &r2);
             check(s1, e1.wait(), &r1);
             finisher.join().unwrap();
+        },
+    );
+}
+
+/// One worker, two streams, B's plan waiting for A's (a data dependency), B submitted
+/// first: the worker takes B, finds its dependency pending, parks B on the event and runs
+/// A, whose completion makes B ready again. A stream that held its worker while waiting
+/// (the one-thread-per-stream design on a shared pool) deadlocks here.
+#[test]
+fn blocked_stream_on_one_worker() {
+    run_model(
+        "queue::blocked_stream_on_one_worker",
+        builder(Some(3)),
+        || {
+            let mut both = streams(2);
+            let (b, queue_b) = both.pop().unwrap();
+            let (a, queue_a) = both.pop().unwrap();
+            let (pa, ra) = counted(&a, 1);
+            let dep = Dep::new(pa.event().clone(), DepKind::Data);
+            let (pb, rb) = counted_reading(&b, 1, vec![dep], Some(ra.clone()));
+            let (ea, eb) = (pa.event().clone(), pb.event().clone());
+            queue_b.submit(pb).unwrap();
+            queue_a.submit(pa).unwrap();
+            check(Ok(()), eb.wait(), &rb);
+            check(Ok(()), ea.wait(), &ra);
+            queue_a.shutdown();
+            queue_b.shutdown();
+        },
+    );
+}
+
+/// A stream parked on an event of another stream is woken when that event completes,
+/// whenever the completion comes: before the worker polls the event, between its
+/// registration and the worker giving the stream up (the stream is then still RUNNING:
+/// the wake-up must make the worker look again), or after.
+#[test]
+fn parked_stream_is_woken() {
+    run_model("queue::parked_stream_is_woken", builder(Some(3)), || {
+        let (timeline, queue) = stream();
+        let (other, dep) = producer();
+        let (p1, r1) = counted_after(&timeline, 1, vec![dep]);
+        let e1 = p1.event().clone();
+        queue.submit(p1).unwrap();
+        let finisher = thread::spawn(move || other.signal(1));
+        check(Ok(()), e1.wait(), &r1);
+        finisher.join().unwrap();
+        queue.shutdown();
+    });
+}
+
+/// A stream's second plan has no dependency of its own, but its head waits for another
+/// stream: the second runs only after the head ran (in-order completion, DESIGN.md §5).
+#[test]
+fn next_plan_waits_for_its_head() {
+    run_model(
+        "queue::next_plan_waits_for_its_head",
+        builder(Some(3)),
+        || {
+            let (timeline, queue) = stream();
+            let (other, dep) = producer();
+            let (p1, r1) = counted_after(&timeline, 1, vec![dep]);
+            let (p2, r2) = counted_reading(&timeline, 2, Vec::new(), Some(r1.clone()));
+            let (e1, e2) = (p1.event().clone(), p2.event().clone());
+            queue.submit(p1).unwrap();
+            queue.submit(p2).unwrap();
+            let finisher = thread::spawn(move || other.signal(1));
+            check(Ok(()), e2.wait(), &r2);
+            check(Ok(()), e1.wait(), &r1);
+            finisher.join().unwrap();
+            queue.shutdown();
+        },
+    );
+}
+
+/// A plan whose data dependency fails (on another stream, while the plan is parked on
+/// it) fails with the producer's root cause, without running; the stream keeps serving.
+#[test]
+fn failed_dependency_fails_the_plan_without_running_it() {
+    run_model(
+        "queue::failed_dependency_fails_the_plan_without_running_it",
+        builder(Some(3)),
+        || {
+            let (timeline, queue) = stream();
+            let (other, dep) = producer();
+            let (p1, r1) = counted_after(&timeline, 1, vec![dep]);
+            let (p2, r2) = counted(&timeline, 2);
+            let (e1, e2) = (p1.event().clone(), p2.event().clone());
+            queue.submit(p1).unwrap();
+            queue.submit(p2).unwrap();
+            let root = StdArc::new(Failure {
+                stream: other.stream(),
+                seq: 1,
+                operation: "producer".into(),
+                message: "failed".into(),
+            });
+            let cause = root.clone();
+            let finisher = thread::spawn(move || other.fail(1, cause));
+            assert!(
+                matches!(e1.wait(), Err(Error::Failed(f)) if StdArc::ptr_eq(&f, &root)),
+                "a failed data dependency must fail the plan with its root cause"
+            );
+            assert_eq!(r1.get(), 0, "a plan whose input failed must not run");
+            check(Ok(()), e2.wait(), &r2);
+            finisher.join().unwrap();
+            queue.shutdown();
         },
     );
 }

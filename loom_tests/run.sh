@@ -39,21 +39,28 @@ MUTANTS=(
   "host_upload:protocol::host_write_vs_pending_upload protocol::host_read_vs_device_write"
   "host_war:protocol::host_write_vs_pending_upload"
   "host_raw:protocol::host_read_vs_device_write"
-  "failure:protocol::failure_fails_dependents_with_root_cause"
+  "failure:protocol::failure_fails_dependents_with_root_cause queue::failed_dependency_fails_the_plan_without_running_it"
   # the actor layer across actors (src/dispatch)
   "late_source_read:actors::copy_races_a_write_of_its_source actors::streaming_consumer_races_a_write_of_its_source"
   "host_gate:actors::upload_after_a_download_on_another_device"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"
   # event timeline (src/event.rs)
-  "lost_wakeup:event::wait_vs_signal event::async_vs_signal queue::idle_worker_is_woken"
-  "relaxed_signal:event::completion_publishes_data"
+  "lost_wakeup:event::wait_vs_signal event::async_vs_signal event::spinning_and_parked_waiters_see_completion queue::parked_stream_is_woken"
+  "relaxed_signal:event::completion_publishes_data event::spinning_and_parked_waiters_see_completion"
+  "spin_relaxed:event::spinning_and_parked_waiters_see_completion"
+  "wake_past_only:event::wait_vs_signal event::spinning_and_parked_waiters_see_completion"
   "fail_no_wake:event::failure_wakes_and_fails_every_waiter protocol::failure_fails_dependents_with_root_cause"
   "failed_bit:event::failure_wakes_and_fails_every_waiter queue::shutdown_drains_queued_work"
-  # stream queue (src/sync/channel.rs, src/backend/cpu.rs)
-  "chan_lost_notify:queue::idle_worker_is_woken"
-  "chan_drop_queued:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
+  # the loom models' own stream threads (src/sync/channel.rs, used by loom_tests/world.rs)
+  "chan_lost_notify:channel::recv_is_woken_by_send protocol::raw_across_streams"
+  "chan_drop_queued:channel::queued_messages_survive_disconnect"
+  # CPU stream queue and worker pool (src/backend/cpu.rs, cpu/pool.rs, cpu/stream.rs)
   "dead_submit:queue::shutdown_drains_queued_work queue::submit_vs_shutdown"
+  "pool_lost_notify:queue::idle_worker_is_woken"
+  "pool_lost_wake:queue::parked_stream_is_woken"
+  "pool_blocking_wait:queue::blocked_stream_on_one_worker"
+  "pool_out_of_order:queue::next_plan_waits_for_its_head"
   # refused plans (src/protocol/unsubmitted.rs)
   "unsubmitted_before_deps:queue::refused_work_fails_after_its_dependencies"
   "unsubmitted_out_of_order:queue::refused_work_keeps_stream_order queue::submit_vs_shutdown"

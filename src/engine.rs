@@ -11,7 +11,10 @@ use std::{sync::Arc, time::Duration};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    backend::{cpu::CpuBackend, Backend, StreamQueue},
+    backend::{
+        cpu::{CpuBackend, CpuConfig},
+        Backend, StreamQueue,
+    },
     error::{Error, Result},
     event::Event,
     ids::DeviceId,
@@ -43,6 +46,8 @@ pub struct EngineConfig {
     pub streams_per_device: usize,
     /// Pool configuration of every device.
     pub pools: PoolConfig,
+    /// How the CPU backend runs the streams: workers, spin window, dedicated threads.
+    pub cpu: CpuConfig,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +56,7 @@ impl Default for EngineConfig {
             devices: 2,
             streams_per_device: 2,
             pools: PoolConfig::default(),
+            cpu: CpuConfig::default(),
         }
     }
 }
@@ -73,7 +79,7 @@ impl Engine {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn cpu(config: EngineConfig) -> Result<Engine> {
-        let backend = CpuBackend::new(DeviceId(0), config.devices);
+        let backend = CpuBackend::with_config(DeviceId(0), config.devices, config.cpu)?;
         Engine::with_backend(Arc::new(backend), config.streams_per_device, config.pools)
     }
 

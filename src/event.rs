@@ -34,7 +34,10 @@
 //! - `S` comes after `W`'s `fetch_or(WAITERS)`: `S` sees `WAITERS` (the bit is cleared only
 //!   under the lock when nobody is registered), takes the lock, and therefore runs after
 //!   `W`'s critical section, i.e. after `W` is asleep in the condition variable or has
-//!   stored its waker; `S` notifies it; or
+//!   stored its waker; `S` notifies it (a blocked thread registers the number it waits
+//!   for, and `S` notifies the condition variable only when the lowest registered number
+//!   is decided, so that a host waiting for the last operation of a long queue is not woken
+//!   for nothing by every operation before it; mutant `wake_past_only`); or
 //! - `S` comes before: `W`'s check, which reads the word after its own `fetch_or`, sees the
 //!   new counter and does not sleep.
 //!
@@ -49,6 +52,18 @@
 //! The other orderings are about data, not wake-ups: `signal` publishes with `Release`,
 //! and every load that may conclude "done" uses `Acquire`, so the operation's effects are
 //! visible to whoever observes its completion.
+//!
+//! # Spinning before parking
+//!
+//! A blocking wait first polls the word for a short window (50 µs, less for a shorter
+//! timeout; [`crate::sync::spin::SpinWait`]) **without** setting `WAITERS`, and parks only
+//! when the window has passed. An operation that completes within the window (a small
+//! kernel on another core) therefore costs neither side a system call: the waiter never
+//! slept, and `signal` saw no `WAITERS` bit, so it took no lock and woke nobody. This is
+//! safe for the same reason as the handshake above: a spinning waiter is not registered,
+//! so no signal owes it a wake-up; once it stops spinning it registers and re-checks like
+//! any waiter. Its polls are `Acquire` loads of the word, so a waiter that sees its
+//! operation complete while spinning sees its effects too. Async waiters never spin.
 //!
 //! # Failures
 //!
@@ -71,7 +86,12 @@ use crate::error::{Error, Failure, Result};
 use crate::ids::StreamId;
 use crate::pending::{Oneshot, Planned};
 use crate::sync::atomic::{AtomicU64, Ordering};
-use crate::sync::{Arc, Condvar, Mutex};
+use crate::sync::{spin::SpinWait, Arc, Condvar, Mutex};
+
+/// How long a blocking wait polls the timeline before it parks (module documentation,
+/// "Spinning before parking"): long enough to cover a small operation another core is
+/// running, short enough that an idle waiter stops using its core at once.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
 
 /// The largest sequence number a timeline can represent (2^61 - 1).
 ///
@@ -135,8 +155,9 @@ struct Inner {
     failures: BTreeMap<u64, StdArc<Failure>>,
     /// Set once, when the stream dies: the counter at that moment and the cause.
     poison: Option<(u64, StdArc<Failure>)>,
-    /// Threads blocked in a wait.
-    blocked: usize,
+    /// Threads blocked in a wait, counted by the sequence number each waits for: a signal
+    /// that decides none of them wakes nobody (no system call).
+    blocked: BTreeMap<u64, usize>,
     /// Registered async waiters, by (sequence number, registration id).
     wakers: BTreeMap<(u64, u64), Waker>,
     /// Next registration id for `wakers`.
@@ -291,7 +312,7 @@ impl Timeline {
             inner.failures.insert(seq, cause);
         }
         // The lock is held, so `inner` says exactly who is registered.
-        if (inner.blocked > 0 || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
+        if (!inner.blocked.is_empty() || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
             let ready = self.wake_locked(&mut inner);
             drop(inner);
             wake_all(ready);
@@ -410,6 +431,29 @@ impl Timeline {
         }
     }
 
+    /// Polls the word for `window` without announcing a waiter (module documentation,
+    /// "Spinning before parking"): the result if the operation is decided in that time,
+    /// `None` when the window passed or the lock is needed to decide (a failure or a
+    /// poison, whose cause is read under the lock).
+    fn spin_for(&self, seq: u64, window: Duration) -> Option<Result<()>> {
+        let mut spin = SpinWait::new(window);
+        while spin.spin() {
+            if mutant!("spin_relaxed") {
+                // Relaxed: the mutant; a waiter that returns on this load has not
+                // synchronised with the completion, so it may miss the operation's effects.
+                if counter(self.word.load(Ordering::Relaxed)) >= seq {
+                    return Some(Ok(()));
+                }
+            }
+            match self.status_fast(seq) {
+                Some(EventStatus::Pending) => {}
+                Some(status) => return status.into_result(),
+                None => return None,
+            }
+        }
+        None
+    }
+
     /// Sets WAITERS before the caller checks the status (module documentation).
     fn announce_waiter(&self) {
         if mutant!("lost_wakeup") {
@@ -424,7 +468,7 @@ impl Timeline {
 
     /// Clears WAITERS if nobody is registered any more. Called with the lock held.
     fn clear_waiters_if_idle(&self, inner: &Inner) {
-        if inner.blocked == 0 && inner.wakers.is_empty() {
+        if inner.blocked.is_empty() && inner.wakers.is_empty() {
             // Relaxed: the bit is only a hint for `signal` to take the lock; registrations
             // happen under the lock we hold, so no waiter can be lost by clearing it, and a
             // `signal` that still sees the old bit merely takes the lock for nothing.
@@ -445,7 +489,19 @@ impl Timeline {
             let pending = inner.wakers.split_off(&(counter(word) + 1, 0));
             std::mem::replace(&mut inner.wakers, pending)
         };
-        if inner.blocked > 0 {
+        // Wake the blocked threads only if the lowest number one of them waits for is
+        // decided now (all of them when poisoned): a thread woken for nothing would cost
+        // a system call here and a context switch there, for every operation completed
+        // while a host waits for a later one (`sync_all`).
+        let decided = |&lowest: &u64| {
+            inner.poison.is_some()
+                || if mutant!("wake_past_only") {
+                    counter(word) > lowest
+                } else {
+                    counter(word) >= lowest
+                }
+        };
+        if inner.blocked.keys().next().is_some_and(decided) {
             self.cond.notify_all();
         }
         self.clear_waiters_if_idle(inner);
@@ -456,8 +512,11 @@ impl Timeline {
         if let Some(result) = self.status_fast(seq).and_then(EventStatus::into_result) {
             return result;
         }
+        if let Some(result) = self.spin_for(seq, after.min(WAIT_SPIN)) {
+            return result;
+        }
         let mut inner = self.inner.lock();
-        inner.blocked += 1;
+        *inner.blocked.entry(seq).or_insert(0) += 1;
         self.announce_waiter();
         let result = loop {
             if let Some(result) = self.status_locked(seq, &inner).into_result() {
@@ -477,7 +536,13 @@ impl Timeline {
                 }
             };
         };
-        inner.blocked -= 1;
+        if let std::collections::btree_map::Entry::Occupied(mut waiting) = inner.blocked.entry(seq)
+        {
+            *waiting.get_mut() -= 1;
+            if *waiting.get() == 0 {
+                waiting.remove();
+            }
+        }
         self.clear_waiters_if_idle(&inner);
         result
     }

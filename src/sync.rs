@@ -48,6 +48,8 @@
 //!   [`hint`]`::spin_loop`. Under loom `spin_loop` yields to the model scheduler: a spin
 //!   loop that does not yield cannot be explored (loom would see one thread spinning
 //!   forever).
+//! - [`spin::SpinWait`]: a bounded spin window before parking (one round under loom,
+//!   where there is no clock).
 //! - [`channel`]: an unbounded multi-producer single-consumer queue with disconnection
 //!   (`crossbeam-channel` normally; a [`Mutex`] + [`Condvar`] queue under loom, whose own
 //!   `mpsc` does not model disconnection), so that stream workers can be model-checked.
@@ -108,6 +110,7 @@ pub mod thread {
 }
 
 pub mod channel;
+pub mod spin;
 
 /// Busy-wait hints.
 pub mod hint {

@@ -28,7 +28,7 @@ use common::{
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use tributary::{
     backend::{
-        cpu::CpuBackend,
+        cpu::{CpuBackend, CpuConfig},
         cuda::{CudaBackend, CudaConfig},
         fault::{Fault, FaultBackend, FaultRule, FaultRules, Target},
         vulkan::{VulkanBackend, VulkanConfig},
@@ -45,8 +45,17 @@ fn check(abs: &AbsProgram) -> Result<(), TestCaseError> {
 }
 
 /// The engine with some streams stalled: a plan of a stalled stream starts only 0.2 ms
-/// after its submission, which shuffles the interleavings the plain runs see.
+/// after its submission, which shuffles the interleavings the plain runs see. Half the
+/// programs run on a CPU pool of one worker (every stream whose plan waits must give the
+/// worker back), a quarter with workers that never spin (every wait parks).
 fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let cpu = CpuConfig::default()
+        .with_workers(1 + abs.ops.len() % 2)
+        .with_spin(if abs.ops.len() % 4 < 2 {
+            Duration::ZERO
+        } else {
+            CpuConfig::default().spin()
+        });
     let stalled: Vec<(usize, usize)> = (0..abs.devices)
         .flat_map(|d| (0..abs.streams).map(move |s| (d, s)))
         .filter(|&(d, s)| (d * 7 + s * 3 + abs.ops.len()) % 3 == 0)
@@ -62,7 +71,7 @@ fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
                 Fault::Delay(Duration::from_micros(200)),
             ));
         }
-        let cpu = CpuBackend::new(DeviceId(0), setup.devices);
+        let cpu = CpuBackend::with_config(DeviceId(0), setup.devices, cpu.clone())?;
         Ok(Arc::new(FaultBackend::new(Arc::new(cpu), rules)))
     });
     check_on(abs, &mut runner)

@@ -5,7 +5,7 @@ use std::{path::Path, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 use tributary::{
-    backend::{Backend, BackendKind},
+    backend::{cpu::CpuConfig, Backend, BackendKind},
     memory::PoolConfig,
     Error, Result,
 };
@@ -65,6 +65,9 @@ pub struct SystemConfig {
     pub record_timeline: bool,
     /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
     pub backend: BackendKind,
+    /// How the CPU backend runs its streams (TOML `[cpu]`: `workers`, `spin_us`,
+    /// `dedicated_streams`); ignored by other backends.
+    pub cpu: CpuConfig,
 }
 
 impl Default for SystemConfig {
@@ -77,6 +80,7 @@ impl Default for SystemConfig {
             shutdown_timeout_ms: 10_000,
             record_timeline: false,
             backend: BackendKind::Cpu,
+            cpu: CpuConfig::default(),
         }
     }
 }
@@ -193,6 +197,22 @@ impl SystemBuilder {
     /// ```
     pub fn streams(mut self, streams: StreamConfig) -> Self {
         self.config.streams = streams;
+        self
+    }
+
+    /// How the CPU backend runs its streams: worker threads, spin window, streams with a
+    /// thread of their own (default: one worker per core, 50 µs).
+    ///
+    /// ```
+    /// use tributary::backend::cpu::CpuConfig;
+    /// let sys = tributary_actors::System::builder()
+    ///     .cpu(CpuConfig::default().with_workers(1))
+    ///     .spawn()?;
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn cpu(mut self, config: CpuConfig) -> Self {
+        self.config.cpu = config;
         self
     }
 

@@ -49,9 +49,11 @@ impl System {
         let recorder = config.record_timeline.then(|| Arc::new(Recorder::new()));
         let backend: Arc<dyn Backend> = match instance {
             Some(backend) => backend,
-            None => config
-                .backend
-                .create_with_recorder(config.cpu_devices, recorder.clone())?,
+            None => {
+                config
+                    .backend
+                    .create_with(config.cpu_devices, &config.cpu, recorder.clone())?
+            }
         };
         let mut ids = backend.devices();
         if ids.is_empty() {

@@ -1,13 +1,17 @@
-//! The CPU backend: virtual devices whose streams are worker threads.
+//! The CPU backend: virtual devices whose streams share a pool of worker threads.
 //!
 //! Memory is one [`AlignedBuffer`] per pool, kept in a per-device map behind a mutex and
 //! handed to work as `Arc`s when a plan is submitted (bindings are resolved at schedule
 //! time; an in-flight job keeps its pools alive even if the pool is released meanwhile).
-//! Each stream is a dedicated thread fed by an unbounded channel, so `submit` never blocks. A worker waits for cross-stream dependencies by blocking on their
-//! timelines: it is a dedicated thread, so this blocks nobody else, and waits only refer to
-//! earlier events, so it cannot deadlock. Kernels run under `catch_unwind`: a panicking
-//! kernel fails its event and the worker keeps serving (rule 6). All CPU devices share the
-//! host's memory, so any device can stream any other device's buffer in place.
+//! Streams are tasks multiplexed on a pool of about one worker per core (`cpu/pool.rs`,
+//! [`CpuConfig`]); each stream is a FIFO that one worker at a time runs, and that parks on
+//! a cross-stream dependency instead of holding its worker (`cpu/stream.rs`). `submit`
+//! never blocks. Workers spin briefly for their next plan, and a stream for its
+//! dependency, before they park, so work that follows work costs no wake-up system call.
+//! Kernels run under `catch_unwind`: a panicking kernel fails its event and the pool keeps
+//! serving (rule 6). A stream may get a thread of its own
+//! ([`CpuConfig::dedicated_streams`]). All CPU devices share the host's memory, so any
+//! device can stream any other device's buffer in place.
 //!
 //! Soundness: the worker dereferences raw pointers into pools and host arrays. What makes
 //! that sound is stated once here and named by every `// SAFETY:` comment below:
@@ -23,13 +27,15 @@
 //!   protocol instance that owns the pools they name and that nothing else completes the
 //!   timeline; so "a dependency completed" means "that operation finished".
 //!
-//! The queue, its lock and the worker thread come from [`crate::sync`] (crossbeam and std
-//! threads normally, loom under `tributary_loom`), so the submission / shutdown hand-off
-//! is model-checked on this very code (`loom_tests/queue.rs`). Memory (pools and host
-//! arrays) is plain data shared through `std::sync::Arc`.
+//! The pool's queue, locks and threads, and the streams' scheduling word, come from
+//! [`crate::sync`] (std normally, loom under `tributary_loom`), so the hand-offs between
+//! submitters, workers and event wakers are model-checked on this very code
+//! (`loom_tests/queue.rs`). Memory (pools and host arrays) is plain data shared through
+//! `std::sync::Arc`.
 
 use std::{
     collections::HashMap,
+    hash::{BuildHasherDefault, Hasher},
     panic::{catch_unwind, AssertUnwindSafe},
     sync::Arc,
     time::Instant,
@@ -42,21 +48,51 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, Kernel, KernelArgs},
     memory::AlignedBuffer,
-    protocol::{await_deps, await_deps_observed, ArgBinding, GlobalLoc, Plan, Work},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        channel::{self, Receiver, Sender},
-        thread::{self, JoinHandle},
-        Arc as SyncArc, Mutex,
-    },
+    protocol::{ArgBinding, GlobalLoc, Plan, Work},
+    sync::{Arc as SyncArc, Mutex},
     trace::{Recorder, TraceKind, TraceRecord},
 };
 
-type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>>;
+mod config;
+mod pool;
+mod stream;
+
+pub use config::{CpuConfig, MAX_SPIN_US, MAX_WORKERS};
+use pool::WorkerPool;
+use stream::StreamTask;
+
+/// The pools of one device. Looked up for every binding of every plan submitted (on the
+/// submitting thread: an actor's, or the engine's owner), so hashed cheaply.
+type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>, BuildHasherDefault<PoolIdHasher>>;
+
+/// Hashes a [`PoolId`] (a small integer) by one multiplication (Fibonacci hashing), not
+/// by SipHash: pool ids are chosen by the protocol, not by an adversary.
+#[derive(Default)]
+struct PoolIdHasher(u64);
+
+impl Hasher for PoolIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 struct Shared {
     devices: Vec<DeviceId>,
     pools: Vec<Mutex<PoolMap>>,
+    config: CpuConfig,
+    /// The worker pool shared by the streams not dedicated a thread; started with the
+    /// first stream, stopped when the last one shuts down (`cpu/pool.rs`).
+    workers: Mutex<Option<Arc<WorkerPool>>>,
 }
 
 impl Shared {
@@ -162,7 +198,8 @@ enum Job {
 }
 
 struct Submitted {
-    plan_label: String,
+    /// The plan's label (for a routine, its name, shared: no allocation per plan).
+    plan_label: Arc<str>,
     seq: u64,
     deps: Vec<crate::protocol::Dep>,
     job: std::result::Result<Job, String>,
@@ -176,15 +213,66 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with `devices` virtual devices numbered from `first`.
+    /// A backend with `devices` virtual devices numbered from `first`, its streams on a
+    /// pool of one worker per available core that spin 50 µs before parking
+    /// ([`CpuConfig::default`]).
     pub fn new(first: DeviceId, devices: usize) -> CpuBackend {
+        CpuBackend::build(first, devices, CpuConfig::default())
+    }
+
+    /// A backend with `devices` virtual devices numbered from `first`, its streams run as
+    /// `config` says. A configuration it cannot use is [`Error::InvalidConfig`] naming the
+    /// setting ([`CpuConfig::validate`]).
+    ///
+    /// ```
+    /// use tributary::{backend::cpu::{CpuBackend, CpuConfig}, DeviceId, Error};
+    /// let two_workers = CpuBackend::with_config(DeviceId(0), 1, CpuConfig::default().with_workers(2))?;
+    /// assert_eq!(two_workers.config().worker_count(), 2);
+    /// let err = CpuBackend::with_config(DeviceId(0), 1, CpuConfig::default().with_workers(100_000));
+    /// assert!(matches!(err, Err(Error::InvalidConfig { .. })));
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn with_config(first: DeviceId, devices: usize, config: CpuConfig) -> Result<CpuBackend> {
+        let backend = CpuBackend::build(first, devices, config);
+        backend.shared.config.validate(&backend.shared.devices)?;
+        Ok(backend)
+    }
+
+    fn build(first: DeviceId, devices: usize, config: CpuConfig) -> CpuBackend {
         CpuBackend {
             shared: Arc::new(Shared {
                 devices: (0..devices as u32).map(|i| DeviceId(first.0 + i)).collect(),
-                pools: (0..devices).map(|_| Mutex::new(HashMap::new())).collect(),
+                pools: (0..devices)
+                    .map(|_| Mutex::new(PoolMap::default()))
+                    .collect(),
+                config,
+                workers: Mutex::new(None),
             }),
             recorder: None,
         }
+    }
+
+    /// How the backend runs its streams.
+    pub fn config(&self) -> &CpuConfig {
+        &self.shared.config
+    }
+
+    /// The pool a new stream runs on, with the stream attached: a pool of its own for a
+    /// dedicated stream, otherwise the shared one (started if none is running).
+    fn pool_for(&self, stream: StreamId) -> Result<Arc<WorkerPool>, DeviceError> {
+        let config = &self.shared.config;
+        if config.is_dedicated(stream) {
+            return WorkerPool::start(&format!("tributary-{stream}"), 1, config.spin());
+        }
+        let mut current = self.shared.workers.lock();
+        if let Some(pool) = current.as_ref() {
+            if pool.attach() {
+                return Ok(pool.clone());
+            }
+        }
+        let pool = WorkerPool::start("tributary-cpu", config.worker_count(), config.spin())?;
+        *current = Some(pool.clone());
+        Ok(pool)
     }
 
     /// Records every operation and wait of the streams started from now on.
@@ -193,14 +281,15 @@ impl CpuBackend {
         self
     }
 
-    fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
+    fn resolve_arg(&self, b: ArgBinding) -> std::result::Result<ResolvedArg, String> {
         Ok(ResolvedArg {
             region: self.shared.resolve(b.loc, b.bytes)?,
-            binding: b.clone(),
+            binding: b,
         })
     }
 
-    fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
+    /// Resolves the plan's work (taking it: its kernel and index values move into the job).
+    fn resolve(&self, work: Work) -> std::result::Result<Job, String> {
         let s = &self.shared;
         Ok(match work {
             Work::Run {
@@ -210,28 +299,29 @@ impl CpuBackend {
                 bindings,
                 ..
             } => Job::Run {
-                bindings: bindings.clone(),
-                kernel: kernel.clone(),
+                bindings,
+                kernel,
+                // Shared with the routine (resolved once at link): each is cloned.
                 args: args
                     .iter()
-                    .map(|b| self.resolve_arg(b))
+                    .map(|b| self.resolve_arg(b.clone()))
                     .collect::<std::result::Result<_, _>>()?,
-                merge: merge.as_ref().map(|b| self.resolve_arg(b)).transpose()?,
+                merge: merge.map(|b| self.resolve_arg(b)).transpose()?,
             },
             Work::Copy { src, dst, bytes } => Job::Copy {
-                src: s.resolve(*src, *bytes)?,
-                dst: s.resolve(*dst, *bytes)?,
+                src: s.resolve(src, bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::FromHost { host, dst, bytes } => Job::Copy {
-                src: Region::host(host.clone(), *bytes)?,
-                dst: s.resolve(*dst, *bytes)?,
+                src: Region::host(host, bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::ToHost { src, host, bytes } => Job::Copy {
-                src: s.resolve(*src, *bytes)?,
-                dst: Region::host(host.clone(), *bytes)?,
+                src: s.resolve(src, bytes)?,
+                dst: Region::host(host, bytes)?,
             },
             Work::Memset { dst, bytes } => Job::Memset {
-                dst: s.resolve(*dst, *bytes)?,
+                dst: s.resolve(dst, bytes)?,
             },
             Work::Marker => Job::Marker,
         })
@@ -285,20 +375,19 @@ impl Backend for CpuBackend {
         stream: StreamId,
         timeline: SyncArc<Timeline>,
     ) -> Result<Box<dyn StreamQueue>, DeviceError> {
-        let (tx, rx) = channel::unbounded::<Submitted>();
-        let tl = timeline.clone();
-        let recorder = self.recorder.clone();
-        let worker = thread::Builder::new()
-            .name(format!("tributary-{stream}"))
-            .spawn(move || worker_loop(stream, tl, rx, recorder))
-            .map_err(|e| DeviceError::Unexpected(format!("cannot spawn worker: {e}")))?;
+        let pool = self.pool_for(stream)?;
+        let task = StreamTask::new(
+            stream,
+            timeline.clone(),
+            pool.clone(),
+            self.recorder.clone(),
+        );
         Ok(Box::new(CpuStream {
             backend: self.clone(),
             stream,
             timeline,
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
-            last_submitted: AtomicU64::new(0),
+            task,
+            pool: Mutex::new(Some(pool)),
         }))
     }
 
@@ -340,110 +429,93 @@ impl Backend for CpuBackend {
     }
 }
 
-/// One CPU stream: a worker thread and the sending side of its queue.
+/// One CPU stream: a task of the worker pool (`cpu/stream.rs`) and its attachment to
+/// the pool.
 ///
-/// `submit` never waits for the work, except while a concurrent `shutdown` drains the
-/// queue: it then waits for the drain and fails its plan (see `shutdown`).
+/// `submit` never waits for the work.
 pub struct CpuStream {
     backend: CpuBackend,
     stream: StreamId,
     timeline: SyncArc<Timeline>,
-    tx: Mutex<Option<Sender<Submitted>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
-    /// Highest sequence number accepted by the queue (for bounded shutdown).
-    last_submitted: AtomicU64,
+    task: Arc<StreamTask>,
+    /// The pool the stream is attached to, until it shuts down.
+    pool: Mutex<Option<Arc<WorkerPool>>>,
 }
 
 impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
         plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
-        let label = plan.work.label();
-        let job = self.backend.resolve(&plan.work);
+        let plan_label = match &plan.work {
+            Work::Run { name, .. } => name.clone(),
+            other => other.label().into(),
+        };
         let item = Submitted {
-            plan_label: label.clone(),
+            plan_label,
             seq,
             deps: plan.deps,
-            job,
+            job: self.backend.resolve(plan.work),
         };
-        let tx = self.tx.lock();
-        let refused = match tx.as_ref() {
-            Some(tx) => {
-                // Release pairs with the Acquire in `shutdown_bounded`, under the same lock.
-                self.last_submitted.fetch_max(seq, Ordering::Release);
-                tx.send(item).err().map(|e| e.0)
-            }
-            None => Some(item),
+        let Some(item) = self.task.push(item) else {
+            return Ok(());
         };
-        drop(tx);
-        if let Some(item) = refused {
-            let failure = Arc::new(Failure {
-                stream: self.stream,
+        let failure = Arc::new(Failure {
+            stream: self.stream,
+            seq,
+            operation: item.plan_label.to_string(),
+            message: "stream is shut down".into(),
+        });
+        // Nobody will ever run it: fail its event so that no waiter hangs, once its
+        // dependencies and the stream's earlier operations are decided
+        // (`protocol/unsubmitted.rs`): failing it at once while earlier operations were
+        // still queued would advance the timeline past them, so they would look complete
+        // before they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
+        if !mutant!("dead_submit") {
+            crate::protocol::fail_when_ready(
+                self.timeline.clone(),
                 seq,
-                operation: label,
-                message: "stream is shut down".into(),
-            });
-            // Nobody will ever run it: fail its event so that no waiter hangs, once its
-            // dependencies are decided (`protocol/unsubmitted.rs`).
-            if !mutant!("dead_submit") {
-                crate::protocol::fail_when_ready(
-                    self.timeline.clone(),
-                    seq,
-                    item.deps.into_iter().map(|dep| dep.event().clone()),
-                    failure,
-                );
-            }
-            return Err(Error::ShutDown(format!("stream {}", self.stream)));
+                item.deps.into_iter().map(|dep| dep.event().clone()),
+                failure,
+            );
         }
-        Ok(())
+        Err(Error::ShutDown(format!("stream {}", self.stream)))
     }
 
     fn shutdown_within(&self, timeout: std::time::Duration) -> bool {
-        self.shutdown_bounded(timeout)
+        self.shutdown_until(Instant::now().checked_add(timeout))
     }
 
     fn shutdown(&self) {
-        // Closing the channel lets the worker drain what is queued and exit. A `submit`
-        // racing with the shutdown finds the queue closed and fails its event, but only
-        // once every operation accepted before it has completed (`fail_when_ready` waits
-        // for its predecessor): failing it at once while earlier operations were still
-        // queued would advance the timeline past them, so they would look complete before
-        // they ran (found by `loom_tests/queue.rs`, `submit_vs_shutdown`).
-        drop(self.tx.lock().take());
-        let handle = self.worker.lock().take();
-        if let Some(h) = handle {
-            if h.join().is_err() {
-                self.timeline.poison(Arc::new(Failure {
-                    stream: self.stream,
-                    seq: self.timeline.completed() + 1,
-                    operation: "worker".into(),
-                    message: "stream worker panicked".into(),
-                }));
-            }
-        }
+        self.shutdown_until(None);
     }
 }
 
 impl CpuStream {
-    /// Closes the queue, waits until `timeout` for the worker to drain it, then joins the
-    /// worker, or detaches it (returns `false`) if work is still running.
-    fn shutdown_bounded(&self, timeout: std::time::Duration) -> bool {
-        // Every `submit` that found the sender updated `last_submitted` under the lock we
-        // take here; later ones find it gone. So after it `last` is final.
-        drop(self.tx.lock().take());
-        let last = self.last_submitted.load(Ordering::Acquire);
+    /// Stops accepting work, waits (until `deadline`, if any) for what was accepted to
+    /// complete, then leaves the pool (the last stream stops it and joins its workers).
+    /// `false` if work was still running at the deadline.
+    fn shutdown_until(&self, deadline: Option<Instant>) -> bool {
+        // After `close` nothing more is accepted, so `last` is final.
+        let last = self.task.close();
         let drained = last == 0
-            || self.timeline.wait_timeout(last, timeout).is_ok()
-            || self.timeline.is_done(last);
-        let handle = self.worker.lock().take();
-        if drained {
-            if let Some(h) = handle {
-                let _ = h.join();
-            }
-        }
-        // Otherwise dropping the handle detaches the worker: it finishes (or not) on its
-        // own, and every job it holds keeps its memory alive.
-        drained
+            || match deadline {
+                // Returns when `last` is decided: completed, failed, or the stream died.
+                None => {
+                    let _ = self.timeline.wait(last);
+                    true
+                }
+                Some(deadline) => {
+                    self.timeline.wait_deadline(last, deadline).is_ok()
+                        || self.timeline.is_done(last)
+                }
+            };
+        let left = match self.pool.lock().take() {
+            Some(pool) => pool.detach(deadline),
+            None => true,
+        };
+        // Otherwise work still runs (or waits): it keeps its memory alive, and finishes or
+        // not on its own.
+        drained && left
     }
 }
 
@@ -453,66 +525,19 @@ impl Drop for CpuStream {
     }
 }
 
-/// Poisons the timeline if the worker thread unwinds or exits with work pending.
-struct PoisonOnExit {
+/// Runs one plan whose dependencies are all decided: fails it with `failed` (the root
+/// cause of a failed data dependency) without running it, or runs its work under
+/// `catch_unwind` and completes its event (rule 6).
+fn complete(
     stream: StreamId,
-    timeline: SyncArc<Timeline>,
-}
-
-impl Drop for PoisonOnExit {
-    fn drop(&mut self) {
-        if thread::panicking() {
-            self.timeline.poison(Arc::new(Failure {
-                stream: self.stream,
-                seq: self.timeline.completed() + 1,
-                operation: "worker".into(),
-                message: "stream worker died".into(),
-            }));
-        }
-    }
-}
-
-fn worker_loop(
-    stream: StreamId,
-    timeline: SyncArc<Timeline>,
-    rx: Receiver<Submitted>,
-    recorder: Option<Arc<Recorder>>,
+    timeline: &Timeline,
+    item: Submitted,
+    failed: Option<Arc<Failure>>,
+    recorder: Option<&Recorder>,
 ) {
-    let _guard = PoisonOnExit {
-        stream,
-        timeline: timeline.clone(),
-    };
-    while let Ok(item) = rx.recv() {
-        let span =
-            tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
-        let _enter = span.enter();
-        run_item(stream, &timeline, item, recorder.as_deref());
-    }
-}
-
-fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Option<&Recorder>) {
-    let deps = match recorder {
-        None => await_deps(&item.deps),
-        Some(rec) => {
-            let mut since = Instant::now();
-            await_deps_observed(&item.deps, |dep, done| match done {
-                None => since = Instant::now(),
-                Some(ok) => rec.record(TraceRecord {
-                    kind: TraceKind::Wait,
-                    name: item.plan_label.clone(),
-                    stream,
-                    seq: item.seq,
-                    start_ns: rec.ns(since),
-                    end_ns: rec.ns(Instant::now()),
-                    bytes: 0,
-                    waited_for: Some((dep.event.stream(), dep.event.seq())),
-                    after: Vec::new(),
-                    ok,
-                }),
-            })
-        }
-    };
-    if let Err(root) = deps {
+    let span = tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
+    let _enter = span.enter();
+    if let Some(root) = failed {
         tracing::debug!(stream = %stream, seq = item.seq, cause = %root, "dependency failed");
         timeline.fail(item.seq, root);
         return;
@@ -521,7 +546,7 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Op
         Arc::new(Failure {
             stream,
             seq: item.seq,
-            operation: item.plan_label.clone(),
+            operation: item.plan_label.to_string(),
             message,
         })
     };
@@ -532,15 +557,15 @@ fn run_item(stream: StreamId, timeline: &Timeline, item: Submitted, recorder: Op
             return;
         }
     };
-    let start = Instant::now();
-    let bytes = job.bytes();
+    // Timed and sized only for the trace.
+    let start = recorder.map(|_| (Instant::now(), job.bytes()));
     let after = recorder.map(|_| crate::trace::cross_stream(stream, &item.deps));
     let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
-    if let Some(rec) = recorder {
+    if let (Some(rec), Some((start, bytes))) = (recorder, start) {
         // Recorded before the event completes, so waiters always end after it.
         rec.record(TraceRecord {
             kind: TraceKind::Work,
-            name: item.plan_label.clone(),
+            name: item.plan_label.to_string(),
             stream,
             seq: item.seq,
             start_ns: rec.ns(start),

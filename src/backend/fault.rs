@@ -9,15 +9,18 @@
 //!   as a driver error would (for a pool creation: [`DeviceError::OutOfMemory`]);
 //! - [`Fault::Delay`]: the operation runs normally, but not before the delay has passed
 //!   since its submission (a stall, to make an interleaving likely);
-//! - [`Fault::KillWorker`]: the stream's worker thread dies while running the operation; it
-//!   and everything queued or submitted later on that stream fail.
+//! - [`Fault::KillWorker`]: a panic escapes every `catch_unwind` of the worker running the
+//!   operation, as if its thread died; the operation and everything queued or submitted
+//!   later on that stream fail (the CPU pool's worker itself survives and serves the other
+//!   streams).
 //!
 //! Faults take effect where real failures happen: on the stream, after the operation's
 //! dependencies completed, through the wrapped backend's own failure path (its
 //! `catch_unwind`, its worker-death handling). `Panic`, `Error` and `KillWorker` replace the
 //! operation's work by a CPU kernel ([`Kernel::Cpu`]) that keeps the operation's label, so
 //! the failure names the original operation; wrap the CPU backend for them.
-//! `KillWorker` relies on the CPU backend running kernels on a dedicated worker thread.
+//! `KillWorker` relies on the CPU backend treating a panic that escapes a kernel's
+//! `catch_unwind` as the death of the stream's worker.
 //!
 //! ```
 //! use std::sync::Arc;

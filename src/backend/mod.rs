@@ -282,19 +282,8 @@ impl BackendKind {
     /// start (no loader or driver library, too old a driver, no suitable device) is
     /// [`DeviceError::Unavailable`].
     pub fn create(&self, cpu_devices: usize) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
-        // A plain `std` Arc: loom's cannot hold a trait object.
-        use std::sync::Arc;
-        match self {
-            BackendKind::Cpu => Ok(Arc::new(cpu::CpuBackend::new(DeviceId(0), cpu_devices))),
-            BackendKind::Vulkan(config) => Ok(Arc::new(vulkan::VulkanBackend::new(
-                DeviceId(0),
-                config.clone(),
-            )?)),
-            BackendKind::Cuda(config) => Ok(Arc::new(cuda::CudaBackend::new(
-                DeviceId(0),
-                config.clone(),
-            )?)),
-        }
+        self.create_with(cpu_devices, &cpu::CpuConfig::default(), None)
+            .map_err(into_device_error)
     }
 
     /// [`BackendKind::create`], recording every operation and wait of the backend's
@@ -304,21 +293,61 @@ impl BackendKind {
         cpu_devices: usize,
         recorder: Option<std::sync::Arc<crate::trace::Recorder>>,
     ) -> Result<std::sync::Arc<dyn Backend>, DeviceError> {
+        self.create_with(cpu_devices, &cpu::CpuConfig::default(), recorder)
+            .map_err(into_device_error)
+    }
+
+    /// [`BackendKind::create_with_recorder`], the CPU backend's streams run as `cpu` says
+    /// (ignored by other kinds). A CPU configuration it cannot use is
+    /// [`Error::InvalidConfig`] ([`cpu::CpuConfig::validate`]); a backend that cannot
+    /// start is [`Error::Device`].
+    ///
+    /// ```
+    /// use tributary::backend::{cpu::CpuConfig, BackendKind};
+    /// let backend = BackendKind::Cpu.create_with(2, &CpuConfig::default().with_workers(1), None)?;
+    /// assert_eq!(backend.devices().len(), 2);
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn create_with(
+        &self,
+        cpu_devices: usize,
+        cpu: &cpu::CpuConfig,
+        recorder: Option<std::sync::Arc<crate::trace::Recorder>>,
+    ) -> Result<std::sync::Arc<dyn Backend>> {
+        // A plain `std` Arc: loom's cannot hold a trait object.
         use std::sync::Arc;
-        let Some(recorder) = recorder else {
-            return self.create(cpu_devices);
-        };
-        match self {
-            BackendKind::Cpu => Ok(Arc::new(
-                cpu::CpuBackend::new(DeviceId(0), cpu_devices).with_recorder(recorder),
-            )),
-            BackendKind::Vulkan(config) => Ok(Arc::new(
+        Ok(match (self, recorder) {
+            (BackendKind::Cpu, None) => Arc::new(cpu::CpuBackend::with_config(
+                DeviceId(0),
+                cpu_devices,
+                cpu.clone(),
+            )?),
+            (BackendKind::Cpu, Some(recorder)) => Arc::new(
+                cpu::CpuBackend::with_config(DeviceId(0), cpu_devices, cpu.clone())?
+                    .with_recorder(recorder),
+            ),
+            (BackendKind::Vulkan(config), None) => {
+                Arc::new(vulkan::VulkanBackend::new(DeviceId(0), config.clone())?)
+            }
+            (BackendKind::Vulkan(config), Some(recorder)) => Arc::new(
                 vulkan::VulkanBackend::new(DeviceId(0), config.clone())?.with_recorder(recorder),
-            )),
-            BackendKind::Cuda(config) => Ok(Arc::new(
+            ),
+            (BackendKind::Cuda(config), None) => {
+                Arc::new(cuda::CudaBackend::new(DeviceId(0), config.clone())?)
+            }
+            (BackendKind::Cuda(config), Some(recorder)) => Arc::new(
                 cuda::CudaBackend::new(DeviceId(0), config.clone())?.with_recorder(recorder),
-            )),
-        }
+            ),
+        })
+    }
+}
+
+/// The [`DeviceError`] of [`BackendKind::create`], which takes the default CPU
+/// configuration (always valid) and so only fails with a device error.
+fn into_device_error(e: Error) -> DeviceError {
+    match e {
+        Error::Device(e) => e,
+        other => DeviceError::Unexpected(other.to_string()),
     }
 }
 

@@ -71,6 +71,16 @@ impl Dep {
     pub fn kind(&self) -> DepKind {
         self.kind
     }
+
+    /// What this dependency, once decided with `outcome`, means for the plan waiting on
+    /// it: the root cause to fail with (a failed [`DepKind::Data`] dependency), or `None`.
+    /// Every executor folds its dependencies through this ([`await_deps`], the CPU pool).
+    pub(crate) fn failure(&self, outcome: &Result<(), Error>) -> Option<Arc<Failure>> {
+        match (outcome, self.kind) {
+            (Err(Error::Failed(f)), DepKind::Data) if !mutant!("failure") => Some(f.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// A buffer bound as a kernel argument.
@@ -509,10 +519,8 @@ pub fn await_deps_observed(
         if blocked {
             observe(dep, Some(r.is_ok()));
         }
-        if let (Err(Error::Failed(f)), DepKind::Data) = (r, dep.kind) {
-            if !mutant!("failure") {
-                failed.get_or_insert(f);
-            }
+        if let Some(f) = dep.failure(&r) {
+            failed.get_or_insert(f);
         }
     }
     match failed {

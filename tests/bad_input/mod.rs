@@ -167,6 +167,7 @@ impl EngineApi {
             devices: 2,
             streams_per_device: 2,
             pools: pools(),
+            ..EngineConfig::default()
         })?))
     }
 }

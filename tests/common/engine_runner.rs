@@ -27,6 +27,7 @@ pub fn config(setup: &Setup) -> EngineConfig {
             pool_bytes: setup.pool_bytes,
             ..Default::default()
         },
+        ..EngineConfig::default()
     }
 }
 

@@ -6,7 +6,10 @@ use std::{
     time::Duration,
 };
 
-use tributary::{backend::cpu::CpuBackend, DType, DeviceId, Error, Result, TensorNode};
+use tributary::{
+    backend::cpu::{CpuBackend, CpuConfig},
+    DType, DeviceId, Error, Result, StreamId, TensorNode,
+};
 
 use super::{
     header::CrossRankAlgorithm,
@@ -127,8 +130,17 @@ impl ClusterBuilder {
                 .into_iter()
                 .map(|d| d as usize)
                 .collect();
-            let backend: Arc<dyn tributary::backend::Backend> =
-                Arc::new(CpuBackend::new(DeviceId(0), c.cpu_devices));
+            // The network stream's kernels block on MPI (up to the deadline): a thread of
+            // its own, so they never hold a worker the compute streams share.
+            let network_stream = StreamId {
+                device: DeviceId(0),
+                index: u32::try_from(c.compute_streams).unwrap_or(u32::MAX),
+            };
+            let backend: Arc<dyn tributary::backend::Backend> = Arc::new(CpuBackend::with_config(
+                DeviceId(0),
+                c.cpu_devices,
+                CpuConfig::default().with_dedicated_stream(network_stream),
+            )?);
             let sys = System::builder()
                 .cpu_devices(c.cpu_devices)
                 .streams(StreamConfig::MostParallelStreams(c.compute_streams + 1))

@@ -1,0 +1,426 @@
+//! One CPU stream as a task of the worker pool: a FIFO of submitted plans that any worker
+//! may run, one worker at a time, and that parks on a dependency instead of holding a
+//! worker.
+//!
+//! # The backend contract on a shared pool (DESIGN.md §5)
+//!
+//! - *In-order completion.* Only the worker that owns the stream (below) touches its head
+//!   plan, and it takes the next plan only after the head completed.
+//! - *After all dependencies.* The head's dependencies are decided one after another, each
+//!   polled, never skipped; a failed [`DepKind::Data`](crate::protocol::DepKind::Data)
+//!   dependency fails the plan without running it ([`Dep::failure`]), after the others
+//!   are decided too.
+//! - *`submit` never blocks.* It pushes under a short lock and, if the stream was idle,
+//!   hands it to the pool.
+//! - *No stream holds a worker while it waits.* A head whose dependency is pending spins
+//!   for the pool's window while no other stream is ready (a producer on another core
+//!   usually finishes within it), then registers a waker on the event
+//!   ([`Event::wait_async`]) and gives the worker back; the event's completion makes the
+//!   stream ready again. So one worker with two streams, B waiting for A, runs A and then
+//!   B (`loom_tests/queue.rs`, `blocked_stream_on_one_worker`; mutant
+//!   `pool_blocking_wait`).
+//!
+//! # Ownership: one worker at a time
+//!
+//! The stream's `state` word says who may run it:
+//!
+//! ```text
+//!   IDLE ──schedule──▶ SCHEDULED (in the ready queue) ──a worker pops it──▶ RUNNING
+//!    ▲                                                                       │  │
+//!    └──────── nothing to do (queue empty, or head parked on an event) ──────┘  │ schedule
+//!              compare-and-swap RUNNING → IDLE; fails if NOTIFIED: run again   ▼
+//!                                                                         NOTIFIED
+//! ```
+//!
+//! `schedule` (a submission, or the waker of the event the head waits for) moves an idle
+//! stream to the ready queue, or marks a running one NOTIFIED; the worker gives the stream
+//! up only with a compare-and-swap from RUNNING, so a wake-up that arrives while it runs
+//! (the event completing just after the waker was registered, a plan pushed just after the
+//! worker found the queue empty) makes it look again instead of being lost
+//! (`loom_tests/queue.rs`, `parked_stream_is_woken`; mutant `pool_lost_wake`). A worker
+//! that ran a plan while other streams wait yields: the stream goes to the back of the
+//! ready queue.
+//!
+//! # A worker that dies
+//!
+//! Kernels run under `catch_unwind` (a panicking kernel fails its event, rule 6). A panic
+//! that escapes it anyway (fault injection's `KillWorker`, or a bug) kills the *stream* as
+//! if its thread had died: its timeline is poisoned ("stream worker died"), its queued
+//! plans are dropped (their events fail with the poison), later submissions are refused;
+//! the pool's worker survives and serves the other streams.
+
+use std::{
+    any::Any,
+    collections::VecDeque,
+    future::Future,
+    panic::{catch_unwind, AssertUnwindSafe},
+    pin::Pin,
+    sync::Arc as StdArc,
+    task::{Context, Poll, Wake, Waker},
+    time::Instant,
+};
+
+use crate::{
+    error::{Error, Failure, Result},
+    event::{EventFuture, EventStatus, Timeline},
+    ids::StreamId,
+    protocol::Dep,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        spin::SpinWait,
+        Arc as SyncArc, Mutex,
+    },
+    trace::{Recorder, TraceKind, TraceRecord},
+};
+
+use super::{pool::WorkerPool, Submitted};
+
+/// Not ready, not running: nothing to do, or the head waits with a waker registered.
+const IDLE: usize = 0;
+/// In the pool's ready queue.
+const SCHEDULED: usize = 1;
+/// A worker runs it.
+const RUNNING: usize = 2;
+/// A worker runs it and something happened meanwhile: look again before giving it up.
+const NOTIFIED: usize = 3;
+
+/// What a worker does with a stream after running it for a while.
+enum Outcome {
+    /// Nothing to do: give it up (unless notified meanwhile).
+    Idle,
+    /// Ran a plan while other streams wait: to the back of the ready queue.
+    Yield,
+}
+
+/// Plans accepted and not yet taken by a worker.
+struct Incoming {
+    items: VecDeque<Submitted>,
+    /// No more plans are accepted (shut down, or the stream died).
+    closed: bool,
+    /// Highest sequence number accepted.
+    last_accepted: u64,
+}
+
+/// The plan at the head of the stream, while its dependencies are decided.
+struct Head {
+    item: Submitted,
+    /// Dependencies before this index are decided.
+    next_dep: usize,
+    /// Root cause of the first failed data dependency.
+    failed: Option<StdArc<Failure>>,
+    /// The registration on the pending dependency `next_dep`, while the stream is parked.
+    waiting: Option<EventFuture>,
+    /// When the head found `next_dep` pending (recorded as a wait when it is decided).
+    blocked_since: Option<Instant>,
+}
+
+/// A stream of the CPU backend, run by a [`WorkerPool`].
+pub(super) struct StreamTask {
+    stream: StreamId,
+    timeline: SyncArc<Timeline>,
+    pool: StdArc<WorkerPool>,
+    recorder: Option<StdArc<Recorder>>,
+    incoming: Mutex<Incoming>,
+    /// `IDLE`, `SCHEDULED`, `RUNNING` or `NOTIFIED` (module documentation).
+    state: AtomicUsize,
+    /// The head plan; touched only by the worker that owns the stream (never contended).
+    head: Mutex<Option<Head>>,
+}
+
+impl StreamTask {
+    pub(super) fn new(
+        stream: StreamId,
+        timeline: SyncArc<Timeline>,
+        pool: StdArc<WorkerPool>,
+        recorder: Option<StdArc<Recorder>>,
+    ) -> StdArc<StreamTask> {
+        StdArc::new(StreamTask {
+            stream,
+            timeline,
+            pool,
+            recorder,
+            incoming: Mutex::new(Incoming {
+                items: VecDeque::new(),
+                closed: false,
+                last_accepted: 0,
+            }),
+            state: AtomicUsize::new(IDLE),
+            head: Mutex::new(None),
+        })
+    }
+
+    /// Accepts `item` (the stream will run it; `None`), or gives it back if the stream no
+    /// longer accepts work. Never waits for work.
+    pub(super) fn push(self: &StdArc<Self>, item: Submitted) -> Option<Submitted> {
+        let mut incoming = self.incoming.lock();
+        if incoming.closed {
+            return Some(item);
+        }
+        incoming.last_accepted = incoming.last_accepted.max(item.seq);
+        incoming.items.push_back(item);
+        drop(incoming);
+        self.schedule();
+        None
+    }
+
+    /// Stops accepting work; returns the highest sequence number accepted (0: none), after
+    /// which nothing more is accepted.
+    pub(super) fn close(&self) -> u64 {
+        let mut incoming = self.incoming.lock();
+        incoming.closed = true;
+        incoming.last_accepted
+    }
+
+    /// Makes the stream ready if it is idle, or tells the worker running it to look again.
+    fn schedule(self: &StdArc<Self>) {
+        // Acquire (and AcqRel below): the word hands the stream from worker to worker; the
+        // data it guards is under locks of its own, so this is belt and braces.
+        let mut current = self.state.load(Ordering::Acquire);
+        loop {
+            let next = match current {
+                IDLE => SCHEDULED,
+                RUNNING => NOTIFIED,
+                _ => return,
+            };
+            match self.state.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    if current == IDLE {
+                        self.pool.enqueue(self.clone());
+                    }
+                    return;
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Runs the stream on the calling worker (which took it from the ready queue) until it
+    /// has nothing to do or yields to other ready streams.
+    pub(super) fn run(self: &StdArc<Self>) {
+        // AcqRel: see `schedule`. Only the worker that popped a SCHEDULED stream writes it
+        // while it is SCHEDULED (`schedule` leaves that state alone).
+        let was = self.state.swap(RUNNING, Ordering::AcqRel);
+        debug_assert_eq!(was, SCHEDULED, "a stream ran without being scheduled");
+        loop {
+            let outcome = match catch_unwind(AssertUnwindSafe(|| self.drain())) {
+                Ok(outcome) => outcome,
+                Err(payload) => {
+                    self.die(payload);
+                    Outcome::Idle
+                }
+            };
+            match outcome {
+                Outcome::Yield => {
+                    // AcqRel: see `schedule`.
+                    self.state.swap(SCHEDULED, Ordering::AcqRel);
+                    self.pool.enqueue(self.clone());
+                    return;
+                }
+                Outcome::Idle => {
+                    if mutant!("pool_lost_wake") {
+                        // Release: the mutant gives the stream up unconditionally.
+                        self.state.store(IDLE, Ordering::Release);
+                        return;
+                    }
+                    // AcqRel/Acquire: see `schedule`.
+                    match self.state.compare_exchange(
+                        RUNNING,
+                        IDLE,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => return,
+                        // NOTIFIED: something arrived while we ran; look again.
+                        Err(_) => {
+                            // AcqRel: see `schedule`.
+                            self.state.swap(RUNNING, Ordering::AcqRel);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs head plans while their dependencies are decided.
+    fn drain(self: &StdArc<Self>) -> Outcome {
+        let mut head = self.head.lock();
+        let mut skipped = false;
+        loop {
+            let current = match head.as_mut() {
+                Some(current) => current,
+                None => {
+                    let next = self.incoming.lock().items.pop_front();
+                    match next {
+                        Some(item) => head.insert(Head::new(item)),
+                        None => return Outcome::Idle,
+                    }
+                }
+            };
+            if !self.deps_decided(current) {
+                if mutant!("pool_out_of_order") && !skipped {
+                    // The mutant lets a later plan overtake a head that waits.
+                    skipped = true;
+                    let mut incoming = self.incoming.lock();
+                    if let Some(next) = incoming.items.pop_front() {
+                        if let Some(blocked) = head.replace(Head::new(next)) {
+                            incoming.items.push_front(blocked.item);
+                        }
+                        drop(incoming);
+                        continue;
+                    }
+                }
+                return Outcome::Idle;
+            }
+            let Some(ready) = head.take() else {
+                return Outcome::Idle;
+            };
+            super::complete(
+                self.stream,
+                &self.timeline,
+                ready.item,
+                ready.failed,
+                self.recorder.as_deref(),
+            );
+            if self.pool.others_ready() {
+                return Outcome::Yield;
+            }
+        }
+    }
+
+    /// Decides the head's dependencies in order; `false` when one is still pending after
+    /// the spin window (a waker is then registered on it).
+    fn deps_decided(self: &StdArc<Self>, head: &mut Head) -> bool {
+        while let Some(dep) = head.item.deps.get(head.next_dep) {
+            let outcome = match head.waiting.as_mut() {
+                Some(waiting) => match self.poll(waiting) {
+                    Poll::Ready(outcome) => outcome,
+                    Poll::Pending => return false,
+                },
+                None => match self.settle(dep, &mut head.blocked_since) {
+                    Some(outcome) => outcome,
+                    None if mutant!("pool_blocking_wait") => {
+                        // The mutant holds the worker until the dependency completes.
+                        dep.event().wait()
+                    }
+                    None => {
+                        let waiting = head.waiting.insert(dep.event().wait_async());
+                        match self.poll(waiting) {
+                            Poll::Ready(outcome) => outcome,
+                            Poll::Pending => return false,
+                        }
+                    }
+                },
+            };
+            head.waiting = None;
+            if let (Some(since), Some(rec)) = (head.blocked_since.take(), &self.recorder) {
+                rec.record(TraceRecord {
+                    kind: TraceKind::Wait,
+                    name: head.item.plan_label.to_string(),
+                    stream: self.stream,
+                    seq: head.item.seq,
+                    start_ns: rec.ns(since),
+                    end_ns: rec.ns(Instant::now()),
+                    bytes: 0,
+                    waited_for: Some((dep.event().stream(), dep.event().seq())),
+                    after: Vec::new(),
+                    ok: outcome.is_ok(),
+                });
+            }
+            if let Some(root) = dep.failure(&outcome) {
+                head.failed.get_or_insert(root);
+            }
+            head.next_dep += 1;
+        }
+        true
+    }
+
+    /// The outcome of `dep` if it is decided now, or within the spin window while no
+    /// other stream is ready; `None` if it is still pending then. Notes in
+    /// `blocked_since` when it was first found pending (for the trace).
+    fn settle(&self, dep: &Dep, blocked_since: &mut Option<Instant>) -> Option<Result<()>> {
+        let decided = || match dep.event().status() {
+            EventStatus::Pending => None,
+            EventStatus::Done => Some(Ok(())),
+            EventStatus::Failed(cause) => Some(Err(Error::Failed(cause))),
+        };
+        if let Some(outcome) = decided() {
+            return Some(outcome);
+        }
+        if self.recorder.is_some() {
+            *blocked_since = Some(Instant::now());
+        }
+        let mut spin = SpinWait::new(self.pool.spin());
+        while !self.pool.others_ready() && spin.spin() {
+            if let Some(outcome) = decided() {
+                return Some(outcome);
+            }
+        }
+        None
+    }
+
+    /// Polls the registration on a pending dependency with this stream as the waker.
+    fn poll(self: &StdArc<Self>, waiting: &mut EventFuture) -> Poll<Result<()>> {
+        let waker = Waker::from(self.clone());
+        Pin::new(waiting).poll(&mut Context::from_waker(&waker))
+    }
+
+    /// A panic escaped a plan's `catch_unwind`: the stream dies as if its own thread had
+    /// (module documentation), and the worker goes on.
+    fn die(&self, payload: Box<dyn Any + Send>) {
+        tracing::error!(stream = %self.stream, "stream worker died");
+        self.timeline.poison(StdArc::new(Failure {
+            stream: self.stream,
+            seq: self.timeline.completed() + 1,
+            operation: "worker".into(),
+            message: "stream worker died".into(),
+        }));
+        let queued = {
+            let mut incoming = self.incoming.lock();
+            incoming.closed = true;
+            std::mem::take(&mut incoming.items)
+        };
+        let head = self.head.lock().take();
+        drop_quietly(Box::new((queued, head)));
+        drop_quietly(payload);
+    }
+}
+
+impl Head {
+    fn new(item: Submitted) -> Head {
+        Head {
+            item,
+            next_dep: 0,
+            failed: None,
+            waiting: None,
+            blocked_since: None,
+        }
+    }
+}
+
+/// The waker of a parked stream: the event it waits for completed.
+impl Wake for StreamTask {
+    fn wake(self: StdArc<Self>) {
+        self.schedule();
+    }
+
+    fn wake_by_ref(self: &StdArc<Self>) {
+        self.schedule();
+    }
+}
+
+/// Drops `value`, catching any panic its drop raises, and the panics that dropping those
+/// payloads raises in turn (fault injection's worker killer resumes unwinding from its
+/// drop until it is told the operation failed; the last one drops quietly).
+fn drop_quietly(value: Box<dyn Any + Send>) {
+    let mut next = Some(value);
+    while let Some(value) = next.take() {
+        if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
+            next = Some(again);
+        }
+    }
+}
