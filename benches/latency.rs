@@ -7,7 +7,8 @@
 //! - `engine_idle` / `system_idle` / `raw_handoff_idle`: the same, each operation after a
 //!   sleep of [`IDLE_GAP`] (longer than every spin window, so every thread has parked);
 //! - `actor_path/*`: through `System` on 2 devices × 2 streams: alone, behind a
-//!   cross-stream dependency, behind a cross-device copy.
+//!   cross-stream dependency, behind a cross-device copy; the `*_idle` ones after the
+//!   same sleep as above (compare them with `raw_handoff_idle`).
 
 use std::time::{Duration, Instant};
 
@@ -127,6 +128,14 @@ pub fn bench(c: &mut Criterion) {
             rd.schedule().expect("schedule").wait().expect("wait")
         })
     });
+    g.bench_function("actor_path/cross_stream_idle", |b| {
+        b.iter_custom(|iters| {
+            idle(iters, || {
+                w.schedule().expect("schedule");
+                rd.schedule().expect("schedule").wait().expect("wait");
+            })
+        })
+    });
 
     // Cross-device: a writer on device 0, a copy to device 1, a reader there.
     let z = node("z", MemoryMode::on_device());
@@ -146,6 +155,16 @@ pub fn bench(c: &mut Criterion) {
             sys.device_to_device(&z, &w0.context(), &z1.context(), MergeBufferUse::No)
                 .expect("copy");
             r1.schedule().expect("schedule").wait().expect("wait")
+        })
+    });
+    g.bench_function("actor_path/cross_device_idle", |b| {
+        b.iter_custom(|iters| {
+            idle(iters, || {
+                w0.schedule().expect("schedule");
+                sys.device_to_device(&z, &w0.context(), &z1.context(), MergeBufferUse::No)
+                    .expect("copy");
+                r1.schedule().expect("schedule").wait().expect("wait");
+            })
         })
     });
 

@@ -28,10 +28,10 @@ for (g, n) in sorted(med):
         d, s = n.removeprefix("actor_path_").split("x")
         ns = med[(g, n)]
         show(g, n, f"raw_crossbeam_{int(d) * int(s)}", f"{1e6 / ns:,.0f} k routines/s")
-    elif g == "latency" and (n.startswith("actor_path") or n.endswith("_hot")):
-        show(g, n, "raw_handoff")
     elif g == "latency" and n.endswith("_idle") and not n.startswith("raw"):
         show(g, n, "raw_handoff_idle")
+    elif g == "latency" and (n.startswith("actor_path") or n.endswith("_hot")):
+        show(g, n, "raw_handoff")
     elif g == "slab" and n.startswith("pool"):
         show(g, n, "system_alloc_free_8")
     elif g == "bandwidth" and n.startswith("d2d_copy"):
