@@ -320,6 +320,49 @@ mod bodies {
         assert_eq!(r.context().read::<f64>(&doubled).expect("read"), want2);
     }
 
+    /// A bucketed all-reduce of ten small gradients (several per bucket) sums every
+    /// replica of every rank into every gradient of every context.
+    pub fn bucketed_all_reduce(cluster: &Arc<Cluster>) {
+        let (rank, devices) = (cluster.rank(), cluster.devices_per_rank()[cluster.rank()]);
+        let grads: Vec<TensorNode> = (0..10)
+            .map(|c| {
+                TensorNode::new(format!("g{c}"), DType::F32, [3 + c % 4])
+                    .with_mode(MemoryMode::on_device())
+                    .expect("node")
+            })
+            .collect();
+        // Replica (rank, d) holds (rank * devices + d + 1) * 10 + c in gradient c.
+        let value = |r: usize, d: usize, c: usize| ((r * devices + d + 1) * 10 + c) as f32;
+        let contexts: Vec<ContextHandle> = (0..devices)
+            .map(|d| {
+                let mut ctx = cluster.context(d, 0).expect("ctx");
+                for (c, g) in grads.iter().enumerate() {
+                    ctx = init(ctx, g, &vec![value(rank, d, c); g.numel()]).expect("init");
+                }
+                ctx
+            })
+            .collect();
+        let plan = cluster
+            .bucketed_all_reduce(&grads, &contexts, ReduceOp::Sum, Strategy::Tree, 64)
+            .expect("plan");
+        assert!(plan.bucket_count() > 1 && plan.bucket_count() < grads.len());
+        plan.run().expect("issued").wait().expect("all-reduced");
+        for (c, g) in grads.iter().enumerate() {
+            let want: f32 = (0..cluster.size())
+                .flat_map(|r| (0..devices).map(move |d| (r, d)))
+                .map(|(r, d)| value(r, d, c))
+                .sum();
+            for ctx in plan.contexts() {
+                assert_eq!(
+                    cluster.system().read::<f32>(ctx, g).expect("read"),
+                    vec![want; g.numel()],
+                    "rank {rank}, gradient {c}"
+                );
+            }
+        }
+        plan.finalize().expect("finalize");
+    }
+
     /// One data-parallel step on every device of every rank equals one full-batch step on
     /// one device (within 1e-5 relative); the replicas are bitwise identical everywhere.
     pub fn data_parallel_step(cluster: &Arc<Cluster>) {
@@ -410,4 +453,11 @@ cluster_test!(
     [Launch::ranks(2)],
     bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
     bodies::data_parallel_step
+);
+
+cluster_test!(
+    bucketed_all_reduce_sums_every_gradient_of_every_rank,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::bucketed_all_reduce
 );

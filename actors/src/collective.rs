@@ -272,29 +272,8 @@ impl BucketedAllReduce {
         let mut unpack = Vec::new();
         let mut holders = Vec::new();
         for ctx in contexts {
-            let mut ctx = ctx.as_ref().clone();
-            let (mut p, mut u) = (Vec::new(), Vec::new());
-            for (bucket, group) in buckets.iter().zip(&groups) {
-                let mut offset = 0;
-                for &i in group {
-                    let g = &grads[i];
-                    let r =
-                        sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
-                    ctx = r.routine().context().clone();
-                    p.push(r.routine().clone());
-                    offset += g.numel();
-                }
-            }
-            for (bucket, group) in buckets.iter().zip(&groups) {
-                let mut offset = 0;
-                for &i in group {
-                    let g = &grads[i];
-                    let r =
-                        sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
-                    u.push(r.routine().clone());
-                    offset += g.numel();
-                }
-            }
+            let (p, u, ctx) =
+                link_bucket_copies(sys, ctx.as_ref().clone(), grads, &groups, &buckets)?;
             pack.push(p);
             unpack.push(u);
             holders.push(ctx);
@@ -345,4 +324,38 @@ impl BucketedAllReduce {
         }
         Ok(())
     }
+}
+
+/// Links, in `ctx`, the routines that pack each gradient of `grads` into its slice of its
+/// bucket (`groups[b]` lists bucket `b`'s gradients, in order) and those that unpack them
+/// back; returns the pack and unpack routines and the context holding the packs (where the
+/// all-reduce of the buckets runs). Shared by the in-system and the cluster bucketing.
+pub(crate) fn link_bucket_copies(
+    sys: &System,
+    mut ctx: Context,
+    grads: &[TensorNode],
+    groups: &[Vec<usize>],
+    buckets: &[TensorNode],
+) -> Result<(Vec<Routine>, Vec<Routine>, Context)> {
+    let (mut pack, mut unpack) = (Vec::new(), Vec::new());
+    for (bucket, group) in buckets.iter().zip(groups) {
+        let mut offset = 0;
+        for &i in group {
+            let g = &grads[i];
+            let r = sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
+            ctx = r.routine().context().clone();
+            pack.push(r.routine().clone());
+            offset += g.numel();
+        }
+    }
+    for (bucket, group) in buckets.iter().zip(groups) {
+        let mut offset = 0;
+        for &i in group {
+            let g = &grads[i];
+            let r = sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
+            unpack.push(r.routine().clone());
+            offset += g.numel();
+        }
+    }
+    Ok((pack, unpack, ctx))
 }

@@ -378,29 +378,8 @@ impl ClusterBucketedAllReduce {
             .collect::<Result<_>>()?;
         let (mut pack, mut unpack, mut holders) = (Vec::new(), Vec::new(), Vec::new());
         for ctx in contexts {
-            let mut ctx = ctx;
-            let (mut p, mut u) = (Vec::new(), Vec::new());
-            for (bucket, group) in buckets.iter().zip(&groups) {
-                let mut offset = 0;
-                for &i in group {
-                    let g = &grads[i];
-                    let r =
-                        sys.link(&ctx, kernels::copy_range(bucket, offset, g, 0, g.numel())?)?;
-                    ctx = r.routine().context().clone();
-                    p.push(r.routine().clone());
-                    offset += g.numel();
-                }
-            }
-            for (bucket, group) in buckets.iter().zip(&groups) {
-                let mut offset = 0;
-                for &i in group {
-                    let g = &grads[i];
-                    let r =
-                        sys.link(&ctx, kernels::copy_range(g, 0, bucket, offset, g.numel())?)?;
-                    u.push(r.routine().clone());
-                    offset += g.numel();
-                }
-            }
+            let (p, u, ctx) =
+                crate::collective::link_bucket_copies(sys, ctx, grads, &groups, &buckets)?;
             pack.push(p);
             unpack.push(u);
             holders.push(ctx);
