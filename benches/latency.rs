@@ -6,6 +6,9 @@
 //!   `raw_handoff` hands a job to a persistent worker thread and waits for the reply;
 //! - `engine_idle` / `system_idle` / `raw_handoff_idle`: the same, each operation after a
 //!   sleep of [`IDLE_GAP`] (longer than every spin window, so every thread has parked);
+//! - `system_hot_actor_thread` / `system_idle_actor_thread`: `System` with
+//!   `decide_on_posting_thread(false)`, every decision on the device actor's thread (the
+//!   shape before it: a wake-up of the actor per call into an idle device);
 //! - `actor_path/*`: through `System` on 2 devices × 2 streams: alone, behind a
 //!   cross-stream dependency, behind a cross-device copy; the `*_idle` ones after the
 //!   same sleep as above (compare them with `raw_handoff_idle`).
@@ -62,11 +65,18 @@ fn engine(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
 }
 
 /// `system_hot`, `system_idle`: the same routine through a `System` on one CPU device
-/// with one stream, from `schedule` to the return of the ticket's `wait`.
-fn system(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+/// with one stream, from `schedule` to the return of the ticket's `wait`; with the
+/// `_actor_thread` suffix when decisions are not made on the posting thread.
+fn system(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, on_posting_thread: bool) {
+    let suffix = if on_posting_thread {
+        ""
+    } else {
+        "_actor_thread"
+    };
     let sys = System::builder()
         .cpu_devices(1)
         .streams(StreamConfig::OnlyDevicesParallel)
+        .decide_on_posting_thread(on_posting_thread)
         .spawn()
         .expect("spawn");
     let x = node("x", MemoryMode::on_device());
@@ -75,10 +85,10 @@ fn system(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
         .expect("ctx")
         .link(kernels::fill(&x, 1.0).expect("spec"))
         .expect("link");
-    g.bench_function("system_hot", |b| {
+    g.bench_function(format!("system_hot{suffix}"), |b| {
         b.iter(|| r.schedule().expect("schedule").wait().expect("wait"))
     });
-    g.bench_function("system_idle", |b| {
+    g.bench_function(format!("system_idle{suffix}"), |b| {
         b.iter_custom(|iters| {
             idle(iters, || {
                 r.schedule().expect("schedule").wait().expect("wait")
@@ -98,7 +108,8 @@ fn node(label: &str, mode: MemoryMode) -> TensorNode {
 pub fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("latency");
     engine(&mut g);
-    system(&mut g);
+    system(&mut g, true);
+    system(&mut g, false);
     let sys = System::builder()
         .cpu_devices(2)
         .streams(StreamConfig::MostParallelStreams(2))

@@ -9,7 +9,9 @@
 //!   per device ([`Actors::PerDevice`]), or one thread for every device
 //!   ([`Actors::Shared`], alternating which device it serves first, for models that need
 //!   a second host thread within loom's five threads). Actors on one arbiter are a real
-//!   deployment too.
+//!   deployment too. With [`Actors::SharedInline`], a post that finds a device idle
+//!   decides on the posting thread when it can take the device's turn, as `System` does by
+//!   default (`tributary::dispatch::DeviceTurn`).
 //! - **Streams** run each plan as a backend does (`world::run_job`): wait for the
 //!   dependencies, run the work on loom cells, signal or fail the timeline. Bindings are
 //!   resolved when the device's core submits the plan (on the actor thread), as the CPU
@@ -23,7 +25,7 @@ use std::sync::{Arc as StdArc, Mutex as StdMutex};
 use tributary::{
     dispatch::{
         self, answer, ops::DeviceOp, ops::Query, ops::ReadValue, AllReduceCall, DeviceCore,
-        DeviceSlot, Dispatcher, Inbox, PlanSink, Progress,
+        DeviceSlot, DeviceTurn, Dispatcher, Inbox, PlanSink, Progress,
     },
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig},
@@ -47,6 +49,10 @@ pub enum Actors {
     PerDevice,
     /// One thread for every device.
     Shared,
+    /// One thread for every device, and a post that finds a device idle decides on the
+    /// posting thread when nobody holds the device's turn (`DeviceTurn`, the actor
+    /// system's default): host threads and the actor thread race for the turns.
+    SharedInline,
 }
 
 /// Kicks of the inboxes an actor thread serves, and the request to stop.
@@ -209,17 +215,28 @@ impl ActorWorld {
             });
         }
         let dispatcher = StdArc::new(Dispatcher::new(slots, StdArc::new(|_, _| true), host));
-        let groups: Vec<Vec<(DeviceCore, Arc<Inbox<DeviceOp>>)>> = match actors {
-            Actors::PerDevice => cores.into_iter().map(|c| vec![c]).collect(),
-            Actors::Shared => vec![cores],
+        let turns: Vec<StdArc<DeviceTurn>> = cores
+            .into_iter()
+            .map(|(core, inbox)| DeviceTurn::new(core, inbox))
+            .collect();
+        let groups: Vec<Vec<StdArc<DeviceTurn>>> = match actors {
+            Actors::PerDevice => turns.into_iter().map(|t| vec![t]).collect(),
+            Actors::Shared => vec![turns],
+            Actors::SharedInline => {
+                for t in &turns {
+                    t.decide_on_posting_threads();
+                }
+                vec![turns]
+            }
         };
         let mut signals = Vec::new();
         let mut actor_threads = Vec::new();
-        for mut group in groups {
+        for group in groups {
             let signal = Signal::new();
-            for (_, inbox) in &group {
+            for turn in &group {
                 let s = signal.clone();
-                inbox.set_waker(std::sync::Arc::new(move || s.kick()));
+                turn.inbox()
+                    .set_waker(std::sync::Arc::new(move || s.kick()));
             }
             let s = signal.clone();
             actor_threads.push(thread::spawn(move || {
@@ -227,8 +244,7 @@ impl ActorWorld {
                 while s.wait() {
                     let n = group.len();
                     for k in 0..n {
-                        let (core, inbox) = &mut group[(first + k) % n];
-                        let _: Progress = core.run(inbox);
+                        let _: Progress = group[(first + k) % n].run_kicked();
                     }
                     first = (first + 1) % n;
                 }

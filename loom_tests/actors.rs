@@ -6,8 +6,10 @@
 //!
 //! The mutants they catch: `late_source_read` (the source records the copy's read only
 //! after the destination planned it, the shape before issue 16: a write of the source
-//! decided in between does not wait for the copy), `d2d_reader` (no read record at all)
-//! and `host_gate` (an upload on one device not ordered after a download on another).
+//! decided in between does not wait for the copy), `d2d_reader` (no read record at all),
+//! `host_gate` (an upload on one device not ordered after a download on another) and
+//! `inline_no_handoff` (a post that decides on its own thread leaves behind what another
+//! thread posted meanwhile).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
@@ -29,35 +31,53 @@ use crate::{
 /// delivers a value `x` held (1 or 2) and the overwrite waits for the copy to have read.
 #[test]
 fn copy_races_a_write_of_its_source() {
-    run_model(
+    copy_races_a_write_of_its_source_with(
         "actors::copy_races_a_write_of_its_source",
-        windowed(Some(1)),
-        || {
-            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
-            let x = node("x", MemoryMode::on_device());
-            let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
-            let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
-            let dst = w.link(&w.context(1, 0), fill(&x, 0.0).unwrap());
-            let d = w.dispatcher();
-            wait(&schedule(&d, &set1)).unwrap();
-            wait(&schedule(&d, &dst)).unwrap();
-            w.begin_window();
-            let writer = {
-                let (d, set2) = (d.clone(), set2.clone());
-                loom::thread::spawn(move || wait(&schedule(&d, &set2)).unwrap())
-            };
-            let copied =
-                device_to_device(&d, &x, set1.context(), dst.context(), MergeBufferUse::No)
-                    .expect("a copy between two buffers");
-            wait(&copied).unwrap();
-            writer.join().unwrap();
-            w.end_window();
-            let got = w.read(dst.context(), &x);
-            assert!(got == [1] || got == [2], "the copy delivered {got:?}");
-            assert_eq!(w.read(set2.context(), &x), [2]);
-            w.shutdown();
-        },
+        Actors::Shared,
+        Some(1),
     );
+}
+
+/// The same race with decisions on the posting threads where they find a device idle
+/// (`System`'s default): host threads, not only the actor thread, decide. Every thread
+/// then takes many more synchronisation steps, so this one explores the interleavings
+/// without preemption (every switch at a blocking point: who gets each device's turn,
+/// and in which order the two calls' posts land); with one preemption it runs for more
+/// than 20 minutes.
+#[test]
+fn copy_races_a_write_of_its_source_deciding_on_posting_threads() {
+    copy_races_a_write_of_its_source_with(
+        "actors::copy_races_a_write_of_its_source_deciding_on_posting_threads",
+        Actors::SharedInline,
+        Some(0),
+    );
+}
+
+fn copy_races_a_write_of_its_source_with(name: &'static str, actors: Actors, bound: Option<usize>) {
+    run_model(name, windowed(bound), move || {
+        let mut w = ActorWorld::new(&[1, 1], actors);
+        let x = node("x", MemoryMode::on_device());
+        let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+        let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
+        let dst = w.link(&w.context(1, 0), fill(&x, 0.0).unwrap());
+        let d = w.dispatcher();
+        wait(&schedule(&d, &set1)).unwrap();
+        wait(&schedule(&d, &dst)).unwrap();
+        w.begin_window();
+        let writer = {
+            let (d, set2) = (d.clone(), set2.clone());
+            loom::thread::spawn(move || wait(&schedule(&d, &set2)).unwrap())
+        };
+        let copied = device_to_device(&d, &x, set1.context(), dst.context(), MergeBufferUse::No)
+            .expect("a copy between two buffers");
+        wait(&copied).unwrap();
+        writer.join().unwrap();
+        w.end_window();
+        let got = w.read(dst.context(), &x);
+        assert!(got == [1] || got == [2], "the copy delivered {got:?}");
+        assert_eq!(w.read(set2.context(), &x), [2]);
+        w.shutdown();
+    });
 }
 
 /// A `StreamingFor` consumer on device 1 reads device 0's `g` in place while another host
@@ -261,6 +281,39 @@ fn host_read_races_device_writes_on_two_devices() {
                 [[1], [7], [9]].contains(&[got[0]]),
                 "the host read saw {got:?}"
             );
+            w.shutdown();
+        },
+    );
+}
+
+/// Two host threads schedule on one idle device at once while its actor thread may be
+/// draining (`DeviceTurn`): the poster that finds the device idle decides its batch on its
+/// own thread, and hands what was posted meanwhile to the actor. Whoever decides, both
+/// operations are decided, once each, in inbox order: both complete and `x` ends with the
+/// value of one of them. The mutant `inline_no_handoff` (a poster that decided its batch
+/// does not kick the actor for what came meanwhile) strands the second operation: a
+/// deadlock loom reports.
+#[test]
+fn inline_posts_race_the_actor() {
+    run_model(
+        "actors::inline_posts_race_the_actor",
+        windowed(Some(2)),
+        || {
+            let mut w = ActorWorld::new(&[1], Actors::SharedInline);
+            let x = node("x", MemoryMode::on_device());
+            let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+            let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
+            let d = w.dispatcher();
+            w.begin_window();
+            let other = {
+                let (d, set2) = (d.clone(), set2.clone());
+                loom::thread::spawn(move || wait(&schedule(&d, &set2)).unwrap())
+            };
+            wait(&schedule(&d, &set1)).unwrap();
+            other.join().unwrap();
+            w.end_window();
+            let got = w.read(set1.context(), &x);
+            assert!(got == [1] || got == [2], "x ended with {got:?}");
             w.shutdown();
         },
     );

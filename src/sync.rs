@@ -169,6 +169,19 @@ impl<T: ?Sized> Mutex<T> {
         }
     }
 
+    /// Locks the mutex if nobody holds it; `None` if it is held. Never panics because of
+    /// poisoning.
+    #[cfg_attr(tributary_loom, track_caller)]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        match self.inner.try_lock() {
+            Ok(inner) => Some(MutexGuard { inner }),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(MutexGuard {
+                inner: p.into_inner(),
+            }),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// Returns a mutable reference to the value; no locking is needed since `self` is
     /// borrowed exclusively.
     pub fn get_mut(&mut self) -> &mut T {

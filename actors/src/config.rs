@@ -68,6 +68,12 @@ pub struct SystemConfig {
     /// How the CPU backend runs its streams (TOML `[cpu]`: `workers`, `spin_us`,
     /// `dedicated_streams`); ignored by other backends.
     pub cpu: CpuConfig,
+    /// A host call that finds a device actor idle decides its operations on the calling
+    /// thread, holding the actor's turn, instead of waking the actor's thread (default
+    /// `true`; DESIGN.md §4 "Who decides"). Decisions and their order are the same either
+    /// way; `false` keeps every decision on the actors' arbiters (a wake-up per call into
+    /// an idle device).
+    pub decide_on_posting_thread: bool,
 }
 
 impl Default for SystemConfig {
@@ -81,6 +87,7 @@ impl Default for SystemConfig {
             record_timeline: false,
             backend: BackendKind::Cpu,
             cpu: CpuConfig::default(),
+            decide_on_posting_thread: true,
         }
     }
 }
@@ -241,6 +248,22 @@ impl SystemBuilder {
     /// ```
     pub fn mailbox_capacity(mut self, n: usize) -> Self {
         self.config.mailbox_capacity = n.max(1);
+        self
+    }
+
+    /// Whether a host call into an idle device decides on the calling thread (default) or
+    /// wakes the device actor's thread ([`SystemConfig::decide_on_posting_thread`]).
+    ///
+    /// ```
+    /// let sys = tributary_actors::System::builder()
+    ///     .decide_on_posting_thread(false)
+    ///     .spawn()?;
+    /// assert!(!sys.config().decide_on_posting_thread);
+    /// sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn decide_on_posting_thread(mut self, on: bool) -> Self {
+        self.config.decide_on_posting_thread = on;
         self
     }
 

@@ -1,10 +1,12 @@
 //! The device actor: the single owner of one device's protocol state.
 //!
-//! [`DeviceActor`] runs the engine's [`DeviceCore`] (the decisions, as plain code) on its
-//! arbiter. Operations reach it through its inbox (`tributary::dispatch::Inbox`), which
-//! host threads and the coordinator post to directly; the post that finds the actor idle
-//! sends it one `Drain` message, and the actor then decides everything queued, batch after
-//! batch, until the inbox is empty. Plans go straight to the stream queues (a
+//! [`DeviceActor`] owns the engine's [`DeviceCore`] (the decisions, as plain code) through
+//! its [`DeviceTurn`]. Operations reach it through its inbox (`tributary::dispatch::Inbox`),
+//! which host threads and the coordinator post to directly. The post that finds the actor
+//! idle takes the actor's turn and decides on its own thread when nobody holds it (the
+//! default, `SystemConfig::decide_on_posting_thread`: no wake-up before a decision), or
+//! sends the actor one `Drain` message; a drained actor decides everything queued, batch
+//! after batch, until the inbox is empty. Plans go straight to the stream queues (a
 //! [`PlanSink`] over them): no hop through another actor. The actor never waits for work:
 //! waits happen on stream workers and on the host; an operation that needs another
 //! device's half of its call first (a copy's destination) parks the rest of the batch,
@@ -23,7 +25,7 @@ use tributary::{
     dispatch::{
         answer,
         ops::{DeviceOp, Query, Reply},
-        DeviceCore, Dispatcher, Inbox, PlanSink, Progress,
+        DeviceTurn, Dispatcher, PlanSink, Progress,
     },
     pending::SeqPromise,
     protocol::{Context, Plan, Routine, TableSizes},
@@ -40,16 +42,15 @@ const SWEEP_INTERVAL: Duration = Duration::from_millis(2);
 
 /// The actor owning one device's pools and tables.
 pub struct DeviceActor {
-    core: DeviceCore,
-    inbox: tributary::sync::Arc<Inbox<DeviceOp>>,
+    turn: Arc<DeviceTurn>,
     dispatcher: Arc<Dispatcher>,
     index: usize,
     streams: Vec<Addr<StreamActor>>,
     last_sweep: Instant,
 }
 
-/// Hands plans to the stream queues, and makes sure each stream's actor watches for its
-/// completions.
+/// Hands plans to the stream queues; on request ([`PlanSink::watch`]: memory waits for
+/// work in flight) makes each stream's actor watch for its completions.
 pub(crate) struct QueueSink {
     queues: Vec<Arc<dyn StreamQueue>>,
     watches: Vec<StreamWatch>,
@@ -63,39 +64,36 @@ impl QueueSink {
 
 impl PlanSink for QueueSink {
     fn submit(&mut self, plans: Vec<Plan>) {
-        let mut touched = 0u64;
         for plan in plans {
             let i = plan.stream().index as usize;
             match (self.queues.get(i), self.watches.get(i)) {
                 (Some(q), Some(w)) => {
                     w.submitted(plan.event().seq());
-                    touched |= 1 << (i % 64);
                     // A dead queue fails the plan's event itself.
                     let _ = q.submit(plan);
                 }
                 _ => plan.fail_unsubmitted("no such stream queue"),
             }
         }
-        for (i, w) in self.watches.iter().enumerate() {
-            if touched & (1 << (i % 64)) != 0 {
-                w.arm();
-            }
+    }
+
+    fn watch(&mut self) {
+        for w in &self.watches {
+            w.arm();
         }
     }
 }
 
 impl DeviceActor {
-    /// A device actor running `core` on the operations of `inbox`.
+    /// A device actor deciding, with `turn`, the operations of its inbox.
     pub(crate) fn new(
-        core: DeviceCore,
-        inbox: tributary::sync::Arc<Inbox<DeviceOp>>,
+        turn: Arc<DeviceTurn>,
         dispatcher: Arc<Dispatcher>,
         index: usize,
         streams: Vec<Addr<StreamActor>>,
     ) -> Self {
         DeviceActor {
-            core,
-            inbox,
+            turn,
             dispatcher,
             index,
             streams,
@@ -105,20 +103,21 @@ impl DeviceActor {
 
     /// The device.
     pub fn device(&self) -> DeviceId {
-        self.core.state().device()
+        self.turn.inbox().device()
     }
 
     fn drain(&mut self) {
-        if self.core.run(&self.inbox) == Progress::Idle
-            && self.last_sweep.elapsed() >= SWEEP_INTERVAL
-        {
+        if self.turn.run_kicked() == Progress::Idle && self.last_sweep.elapsed() >= SWEEP_INTERVAL {
             self.sweep();
         }
     }
 
+    /// Sweeps unless a host thread is deciding (it is not worth making it wait).
     fn sweep(&mut self) {
-        self.core.sweep();
-        self.last_sweep = Instant::now();
+        if let Some(mut core) = self.turn.try_core() {
+            core.sweep();
+            self.last_sweep = Instant::now();
+        }
     }
 
     /// Posts an operation with a reply to this device and answers the message with it.
@@ -143,7 +142,9 @@ impl Actor for DeviceActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address();
-        self.inbox.set_waker(Arc::new(move || me.do_send(Drain)));
+        self.turn
+            .inbox()
+            .set_waker(Arc::new(move || me.do_send(Drain)));
         // Posts made before the waker was set found the inbox idle and kicked nobody.
         ctx.notify(Drain);
         let completed = ctx.address().recipient::<Completed>();
@@ -332,8 +333,8 @@ impl Handler<StopStreams> for DeviceActor {
     fn handle(&mut self, msg: StopStreams, _: &mut Self::Context) -> Self::Result {
         // Decide what was posted before the stop; refuse what comes later.
         self.drain();
-        self.core.refuse_all(
-            &self.inbox,
+        self.turn.core().refuse_all(
+            self.turn.inbox(),
             &Error::ShutDown("the system was shut down".into()),
         );
         let streams = self.streams.clone();
@@ -369,7 +370,7 @@ impl Handler<PanicForTest> for DeviceActor {
             message: "PanicForTest".into(),
             panic: "a bug".into(),
         };
-        self.core.poison(&e, "PanicForTest");
+        self.turn.core().poison(&e, "PanicForTest");
         let _ = ctx;
     }
 }

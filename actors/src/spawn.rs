@@ -9,7 +9,7 @@ use std::{
 use actix::{Actor, Addr, Arbiter};
 use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
-    dispatch::{ops::DeviceOp, DeviceCore, DeviceSlot, Dispatcher, Inbox},
+    dispatch::{ops::DeviceOp, DeviceCore, DeviceSlot, DeviceTurn, Dispatcher, Inbox},
     protocol::{DeviceState, HostTable},
     trace::Recorder,
     DeviceId, Error, Result, StreamId, Timeline,
@@ -192,9 +192,13 @@ fn start_actors(
             Some(backend.clone()),
             Box::new(QueueSink::new(queues, watches)),
         );
-        let (inbox, d) = (device.inbox.clone(), dispatcher.clone());
+        let turn = DeviceTurn::new(core, device.inbox.clone());
+        if config.decide_on_posting_thread {
+            turn.decide_on_posting_threads();
+        }
+        let d = dispatcher.clone();
         let addr = DeviceActor::start_in_arbiter(&arbiter.handle(), move |_| {
-            DeviceActor::new(core, inbox, d, index, stream_addrs)
+            DeviceActor::new(turn, d, index, stream_addrs)
         });
         addrs.push(addr);
         arbiters.push(arbiter);

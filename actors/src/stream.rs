@@ -7,8 +7,10 @@
 //! submitted event; when it completes, the actor publishes [`Completed`] to its subscribers
 //! (the device actor prunes its tables and frees deferred memory) and re-arms if more work
 //! was submitted meanwhile, so completions are coalesced, not one message per plan. The
-//! device actor arms it (one `Watch` message) only when it submits to a stream that is not
-//! being watched.
+//! device arms it (one `Watch` message) only when it needs a completion: after a batch
+//! that left freed memory waiting for work in flight ([`tributary::dispatch::PlanSink::watch`]).
+//! Tables are pruned as the device issues, so a device that frees nothing is not told of
+//! its completions at all: no message, and no wake-up of this arbiter, per operation.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,6 +45,7 @@ struct WatchState {
 #[derive(Clone)]
 pub(crate) struct StreamWatch {
     state: Arc<WatchState>,
+    timeline: tributary::sync::Arc<Timeline>,
     addr: Addr<StreamActor>,
 }
 
@@ -52,8 +55,12 @@ impl StreamWatch {
         self.state.submitted.fetch_max(seq, Ordering::Release);
     }
 
-    /// Makes sure the stream actor watches for completions (one message when it was idle).
+    /// Makes sure the stream actor watches for the completion of what was submitted (one
+    /// message when it was idle and work is in flight).
     pub(crate) fn arm(&self) {
+        if self.state.submitted.load(Ordering::Acquire) <= self.timeline.completed() {
+            return;
+        }
         if !self.state.watching.swap(true, Ordering::AcqRel) {
             self.addr.do_send(Watch);
         }
@@ -79,15 +86,22 @@ impl StreamActor {
         timeline: tributary::sync::Arc<Timeline>,
     ) -> (Addr<StreamActor>, StreamWatch) {
         let state = Arc::new(WatchState::default());
-        let s = state.clone();
+        let (s, t) = (state.clone(), timeline.clone());
         let addr = StreamActor::start_in_arbiter(arbiter, move |_| StreamActor {
             stream,
             queue: Some(queue),
-            timeline,
+            timeline: t,
             subscribers: Vec::new(),
             state: s,
         });
-        (addr.clone(), StreamWatch { state, addr })
+        (
+            addr.clone(),
+            StreamWatch {
+                state,
+                timeline,
+                addr,
+            },
+        )
     }
 
     fn watch(&mut self, ctx: &mut ActorContext<Self>) {

@@ -39,6 +39,12 @@ use super::{
 pub trait PlanSink: Send {
     /// Hands `plans` to their streams, in order. Never blocks on the work.
     fn submit(&mut self, plans: Vec<Plan>);
+
+    /// Asks for a sweep of the device once the work submitted so far completes: called
+    /// after a batch that leaves freed memory waiting for work in flight. Tables need no
+    /// such call (the device prunes them as it issues), so a device that frees nothing
+    /// hears nothing of its completions: no message or wake-up per operation.
+    fn watch(&mut self) {}
 }
 
 /// How a call to [`DeviceCore::run`] ended.
@@ -49,6 +55,9 @@ pub enum Progress {
     /// An operation waits for another device's half of its call; the inbox is kicked
     /// when it may go on.
     Blocked,
+    /// [`DeviceCore::run_once`] decided one batch and more was posted meanwhile: the
+    /// inbox still owes a drain, which the caller hands to the actor.
+    More,
 }
 
 /// One device's protocol owner; see the module documentation.
@@ -125,17 +134,43 @@ impl DeviceCore {
     /// when it can go on). Call it whenever the inbox kicks.
     pub fn run(&mut self, inbox: &Arc<Inbox<DeviceOp>>) -> Progress {
         loop {
-            inbox.drain_into(&mut self.backlog);
-            while let Some(op) = self.backlog.pop_front() {
-                if let Handled::Blocked(op) = self.guarded(op, inbox) {
-                    self.backlog.push_front(op);
-                    return Progress::Blocked;
-                }
-            }
-            if inbox.finish() {
-                return Progress::Idle;
+            let progress = self.run_once(inbox);
+            if progress != Progress::More {
+                return progress;
             }
         }
+    }
+
+    /// One batch: decides what is queued now (and what an earlier blocked run kept), then
+    /// stops, [`Progress::More`] if more was posted meanwhile. For a thread that decides
+    /// on the actor's behalf ([`super::DeviceTurn`]) and must not be kept working by other
+    /// threads' posts.
+    pub fn run_once(&mut self, inbox: &Arc<Inbox<DeviceOp>>) -> Progress {
+        inbox.drain_into(&mut self.backlog);
+        let mut progress = Progress::More;
+        while let Some(op) = self.backlog.pop_front() {
+            if let Handled::Blocked(op) = self.guarded(op, inbox) {
+                self.backlog.push_front(op);
+                progress = Progress::Blocked;
+                break;
+            }
+        }
+        if self.state.reclaim_freed() {
+            self.sink.watch();
+        }
+        if progress == Progress::Blocked {
+            return progress;
+        }
+        if inbox.finish() {
+            Progress::Idle
+        } else {
+            Progress::More
+        }
+    }
+
+    /// How many operations this device issued are still queued or running.
+    pub fn work_in_flight(&self) -> u64 {
+        self.state.work_in_flight()
     }
 
     /// Refuses everything still queued or kept (the device is stopping).

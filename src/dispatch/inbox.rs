@@ -19,7 +19,9 @@
 //! # The hand-off
 //!
 //! `scheduled` is set by the post that finds the consumer idle, which then kicks it (calls
-//! the wake callback); it stays set while the consumer drains, and is cleared only by
+//! the wake callback) or, where a runner is set ([`Inbox::set_runner`]), decides on its own
+//! thread in the consumer's place ([`crate::dispatch::DeviceTurn`]); it stays set while the
+//! consumer drains, and is cleared only by
 //! [`Inbox::finish`] under the lock when the queue is empty. A post either sees it set
 //! (the consumer will see the new operation before it may clear it) or sets it and kicks:
 //! no operation is left behind by an idle consumer. A consumer that must wait for another
@@ -66,6 +68,10 @@ pub struct Inbox<T> {
     /// synchronisation (a post that kicks before it is set is made up for by the consumer
     /// draining once it starts).
     waker: std::sync::OnceLock<Waker>,
+    /// What a post from outside the consumer does when it found the consumer idle, if
+    /// not a kick: decide on the posting thread ([`crate::dispatch::DeviceTurn`]). Set
+    /// once, like `waker`.
+    runner: std::sync::OnceLock<Waker>,
 }
 
 /// Why a post was refused.
@@ -90,6 +96,7 @@ impl<T> Inbox<T> {
             room: Condvar::new(),
             work: Condvar::new(),
             waker: std::sync::OnceLock::new(),
+            runner: std::sync::OnceLock::new(),
         })
     }
 
@@ -101,6 +108,23 @@ impl<T> Inbox<T> {
     /// Sets what a kick does, once (when the consumer exists); later calls are ignored.
     pub fn set_waker(&self, waker: Waker) {
         let _ = self.waker.set(waker);
+    }
+
+    /// Sets what a post that found the consumer idle does instead of a kick, once (later
+    /// calls are ignored): `runner` must decide what is queued, or kick (see
+    /// [`crate::dispatch::DeviceTurn::run_here`]). Posts from consumers
+    /// ([`Inbox::post_internal`]) and waits for room always kick.
+    pub fn set_runner(&self, runner: Waker) {
+        let _ = self.runner.set(runner);
+    }
+
+    /// A post found the consumer idle and owes it a drain: run it here if a runner is
+    /// set, else kick it.
+    fn wake_idle(&self) {
+        match self.runner.get() {
+            Some(run) => run(),
+            None => self.kick(),
+        }
     }
 
     /// Posts one operation; see [`post_atomically`].
@@ -141,7 +165,7 @@ impl<T> Inbox<T> {
         }
         drop(s);
         if kick {
-            self.kick();
+            self.wake_idle();
         }
         Ok(())
     }
@@ -243,7 +267,8 @@ impl<T> fmt::Debug for Inbox<T> {
 ///
 /// If an inbox is full, every lock is released, the call waits for that inbox to drain,
 /// and starts over (`fill` is called again only for the successful attempt). Consumers
-/// that were idle are kicked after the locks are released.
+/// that were idle are kicked (or run here, see [`Inbox::set_runner`]) after the locks are
+/// released, in device order.
 pub fn post_atomically<T>(
     inboxes: &[&Inbox<T>],
     mut fill: impl FnMut(usize, &mut dyn FnMut(T)),
@@ -289,7 +314,7 @@ pub fn post_atomically<T>(
         }
         drop(guards);
         for i in kick {
-            inboxes[i].kick();
+            inboxes[i].wake_idle();
         }
         return Ok(());
     }

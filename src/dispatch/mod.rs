@@ -15,6 +15,8 @@
 //!   batches (one wake-up carries many operations);
 //! - [`ops`]: the operations an inbox carries;
 //! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state;
+//! - [`DeviceTurn`]: who runs them — the actor's thread when kicked, or the host thread
+//!   whose post found the inbox idle (no wake-up on the way to a decision);
 //! - [`Dispatcher`]: the host side and the coordinator's routing: each host call becomes
 //!   the operations of the devices it concerns, posted at one point of the program order;
 //! - `hosted`: host-array order across devices as gates instead of round trips.
@@ -26,6 +28,7 @@ mod dispatcher;
 mod hosted;
 pub mod inbox;
 pub mod ops;
+pub mod turn;
 
 use std::future::Future;
 use std::task::{Context, Poll, Wake, Waker};
@@ -36,6 +39,7 @@ pub use dispatcher::{
 };
 pub use hosted::{HostUse, NodeOrder};
 pub use inbox::Inbox;
+pub use turn::DeviceTurn;
 
 use crate::sync::{Condvar, Mutex};
 

@@ -524,6 +524,11 @@ impl<E: UseEvent> DevicePools<E> {
         self.pools.get(pool.0 as usize).map(|p| p.kind)
     }
 
+    /// Whether freed memory waits for events to complete before it can be reused.
+    pub fn has_pending_frees(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// The memory report.
     pub fn stats(&self) -> PoolStats {
         let mut per_pool = Vec::with_capacity(self.pools.len());

@@ -252,6 +252,19 @@ impl DeviceState {
         self.streams.get(index).map(|s| &s.timeline)
     }
 
+    /// Returns to the pools the freed memory whose readers and writers completed, and
+    /// says whether some still waits for work in flight (a [`sweep`] after that work
+    /// completes reuses it). Costs nothing when nothing was freed.
+    ///
+    /// [`sweep`]: DeviceState::sweep
+    pub fn reclaim_freed(&mut self) -> bool {
+        if !self.pools.has_pending_frees() {
+            return false;
+        }
+        self.pools.reclaim(&mut *self.memory);
+        self.pools.has_pending_frees()
+    }
+
     /// Memory statistics of the device's pools.
     pub fn pool_stats(&self) -> PoolStats {
         self.pools.stats()
@@ -371,6 +384,14 @@ impl DeviceState {
             .stamp
             .or(self.position.map(|p| p - p % OP_STAMPS + OP_STAMPS - 1));
         crate::protocol::set_current_issue(issue);
+    }
+
+    /// How many operations issued on the device's streams have not completed yet.
+    pub fn work_in_flight(&self) -> u64 {
+        self.streams
+            .iter()
+            .map(|s| s.issued.saturating_sub(s.timeline.completed()))
+            .sum()
     }
 
     /// The last sequence number issued on stream `index` (0: none yet).
