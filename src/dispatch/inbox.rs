@@ -23,7 +23,8 @@
 //! thread in the consumer's place ([`crate::dispatch::DeviceTurn`]); it stays set while the
 //! consumer drains, and is cleared only by
 //! [`Inbox::finish`] under the lock when the queue is empty. A post either sees it set
-//! (the consumer will see the new operation before it may clear it) or sets it and kicks:
+//! (the consumer will see the new operation before it may clear it) or sets it and drains
+//! or kicks:
 //! no operation is left behind by an idle consumer. A consumer that must wait for another
 //! device in the middle of a batch ([`crate::dispatch::DeviceCore`]) keeps `scheduled`
 //! set and is kicked again by whoever unblocks it ([`Inbox::kick`]).

@@ -36,10 +36,10 @@
 //! `actors::inline_posts_race_the_actor`). A blocked batch (a copy's destination waiting
 //! for the source's verdict) keeps the flag set and the verdict kicks the actor.
 //!
-//! While the flag is set nobody else takes the turn to decide, so a poster waits for the
-//! turn only in the instant between another holder's `finish` and its unlock, or while
-//! the actor shuts down; the actor's sweeps ([`DeviceTurn::try_core`]) skip when the turn
-//! is held rather than make a poster wait.
+//! A poster that set the flag finds the turn free except in the instant between another
+//! holder's `finish` and its unlock, during a sweep the actor had already started, or
+//! while the actor shuts down; the actor's sweeps ([`DeviceTurn::try_core`]) skip when the
+//! turn is held rather than make a poster wait.
 
 use super::{
     core::{DeviceCore, Progress},
