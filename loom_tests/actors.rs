@@ -7,13 +7,15 @@
 //! The mutants they catch: `late_source_read` (the source records the copy's read only
 //! after the destination planned it, the shape before issue 16: a write of the source
 //! decided in between does not wait for the copy), `d2d_reader` (no read record at all),
-//! `host_gate` (an upload on one device not ordered after a download on another) and
+//! `host_gate` (an upload on one device not ordered after a download on another),
+//! `device_write_gate` (a device write of a hosted node not ordered against a download on
+//! another device: a finalize's write-back decided from the wrong newest value) and
 //! `inline_no_handoff` (a post that decides on its own thread leaves behind what another
 //! thread posted meanwhile).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
-    dispatch::AllReduceCall,
+    dispatch::{self, answer, AllReduceCall},
     kernels::{add_merge, copy, fill},
     HostedKind, MemoryMode, MergeBufferUse, Sharing,
 };
@@ -246,6 +248,66 @@ fn upload_after_a_download_on_another_device() {
             w.shutdown();
         },
     );
+}
+
+/// A finalize's write-back decides from the device writes before it, wherever they were
+/// decided (issue 12's failing random programs): device 1 writes 7 into its own buffer of
+/// `v`, device 0 then writes 9 into another, and device 1's context is finalized. Its
+/// buffer no longer holds the newest value, so nothing is written back: a routine reading
+/// a buffer of `v` that lags the host array reads the host's 5. The finalize is gated on
+/// device 0 having decided its write; without that (mutant `device_write_gate`) device 1
+/// may decide the finalize first, see its own write as the newest and write 7 back.
+#[test]
+fn finalize_after_a_write_on_another_device() {
+    finalize_and_writes_on_two_devices("actors::finalize_after_a_write_on_another_device", false);
+}
+
+/// The converse order: device 1 writes 7, its context is finalized (its buffer holds the
+/// newest value: 7 is written back), then device 0 writes 9 into another buffer. The
+/// routine reading a lagging buffer reads 7. A write stamped after the finalize but
+/// decided before it would make device 1 skip the write-back it owes (mutant
+/// `device_write_gate`), and the routine read the host's 5.
+#[test]
+fn write_on_another_device_after_a_finalize() {
+    finalize_and_writes_on_two_devices("actors::write_on_another_device_after_a_finalize", true);
+}
+
+fn finalize_and_writes_on_two_devices(name: &'static str, finalize_first: bool) {
+    run_model(name, windowed(Some(1)), move || {
+        let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+        let v = node(
+            "v",
+            MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::PerStream)),
+        );
+        let y = node("y", MemoryMode::on_device());
+        // Each writer's context owns its buffer of `v` (linked from a root without it).
+        let set7 = w.link(&w.context(1, 0), fill(&v, 7.0).unwrap());
+        let set9 = w.link(&w.context(0, 0), fill(&v, 9.0).unwrap());
+        let lagging = w.init_from_host(&w.context(0, 0), &v, &[1]);
+        let read = w.link(&lagging, copy(&y, &v).unwrap());
+        w.host_write(&v, &[5]); // `lagging`'s buffer lags now
+        let d = w.dispatcher();
+        w.begin_window();
+        let e7 = schedule(&d, &set7);
+        let finalized = if finalize_first {
+            let f = d.finalize(set7.context()).unwrap();
+            let e9 = schedule(&d, &set9);
+            (f, e9)
+        } else {
+            let e9 = schedule(&d, &set9);
+            (d.finalize(set7.context()).unwrap(), e9)
+        };
+        let e = schedule(&d, &read);
+        w.end_window();
+        let (finalize, e9) = finalized;
+        dispatch::block_on(answer(finalize)).unwrap();
+        wait(&e7).unwrap();
+        wait(&e9).unwrap();
+        wait(&e).unwrap();
+        let expected = if finalize_first { 7 } else { 5 };
+        assert_eq!(w.read(read.context(), &y), [expected]);
+        w.shutdown();
+    });
 }
 
 /// A host read of `v` races device writes of `v` on two devices (device 0 writes 7, then

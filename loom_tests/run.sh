@@ -43,6 +43,7 @@ MUTANTS=(
   # the actor layer across actors (src/dispatch)
   "late_source_read:actors::copy_races_a_write_of_its_source actors::streaming_consumer_races_a_write_of_its_source"
   "host_gate:actors::upload_after_a_download_on_another_device"
+  "device_write_gate:actors::finalize_after_a_write_on_another_device actors::write_on_another_device_after_a_finalize"
   "inline_no_handoff:actors::inline_posts_race_the_actor"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"

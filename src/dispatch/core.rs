@@ -579,7 +579,9 @@ impl DeviceCore {
             let hosted = source.node().mode().is_hosted()
                 || matches!(&delivery, Delivery::Streaming(r) if reads_or_writes_hosted(r));
             let plans = self.with_host(hosted, stamp, |s, h| match &delivery {
-                Delivery::Copy { dst, into_merge } => s
+                Delivery::Copy {
+                    dst, into_merge, ..
+                } => s
                     .copy_in(dst, &source, *into_merge, h)
                     .map(|p| p.into_iter().collect::<Vec<_>>()),
                 Delivery::Streaming(r) => s.schedule_streaming(r, &source, h),

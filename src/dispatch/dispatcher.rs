@@ -540,10 +540,12 @@ impl Dispatcher {
         let delivery = match mode {
             MergeBufferUse::No => Delivery::Copy {
                 dst: dst.clone(),
+                node: node.clone(),
                 into_merge: false,
             },
             MergeBufferUse::Copy => Delivery::Copy {
                 dst: dst.clone(),
+                node: node.clone(),
                 into_merge: true,
             },
             MergeBufferUse::StreamingFor(r) => Delivery::Streaming(r),
@@ -660,6 +662,7 @@ impl Dispatcher {
                             &call.nodes[chunk],
                             Delivery::Copy {
                                 dst: d.clone(),
+                                node: call.nodes[chunk].clone(),
                                 into_merge: true,
                             },
                             copy,
@@ -692,6 +695,7 @@ impl Dispatcher {
                         &call.nodes[chunk],
                         Delivery::Copy {
                             dst: d.clone(),
+                            node: call.nodes[chunk].clone(),
                             into_merge: false,
                         },
                         pending.clone(),
@@ -857,14 +861,22 @@ impl Dispatcher {
     }
 }
 
-/// What an operation may do to host arrays: `(node, Some(use))` for uploads and
-/// downloads, `(node, None)` for an operation that only writes a hosted node's buffer or
-/// reads its version (it still takes the node's lock, to be ordered with host writes).
+/// What an operation may do to host arrays and hosted nodes' buffers: `(node, Some(use))`
+/// for uploads, downloads and device writes, `(node, None)` for an operation that only
+/// reads a hosted node's version (it still takes the node's lock, to be ordered with host
+/// writes).
 fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
     let routine = |r: &Routine, f: &mut dyn FnMut(&TensorNode, Option<HostUse>)| {
         for p in &r.spec().params {
             if p.node.mode().is_hosted() {
-                f(&p.node, p.access.reads().then_some(HostUse::Upload));
+                // A parameter that is read and written is gated as an upload, which orders
+                // it exactly as a write.
+                let use_ = if p.access.reads() {
+                    HostUse::Upload
+                } else {
+                    HostUse::DeviceWrite
+                };
+                f(&p.node, Some(use_));
             }
         }
     };
@@ -882,8 +894,16 @@ fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
         DeviceOp::CopySource { node, .. } if node.mode().is_hosted() => {
             f(node, Some(HostUse::Upload))
         }
-        // A copy into a hosted node's buffer updates its host record: the source half
-        // of the same call takes the node's lock.
+        // A copy into a hosted node's own buffer writes it (into a merge buffer, not).
+        DeviceOp::CopyDest {
+            delivery:
+                Delivery::Copy {
+                    node,
+                    into_merge: false,
+                    ..
+                },
+            ..
+        } if node.mode().is_hosted() => f(node, Some(HostUse::DeviceWrite)),
         DeviceOp::CopyDest {
             delivery: Delivery::Streaming(r),
             ..

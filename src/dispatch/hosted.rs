@@ -9,12 +9,19 @@
 //! - two operations that only *read* the host array (uploads: a routine reading a lagging
 //!   buffer, `from_host`, the source of a copy, a read that may answer with the host
 //!   value) commute: their records are per stream and their stamps order the rest;
-//! - device writes of the node's *buffers* are ordered by program-order stamps in the table
-//!   (`HostRecord::newer_on_device`), whatever order they arrive in;
+//! - device writes of the node's *buffers* are ordered among themselves by program-order
+//!   stamps in the table (`HostRecord::newer_on_device`), whatever order they arrive in;
 //! - an operation that *writes* the host array (a download: `to_host`, a finalize's
 //!   write-back, a host read's transfer) conflicts with every earlier use on other devices
 //!   (it must wait for earlier uploads), and every later upload on another device must see
-//!   it (it reads what the download wrote).
+//!   it (it reads what the download wrote);
+//! - a device write and a download on two devices do not commute either, although the
+//!   write never touches the host array: a finalize writes its buffer back only if that
+//!   buffer holds the newest value *at the finalize's point of the program*, and the
+//!   newest value is decided by the writes. A write on E stamped before the download but
+//!   decided after it made the download write back a value that was no longer the newest;
+//!   a write stamped after it but decided before made it skip a write-back it owed. So
+//!   writes are ordered against downloads exactly as uploads are.
 //!
 //! So an operation that may download on device D, or that may upload on D after another
 //! device E may have downloaded, must not be decided before E decided its earlier
@@ -47,6 +54,9 @@ pub enum HostUse {
     Upload,
     /// May write it (a download).
     Download,
+    /// Writes one of the node's device buffers: decides which device holds the newest
+    /// value, which a download decides its write-back from (ordered as an upload is).
+    DeviceWrite,
 }
 
 /// What the devices did to one node's host array since the last host read or write (which
@@ -58,27 +68,33 @@ pub struct NodeOrder {
     /// Devices whose later operations are known to be decided after that download: its own
     /// device and those already gated on it.
     after_download: BTreeSet<usize>,
-    /// Devices that may have uploaded since that download (or since the last full fence).
-    uploads: BTreeSet<usize>,
+    /// Devices that may have uploaded or written a device buffer of the node since that
+    /// download (or since the last full fence).
+    since_download: BTreeSet<usize>,
 }
 
 impl NodeOrder {
     /// The devices an operation with `use_` on device `d` must be gated on, recording the
     /// operation (see the module documentation):
     ///
-    /// - an upload waits for the last download, unless `d` is already ordered after it;
-    /// - a download waits for every upload since the last download and for that download:
-    ///   after it, everything before it is before it, so later operations need only be
-    ///   ordered after the new download.
+    /// - an upload or a device write waits for the last download, unless `d` is already
+    ///   ordered after it;
+    /// - a download waits for every upload and device write since the last download and
+    ///   for that download: after it, everything before it is before it, so later
+    ///   operations need only be ordered after the new download.
     pub fn gate(&mut self, d: usize, use_: HostUse) -> Vec<usize> {
+        if use_ == HostUse::DeviceWrite && mutant!("device_write_gate") {
+            // The shape before: a device write neither gated nor recorded.
+            return Vec::new();
+        }
         let fence: Vec<usize> = match use_ {
-            HostUse::Upload => self
+            HostUse::Upload | HostUse::DeviceWrite => self
                 .last_download
                 .filter(|_| !self.after_download.contains(&d))
                 .into_iter()
                 .collect(),
             HostUse::Download => self
-                .uploads
+                .since_download
                 .iter()
                 .copied()
                 .chain(self.last_download)
@@ -88,16 +104,16 @@ impl NodeOrder {
                 .collect(),
         };
         match use_ {
-            HostUse::Upload => {
+            HostUse::Upload | HostUse::DeviceWrite => {
                 if self.last_download.is_some() {
                     self.after_download.insert(d);
                 }
-                self.uploads.insert(d);
+                self.since_download.insert(d);
             }
             HostUse::Download => {
                 self.last_download = Some(d);
                 self.after_download = BTreeSet::from([d]);
-                self.uploads.clear();
+                self.since_download.clear();
             }
         }
         if mutant!("host_gate") {
@@ -255,5 +271,21 @@ mod tests {
         assert_eq!(o.gate(2, Download), vec![0, 1]);
         o.clear();
         assert!(o.gate(1, Upload).is_empty());
+    }
+
+    #[test]
+    fn device_writes_are_ordered_against_downloads_as_uploads_are() {
+        let mut o = NodeOrder::default();
+        // Writes on two devices commute: their stamps order them in the host table.
+        assert!(o.gate(0, DeviceWrite).is_empty());
+        assert!(o.gate(1, DeviceWrite).is_empty());
+        // A finalize's write-back on 1 decides from the writes before it: it waits for 0's.
+        assert_eq!(o.gate(1, Download), vec![0]);
+        // A write on 0 after it must not be decided before it; once is enough.
+        assert_eq!(o.gate(0, DeviceWrite), vec![1]);
+        assert!(o.gate(0, DeviceWrite).is_empty());
+        assert!(o.gate(1, DeviceWrite).is_empty());
+        // The next download on 2 waits for both writers and the last download's device.
+        assert_eq!(o.gate(2, Download), vec![0, 1]);
     }
 }

@@ -88,6 +88,9 @@ pub enum Delivery {
     Copy {
         /// The destination context.
         dst: Context,
+        /// The node copied (for the host-array order of a copy into a hosted node's own
+        /// buffer, `hosted.rs`).
+        node: TensorNode,
         /// Into the merge buffer.
         into_merge: bool,
     },
