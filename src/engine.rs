@@ -8,6 +8,9 @@
 
 use std::{sync::Arc, time::Duration};
 
+mod capture;
+pub use capture::Capture;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{

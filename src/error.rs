@@ -507,6 +507,16 @@ pub enum Error {
         /// The number of ranks.
         size: usize,
     },
+    /// A captured step cannot be replayed as it was captured: something its captured
+    /// decisions depend on changed since (DESIGN.md §4, "Step capture and replay").
+    /// Nothing of the replay was planned.
+    #[error("captured step {step} cannot be replayed: {why}")]
+    ReplayInvalidated {
+        /// The step's number (unique in the process).
+        step: u64,
+        /// What changed, with the offending value.
+        why: Invalidation,
+    },
     /// An MPI function returned an error code.
     #[error("{function} failed with MPI error {code}: {message}")]
     Mpi {
@@ -577,6 +587,7 @@ impl Error {
             Error::RankInputFailed { .. } => "RankInputFailed",
             Error::NoSuchRank { .. } => "NoSuchRank",
             Error::Mpi { .. } => "Mpi",
+            Error::ReplayInvalidated { .. } => "ReplayInvalidated",
         }
     }
 
@@ -587,6 +598,68 @@ impl Error {
             _ => None,
         }
     }
+}
+
+/// Why a captured step cannot be replayed ([`Error::ReplayInvalidated`]): each variant is
+/// one kind of change that would alter a captured decision, with the offending value.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Invalidation {
+    /// A context the step uses (a routine's, a copy's source or destination) was
+    /// finalized: its buffers may be gone or reused.
+    #[error("context {context} on {device} was finalized")]
+    ContextFinalized {
+        /// The device.
+        device: DeviceId,
+        /// The finalized context.
+        context: ContextId,
+    },
+    /// A hosted node the step reads before writing it lags its host array (a host write
+    /// since the capture, or a buffer never uploaded): issued directly, the step would
+    /// upload it first, and the captured plan has no upload.
+    #[error(
+        "hosted node {node} lags its host array on {device} (buffer holds version \
+         {buffer_version:?}, the host array is at version {host_version}): the captured \
+         step has no upload"
+    )]
+    HostWritten {
+        /// The device.
+        device: DeviceId,
+        /// The node, as `label#id`.
+        node: String,
+        /// The host version the device buffer holds (`None`: never uploaded).
+        buffer_version: Option<u64>,
+        /// The host array's version now.
+        host_version: u64,
+    },
+    /// The merge buffer of a stream the step uses now holds another node, or was
+    /// reallocated (a larger node was copied into it), since the capture.
+    #[error("merge buffer of {stream}: the step expects {expected}, it holds {found}")]
+    MergeBufferChanged {
+        /// The stream.
+        stream: StreamId,
+        /// What the step was captured with (node and location).
+        expected: String,
+        /// What the merge buffer holds now.
+        found: String,
+    },
+    /// Replay values that do not fit the captured schedules (another step's values, a
+    /// schedule given a routine's bindings with other declared indices, a missing value).
+    #[error("schedule {schedule} of the step ({routine}): {reason}")]
+    BindingShape {
+        /// The schedule, counted among the step's schedules that declare indices.
+        schedule: usize,
+        /// The routine captured there.
+        routine: String,
+        /// What does not fit.
+        reason: String,
+    },
+    /// The step was captured on another engine or system.
+    #[error("the step was captured by another engine or system (device {device})")]
+    Foreign {
+        /// The device that refused it.
+        device: DeviceId,
+    },
 }
 
 /// The text of a panic's payload (`&str` or `String` payloads; a placeholder otherwise).

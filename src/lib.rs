@@ -81,14 +81,16 @@ pub mod memory;
 pub mod node;
 pub mod pending;
 pub mod protocol;
+pub mod replay;
 pub mod sync;
 pub mod trace;
 
-pub use engine::{Engine, EngineConfig, MergeBufferUse};
-pub use error::{DeviceError, Error, Failure, Result};
+pub use engine::{Capture, Engine, EngineConfig, MergeBufferUse};
+pub use error::{DeviceError, Error, Failure, Invalidation, Result};
 pub use event::{Event, EventStatus, Timeline};
 /// The `half` crate behind [`F16`] and [`Bf16`] (e.g. `half::slice::HalfFloatSliceExt` for
 /// bulk conversions).
 pub use half;
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
 pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};
+pub use replay::{Step, StepBindings};

@@ -3,25 +3,31 @@
 //! operations ran one after another).
 //!
 //! `TRIBUTARY_PROPTEST_CASES` sets the number of CPU programs (split over the tests: 40%
-//! small, 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system);
+//! small, 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system,
+//! and 20% with captured and replayed steps on the engine);
 //! Vulkan, where it runs, adds 50% on the engine and 5% on the actor system (lavapipe in
 //! CI, where `TRIBUTARY_REQUIRE_VULKAN=1` makes a skip a failure), and CUDA the same where
 //! a GPU is (`TRIBUTARY_REQUIRE_CUDA=1` in `scripts/gpu-check.sh`);
 //! `TRIBUTARY_PROPTEST_SEED` (a number) replays a run. A failure prints the shrunk program
-//! with the first operation whose result differs.
+//! with the first operation whose result differs; `TRIBUTARY_TRACE_OPS=1` prints each
+//! operation's index as the engine runner starts it (to find the one a hang is in).
 
 mod common;
 mod support;
 
-use std::{sync::Arc, time::Duration, time::Instant};
+use std::{
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, Instant},
+};
 
 use common::{
-    engine_runner::EngineRunner,
+    engine_runner::{EngineRunner, REPLAYED, REPLAYS_INVALIDATED},
     env_count,
     generator::{arb_program, resolve, resolve_for, AbsProgram, Profile},
     graph::GraphTotals,
     program::*,
     reference::{ReferenceRunner, Streaming},
+    steps::with_captured_steps,
     system_runner::SystemRunner,
     watchdog::Watchdog,
 };
@@ -127,10 +133,20 @@ fn check_on(abs: &AbsProgram, runner: &mut dyn ProgramRunner) -> Result<(), Test
 /// Checks `runner` against `reference` (which knows what the backend can stream).
 fn check_against(
     abs: &AbsProgram,
+    reference: ReferenceRunner,
+    runner: &mut dyn ProgramRunner,
+) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, reference.streaming);
+    check_program(program, reference, runner)
+}
+
+/// Checks `runner` against `reference` on a resolved program.
+fn check_program(
+    program: Program,
     mut reference: ReferenceRunner,
     runner: &mut dyn ProgramRunner,
 ) -> Result<(), TestCaseError> {
-    let program = Arc::new(resolve_for(abs, reference.streaming));
+    let program = Arc::new(program);
     let expected = reference.run(&program);
     if let Some((i, e)) = expected
         .results
@@ -237,6 +253,41 @@ fn small_programs_match_the_reference() {
         40,
         check,
     );
+}
+
+/// Captured steps (issue 18): programs on the engine whose windows of schedules and
+/// copies are captured once and replayed 1 to 3 times (`common::steps`), against the
+/// reference issuing the calls again; the dependency graph of every replayed plan is
+/// checked as any other's. Fails if no replay was planned at all (every one refused as
+/// invalidated would test nothing).
+#[test]
+fn captured_steps_match_the_reference() {
+    run(
+        "steps",
+        Profile {
+            max_devices: 3,
+            max_streams: 2,
+            max_nodes: 5,
+            max_ops: 80,
+            hosted: true,
+        },
+        20,
+        check_steps,
+    );
+    let replayed = REPLAYED.load(Ordering::Relaxed);
+    let invalidated = REPLAYS_INVALIDATED.load(Ordering::Relaxed);
+    eprintln!("steps: {replayed} replays planned, {invalidated} refused as invalidated");
+    assert!(replayed > 0, "no captured step was replayed");
+}
+
+fn check_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, ReferenceRunner::default().streaming);
+    let stepped = with_captured_steps(&program, &ReferenceRunner::default);
+    check_program(
+        stepped,
+        ReferenceRunner::default(),
+        &mut EngineRunner::recording_cpu(),
+    )
 }
 
 /// Up to 200 operations over up to 4 devices x 3 streams.

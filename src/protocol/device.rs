@@ -22,6 +22,10 @@
 
 use std::{collections::HashMap, sync::Arc};
 
+mod replay;
+pub(crate) use replay::invalidated;
+pub use replay::{ReplayLinks, ReplayProgress, ReplayRun};
+
 use crate::{
     error::{Error, Result},
     event::{Event, Timeline},

@@ -5,6 +5,7 @@
 //! The engine ([`crate::engine`]) or the actor layer executes plans on backends; loom
 //! models execute them on model threads. Nothing here waits or performs I/O.
 
+pub(crate) mod capture;
 mod context;
 mod device;
 mod host;
@@ -12,10 +13,12 @@ mod plan;
 mod tables;
 mod unsubmitted;
 
+pub use capture::{DeviceStep, StepRecorder};
 pub use context::{ArrayEntry, Context, Routine};
+pub(crate) use device::invalidated;
 pub use device::{
-    check_streaming_placement, device_to_device, DeviceState, DeviceToDevicePlans, Source,
-    TableSizes,
+    check_streaming_placement, device_to_device, DeviceState, DeviceToDevicePlans, ReplayLinks,
+    ReplayProgress, ReplayRun, Source, TableSizes,
 };
 pub use host::{DeviceCopy, HostArrayObserver, HostRecord, HostTable};
 pub use plan::OP_STAMPS;

@@ -1,6 +1,13 @@
 //! Programs on the engine (`tributary::Engine`).
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use tributary::{
     backend::{cpu::CpuBackend, Backend},
@@ -277,6 +284,19 @@ pub struct EngineExecutor {
     recorder: Option<Arc<GraphRecorder>>,
 }
 
+/// Replays of captured steps (`Op::Step`) the engine ran, over every program of the
+/// process: `REPLAYED` planned, `REPLAYS_INVALIDATED` refused as invalidated (then issued
+/// call by call). A test of captured steps checks that the first is not zero.
+pub static REPLAYED: AtomicU64 = AtomicU64::new(0);
+/// See [`REPLAYED`].
+pub static REPLAYS_INVALIDATED: AtomicU64 = AtomicU64::new(0);
+
+/// One call of a captured step, resolved to the engine's handles.
+enum Call {
+    Schedule(Routine, Option<i64>),
+    Copy(TensorNode, Context, Context, MergeBufferUse),
+}
+
 fn err(e: tributary::Error) -> String {
     describe(&e)
 }
@@ -392,8 +412,80 @@ impl EngineExecutor {
     }
 }
 
+impl EngineExecutor {
+    /// A captured step: `ops` issued through [`Engine::capture`], then [`Engine::replay`]
+    /// `replays` times. A replay refused as invalidated (it plans nothing) is followed by
+    /// the step's calls issued one by one, as a user re-capturing would, and counted.
+    fn step(&mut self, ops: &[Op], replays: u32) -> OpResult {
+        let mut calls = Vec::with_capacity(ops.len());
+        for op in ops {
+            calls.push(match op {
+                Op::Schedule { routine } => Call::Schedule(self.routine(*routine)?.clone(), None),
+                Op::ScheduleWith { routine, t } => {
+                    Call::Schedule(self.routine(*routine)?.clone(), Some(*t))
+                }
+                Op::DeviceToDevice {
+                    node,
+                    src,
+                    dst,
+                    mode,
+                } => Call::Copy(
+                    self.nodes[node.0].clone(),
+                    self.context(*src)?.clone(),
+                    self.context(*dst)?.clone(),
+                    match mode {
+                        D2d::No => MergeBufferUse::No,
+                        D2d::Copy => MergeBufferUse::Copy,
+                        D2d::StreamingFor(r) => {
+                            MergeBufferUse::StreamingFor(self.routine(*r)?.clone())
+                        }
+                    },
+                ),
+                other => return Err(format!("Unknown: {other:?} in a captured step")),
+            });
+        }
+        let mut events = Vec::new();
+        let step = self.engine.capture(|c| {
+            for call in &calls {
+                let e = match call {
+                    Call::Schedule(r, None) => Some(c.schedule(r)?),
+                    Call::Schedule(r, Some(t)) => Some(c.schedule_with(r, &[(Kernel::INDEX, *t)])?),
+                    Call::Copy(n, s, d, m) => c.device_to_device(n, s, d, m.clone())?,
+                };
+                events.extend(e);
+            }
+            Ok(())
+        });
+        for e in events {
+            self.track(e);
+        }
+        let step = step.map_err(err)?;
+        for _ in 0..replays {
+            match self.engine.replay(&step) {
+                Ok(events) => {
+                    REPLAYED.fetch_add(1, Ordering::Relaxed);
+                    for e in events {
+                        self.track(e);
+                    }
+                }
+                Err(tributary::Error::ReplayInvalidated { .. }) => {
+                    REPLAYS_INVALIDATED.fetch_add(1, Ordering::Relaxed);
+                    for op in ops {
+                        self.apply(op)?;
+                    }
+                }
+                Err(e) => return Err(err(e)),
+            }
+        }
+        Ok(Obs::Done)
+    }
+}
+
 impl Executor for EngineExecutor {
     fn begin_op(&mut self, index: usize) {
+        if std::env::var_os("TRIBUTARY_TRACE_OPS").is_some() {
+            eprintln!("op {index}");
+        }
         if let Some(r) = &self.recorder {
             r.begin_op(index);
         }
@@ -503,6 +595,7 @@ impl Executor for EngineExecutor {
             Op::Sync => self.sync().map(|_| Obs::Done),
             Op::Checkpoint => self.checkpoint(),
             Op::Teardown => self.teardown(),
+            Op::Step { ops, replays } => self.step(ops, *replays),
         }
     }
 

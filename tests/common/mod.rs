@@ -9,6 +9,7 @@ pub mod generator;
 pub mod graph;
 pub mod program;
 pub mod reference;
+pub mod steps;
 pub mod system_runner;
 pub mod watchdog;
 

@@ -311,6 +311,10 @@ pub enum Op {
     /// Observes everything: every node of every live context (creation order, node order),
     /// then the host value of every hosted node (node order).
     Checkpoint,
+    /// A captured step: `ops` (schedules and device-to-device copies only) issued once
+    /// while captured, then the captured step replayed `replays` times. Means the same as
+    /// issuing `ops` `1 + replays` times, stopping at the first refused operation.
+    Step { ops: Vec<Op>, replays: u32 },
     /// Finalizes every live context (newest first), waits for all work and observes
     /// memory and table sizes.
     Teardown,
@@ -350,15 +354,37 @@ impl Program {
         for (i, op) in self.ops.iter().enumerate() {
             let m = if mark == Some(i) { ">>" } else { "  " };
             write!(f, "{m}{i:4}: ")?;
+            write_op(f, op, &mut ctxs, &mut routines)?;
+        }
+        Ok(())
+    }
+
+    /// The program as text with operation `mark` marked.
+    pub fn marked(&self, mark: Option<usize>) -> String {
+        let mut s = String::new();
+        let _ = self.write_marked(&mut s, mark);
+        s
+    }
+}
+
+/// Writes one operation and its newline (`ctxs`, `routines`: handles created so far).
+fn write_op(
+    f: &mut dyn fmt::Write,
+    op: &Op,
+    ctxs: &mut usize,
+    routines: &mut usize,
+) -> fmt::Result {
+    {
+        {
             match op {
                 Op::Root { device, stream } => {
                     writeln!(f, "c{ctxs} = root(d{device}, s{stream})")?;
-                    ctxs += 1;
+                    *ctxs += 1;
                 }
                 Op::Link { ctx, kernel } => {
                     writeln!(f, "r{routines}, c{ctxs} = link(c{}, {kernel})", ctx.0)?;
-                    ctxs += 1;
-                    routines += 1;
+                    *ctxs += 1;
+                    *routines += 1;
                 }
                 Op::Schedule { routine } => writeln!(f, "schedule(r{})", routine.0)?,
                 Op::ScheduleWith { routine, t } => {
@@ -370,7 +396,7 @@ impl Program {
                         "c{ctxs} = init_from_host(c{}, n{}, {data})",
                         ctx.0, node.0
                     )?;
-                    ctxs += 1;
+                    *ctxs += 1;
                 }
                 Op::FromHost { ctx, node } => writeln!(f, "from_host(c{}, n{})", ctx.0, node.0)?,
                 Op::ToHost { ctx, node } => writeln!(f, "to_host(c{}, n{})", ctx.0, node.0)?,
@@ -398,17 +424,23 @@ impl Program {
                 Op::Sync => writeln!(f, "sync")?,
                 Op::Checkpoint => writeln!(f, "checkpoint")?,
                 Op::Teardown => writeln!(f, "teardown")?,
+                Op::Step { ops, replays } => {
+                    let mut inner = Vec::with_capacity(ops.len());
+                    for op in ops {
+                        let mut line = String::new();
+                        write_op(&mut line, op, ctxs, routines)?;
+                        inner.push(line.trim_end().to_string());
+                    }
+                    writeln!(
+                        f,
+                        "step {{ {} }} captured, replayed {replays}x",
+                        inner.join("; ")
+                    )?
+                }
             }
         }
-        Ok(())
     }
-
-    /// The program as text with operation `mark` marked.
-    pub fn marked(&self, mark: Option<usize>) -> String {
-        let mut s = String::new();
-        let _ = self.write_marked(&mut s, mark);
-        s
-    }
+    Ok(())
 }
 
 /// Values of a buffer or host array, compared bitwise.

@@ -916,6 +916,15 @@ impl Reference {
             Op::Sync => Ok(Obs::Done),
             Op::Checkpoint => self.checkpoint(),
             Op::Teardown => self.teardown(),
+            Op::Step { ops, replays } => {
+                // What a captured step means: its operations issued `1 + replays` times.
+                for _ in 0..=*replays {
+                    for op in ops {
+                        self.apply(op)?;
+                    }
+                }
+                Ok(Obs::Done)
+            }
         }
     }
 }

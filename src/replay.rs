@@ -1,0 +1,284 @@
+//! Captured steps: a sequence of host calls recorded once, replayed many times
+//! (DESIGN.md §4, "Step capture and replay").
+//!
+//! A training step or a Task Bench timestep issues the same routines, copies and
+//! all-reduces every time, with at most some index values changing. Issuing them call by
+//! call makes every device resolve every routine's parameters and look up every buffer's
+//! uses again. A [`Step`] is those calls captured once, while they ran for real: per
+//! device, one template per operation with its dependencies resolved into edges to earlier
+//! templates and *entry* dependencies on the buffers' state when a replay starts. A replay
+//! then costs one table lookup per touched buffer and one plan per template, posted as one
+//! operation per device.
+//!
+//! Made by [`Engine::capture`](crate::Engine::capture) (or by the actor system's
+//! `System::capture`); replayed by [`Engine::replay`](crate::Engine::replay) and
+//! [`Engine::replay_with`](crate::Engine::replay_with) (or `CapturedStep::replay`).
+//! [`StepBindings`] gives the captured schedules new index values.
+//!
+//! A replay refuses, with [`Error::ReplayInvalidated`] and nothing planned, whatever would
+//! make the captured decisions wrong: see [`Invalidation`].
+
+use std::sync::Arc;
+
+use crate::{
+    error::{Error, Invalidation, Result},
+    ids::{DeviceId, StreamId},
+    kernels::Bindings,
+    protocol::DeviceStep,
+};
+
+/// Source of step numbers (for errors): a counter, not synchronisation.
+static NEXT_STEP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub(crate) fn next_step_id() -> u64 {
+    NEXT_STEP.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A copy between two devices inside a step: a replay creates a deferred event and an
+/// answer for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Edge {
+    /// The source device.
+    pub src: DeviceId,
+    /// The destination device.
+    pub dst: DeviceId,
+    /// The stream the destination's operation runs on.
+    pub dst_stream: StreamId,
+}
+
+/// A captured step: every device's templates, the cross-device copies between them, and
+/// the index values its schedules were captured with. Cheap to clone (shared).
+#[derive(Clone, Debug)]
+pub struct Step {
+    pub(crate) inner: Arc<StepInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct StepInner {
+    pub(crate) id: u64,
+    /// Per device (sorted by device), its part.
+    pub(crate) devices: Vec<Arc<DeviceStep>>,
+    /// Cross-device copies, by global edge number.
+    pub(crate) edges: Vec<Edge>,
+    /// Per schedule slot (schedules of routines declaring indices, in capture order): the
+    /// values it was captured with.
+    pub(crate) slots: Vec<Bindings>,
+    /// Positions used (operations of the step over every device, copy halves apart).
+    pub(crate) positions: u32,
+}
+
+impl Step {
+    pub(crate) fn new(
+        mut devices: Vec<Arc<DeviceStep>>,
+        edges: Vec<Edge>,
+        slots: Vec<Bindings>,
+        positions: u32,
+    ) -> Step {
+        devices.sort_by_key(|d| d.device());
+        Step {
+            inner: Arc::new(StepInner {
+                id: next_step_id(),
+                devices,
+                edges,
+                slots,
+                positions,
+            }),
+        }
+    }
+
+    /// The step's number (unique in the process; errors name it).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Each device's part, by device.
+    pub fn devices(&self) -> &[Arc<DeviceStep>] {
+        &self.inner.devices
+    }
+
+    /// The cross-device copies (by global edge number).
+    pub fn edges(&self) -> &[Edge] {
+        &self.inner.edges
+    }
+
+    /// Operations a replay issues, over every device.
+    pub fn operations(&self) -> usize {
+        self.inner.devices.iter().map(|d| d.operations()).sum()
+    }
+
+    /// Positions of the step's program order (issue stamps a replay reserves).
+    pub fn positions(&self) -> u32 {
+        self.inner.positions
+    }
+
+    /// The index values every captured schedule of a routine with indices was captured
+    /// with, to change and give to a replay.
+    pub fn bindings(&self) -> StepBindings {
+        StepBindings {
+            step: self.inner.id,
+            values: self.inner.slots.clone(),
+        }
+    }
+
+    /// Checks `values` against the captured schedules: the same schedules (this step's
+    /// [`StepBindings`]), each with bindings of its routine's declared indices, complete.
+    pub fn check_bindings(&self, values: &StepBindings) -> Result<()> {
+        let shape = |schedule: usize, routine: &str, reason: String| Error::ReplayInvalidated {
+            step: self.inner.id,
+            why: Invalidation::BindingShape {
+                schedule,
+                routine: routine.to_string(),
+                reason,
+            },
+        };
+        if values.step != self.inner.id || values.values.len() != self.inner.slots.len() {
+            return Err(shape(
+                0,
+                "",
+                format!(
+                    "values for {} schedules of step {}, the step has {} schedules with indices",
+                    values.values.len(),
+                    values.step,
+                    self.inner.slots.len()
+                ),
+            ));
+        }
+        for (i, (given, captured)) in values.values.iter().zip(&self.inner.slots).enumerate() {
+            if given.decls() != captured.decls() {
+                return Err(shape(
+                    i,
+                    captured.routine(),
+                    format!(
+                        "bindings of {} ({:?}), the routine declares {:?}",
+                        if given.routine().is_empty() {
+                            "no routine"
+                        } else {
+                            given.routine()
+                        },
+                        given.decls().iter().map(|d| d.name()).collect::<Vec<_>>(),
+                        captured
+                            .decls()
+                            .iter()
+                            .map(|d| d.name())
+                            .collect::<Vec<_>>()
+                    ),
+                ));
+            }
+            if !given.is_complete() {
+                return Err(shape(
+                    i,
+                    captured.routine(),
+                    format!("an index has no value: {given:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Index values for a replay: one [`Bindings`] per captured schedule of a routine that
+/// declares indices, in capture order. Made by [`Step::bindings`] (the captured values),
+/// changed, and given to a replay; kept and refilled every step, it allocates nothing.
+///
+/// ```
+/// use tributary::kernels::{Access, RoutineSpec};
+/// use tributary::{DType, Engine, EngineConfig, Error, TensorNode};
+/// let mut e = Engine::cpu(EngineConfig { devices: 1, ..EngineConfig::default() })?;
+/// let log = TensorNode::new_zeroed("log", DType::I32, [4]);
+/// let spec = RoutineSpec::custom("log", vec![(log.clone(), Access::ReadWrite)], None, |a| {
+///     let t = a.index("t")?;
+///     a.output::<i32>(0)?[t as usize] = 10 * t as i32 + 1;
+///     Ok(())
+/// })?
+/// .with_index("t")?;
+/// let root = e.context(0, 0)?;
+/// let r = e.link(&root, spec)?;
+/// let step = e.capture(|c| c.schedule_with(&r, &[("t", 0)]).map(drop))?;
+/// let mut values = step.bindings();
+/// for t in 1..4 {
+///     values.set_all("t", t)?; // every captured schedule declaring `t`
+///     e.replay_with(&step, &values)?;
+/// }
+/// e.sync_all()?;
+/// assert_eq!(e.read::<i32>(r.context(), &log)?, vec![1, 11, 21, 31]);
+/// # Ok::<(), Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct StepBindings {
+    step: u64,
+    values: Vec<Bindings>,
+}
+
+impl StepBindings {
+    /// Number of captured schedules with indices.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether the step has no schedule with indices.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The values of schedule `i` (in capture order, among schedules with indices).
+    pub fn get(&self, i: usize) -> Option<&Bindings> {
+        self.values.get(i)
+    }
+
+    /// The values of schedule `i`, to change with [`Bindings::set`].
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut Bindings> {
+        self.values.get_mut(i)
+    }
+
+    /// Sets index `name` to `value` in every schedule whose routine declares it; returns
+    /// how many. A value out of an index's range is [`Error::BindingOutOfRange`], and then
+    /// nothing changes.
+    pub fn set_all(&mut self, name: &str, value: i64) -> Result<usize> {
+        self.update(name, |_| Some(value))
+    }
+
+    /// Adds `delta` to index `name` in every schedule whose routine declares it (a
+    /// timestep advanced by a period); returns how many. Out of range (or overflowing):
+    /// [`Error::BindingOutOfRange`], and nothing changes.
+    pub fn shift(&mut self, name: &str, delta: i64) -> Result<usize> {
+        self.update(name, |v| v.unwrap_or(0).checked_add(delta))
+    }
+
+    /// Gives index `name` the value `f(current)` in every schedule declaring it, all or
+    /// nothing (`None` from `f`: overflow).
+    fn update(&mut self, name: &str, f: impl Fn(Option<i64>) -> Option<i64>) -> Result<usize> {
+        // Checked first, then set: a refusal changes nothing, and nothing is allocated.
+        for b in &self.values {
+            let Some(d) = b.decls().iter().find(|d| d.name() == name) else {
+                continue;
+            };
+            let current = b.get(name);
+            match f(current) {
+                Some(v) if d.ty().contains(v) => {}
+                other => {
+                    return Err(Error::BindingOutOfRange {
+                        routine: b.routine().to_string(),
+                        binding: name.to_string(),
+                        value: other.or(current).unwrap_or(0),
+                        ty: d.ty(),
+                    })
+                }
+            }
+        }
+        let mut n = 0;
+        for b in &mut self.values {
+            if b.decls().iter().any(|d| d.name() == name) {
+                if let Some(v) = f(b.get(name)) {
+                    b.set(name, v)?;
+                    n += 1;
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// The values, by slot.
+    pub(crate) fn values(&self) -> &[Bindings] {
+        &self.values
+    }
+}
