@@ -35,6 +35,8 @@ enum Runner {
     Threads,
     /// `tributary::Engine`, 1 CPU device, one stream per column.
     Engine,
+    /// `Engine` replaying a captured period of timesteps (`Engine::replay_with`).
+    EngineReplay,
     /// `tributary_actors::System`, 1 CPU device, one stream per column.
     System,
     /// `System` on 2 CPU devices, cross-device inputs by `device_to_device`.
@@ -46,6 +48,7 @@ impl Runner {
         match self {
             Runner::Threads => "hand-written threads",
             Runner::Engine => "Engine, 1 device",
+            Runner::EngineReplay => "Engine, replaying a captured step",
             Runner::System => "System, 1 device",
             Runner::System2 => "System, 2 devices",
         }
@@ -69,7 +72,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "threads,engine,system,system2"
+        default_value = "threads,engine,engine-replay,system,system2"
     )]
     runners: Vec<Runner>,
     /// Columns a `nearest` / `spread` task reads.
@@ -110,6 +113,9 @@ fn run(
             start.elapsed()
         }
         Runner::Engine => runners::engine(graph, iterations, checks).map_err(|e| e.to_string())?,
+        Runner::EngineReplay => {
+            runners::engine_replay(graph, iterations, checks).map_err(|e| e.to_string())?
+        }
         Runner::System => {
             runners::system(graph, 1, iterations, checks).map_err(|e| e.to_string())?
         }
@@ -136,7 +142,9 @@ fn quick(args: &Args, pool: &baseline::Pool) -> Result<(), String> {
             let graph = Graph {
                 pattern,
                 width,
-                steps: 7,
+                // Enough for every pattern's period to be captured and replayed once
+                // (`spread` with period 3 has 6 phases) by `EngineReplay`.
+                steps: 13,
                 radix: args.radix,
                 period: args.period,
             };

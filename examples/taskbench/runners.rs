@@ -177,6 +177,73 @@ pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Dur
     Ok(start.elapsed())
 }
 
+/// `Engine` as [`engine`], but every period of timesteps after the first is a replay of a
+/// captured step (issue 18, step capture and replay): timestep 0 is issued, timesteps
+/// `1..=phases` are captured (issued for real while recorded), and each later full period
+/// replays the step with every schedule's `t` shifted by the period; the timesteps left
+/// over are issued. Every task still checks its inputs against its timestep.
+pub fn engine_replay(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: graph.width,
+        ..EngineConfig::default()
+    })?;
+    let outputs = Outputs::new(graph.width)?;
+    let mut routines = Vec::new();
+    for i in 0..graph.width {
+        let ctx = e.context(0, i)?;
+        let mut column = Vec::new();
+        for phase in phases_with_first(&graph) {
+            let spec = task_spec(graph, &outputs, i, phase, iterations, checks)?;
+            let routine = e.link(&ctx, spec)?;
+            column.push(Task::new(routine.clone(), &routine));
+        }
+        routines.push(column);
+    }
+    let issue = |e: &mut Engine, routines: &mut Vec<Vec<Task<Routine>>>, t: usize| {
+        let s = slot(phase_of(&graph, t));
+        for column in routines.iter_mut() {
+            let task = &mut column[s];
+            task.at(t)?;
+            e.schedule_with(&task.routine, &task.bindings)?;
+        }
+        Ok::<(), tributary::Error>(())
+    };
+    let period = graph.phases();
+    let start = Instant::now();
+    let mut t = 0;
+    if graph.steps > 0 {
+        issue(&mut e, &mut routines, 0)?;
+        t = 1;
+    }
+    if graph.steps > 2 * period {
+        let step = e.capture(|c| {
+            for t in 1..=period {
+                let s = slot(phase_of(&graph, t));
+                for column in routines.iter_mut() {
+                    let task = &mut column[s];
+                    task.at(t)?;
+                    c.schedule_with(&task.routine, &task.bindings)?;
+                }
+            }
+            Ok(())
+        })?;
+        t = 1 + period;
+        let mut values = step.bindings();
+        while t + period <= graph.steps {
+            values.shift(T, period as i64)?;
+            e.replay_with(&step, &values)?;
+            t += period;
+        }
+    }
+    while t < graph.steps {
+        issue(&mut e, &mut routines, t)?;
+        t += 1;
+    }
+    e.sync_all()?;
+    Ok(start.elapsed())
+}
+
 /// `System` on `devices` CPU devices (columns split evenly), one stream per column.
 pub fn system(
     graph: Graph,
