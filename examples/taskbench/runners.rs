@@ -145,8 +145,13 @@ fn phases_with_first(graph: &Graph) -> impl Iterator<Item = Option<usize>> {
     std::iter::once(None).chain((0..graph.phases()).map(Some))
 }
 
-/// `Engine` on one CPU device, one stream per column. Returns the wall time of the run.
-pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
+/// An engine on one CPU device with one stream per column, and every column's routines
+/// (one per phase, timestep 0 first).
+fn engine_columns(
+    graph: Graph,
+    iterations: u64,
+    checks: &Arc<Checks>,
+) -> Result<(Engine, Vec<Vec<Task<Routine>>>)> {
     let mut e = Engine::cpu(EngineConfig {
         devices: 1,
         streams_per_device: graph.width,
@@ -164,6 +169,12 @@ pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Dur
         }
         routines.push(column);
     }
+    Ok((e, routines))
+}
+
+/// `Engine` on one CPU device, one stream per column. Returns the wall time of the run.
+pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
+    let (mut e, mut routines) = engine_columns(graph, iterations, checks)?;
     let start = Instant::now();
     for t in 0..graph.steps {
         let s = slot(phase_of(&graph, t));
@@ -183,23 +194,7 @@ pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Dur
 /// replays the step with every schedule's `t` shifted by the period; the timesteps left
 /// over are issued. Every task still checks its inputs against its timestep.
 pub fn engine_replay(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
-    let mut e = Engine::cpu(EngineConfig {
-        devices: 1,
-        streams_per_device: graph.width,
-        ..EngineConfig::default()
-    })?;
-    let outputs = Outputs::new(graph.width)?;
-    let mut routines = Vec::new();
-    for i in 0..graph.width {
-        let ctx = e.context(0, i)?;
-        let mut column = Vec::new();
-        for phase in phases_with_first(&graph) {
-            let spec = task_spec(graph, &outputs, i, phase, iterations, checks)?;
-            let routine = e.link(&ctx, spec)?;
-            column.push(Task::new(routine.clone(), &routine));
-        }
-        routines.push(column);
-    }
+    let (mut e, mut routines) = engine_columns(graph, iterations, checks)?;
     let issue = |e: &mut Engine, routines: &mut Vec<Vec<Task<Routine>>>, t: usize| {
         let s = slot(phase_of(&graph, t));
         for column in routines.iter_mut() {
