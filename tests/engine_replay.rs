@@ -6,6 +6,7 @@
 
 use tributary::{
     kernels::{self, Access, IndexType, RoutineSpec},
+    protocol::Routine,
     DType, Engine, EngineConfig, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode,
 };
 
@@ -35,6 +36,15 @@ fn add_index(x: &TensorNode) -> RoutineSpec {
     )
     .and_then(|s| s.with_index_typed("t", IndexType::I32))
     .expect("spec")
+}
+
+/// A step of one schedule of `routine`.
+fn capture_schedule(e: &mut Engine, routine: &Routine) -> Step {
+    e.capture(|c| {
+        c.schedule(routine)?;
+        Ok(())
+    })
+    .expect("capture")
 }
 
 fn invalidation(r: tributary::Result<Vec<tributary::Event>>) -> Invalidation {
@@ -122,12 +132,7 @@ fn replay_with_takes_new_index_values_and_refuses_another_shape() {
     total += -4.0;
     assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![total; 4]);
     // Another step's values (no schedule with indices) do not fit.
-    let other = e
-        .capture(|c| {
-            c.schedule(&fill)?;
-            Ok(())
-        })
-        .unwrap();
+    let other = capture_schedule(&mut e, &fill);
     let why = invalidation(e.replay_with(&step, &other.bindings()));
     assert!(
         matches!(why, Invalidation::BindingShape { .. }),
@@ -149,12 +154,7 @@ fn a_finalized_context_invalidates_the_step() {
     let fill_x = e.link(&c0, kernels::fill(&x, 2.0).unwrap()).unwrap();
     let fill_y = e.link(&c0, kernels::fill(&y, 5.0).unwrap()).unwrap();
     e.schedule(&fill_x).unwrap();
-    let step: Step = e
-        .capture(|c| {
-            c.schedule(&fill_y)?;
-            Ok(())
-        })
-        .unwrap();
+    let step = capture_schedule(&mut e, &fill_y);
     let gone = fill_y.context().id();
     e.finalize(fill_y.context()).unwrap();
     match invalidation(e.replay(&step)) {
@@ -162,12 +162,7 @@ fn a_finalized_context_invalidates_the_step() {
         other => panic!("expected ContextFinalized, got {other:?}"),
     }
     // The engine still serves, and a step over live contexts replays.
-    let again = e
-        .capture(|c| {
-            c.schedule(&fill_x)?;
-            Ok(())
-        })
-        .unwrap();
+    let again = capture_schedule(&mut e, &fill_x);
     e.replay(&again).unwrap();
     assert_eq!(e.read::<f32>(fill_x.context(), &x).unwrap(), vec![2.0; 4]);
 }
@@ -183,12 +178,7 @@ fn a_host_write_to_a_node_the_step_reads_invalidates_it() {
     let c0 = e.context(0, 0).unwrap();
     let cw = e.init_from_host(&c0, &w, &[1.0f32; 4]).unwrap();
     let copy = e.link(&cw, kernels::copy(&y, &w).unwrap()).unwrap();
-    let step = e
-        .capture(|c| {
-            c.schedule(&copy)?;
-            Ok(())
-        })
-        .unwrap();
+    let step = capture_schedule(&mut e, &copy);
     e.replay(&step).unwrap();
     assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; 4]);
     e.host_write(&w, &[7.0f32; 4]).unwrap();
@@ -209,12 +199,7 @@ fn a_host_write_to_a_node_the_step_reads_invalidates_it() {
     }
     // Nothing was planned: y still holds the old copy.
     assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; 4]);
-    let again = e
-        .capture(|c| {
-            c.schedule(&copy)?;
-            Ok(())
-        })
-        .unwrap();
+    let again = capture_schedule(&mut e, &copy);
     e.replay(&again).unwrap();
     assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![7.0; 4]);
 }
@@ -226,12 +211,7 @@ fn a_step_of_another_engine_is_refused() {
     let x = node("x", MemoryMode::on_device());
     let c0 = a.context(0, 0).unwrap();
     let fill = a.link(&c0, kernels::fill(&x, 1.0).unwrap()).unwrap();
-    let step = a
-        .capture(|c| {
-            c.schedule(&fill)?;
-            Ok(())
-        })
-        .unwrap();
+    let step = capture_schedule(&mut a, &fill);
     let why = invalidation(b.replay(&step));
     assert!(matches!(why, Invalidation::Foreign { .. }), "got {why:?}");
     a.replay(&step).unwrap();
@@ -260,12 +240,7 @@ fn a_merge_buffer_holding_another_node_invalidates_the_step() {
     // Before the step, the merge buffer of device 1's stream 0 gets `acc`'s copy of x.
     e.device_to_device(&acc, zero.context(), merge.context(), MergeBufferUse::Copy)
         .unwrap();
-    let step = e
-        .capture(|c| {
-            c.schedule(&merge)?;
-            Ok(())
-        })
-        .unwrap();
+    let step = capture_schedule(&mut e, &merge);
     e.replay(&step).unwrap();
     // Now another node goes into that merge buffer.
     e.device_to_device(&z, fill_z.context(), merge.context(), MergeBufferUse::Copy)

@@ -334,6 +334,9 @@ impl Engine {
                 )));
             }
         };
+        // Promises still unresolved (only on the error path) are refused now, so that no
+        // submitted plan waits for an operation nobody will plan.
+        drop(links);
         planned.sort_by_key(|p| p.issue());
         self.submit(planned)?;
         result

@@ -132,12 +132,7 @@ impl DeviceState {
         let stream = ctx.stream().index;
         rec.context(ctx.id());
         let spec = &routine.0.spec;
-        let mut accesses: Vec<AccessOf<'_>> = spec
-            .params
-            .iter()
-            .zip(routine.0.args.iter())
-            .map(|(p, b)| (BufferKey::Buffer(b.loc.loc), Some(&p.node), p.access))
-            .collect();
+        let mut accesses = param_accesses(routine);
         let mut merge = None;
         if let Some(expected) = &spec.merge {
             // Planned, so the stream's merge buffer held `expected`.
@@ -154,13 +149,7 @@ impl DeviceState {
             }
         }
         let reads_merge = merge.is_some();
-        let work = Work::Run {
-            name: routine.0.name.clone(),
-            kernel: spec.kernel.clone(),
-            args: routine.0.args.clone(),
-            merge,
-            bindings: bindings.clone(),
-        };
+        let work = run_work(routine, merge, bindings.clone());
         rec.operation(
             stream,
             position,
@@ -252,12 +241,7 @@ impl DeviceState {
         let ctx = routine.context();
         rec.context(ctx.id());
         let spec = &routine.0.spec;
-        let accesses: Vec<AccessOf<'_>> = spec
-            .params
-            .iter()
-            .zip(routine.0.args.iter())
-            .map(|(p, b)| (BufferKey::Buffer(b.loc.loc), Some(&p.node), p.access))
-            .collect();
+        let accesses = param_accesses(routine);
         let (extra, incoming) = rec.copy_dest(edge);
         let merge = spec.merge.as_ref().map(|expected| ArgBinding {
             loc: source.0,
@@ -266,13 +250,7 @@ impl DeviceState {
             shape: expected.shape().clone(),
             access: Access::Read,
         });
-        let work = Work::Run {
-            name: routine.0.name.clone(),
-            kernel: spec.kernel.clone(),
-            args: routine.0.args.clone(),
-            merge,
-            bindings: routine.bindings(),
-        };
+        let work = run_work(routine, merge, routine.bindings());
         rec.operation(
             ctx.stream().index,
             position,
@@ -558,4 +536,27 @@ impl DeviceState {
 /// An [`Error`] for a step that cannot be replayed.
 pub(crate) fn invalidated(step: u64, why: Invalidation) -> Error {
     Error::ReplayInvalidated { step, why }
+}
+
+/// The buffers a routine's parameters touch, as the step records them.
+fn param_accesses(routine: &Routine) -> Vec<AccessOf<'_>> {
+    routine
+        .0
+        .spec
+        .params
+        .iter()
+        .zip(routine.0.args.iter())
+        .map(|(p, b)| (BufferKey::Buffer(b.loc.loc), Some(&p.node), p.access))
+        .collect()
+}
+
+/// The work of `routine` as it was planned: its arguments, `merge`, `bindings`.
+fn run_work(routine: &Routine, merge: Option<ArgBinding>, bindings: Bindings) -> Work {
+    Work::Run {
+        name: routine.0.name.clone(),
+        kernel: routine.0.spec.kernel.clone(),
+        args: routine.0.args.clone(),
+        merge,
+        bindings,
+    }
 }
