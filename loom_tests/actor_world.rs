@@ -416,3 +416,27 @@ fn host_read(d: &Dispatcher, cells: &HostCells, node: &TensorNode) -> Vec<i64> {
 pub fn wait(p: &PendingEvent) -> Result<()> {
     p.event().wait()
 }
+
+/// `System::capture` of one copy: the step (the copy runs for real, and is waited for).
+pub fn capture_copy(
+    d: &Dispatcher,
+    node: &TensorNode,
+    src: &Context,
+    dst: &Context,
+) -> tributary::Step {
+    let mut c = dispatch::StepCapture::new(d);
+    let copied = c
+        .device_to_device(node, src, dst, MergeBufferUse::No)
+        .unwrap()
+        .expect("a copy between two buffers");
+    for fence in c.fences().unwrap() {
+        dispatch::block_on(answer(fence)).unwrap();
+    }
+    wait(&copied).unwrap();
+    c.finish().unwrap()
+}
+
+/// `System::replay`: the last event of every stream of the step.
+pub fn replay(d: &Dispatcher, step: &tributary::Step) -> Vec<PendingEvent> {
+    d.replay(step, None).unwrap()
+}

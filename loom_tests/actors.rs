@@ -22,7 +22,8 @@ use tributary::{
 
 use crate::{
     actor_world::{
-        all_reduce, device_to_device, host_write, schedule, to_host, wait, ActorWorld, Actors,
+        all_reduce, capture_copy, device_to_device, host_write, replay, schedule, to_host, wait,
+        ActorWorld, Actors,
     },
     harness::{run_model, windowed},
     world::node,
@@ -80,6 +81,49 @@ fn copy_races_a_write_of_its_source_with(name: &'static str, actors: Actors, bou
         assert_eq!(w.read(set2.context(), &x), [2]);
         w.shutdown();
     });
+}
+
+/// Issue 18's replay across actors: a captured step (copy `x` from device 0 to device 1)
+/// replayed, one operation per device, while another host thread overwrites `x` on device
+/// 0. Either order of the two calls is a sequential one: the replayed copy delivers 1 or 2,
+/// the overwrite waits for the copy to have read (the replay leaves its remote read in the
+/// source's table), and the copy for an overwrite ordered before it (its entry
+/// dependency, resolved on the live table: mutant `replay_entry` drops it).
+#[test]
+fn replay_races_a_schedule_from_another_thread() {
+    run_model(
+        "actors::replay_races_a_schedule_from_another_thread",
+        windowed(Some(1)),
+        || {
+            let mut w = ActorWorld::new(&[1, 1], Actors::Shared);
+            let x = node("x", MemoryMode::on_device());
+            let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+            let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
+            let dst = w.link(&w.context(1, 0), fill(&x, 0.0).unwrap());
+            let d = w.dispatcher();
+            wait(&schedule(&d, &set1)).unwrap();
+            wait(&schedule(&d, &dst)).unwrap();
+            let step = capture_copy(&d, &x, set1.context(), dst.context());
+            w.begin_window();
+            let writer = {
+                let (d, set2) = (d.clone(), set2.clone());
+                loom::thread::spawn(move || wait(&schedule(&d, &set2)).unwrap())
+            };
+            let replayed = replay(&d, &step);
+            for p in &replayed {
+                wait(p).unwrap();
+            }
+            writer.join().unwrap();
+            w.end_window();
+            let got = w.read(dst.context(), &x);
+            assert!(
+                got == [1] || got == [2],
+                "the replayed copy delivered {got:?}"
+            );
+            assert_eq!(w.read(set2.context(), &x), [2]);
+            w.shutdown();
+        },
+    );
 }
 
 /// A `StreamingFor` consumer on device 1 reads device 0's `g` in place while another host

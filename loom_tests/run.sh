@@ -45,6 +45,7 @@ MUTANTS=(
   "host_gate:actors::upload_after_a_download_on_another_device"
   "device_write_gate:actors::finalize_after_a_write_on_another_device actors::write_on_another_device_after_a_finalize"
   "inline_no_handoff:actors::inline_posts_race_the_actor"
+  "replay_entry:actors::replay_races_a_schedule_from_another_thread"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"
   # event timeline (src/event.rs)
@@ -83,6 +84,7 @@ CLUSTER_MUTANTS=(
 # normal target directory (only the engine crate and the test rebuild for a mutant).
 RANDOM_MUTANTS=(
   "replay_entry:--test reliability_programs captured_steps_match_the_reference"
+  "replay_barrier:--test system_replay a_replay_invalidated_on_one_device_issues_nothing_on_the_others"
 )
 
 MODE="${1:-all}"

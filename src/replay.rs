@@ -277,8 +277,8 @@ impl StepBindings {
         Ok(n)
     }
 
-    /// The values, by slot.
-    pub(crate) fn values(&self) -> &[Bindings] {
+    /// The values, by slot (capture order among schedules with indices).
+    pub fn values(&self) -> &[Bindings] {
         &self.values
     }
 }

@@ -28,7 +28,7 @@ use common::{
     program::*,
     reference::{ReferenceRunner, Streaming},
     steps::with_captured_steps,
-    system_runner::SystemRunner,
+    system_runner::{SystemRunner, SYSTEM_REPLAYED, SYSTEM_REPLAYS_INVALIDATED},
     watchdog::Watchdog,
 };
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -287,6 +287,40 @@ fn check_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
         stepped,
         ReferenceRunner::default(),
         &mut EngineRunner::recording_cpu(),
+    )
+}
+
+/// Captured steps on the actor system: the programs of `captured_steps_match_the_reference`,
+/// captured with `System::capture` and replayed with `System::replay` (one operation per
+/// device per replay), against the reference issuing the calls again; dependency graphs
+/// checked. Fails if no replay was planned at all.
+#[test]
+fn system_captured_steps_match_the_reference() {
+    run(
+        "system-steps",
+        Profile {
+            max_devices: 3,
+            max_streams: 2,
+            max_nodes: 5,
+            max_ops: 80,
+            hosted: true,
+        },
+        10,
+        check_system_steps,
+    );
+    let replayed = SYSTEM_REPLAYED.load(Ordering::Relaxed);
+    let invalidated = SYSTEM_REPLAYS_INVALIDATED.load(Ordering::Relaxed);
+    eprintln!("system steps: {replayed} replays planned, {invalidated} refused as invalidated");
+    assert!(replayed > 0, "no captured step was replayed");
+}
+
+fn check_system_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, ReferenceRunner::default().streaming);
+    let stepped = with_captured_steps(&program, &ReferenceRunner::default);
+    check_program(
+        stepped,
+        ReferenceRunner::default(),
+        &mut SystemRunner::cpu(),
     )
 }
 

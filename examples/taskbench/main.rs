@@ -39,8 +39,12 @@ enum Runner {
     EngineReplay,
     /// `tributary_actors::System`, 1 CPU device, one stream per column.
     System,
+    /// `System` replaying a captured period of timesteps (`System::replay_with`).
+    SystemReplay,
     /// `System` on 2 CPU devices, cross-device inputs by `device_to_device`.
     System2,
+    /// `System` on 2 CPU devices replaying a captured period, its copies included.
+    System2Replay,
 }
 
 impl Runner {
@@ -50,7 +54,9 @@ impl Runner {
             Runner::Engine => "Engine, 1 device",
             Runner::EngineReplay => "Engine, replaying a captured step",
             Runner::System => "System, 1 device",
+            Runner::SystemReplay => "System, replaying a captured step",
             Runner::System2 => "System, 2 devices",
+            Runner::System2Replay => "System, 2 devices, replaying",
         }
     }
 }
@@ -72,7 +78,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "threads,engine,engine-replay,system,system2"
+        default_value = "threads,engine,engine-replay,system,system-replay,system2,system2-replay"
     )]
     runners: Vec<Runner>,
     /// Columns a `nearest` / `spread` task reads.
@@ -117,10 +123,16 @@ fn run(
             runners::engine_replay(graph, iterations, checks).map_err(|e| e.to_string())?
         }
         Runner::System => {
-            runners::system(graph, 1, iterations, checks).map_err(|e| e.to_string())?
+            runners::system(graph, 1, iterations, checks, false).map_err(|e| e.to_string())?
+        }
+        Runner::SystemReplay => {
+            runners::system(graph, 1, iterations, checks, true).map_err(|e| e.to_string())?
         }
         Runner::System2 => {
-            runners::system(graph, 2, iterations, checks).map_err(|e| e.to_string())?
+            runners::system(graph, 2, iterations, checks, false).map_err(|e| e.to_string())?
+        }
+        Runner::System2Replay => {
+            runners::system(graph, 2, iterations, checks, true).map_err(|e| e.to_string())?
         }
     };
     let (want, got) = (graph.inputs(), checks.inputs());
@@ -290,7 +302,7 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
                 };
                 match (m(runner), m(Runner::Threads)) {
                     (Some(v), Some(base)) if runner != Runner::Threads => {
-                        format!("{v:.2} ({:.0}×)", v / base)
+                        format!("{v:.2} ({:.1}×)", v / base)
                     }
                     (Some(v), _) => format!("{v:.2}"),
                     (None, _) => "never 50%".to_string(),

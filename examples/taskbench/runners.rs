@@ -19,10 +19,10 @@ use std::{
 
 use tributary::{
     kernels::{Access, Bindings, RoutineSpec},
-    protocol::Routine,
+    protocol::{Context, Routine},
     DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
 };
-use tributary_actors::{RoutineHandle, StreamConfig, System};
+use tributary_actors::{RoutineHandle, StreamConfig, System, SystemCapture};
 
 use super::{
     graph::Graph,
@@ -239,12 +239,15 @@ pub fn engine_replay(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Res
     Ok(start.elapsed())
 }
 
-/// `System` on `devices` CPU devices (columns split evenly), one stream per column.
+/// `System` on `devices` CPU devices (columns split evenly), one stream per column; with
+/// `replay`, every period of timesteps after the first is a replay of a captured step
+/// (`System::replay_with`), its cross-device copies included, as [`engine_replay`] does.
 pub fn system(
     graph: Graph,
     devices: usize,
     iterations: u64,
     checks: &Arc<Checks>,
+    replay: bool,
 ) -> Result<Duration> {
     let per_device = graph.width.div_ceil(devices);
     let device_of = |i: usize| i / per_device;
@@ -280,8 +283,8 @@ pub fn system(
             }
         }
     }
-    let start = Instant::now();
-    for t in 0..graph.steps {
+    // Timestep `t`'s calls: the copies of its remote inputs, then its tasks.
+    let mut timestep = |t: usize, calls: &mut dyn Calls| -> Result<()> {
         let s = slot(phase_of(&graph, t));
         if t > 0 && devices > 1 {
             let prev = slot(phase_of(&graph, t - 1));
@@ -295,23 +298,72 @@ pub fn system(
                 remote.dedup();
                 for j in remote {
                     let src = routines[j][prev].routine.context();
-                    sys.device_to_device(
-                        outputs.of(t - 1, j),
-                        &src,
-                        &receivers[&(d, j)],
-                        MergeBufferUse::No,
-                    )?;
+                    calls.copy(outputs.of(t - 1, j), &src, &receivers[&(d, j)])?;
                 }
             }
         }
         for column in &mut routines {
             let task = &mut column[s];
             task.at(t)?;
-            task.routine.schedule_with(&task.bindings)?;
+            calls.schedule(task.routine.routine(), &task.bindings)?;
         }
+        Ok(())
+    };
+    let period = graph.phases();
+    let start = Instant::now();
+    let mut t = 0;
+    if replay && graph.steps > 2 * period {
+        timestep(0, &mut &sys)?;
+        let step = sys.capture(|c| {
+            for t in 1..=period {
+                timestep(t, c)?;
+            }
+            Ok(())
+        })?;
+        t = 1 + period;
+        let mut values = step.bindings();
+        while t + period <= graph.steps {
+            values.shift(T, period as i64)?;
+            sys.replay_with(&step, &values)?;
+            t += period;
+        }
+    }
+    while t < graph.steps {
+        timestep(t, &mut &sys)?;
+        t += 1;
     }
     sys.sync()?;
     let took = start.elapsed();
     sys.shutdown()?;
     Ok(took)
+}
+
+/// Where a timestep's calls go: the system, or a step being captured.
+trait Calls {
+    fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()>;
+    fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()>;
+}
+
+impl Calls for &System {
+    fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()> {
+        self.device_to_device(node, src, dst, MergeBufferUse::No)?;
+        Ok(())
+    }
+
+    fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()> {
+        self.schedule_with(routine, bindings)?;
+        Ok(())
+    }
+}
+
+impl Calls for SystemCapture<'_> {
+    fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()> {
+        self.device_to_device(node, src, dst, MergeBufferUse::No)?;
+        Ok(())
+    }
+
+    fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()> {
+        self.schedule_with(routine, bindings)?;
+        Ok(())
+    }
 }

@@ -32,7 +32,8 @@ use crate::{
 
 use super::{
     inbox::Inbox,
-    ops::{Delivery, DeviceOp, Query, ReadValue, Reply, SourceLink, Verdict},
+    ops::{Delivery, DeviceOp, Query, ReadValue, Record, Reply, SourceLink, Verdict},
+    replay::ReplayPart,
 };
 
 /// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
@@ -76,6 +77,9 @@ pub struct DeviceCore {
     poisoned: Option<Error>,
     /// Wakes this core when a verdict it waits for arrives.
     kick: Option<Waker>,
+    /// The record of the operation being decided, if it is recorded into a step being
+    /// captured (`super::capture`).
+    recording: Option<Record>,
 }
 
 /// A waker that kicks an inbox.
@@ -116,6 +120,7 @@ impl DeviceCore {
             backlog: VecDeque::new(),
             poisoned: None,
             kick: None,
+            recording: None,
         }
     }
 
@@ -325,6 +330,9 @@ impl DeviceCore {
                 let plans = self.with_host(hosted, stamp, |s, h| {
                     s.schedule_with(&routine, &bindings, h)
                 });
+                self.record(plans.as_ref().err(), 0, |s, rec, r| {
+                    s.record_schedule(rec, &routine, &bindings, r.position, r.slot)
+                });
                 self.decide(promise, routine.context().stream(), plans);
             }
             DeviceOp::Transfer {
@@ -401,6 +409,18 @@ impl DeviceCore {
                 reply.send(plans.map(|plans| self.submit(plans)));
             }
             DeviceOp::Query(q) => self.query(q),
+            DeviceOp::Recorded { record, op } => {
+                self.recording = Some(record);
+                let handled = self.decide_op(*op, inbox);
+                let record = self.recording.take();
+                if let (Handled::Blocked(op), Some(record)) = (handled, record) {
+                    return Handled::Blocked(DeviceOp::Recorded {
+                        record,
+                        op: Box::new(op),
+                    });
+                }
+            }
+            DeviceOp::Replay { stamp, part } => return self.replay(inbox, stamp, part),
             DeviceOp::Gated { gates, op } => {
                 let waker = self.kick_waker(inbox);
                 // A refused fence (a poisoned device) orders nothing any more: go on.
@@ -417,6 +437,114 @@ impl DeviceCore {
         self.kick
             .get_or_insert_with(|| Waker::from(StdArc::new(Kick(inbox.clone()))))
             .clone()
+    }
+
+    /// Records the operation being decided into its capture, if it is recorded: `f` with
+    /// the device's recorder when it was planned, else its refusal (`error`). `offset`:
+    /// its position within the call (a copy's destination half is the call's second).
+    fn record(
+        &self,
+        error: Option<&Error>,
+        offset: u32,
+        f: impl FnOnce(&DeviceState, &mut crate::protocol::StepRecorder, &Record),
+    ) {
+        let Some(r) = &self.recording else { return };
+        r.log.with(&self.state, |rec| match error {
+            Some(e) => rec.fail(r.position + offset, e.clone()),
+            None => f(&self.state, rec, r),
+        });
+    }
+
+    /// Records the destination half of a recorded copy just decided (`plans`: the source
+    /// buffer, the plans, and where the source is and its size).
+    fn record_copy_dest(
+        &self,
+        plans: &Result<(
+            crate::ids::BufferLoc,
+            Vec<Plan>,
+            (crate::protocol::GlobalLoc, u64),
+        )>,
+        delivery: &Delivery,
+    ) {
+        let (error, source) = match plans {
+            Err(e) => (Some(e), None),
+            Ok((_, _, source)) => (None, Some(*source)),
+        };
+        self.record(error, 1, |s, rec, r| {
+            let Some(source) = source else { return };
+            match delivery {
+                Delivery::Copy {
+                    dst,
+                    node,
+                    into_merge,
+                } => s.record_copy_in(rec, dst, node, *into_merge, source, r.position + 1, r.edge),
+                Delivery::Streaming(routine) => {
+                    s.record_streaming(rec, routine, source, r.position + 1, r.edge)
+                }
+            }
+        });
+    }
+
+    /// This device's part of a replay (`super::replay`): checks, waits for every other
+    /// part's check, then issues its templates (waiting where a copy's source has not
+    /// answered yet).
+    fn replay(
+        &mut self,
+        inbox: &Arc<Inbox<DeviceOp>>,
+        stamp: u64,
+        mut part: Box<ReplayPart>,
+    ) -> Handled {
+        let hosted = !part.step.hosted_nodes().is_empty();
+        if !part.started {
+            let checked = self.with_host(hosted, stamp, |s, h| s.check_replay(&part.step, h));
+            let checked = checked.map_err(|why| crate::protocol::invalidated(part.step_id, why));
+            if let Some(check) = part.check.take() {
+                check.send(checked);
+            }
+            part.run.rebase(stamp, stamp);
+            part.started = true;
+        }
+        let waker = self.kick_waker(inbox);
+        if !part.go && mutant!("replay_barrier") {
+            // The shape without the barrier: each part issues on its own check alone.
+            if let Some(Err(e)) = part.checks.get(part.index).and_then(|c| c.get()) {
+                let state = &self.state;
+                part.refuse(&e, |i| state.issued(i));
+                return Handled::Done;
+            }
+            part.go = true;
+        }
+        if !part.go {
+            match part.poll_checks(&waker) {
+                None => return Handled::Blocked(DeviceOp::Replay { stamp, part }),
+                Some(Err(e)) => {
+                    let state = &self.state;
+                    part.refuse(&e, |i| state.issued(i));
+                    return Handled::Done;
+                }
+                Some(Ok(())) => part.go = true,
+            }
+        }
+        let mut planned = Vec::new();
+        let progress = {
+            let (run, mut links) = part.links(&waker);
+            self.with_host(hosted, stamp, |s, h| {
+                s.replay(run, &mut links, h, &mut planned)
+            })
+        };
+        self.submit(planned);
+        match progress {
+            crate::protocol::ReplayProgress::Blocked => {
+                Handled::Blocked(DeviceOp::Replay { stamp, part })
+            }
+            crate::protocol::ReplayProgress::Done => {
+                let last: Vec<Event> = part.run.last_events().collect();
+                for (promise, event) in std::mem::take(&mut part.last).into_iter().zip(last) {
+                    promise.resolve(Planned::At(event.seq()));
+                }
+                Handled::Done
+            }
+        }
     }
 
     fn check_stream(&self, stream: StreamId) -> Result<()> {
@@ -518,7 +646,10 @@ impl DeviceCore {
     ) {
         let mut source = match self.state.source(ctx, node) {
             Ok(s) => s,
-            Err(e) => return verdict.send(Err(e)),
+            Err(e) => {
+                self.record(Some(&e), 0, |_, _, _| {});
+                return verdict.send(Err(e));
+            }
         };
         if node.mode().is_hosted() {
             let upload = self.with_host(true, stamp, |s, h| {
@@ -528,9 +659,17 @@ impl DeviceCore {
                 // Submitted whatever the destination does: the upload is an operation of
                 // this device, already in its tables.
                 Ok(plan) => self.submit(plan.into_iter().collect()),
-                Err(e) => return verdict.send(Err(e)),
+                Err(e) => {
+                    self.record(Some(&e), 0, |_, _, _| {});
+                    return verdict.send(Err(e));
+                }
             }
         }
+        // A copy of a lagging hosted source uploads first, which a replay does not do: its
+        // check refuses the step then (`HostWritten`), so the upload is not recorded.
+        self.record(None, 0, |s, rec, r| {
+            s.record_copy_source(rec, ctx, node, r.edge)
+        });
         // Recorded here, at this call's place in this device's order, before any later
         // write of the source is decided: that write waits for the destination's
         // operation, whenever the destination plans it.
@@ -586,10 +725,13 @@ impl DeviceCore {
                     .map(|p| p.into_iter().collect::<Vec<_>>()),
                 Delivery::Streaming(r) => s.schedule_streaming(r, &source, h),
             })?;
-            Ok((source.loc().loc, plans))
+            Ok((source.loc().loc, plans, (source.loc(), source.bytes())))
         });
+        if self.recording.is_some() {
+            self.record_copy_dest(&plans, &delivery);
+        }
         match plans {
-            Ok((loc, plans)) if !plans.is_empty() => {
+            Ok((loc, plans, _)) if !plans.is_empty() => {
                 let last = plans.last().map(|p| p.event().clone());
                 self.decide(promise, stream, Ok(plans));
                 if let (true, Some(event)) = (mutant!("late_source_read"), last) {

@@ -42,12 +42,12 @@ use crate::{
 use super::{
     hosted::{HostUse, NodeGuard, NodeLock, NodeLocks},
     inbox::{post_atomically, Inbox, Refused},
-    ops::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, SourceLink},
+    ops::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, Record, SourceLink},
 };
 
 /// Stamps reserved per step of a call (a copy's source half takes the first ones, its
 /// destination half those from [`DEST_STAMPS`]).
-const STEP_STAMPS: u64 = crate::protocol::OP_STAMPS;
+pub(super) const STEP_STAMPS: u64 = crate::protocol::OP_STAMPS;
 /// Offset of a destination half's stamps within its step.
 const DEST_STAMPS: u64 = STEP_STAMPS / 2;
 
@@ -82,12 +82,14 @@ pub struct AllReduceCall {
 }
 
 /// One operation of a call, before posting.
-struct Part {
+pub(super) struct Part {
     device: usize,
     /// The call's step this part belongs to (stamps and placement of fences).
     step: usize,
     /// Stamp offset within the step.
     offset: u64,
+    /// Steps of stamps the part spans (a replay's positions).
+    span: u64,
     /// A fence (placed before the step's other parts on its device).
     fence: bool,
     gates: Vec<Answer<()>>,
@@ -95,14 +97,37 @@ struct Part {
 }
 
 impl Part {
-    fn new(device: usize, step: usize, offset: u64, op: DeviceOp) -> Part {
+    pub(super) fn new(device: usize, step: usize, offset: u64, op: DeviceOp) -> Part {
         Part {
             device,
             step,
             offset,
+            span: 1,
             fence: false,
             gates: Vec::new(),
             op,
+        }
+    }
+
+    /// The part takes `steps` steps of stamps from its own (at least one).
+    pub(super) fn with_span(self, steps: u64) -> Part {
+        Part {
+            span: steps.max(1),
+            ..self
+        }
+    }
+
+    /// The part, recorded into a step being captured (if `record`).
+    fn recorded(self, record: Option<&Record>) -> Part {
+        match record {
+            None => self,
+            Some(r) => Part {
+                op: DeviceOp::Recorded {
+                    record: r.clone(),
+                    op: Box::new(self.op),
+                },
+                ..self
+            },
         }
     }
 }
@@ -227,7 +252,7 @@ impl Dispatcher {
     }
 
     /// Posts `parts` as one atomic step: stamps, host-array gates, one post.
-    fn post(&self, mut parts: Vec<Part>) -> Result<()> {
+    pub(super) fn post(&self, mut parts: Vec<Part>) -> Result<()> {
         if parts.len() == 1 {
             if let Some(p) = parts.pop() {
                 return self.post_one(p);
@@ -245,7 +270,11 @@ impl Dispatcher {
             return self.post_holding(vec![p], None);
         }
         let Part {
-            device, offset, op, ..
+            device,
+            offset,
+            span,
+            op,
+            ..
         } = p;
         let mut op = Some(op);
         self.devices[device]
@@ -254,7 +283,7 @@ impl Dispatcher {
                 if let Some(mut op) = op.take() {
                     // Inside the lock: stamp order is this inbox's order.
                     if let Some(s) = op.stamp_mut() {
-                        *s = reserve_issue_stamps(STEP_STAMPS) + offset;
+                        *s = reserve_issue_stamps(span * STEP_STAMPS) + offset;
                     }
                     push(op);
                 }
@@ -272,7 +301,11 @@ impl Dispatcher {
         devices.sort_unstable();
         devices.dedup();
         let mut per_device: Vec<Vec<Part>> = devices.iter().map(|_| Vec::new()).collect();
-        let steps = parts.iter().map(|p| p.step + 1).max().unwrap_or(1) as u64;
+        let steps = parts
+            .iter()
+            .map(|p| p.step as u64 + p.span)
+            .max()
+            .unwrap_or(1);
         for p in parts {
             let i = devices.binary_search(&p.device).unwrap_or_default();
             per_device[i].push(p);
@@ -394,9 +427,19 @@ impl Dispatcher {
     /// Schedules `routine` with `bindings` (checked by the caller, `Routine::bind`): its
     /// event, planned when its device reaches it.
     pub fn schedule(&self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
+        self.schedule_recorded(routine, bindings, None)
+    }
+
+    /// [`Dispatcher::schedule`], recorded into a step being captured if `record`.
+    pub(super) fn schedule_recorded(
+        &self,
+        routine: &Routine,
+        bindings: Bindings,
+        record: Option<&Record>,
+    ) -> Result<PendingEvent> {
         let (pending, promise) = self.pending(routine.context().stream())?;
         let d = self.index_of(routine.context().device())?;
-        self.post_one(Part::new(
+        let part = Part::new(
             d,
             0,
             0,
@@ -406,7 +449,8 @@ impl Dispatcher {
                 bindings,
                 promise,
             },
-        ))?;
+        );
+        self.post_one(part.recorded(record))?;
         Ok(pending)
     }
 
@@ -515,6 +559,20 @@ impl Dispatcher {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<PendingEvent>> {
+        self.device_to_device_recorded(node, src, dst, mode, None)
+    }
+
+    /// [`Dispatcher::device_to_device`], both halves recorded into a step being captured
+    /// if `record` is given (asked for once the call is known to post: `record(src, dst
+    /// stream)`).
+    pub(super) fn device_to_device_recorded(
+        &self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+        record: Option<&mut dyn FnMut(StreamId) -> Record>,
+    ) -> Result<Option<PendingEvent>> {
         let di = self.index_of(dst.device())?;
         check_streaming_placement(
             &mode,
@@ -536,7 +594,12 @@ impl Dispatcher {
         if let MergeBufferUse::StreamingFor(routine) = &mode {
             check_streaming_consumer(routine, node, src)?;
         }
+        let dst_stream = match &mode {
+            MergeBufferUse::StreamingFor(r) => r.context().stream(),
+            _ => dst.stream(),
+        };
         let (pending, promise) = self.pending(dst.stream())?;
+        let record = record.map(|r| r(dst_stream));
         let delivery = match mode {
             MergeBufferUse::No => Delivery::Copy {
                 dst: dst.clone(),
@@ -562,6 +625,10 @@ impl Dispatcher {
             pending.clone(),
             promise,
         );
+        let parts = parts
+            .into_iter()
+            .map(|p| p.recorded(record.as_ref()))
+            .collect();
         self.post(parts)?;
         Ok(Some(pending))
     }
@@ -912,6 +979,14 @@ fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
             node, raw: false, ..
         } if node.mode().is_hosted() => f(node, Some(HostUse::Upload)),
         DeviceOp::TransferToHost { node, .. } => f(node, Some(HostUse::Download)),
+        DeviceOp::Recorded { op, .. } => hosted_uses(op, f),
+        // A replay uploads nothing (it is refused if a hosted node it reads lags), but it
+        // reads host versions and writes hosted nodes' buffers: ordered as an upload.
+        DeviceOp::Replay { part, .. } => {
+            for n in part.step.hosted_nodes() {
+                f(n, Some(HostUse::Upload));
+            }
+        }
         DeviceOp::Finalize { ctx, .. } => {
             for n in ctx.nodes() {
                 if n.mode().is_hosted() {

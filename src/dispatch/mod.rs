@@ -23,22 +23,26 @@
 //!
 //! DESIGN.md §4 describes the message flows and their costs.
 
+mod capture;
 mod core;
 mod dispatcher;
 mod hosted;
 pub mod inbox;
 pub mod ops;
+mod replay;
 pub mod turn;
 
 use std::future::Future;
 use std::task::{Context, Poll, Wake, Waker};
 
 pub use self::core::{DeviceCore, PlanSink, Progress};
+pub use capture::{CaptureLog, Record, StepCapture};
 pub use dispatcher::{
     answer, AllReduceCall, AnswerFuture, CanStream, DeviceSlot, Dispatcher, FenceStats,
 };
 pub use hosted::{HostUse, NodeOrder};
 pub use inbox::Inbox;
+pub use replay::ReplayPart;
 pub use turn::DeviceTurn;
 
 use crate::sync::{Condvar, Mutex};

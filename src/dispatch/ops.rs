@@ -21,6 +21,9 @@ use crate::{
     sync::Arc,
 };
 
+pub use super::capture::Record;
+pub use super::replay::ReplayPart;
+
 /// What the caller of an operation waits on: the cell its [`Reply`] fills.
 pub type Answer<T> = Arc<Oneshot<Result<T>>>;
 
@@ -253,6 +256,22 @@ pub enum DeviceOp {
     },
     /// A query.
     Query(Query),
+    /// `op` (a schedule or a copy half), decided as usual and recorded into a step being
+    /// captured (`System::capture`, `super::capture`).
+    Recorded {
+        /// Where and as what it is recorded.
+        record: Record,
+        /// The operation.
+        op: Box<DeviceOp>,
+    },
+    /// This device's part of a replay of a captured step: issued whole, in one decision
+    /// (`super::replay`).
+    Replay {
+        /// Program-order stamp of the step's position 0.
+        stamp: u64,
+        /// The part.
+        part: Box<ReplayPart>,
+    },
     /// `op`, decided only once every gate is answered: fences of other devices that must
     /// have decided their earlier operations first (host-array order, `hosted.rs`).
     Gated {
@@ -313,6 +332,8 @@ impl DeviceOp {
             DeviceOp::ForgetRead { .. } => "ForgetRead",
             DeviceOp::Finalize { .. } => "Finalize",
             DeviceOp::Query(_) => "Query",
+            DeviceOp::Recorded { op, .. } => op.name(),
+            DeviceOp::Replay { .. } => "Replay",
             DeviceOp::Gated { op, .. } => op.name(),
         }
     }
@@ -326,8 +347,9 @@ impl DeviceOp {
             | DeviceOp::TransferToHost { stamp, .. }
             | DeviceOp::CopySource { stamp, .. }
             | DeviceOp::CopyDest { stamp, .. }
-            | DeviceOp::Finalize { stamp, .. } => Some(stamp),
-            DeviceOp::Gated { op, .. } => op.stamp_mut(),
+            | DeviceOp::Finalize { stamp, .. }
+            | DeviceOp::Replay { stamp, .. } => Some(stamp),
+            DeviceOp::Gated { op, .. } | DeviceOp::Recorded { op, .. } => op.stamp_mut(),
             DeviceOp::NewContext { .. }
             | DeviceOp::Link { .. }
             | DeviceOp::Read { .. }
@@ -383,7 +405,8 @@ impl DeviceOp {
                 Query::DebugInfo(r) => r.send(Err(error.clone())),
                 Query::Sweep(r) | Query::Fence(r) => r.send(Err(error.clone())),
             },
-            DeviceOp::Gated { op, .. } => op.refuse(error, issued),
+            DeviceOp::Replay { part, .. } => part.refuse(error, issued),
+            DeviceOp::Gated { op, .. } | DeviceOp::Recorded { op, .. } => op.refuse(error, issued),
         }
     }
 }

@@ -236,6 +236,11 @@ impl StepRecorder {
         }
     }
 
+    /// The device it records for.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
     /// Notes that the captured operation at `position` was refused with `error`: the
     /// capture fails with the first such error (the capture's calls are a step only if all
     /// of them were planned).

@@ -1,6 +1,12 @@
 //! Programs on the actor system (`tributary_actors::System`).
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
 
 use tributary::backend::{cpu::CpuBackend, Backend, BackendKind};
 use tributary::{
@@ -224,6 +230,90 @@ impl SystemExecutor {
     }
 }
 
+/// Replays of captured steps (`Op::Step`) actor systems ran, over every program of the
+/// process: `SYSTEM_REPLAYED` planned, `SYSTEM_REPLAYS_INVALIDATED` refused as invalidated
+/// (then issued call by call). A test of captured steps checks that the first is not zero.
+pub static SYSTEM_REPLAYED: AtomicU64 = AtomicU64::new(0);
+/// See [`SYSTEM_REPLAYED`].
+pub static SYSTEM_REPLAYS_INVALIDATED: AtomicU64 = AtomicU64::new(0);
+
+/// One call of a captured step, resolved to the system's handles.
+enum Call {
+    Schedule(Routine, Option<i64>),
+    Copy(TensorNode, Context, Context, MergeBufferUse),
+}
+
+impl SystemExecutor {
+    /// Captures `ops` (schedules and copies) as a step on the system, then replays it
+    /// `replays` times; a replay refused as invalidated issues the calls instead.
+    fn step(&mut self, ops: &[Op], replays: u32) -> OpResult {
+        let mut calls = Vec::with_capacity(ops.len());
+        for op in ops {
+            calls.push(match op {
+                Op::Schedule { routine } => Call::Schedule(self.routine(*routine)?, None),
+                Op::ScheduleWith { routine, t } => {
+                    Call::Schedule(self.routine(*routine)?, Some(*t))
+                }
+                Op::DeviceToDevice {
+                    node,
+                    src,
+                    dst,
+                    mode,
+                } => Call::Copy(
+                    self.nodes[node.0].clone(),
+                    self.context(*src)?,
+                    self.context(*dst)?,
+                    match mode {
+                        D2d::No => MergeBufferUse::No,
+                        D2d::Copy => MergeBufferUse::Copy,
+                        D2d::StreamingFor(r) => MergeBufferUse::StreamingFor(self.routine(*r)?),
+                    },
+                ),
+                other => return Err(format!("Unknown: {other:?} in a captured step")),
+            });
+        }
+        let mut tickets = Vec::new();
+        let step = self.sys.capture(|c| {
+            for call in &calls {
+                let t = match call {
+                    Call::Schedule(r, None) => Some(c.schedule(r)?),
+                    Call::Schedule(r, Some(t)) => Some(c.schedule_with(r, &[(Kernel::INDEX, *t)])?),
+                    Call::Copy(n, s, d, m) => c.device_to_device(n, s, d, m.clone())?,
+                };
+                tickets.extend(t);
+            }
+            Ok(())
+        });
+        self.tickets.extend(tickets);
+        let step = step.map_err(err)?;
+        for _ in 0..replays {
+            let tickets = self.sys.replay(&step).map_err(err)?;
+            // All or nothing: every ticket of a replay has the same fate.
+            match tickets.first().map(Ticket::event) {
+                Some(Err(tributary::Error::ReplayInvalidated { .. })) => {
+                    SYSTEM_REPLAYS_INVALIDATED.fetch_add(1, Ordering::Relaxed);
+                    for t in &tickets {
+                        if !matches!(t.event(), Err(tributary::Error::ReplayInvalidated { .. })) {
+                            return Err(format!(
+                                "Unknown: a replay refused on one device, not on another: {:?}",
+                                t.event()
+                            ));
+                        }
+                    }
+                    for op in ops {
+                        self.apply(op)?;
+                    }
+                }
+                _ => {
+                    SYSTEM_REPLAYED.fetch_add(1, Ordering::Relaxed);
+                    self.tickets.extend(tickets);
+                }
+            }
+        }
+        Ok(Obs::Done)
+    }
+}
+
 impl Executor for SystemExecutor {
     fn begin_op(&mut self, index: usize) {
         if let Some(r) = &self.recorder {
@@ -329,16 +419,7 @@ impl Executor for SystemExecutor {
             Op::Sync => self.sync().map(|_| Obs::Done),
             Op::Checkpoint => self.checkpoint(),
             Op::Teardown => self.teardown(),
-            // The actor system has no step capture yet: the step's meaning, issued call by
-            // call.
-            Op::Step { ops, replays } => {
-                for _ in 0..=*replays {
-                    for op in ops {
-                        self.apply(op)?;
-                    }
-                }
-                Ok(Obs::Done)
-            }
+            Op::Step { ops, replays } => self.step(ops, *replays),
         }
     }
 

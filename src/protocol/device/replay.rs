@@ -84,6 +84,15 @@ impl ReplayRun {
         }
     }
 
+    /// Moves the replay's position 0 to issue stamp `base` and host-table order
+    /// `host_base` (before it issues anything: a part posted before its stamp was taken).
+    pub fn rebase(&mut self, base: u64, host_base: u64) {
+        if self.next == 0 {
+            self.base = base;
+            self.host_base = host_base;
+        }
+    }
+
     /// How many of the step's actions on this device are done.
     pub fn progress(&self) -> usize {
         self.next

@@ -1,0 +1,197 @@
+//! Capturing a step through the actor layer (DESIGN.md §4, "Step capture and replay").
+//!
+//! A [`StepCapture`] issues its calls as the dispatcher always does (each one operation per
+//! device, posted at its point of the program order, decided by the device cores in inbox
+//! order), each wrapped in a [`DeviceOp::Recorded`] naming the capture's [`CaptureLog`]
+//! and the call's position in the step. A device core, after deciding a recorded
+//! operation, describes it to its recorder in the log, with the same `record_*` functions
+//! the engine's capture uses. Other host threads' calls interleave freely: they are not
+//! recorded, and the step's entry dependencies are looked up afresh on every replay.
+//!
+//! [`StepCapture::finish`] waits once for every device the step touched to have decided
+//! everything posted before it (a fence per device: the capture's one round trip), then
+//! builds the [`Step`] from the recorders; a recorded call that was refused fails the
+//! capture with its error.
+
+use std::sync::Arc as StdArc;
+
+use crate::{
+    engine::MergeBufferUse,
+    error::{Error, Result},
+    ids::{DeviceId, StreamId},
+    kernels::Bindings,
+    node::TensorNode,
+    pending::PendingEvent,
+    protocol::{Context, DeviceState, Routine, StepRecorder},
+    replay::{Edge, Step},
+    sync::{Arc, Mutex},
+};
+
+use super::{dispatcher::Dispatcher, ops::Answer};
+
+/// Where a recorded operation is recorded, and as what.
+#[derive(Clone, Debug)]
+pub struct Record {
+    pub(crate) log: Arc<CaptureLog>,
+    /// The call's position in the step (a copy's destination half takes the next one).
+    pub(crate) position: u32,
+    /// The schedule slot (a schedule of a routine declaring indices).
+    pub(crate) slot: Option<u32>,
+    /// The global edge number (a copy between two devices).
+    pub(crate) edge: Option<u32>,
+}
+
+/// The recorders of one capture, one per device that decided a recorded operation.
+#[derive(Debug, Default)]
+pub struct CaptureLog {
+    recorders: Mutex<Vec<StepRecorder>>,
+}
+
+impl CaptureLog {
+    /// Runs `f` with `state`'s recorder (made on its first use).
+    pub(crate) fn with(&self, state: &DeviceState, f: impl FnOnce(&mut StepRecorder)) {
+        let mut recorders = self.recorders.lock();
+        let i = match recorders.iter().position(|r| r.device() == state.device()) {
+            Some(i) => i,
+            None => {
+                recorders.push(state.recorder());
+                recorders.len() - 1
+            }
+        };
+        f(&mut recorders[i]);
+    }
+
+    fn take(&self) -> Vec<StepRecorder> {
+        std::mem::take(&mut *self.recorders.lock())
+    }
+}
+
+/// A step being captured through a [`Dispatcher`] (see the module documentation).
+pub struct StepCapture<'d> {
+    dispatcher: &'d Dispatcher,
+    log: Arc<CaptureLog>,
+    edges: Vec<Edge>,
+    slots: Vec<Bindings>,
+    position: u32,
+    /// Devices (by index) the step posted to.
+    touched: Vec<usize>,
+}
+
+impl<'d> StepCapture<'d> {
+    /// An empty capture on `dispatcher`.
+    pub fn new(dispatcher: &'d Dispatcher) -> StepCapture<'d> {
+        StepCapture {
+            dispatcher,
+            log: Arc::new(CaptureLog::default()),
+            edges: Vec::new(),
+            slots: Vec::new(),
+            position: 0,
+            touched: Vec::new(),
+        }
+    }
+
+    fn touch(&mut self, device: DeviceId) -> Result<()> {
+        let i = self.dispatcher.index_of(device)?;
+        if !self.touched.contains(&i) {
+            self.touched.push(i);
+        }
+        Ok(())
+    }
+
+    /// [`Dispatcher::schedule`] (bindings checked by the caller), recorded.
+    pub fn schedule(&mut self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
+        self.touch(routine.context().device())?;
+        let slot = (!bindings.is_empty()).then_some(self.slots.len() as u32);
+        let record = Record {
+            log: self.log.clone(),
+            position: self.position,
+            slot,
+            edge: None,
+        };
+        let pending =
+            self.dispatcher
+                .schedule_recorded(routine, bindings.clone(), Some(&record))?;
+        if slot.is_some() {
+            self.slots.push(bindings);
+        }
+        self.position += 1;
+        Ok(pending)
+    }
+
+    /// [`Dispatcher::device_to_device`], both halves recorded (a copy between two devices
+    /// becomes an edge between their parts of the step).
+    pub fn device_to_device(
+        &mut self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<PendingEvent>> {
+        let (log, position) = (self.log.clone(), self.position);
+        let edges = &mut self.edges;
+        let mut record = |dst_stream: StreamId| {
+            let edge = (src.device() != dst.device()).then(|| {
+                edges.push(Edge {
+                    src: src.device(),
+                    dst: dst.device(),
+                    dst_stream,
+                });
+                edges.len() as u32 - 1
+            });
+            Record {
+                log: log.clone(),
+                position,
+                slot: None,
+                edge,
+            }
+        };
+        let pending =
+            self.dispatcher
+                .device_to_device_recorded(node, src, dst, mode, Some(&mut record))?;
+        if pending.is_some() {
+            self.touch(src.device())?;
+            self.touch(dst.device())?;
+            self.position += 2;
+        }
+        Ok(pending)
+    }
+
+    /// Fences every device the step touched: answered once each decided (and recorded)
+    /// everything the capture posted.
+    pub fn fences(&self) -> Result<Vec<Answer<()>>> {
+        self.touched
+            .iter()
+            .map(|&i| {
+                self.dispatcher.request(i, |r| {
+                    super::ops::DeviceOp::Query(super::ops::Query::Fence(r))
+                })
+            })
+            .collect()
+    }
+
+    /// The step, once every fence of [`StepCapture::fences`] answered: the first refusal
+    /// of a recorded call (in step order) fails it.
+    pub fn finish(self) -> Result<Step> {
+        let recorders = self.log.take();
+        let failure = recorders
+            .iter()
+            .filter_map(|r| r.failure())
+            .min_by_key(|(p, _)| *p)
+            .map(|(_, e)| e.clone());
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let parts = recorders
+            .into_iter()
+            .map(|r| r.finish().map(StdArc::new))
+            .collect::<Result<Vec<_>>>()?;
+        if parts.len() < self.touched.len() {
+            return Err(Error::Internal(format!(
+                "a captured step touched {} devices, {} recorded it",
+                self.touched.len(),
+                parts.len()
+            )));
+        }
+        Ok(Step::new(parts, self.edges, self.slots, self.position))
+    }
+}

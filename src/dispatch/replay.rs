@@ -1,0 +1,282 @@
+//! Replaying a captured [`Step`] through the actor layer: one operation per device per
+//! replay (DESIGN.md §4, "Step capture and replay").
+//!
+//! The host ([`Dispatcher::replay`]) posts one [`DeviceOp::Replay`] to every device of the
+//! step in one atomic post, so the whole step takes one point of the program order every
+//! inbox agrees on, like any call spanning devices. Each part carries what its device
+//! needs from the others, made before posting:
+//!
+//! - per cross-device copy of the step, the destination operation's [`PendingEvent`] (the
+//!   source records it as a reader), its promise (the destination resolves it), and a
+//!   one-shot answer from the source (what the copy waits for);
+//! - per device, a one-shot *check*: a replay is all or nothing, so every part first checks
+//!   its device ([`crate::protocol::DeviceState::check_replay`]), answers, and issues
+//!   nothing until every part answered; one refusal refuses every part, with the same
+//!   [`crate::Error::ReplayInvalidated`] (the first device's, in device order);
+//! - per stream the step runs on, the promise of its last event (the caller's tickets).
+//!
+//! Waiting for another part (a check or a copy's answer) blocks the device's inbox as a
+//! copy's destination half does ([`super::DeviceCore`]), with the same argument against
+//! deadlock: every part sits at the same point of the common order, and the earliest
+//! undecided point of that order can always be decided.
+
+use std::sync::Arc as StdArc;
+use std::task::Waker;
+
+use crate::{
+    error::{Error, Result},
+    event::Event,
+    kernels::Bindings,
+    pending::{PendingEvent, Planned, SeqPromise},
+    protocol::{invalidated, Dep, DeviceStep, ReplayLinks, ReplayRun},
+    replay::Step,
+};
+
+use super::{
+    dispatcher::{Dispatcher, Part},
+    ops::{reply, Answer, DeviceOp, Reply},
+};
+
+/// An incoming edge as its destination part holds it: the source's answer, the promise of
+/// the destination operation, its stream index.
+pub(crate) type Incoming = (Answer<Vec<Dep>>, Option<SeqPromise>, usize);
+
+/// One device's part of a replay (see the module documentation).
+pub struct ReplayPart {
+    pub(crate) step: StdArc<DeviceStep>,
+    /// The step's number (for errors).
+    pub(crate) step_id: u64,
+    /// The replay's index values, by schedule slot (`None`: the captured ones).
+    pub(crate) values: Option<StdArc<[Bindings]>>,
+    /// This device's check, answered once it checked.
+    pub(crate) check: Option<Reply<()>>,
+    /// Every part's check (this device's too), in device order.
+    pub(crate) checks: StdArc<[Answer<()>]>,
+    /// This part's place in `checks`.
+    pub(crate) index: usize,
+    /// Every part answered `Ok`: issuing.
+    pub(crate) go: bool,
+    /// Per local incoming edge: the source's answer, the promise of the destination
+    /// operation this device plans, and its stream index.
+    pub(crate) incoming: Vec<Incoming>,
+    /// Per local outgoing edge: the answer to the destination, and its operation (a reader
+    /// of this device's buffer).
+    pub(crate) outgoing: Vec<(Option<Reply<Vec<Dep>>>, Event)>,
+    /// Per stream the step runs on here (the step's order): its last event's promise.
+    pub(crate) last: Vec<SeqPromise>,
+    /// The run (based at the stamp the post gave the part when it starts).
+    pub(crate) run: ReplayRun,
+    /// Checked and based: the run started.
+    pub(crate) started: bool,
+}
+
+impl ReplayPart {
+    /// Refuses the part with `error`: the caller's promises at each stream's last issued
+    /// number, the copies' answers and promises dropped (their other halves fail with
+    /// [`Error::ShutDown`], or are refused themselves).
+    pub(crate) fn refuse(self, error: &Error, issued: impl Fn(usize) -> u64) {
+        let streams: Vec<usize> = self.step.streams().collect();
+        if let Some(check) = self.check {
+            check.send(Err(error.clone()));
+        }
+        for (promise, stream) in self.last.into_iter().zip(streams) {
+            promise.resolve(Planned::Refused(issued(stream), error.clone()));
+        }
+        for (reply, _) in self.outgoing {
+            if let Some(r) = reply {
+                r.send(Err(error.clone()));
+            }
+        }
+        for (_, promise, stream) in self.incoming {
+            if let Some(p) = promise {
+                p.resolve(Planned::Refused(issued(stream), error.clone()));
+            }
+        }
+    }
+
+    /// Polls every part's check: `None` while one has not answered (`waker` is woken when
+    /// it does), else the first refusal in device order, or `Ok`.
+    pub(crate) fn poll_checks(&self, waker: &Waker) -> Option<Result<()>> {
+        let mut verdict = Ok(());
+        for check in self.checks.iter() {
+            match check.poll_get(waker) {
+                None => return None,
+                Some(Err(e)) if verdict.is_ok() => verdict = Err(e),
+                Some(_) => {}
+            }
+        }
+        Some(verdict)
+    }
+
+    /// The run's links as a device core sees them, waking `waker` when an answer arrives.
+    pub(crate) fn links<'a>(&'a mut self, waker: &'a Waker) -> (&'a mut ReplayRun, PartLinks<'a>) {
+        (
+            &mut self.run,
+            PartLinks {
+                values: self.values.as_deref(),
+                incoming: &mut self.incoming,
+                outgoing: &mut self.outgoing,
+                waker,
+            },
+        )
+    }
+}
+
+/// [`ReplayLinks`] over a [`ReplayPart`]'s one-shots.
+pub(crate) struct PartLinks<'a> {
+    values: Option<&'a [Bindings]>,
+    incoming: &'a mut [Incoming],
+    outgoing: &'a mut [(Option<Reply<Vec<Dep>>>, Event)],
+    waker: &'a Waker,
+}
+
+impl ReplayLinks for PartLinks<'_> {
+    fn values(&self, slot: u32) -> Option<&Bindings> {
+        self.values.and_then(|v| v.get(slot as usize))
+    }
+
+    fn incoming(&mut self, e: u32) -> Option<Result<Vec<Dep>>> {
+        self.incoming
+            .get(e as usize)
+            .and_then(|(answer, _, _)| answer.poll_get(self.waker))
+    }
+
+    fn planned(&mut self, e: u32, event: &Event) {
+        if let Some(p) = self
+            .incoming
+            .get_mut(e as usize)
+            .and_then(|(_, p, _)| p.take())
+        {
+            p.resolve(Planned::At(event.seq()));
+        }
+    }
+
+    fn answer(&mut self, e: u32, deps: Vec<Dep>) {
+        if let Some(r) = self
+            .outgoing
+            .get_mut(e as usize)
+            .and_then(|(r, _)| r.take())
+        {
+            r.send(Ok(deps));
+        }
+    }
+
+    fn reader(&self, e: u32) -> Event {
+        // One entry per outgoing edge of the step, made from it (`Dispatcher::replay`).
+        self.outgoing[e as usize].1.clone()
+    }
+}
+
+impl std::fmt::Debug for ReplayPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayPart")
+            .field("step", &self.step_id)
+            .field("device", &self.step.device())
+            .field("go", &self.go)
+            .finish()
+    }
+}
+
+impl Dispatcher {
+    /// Replays `step` (with `values` for its schedules with indices, checked by the caller,
+    /// or those it was captured with): one [`DeviceOp::Replay`] per device, posted at one
+    /// point of the program order. Returns the last event of every stream the step runs
+    /// on, device by device, each planned when its device issues its part, or refused with
+    /// [`Error::ReplayInvalidated`] when a device finds the step invalidated.
+    pub fn replay(
+        &self,
+        step: &Step,
+        values: Option<StdArc<[Bindings]>>,
+    ) -> Result<Vec<PendingEvent>> {
+        let inner = &step.inner;
+        let index: Vec<usize> = inner
+            .devices
+            .iter()
+            .map(|d| {
+                self.index_of(d.device()).map_err(|_| {
+                    invalidated(
+                        inner.id,
+                        crate::error::Invalidation::Foreign { device: d.device() },
+                    )
+                })
+            })
+            .collect::<Result<_>>()?;
+        // Per edge: the destination operation (its pending event and promise) and the
+        // source's answer.
+        let mut readers = Vec::with_capacity(inner.edges.len());
+        let mut promises = Vec::with_capacity(inner.edges.len());
+        let mut replies = Vec::with_capacity(inner.edges.len());
+        let mut answers = Vec::with_capacity(inner.edges.len());
+        for e in &inner.edges {
+            let (pending, promise) = self.pending_event(crate::ids::StreamId {
+                device: e.dst,
+                index: e.dst_stream.index,
+            })?;
+            readers.push(pending.event());
+            promises.push(Some(promise));
+            let (r, a) = reply::<Vec<Dep>>();
+            replies.push(Some(r));
+            answers.push(Some(a));
+        }
+        let (check_replies, checks): (Vec<_>, Vec<_>) =
+            inner.devices.iter().map(|_| reply::<()>()).unzip();
+        let checks: StdArc<[Answer<()>]> = checks.into();
+        let mut last = Vec::new();
+        let mut parts = Vec::with_capacity(inner.devices.len());
+        let span = u64::from(inner.positions).div_ceil(super::dispatcher::STEP_STAMPS);
+        for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
+            let incoming = d
+                .incoming
+                .iter()
+                .map(|&g| {
+                    let g = g as usize;
+                    let stream = inner.edges[g].dst_stream.index as usize;
+                    match (answers[g].take(), promises[g].take()) {
+                        (Some(a), p) => Ok((a, p, stream)),
+                        _ => Err(Error::Internal(format!(
+                            "edge {g} of step {} has two destinations",
+                            inner.id
+                        ))),
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let outgoing = d
+                .outgoing
+                .iter()
+                .map(|&g| (replies[g as usize].take(), readers[g as usize].clone()))
+                .collect();
+            let mut stream_promises = Vec::new();
+            for s in d.streams() {
+                let (pending, promise) = self.pending_event(crate::ids::StreamId {
+                    device: d.device(),
+                    index: s as u32,
+                })?;
+                last.push(pending);
+                stream_promises.push(promise);
+            }
+            let part = ReplayPart {
+                step: d.clone(),
+                step_id: inner.id,
+                values: values.clone(),
+                check: Some(check),
+                checks: checks.clone(),
+                index: k,
+                go: false,
+                incoming,
+                outgoing,
+                last: stream_promises,
+                run: ReplayRun::new(d.clone(), 0, 0),
+                started: false,
+            };
+            let op = DeviceOp::Replay {
+                stamp: 0,
+                part: Box::new(part),
+            };
+            parts.push(Part::new(index[k], 0, 0, op).with_span(span));
+        }
+        if !parts.is_empty() {
+            self.post(parts)?;
+        }
+        Ok(last)
+    }
+}
