@@ -11,7 +11,8 @@
 //! `device_write_gate` (a device write of a hosted node not ordered against a download on
 //! another device: a finalize's write-back decided from the wrong newest value) and
 //! `inline_no_handoff` (a post that decides on its own thread leaves behind what another
-//! thread posted meanwhile).
+//! thread posted meanwhile) and `replay_entry` (a replayed step's entry dependencies on the
+//! live tables dropped).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},

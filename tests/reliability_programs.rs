@@ -415,6 +415,54 @@ fn vulkan_system_programs_match_the_reference() {
     }
 }
 
+/// Captured steps on Vulkan (issue 18): programs whose windows of schedules and copies are
+/// captured and replayed, on the engine and on the actor system (index values as push
+/// constants), against the reference issuing the calls again; dependency graphs checked.
+#[test]
+fn vulkan_captured_steps_match_the_reference() {
+    if vulkan_runs_here("vulkan_captured_steps_match_the_reference") {
+        run(
+            "vulkan-steps",
+            Profile {
+                max_devices: 3,
+                max_streams: 2,
+                max_nodes: 5,
+                max_ops: 80,
+                hosted: true,
+            },
+            5,
+            check_vulkan_steps,
+        );
+        let (engine, system) = (
+            REPLAYED.load(Ordering::Relaxed),
+            SYSTEM_REPLAYED.load(Ordering::Relaxed),
+        );
+        eprintln!("vulkan steps: {engine} engine and {system} system replays planned");
+        assert!(engine > 0 && system > 0, "no captured step was replayed");
+    }
+}
+
+fn check_vulkan_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, vulkan_reference().streaming);
+    let stepped = with_captured_steps(&program, &vulkan_reference);
+    let backend = |setup: &Setup| -> tributary::Result<Arc<dyn tributary::backend::Backend>> {
+        Ok(Arc::new(VulkanBackend::new(
+            DeviceId(0),
+            vulkan_for(setup, false),
+        )?))
+    };
+    check_program(
+        stepped.clone(),
+        vulkan_reference(),
+        &mut EngineRunner::recording("engine(vulkan)", backend),
+    )?;
+    check_program(
+        stepped,
+        vulkan_reference(),
+        &mut SystemRunner::recording("system(vulkan)", backend),
+    )
+}
+
 /// The CUDA configuration for a program's setup: one logical device per program device
 /// (round-robin over the GPUs), every other program with copies across devices staged.
 fn cuda_for(setup: &Setup, staging: bool) -> CudaConfig {
