@@ -20,6 +20,7 @@ use tributary::{
 use super::{
     graph::{GraphRecorder, GraphReport, RecordingBackend},
     program::*,
+    steps::{resolve_calls, Call, Handles},
 };
 
 /// The longest any single wait of a program may take before the run counts as hung.
@@ -291,12 +292,6 @@ pub static REPLAYED: AtomicU64 = AtomicU64::new(0);
 /// See [`REPLAYED`].
 pub static REPLAYS_INVALIDATED: AtomicU64 = AtomicU64::new(0);
 
-/// One call of a captured step, resolved to the engine's handles.
-enum Call {
-    Schedule(Routine, Option<i64>),
-    Copy(TensorNode, Context, Context, MergeBufferUse),
-}
-
 fn err(e: tributary::Error) -> String {
     describe(&e)
 }
@@ -417,33 +412,7 @@ impl EngineExecutor {
     /// `replays` times. A replay refused as invalidated (it plans nothing) is followed by
     /// the step's calls issued one by one, as a user re-capturing would, and counted.
     fn step(&mut self, ops: &[Op], replays: u32) -> OpResult {
-        let mut calls = Vec::with_capacity(ops.len());
-        for op in ops {
-            calls.push(match op {
-                Op::Schedule { routine } => Call::Schedule(self.routine(*routine)?.clone(), None),
-                Op::ScheduleWith { routine, t } => {
-                    Call::Schedule(self.routine(*routine)?.clone(), Some(*t))
-                }
-                Op::DeviceToDevice {
-                    node,
-                    src,
-                    dst,
-                    mode,
-                } => Call::Copy(
-                    self.nodes[node.0].clone(),
-                    self.context(*src)?.clone(),
-                    self.context(*dst)?.clone(),
-                    match mode {
-                        D2d::No => MergeBufferUse::No,
-                        D2d::Copy => MergeBufferUse::Copy,
-                        D2d::StreamingFor(r) => {
-                            MergeBufferUse::StreamingFor(self.routine(*r)?.clone())
-                        }
-                    },
-                ),
-                other => return Err(format!("Unknown: {other:?} in a captured step")),
-            });
-        }
+        let calls = resolve_calls(ops, self)?;
         let mut events = Vec::new();
         let step = self.engine.capture(|c| {
             for call in &calls {
@@ -478,6 +447,20 @@ impl EngineExecutor {
             }
         }
         Ok(Obs::Done)
+    }
+}
+
+impl Handles for EngineExecutor {
+    fn node_of(&self, n: N) -> TensorNode {
+        self.nodes[n.0].clone()
+    }
+
+    fn context_of(&self, c: C) -> Result<Context, String> {
+        self.context(c).cloned()
+    }
+
+    fn routine_of(&self, r: R) -> Result<Routine, String> {
+        self.routine(r).cloned()
     }
 }
 

@@ -1,7 +1,7 @@
 //! Captured steps in random programs (issue 18, step capture and replay): windows of a
-//! resolved program's schedules and copies wrapped into [`Op::Step`]s, which the engine
-//! runner captures once and replays, and which the reference (and the actor system's
-//! runner) issue `1 + replays` times.
+//! resolved program's schedules and copies wrapped into [`Op::Step`]s, which the engine and
+//! actor-system runners capture once and replay, and which the reference issues
+//! `1 + replays` times.
 //!
 //! The windows are chosen from the program itself (a fixed pseudo-random sequence seeded
 //! by its length), so a failing program shrinks and replays as any other. A window whose
@@ -10,10 +10,63 @@
 //! replay that plans where issuing the calls again would be refused is a stale plan the
 //! comparison catches.
 
+use tributary::{
+    protocol::{Context, Routine},
+    MergeBufferUse, TensorNode,
+};
+
 use super::{
-    program::{Op, Program, ProgramRunner},
+    program::{D2d, Op, Program, ProgramRunner, C, N, R},
     reference::ReferenceRunner,
 };
+
+/// One call of a captured step, resolved to a runner's handles.
+pub enum Call {
+    /// A schedule, with its index value if it binds one.
+    Schedule(Routine, Option<i64>),
+    /// A device-to-device copy.
+    Copy(TensorNode, Context, Context, MergeBufferUse),
+}
+
+/// A runner's handles for a program's nodes, contexts and routines.
+pub trait Handles {
+    /// The node of handle `n`.
+    fn node_of(&self, n: N) -> TensorNode;
+    /// The context of handle `c`.
+    fn context_of(&self, c: C) -> Result<Context, String>;
+    /// The routine of handle `r`.
+    fn routine_of(&self, r: R) -> Result<Routine, String>;
+}
+
+/// The calls of a step's `ops` (schedules and copies only), resolved with `h`.
+pub fn resolve_calls(ops: &[Op], h: &dyn Handles) -> Result<Vec<Call>, String> {
+    ops.iter()
+        .map(|op| {
+            Ok(match op {
+                Op::Schedule { routine } => Call::Schedule(h.routine_of(*routine)?, None),
+                Op::ScheduleWith { routine, t } => {
+                    Call::Schedule(h.routine_of(*routine)?, Some(*t))
+                }
+                Op::DeviceToDevice {
+                    node,
+                    src,
+                    dst,
+                    mode,
+                } => Call::Copy(
+                    h.node_of(*node),
+                    h.context_of(*src)?,
+                    h.context_of(*dst)?,
+                    match mode {
+                        D2d::No => MergeBufferUse::No,
+                        D2d::Copy => MergeBufferUse::Copy,
+                        D2d::StreamingFor(r) => MergeBufferUse::StreamingFor(h.routine_of(*r)?),
+                    },
+                ),
+                other => return Err(format!("Unknown: {other:?} in a captured step")),
+            })
+        })
+        .collect()
+}
 
 /// Whether `op` may be part of a captured step.
 fn capturable(op: &Op) -> bool {

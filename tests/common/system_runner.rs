@@ -19,6 +19,7 @@ use super::{
     engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
     graph::{GraphRecorder, GraphReport, RecordingBackend},
     program::*,
+    steps::{resolve_calls, Call, Handles},
 };
 
 type MakeKind = Box<dyn FnMut(&Setup) -> BackendKind>;
@@ -237,41 +238,11 @@ pub static SYSTEM_REPLAYED: AtomicU64 = AtomicU64::new(0);
 /// See [`SYSTEM_REPLAYED`].
 pub static SYSTEM_REPLAYS_INVALIDATED: AtomicU64 = AtomicU64::new(0);
 
-/// One call of a captured step, resolved to the system's handles.
-enum Call {
-    Schedule(Routine, Option<i64>),
-    Copy(TensorNode, Context, Context, MergeBufferUse),
-}
-
 impl SystemExecutor {
     /// Captures `ops` (schedules and copies) as a step on the system, then replays it
     /// `replays` times; a replay refused as invalidated issues the calls instead.
     fn step(&mut self, ops: &[Op], replays: u32) -> OpResult {
-        let mut calls = Vec::with_capacity(ops.len());
-        for op in ops {
-            calls.push(match op {
-                Op::Schedule { routine } => Call::Schedule(self.routine(*routine)?, None),
-                Op::ScheduleWith { routine, t } => {
-                    Call::Schedule(self.routine(*routine)?, Some(*t))
-                }
-                Op::DeviceToDevice {
-                    node,
-                    src,
-                    dst,
-                    mode,
-                } => Call::Copy(
-                    self.nodes[node.0].clone(),
-                    self.context(*src)?,
-                    self.context(*dst)?,
-                    match mode {
-                        D2d::No => MergeBufferUse::No,
-                        D2d::Copy => MergeBufferUse::Copy,
-                        D2d::StreamingFor(r) => MergeBufferUse::StreamingFor(self.routine(*r)?),
-                    },
-                ),
-                other => return Err(format!("Unknown: {other:?} in a captured step")),
-            });
-        }
+        let calls = resolve_calls(ops, self)?;
         let mut tickets = Vec::new();
         let step = self.sys.capture(|c| {
             for call in &calls {
@@ -311,6 +282,20 @@ impl SystemExecutor {
             }
         }
         Ok(Obs::Done)
+    }
+}
+
+impl Handles for SystemExecutor {
+    fn node_of(&self, n: N) -> TensorNode {
+        self.nodes[n.0].clone()
+    }
+
+    fn context_of(&self, c: C) -> Result<Context, String> {
+        self.context(c)
+    }
+
+    fn routine_of(&self, r: R) -> Result<Routine, String> {
+        self.routine(r)
     }
 }
 
