@@ -4,38 +4,16 @@
 //! decisions stale. (The random programs of `reliability_programs.rs` compare thousands of
 //! replayed steps with the sequential reference and check their dependency graphs.)
 
+mod support;
+
+use support::{add_index, node, N};
 use tributary::{
-    kernels::{self, Access, IndexType, RoutineSpec},
-    protocol::Routine,
-    DType, Engine, EngineConfig, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode,
+    kernels, protocol::Routine, Engine, EngineConfig, Error, Invalidation, MemoryMode,
+    MergeBufferUse, Step,
 };
 
 fn engine() -> Engine {
     Engine::cpu(EngineConfig::default()).expect("CPU engine")
-}
-
-fn node(name: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(name, DType::F32, [4])
-        .with_mode(mode)
-        .expect("node")
-}
-
-/// `x += t` with index `t`.
-fn add_index(x: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "add_index",
-        vec![(x.clone(), Access::ReadWrite)],
-        None,
-        |a| {
-            let t = a.index("t")? as f32;
-            for v in a.output::<f32>(0)?.iter_mut() {
-                *v += t;
-            }
-            Ok(())
-        },
-    )
-    .and_then(|s| s.with_index_typed("t", IndexType::I32))
-    .expect("spec")
 }
 
 /// A step of one schedule of `routine`.
@@ -77,7 +55,7 @@ fn replays_compute_what_issuing_the_calls_computes() {
             Ok(())
         })
         .unwrap();
-    assert_eq!(e.read::<f32>(bump.context(), &x).unwrap(), vec![3.0; 4]);
+    assert_eq!(e.read::<f32>(bump.context(), &x).unwrap(), vec![3.0; N]);
     for k in 1..=4u32 {
         let events = e.replay(&step).unwrap();
         assert!(
@@ -88,11 +66,11 @@ fn replays_compute_what_issuing_the_calls_computes() {
         let doubled = 2f32.powi(k as i32 + 1);
         assert_eq!(
             e.read::<f32>(double.context(), &x).unwrap(),
-            vec![doubled; 4]
+            vec![doubled; N]
         );
         assert_eq!(
             e.read::<f32>(bump.context(), &x).unwrap(),
-            vec![doubled + 1.0; 4]
+            vec![doubled + 1.0; N]
         );
     }
     assert_eq!(
@@ -125,12 +103,12 @@ fn replay_with_takes_new_index_values_and_refuses_another_shape() {
         values.set_all("t", t).unwrap();
         e.replay_with(&step, &values).unwrap();
         total += t as f32;
-        assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![total; 4]);
+        assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![total; N]);
     }
     assert_eq!(values.shift("t", 1).unwrap(), 1);
     e.replay_with(&step, &values).unwrap();
     total += -4.0;
-    assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![total; 4]);
+    assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![total; N]);
     // Another step's values (no schedule with indices) do not fit.
     let other = capture_schedule(&mut e, &fill);
     let why = invalidation(e.replay_with(&step, &other.bindings()));
@@ -140,7 +118,7 @@ fn replay_with_takes_new_index_values_and_refuses_another_shape() {
     );
     // `fill` was replayed by nothing: x is as `other`'s capture left it (0), and the
     // refused replay planned nothing.
-    assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![0.0; 4]);
+    assert_eq!(e.read::<f32>(add.context(), &x).unwrap(), vec![0.0; N]);
 }
 
 /// Finalizing a context the step uses invalidates it, naming the context; nothing is
@@ -164,7 +142,7 @@ fn a_finalized_context_invalidates_the_step() {
     // The engine still serves, and a step over live contexts replays.
     let again = capture_schedule(&mut e, &fill_x);
     e.replay(&again).unwrap();
-    assert_eq!(e.read::<f32>(fill_x.context(), &x).unwrap(), vec![2.0; 4]);
+    assert_eq!(e.read::<f32>(fill_x.context(), &x).unwrap(), vec![2.0; N]);
 }
 
 /// A host write to a hosted node the step reads before writing it makes the device buffer
@@ -176,12 +154,12 @@ fn a_host_write_to_a_node_the_step_reads_invalidates_it() {
     let w = node("w", MemoryMode::hosted_changed_on_devices());
     let y = node("y", MemoryMode::on_device());
     let c0 = e.context(0, 0).unwrap();
-    let cw = e.init_from_host(&c0, &w, &[1.0f32; 4]).unwrap();
+    let cw = e.init_from_host(&c0, &w, &[1.0f32; N]).unwrap();
     let copy = e.link(&cw, kernels::copy(&y, &w).unwrap()).unwrap();
     let step = capture_schedule(&mut e, &copy);
     e.replay(&step).unwrap();
-    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; 4]);
-    e.host_write(&w, &[7.0f32; 4]).unwrap();
+    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; N]);
+    e.host_write(&w, &[7.0f32; N]).unwrap();
     match invalidation(e.replay(&step)) {
         Invalidation::HostWritten {
             node,
@@ -198,10 +176,10 @@ fn a_host_write_to_a_node_the_step_reads_invalidates_it() {
         other => panic!("expected HostWritten, got {other:?}"),
     }
     // Nothing was planned: y still holds the old copy.
-    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; 4]);
+    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![1.0; N]);
     let again = capture_schedule(&mut e, &copy);
     e.replay(&again).unwrap();
-    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![7.0; 4]);
+    assert_eq!(e.read::<f32>(copy.context(), &y).unwrap(), vec![7.0; N]);
 }
 
 /// A step captured on one engine is refused by another (its buffers are not there).

@@ -5,10 +5,10 @@
 //! captured steps on the system: `reliability_programs.rs`,
 //! `system_captured_steps_match_the_reference`.)
 
-use tributary::{
-    kernels::{self, Access, IndexType, RoutineSpec},
-    DType, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode,
-};
+mod support;
+
+use support::{add_index, node, N};
+use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step};
 use tributary_actors::{RoutineHandle, System, Ticket};
 
 fn system(devices: usize) -> System {
@@ -16,30 +16,6 @@ fn system(devices: usize) -> System {
         .cpu_devices(devices)
         .spawn()
         .expect("CPU system")
-}
-
-fn node(name: &str, mode: MemoryMode) -> TensorNode {
-    TensorNode::new(name, DType::F32, [4])
-        .with_mode(mode)
-        .expect("node")
-}
-
-/// `x += t` with index `t`.
-fn add_index(x: &TensorNode) -> RoutineSpec {
-    RoutineSpec::custom(
-        "add_index",
-        vec![(x.clone(), Access::ReadWrite)],
-        None,
-        |a| {
-            let t = a.index("t")? as f32;
-            for v in a.output::<f32>(0)?.iter_mut() {
-                *v += t;
-            }
-            Ok(())
-        },
-    )
-    .and_then(|s| s.with_index_typed("t", IndexType::I32))
-    .expect("spec")
 }
 
 fn capture_schedule(sys: &System, routine: &RoutineHandle) -> Step {
@@ -101,7 +77,7 @@ fn replays_compute_what_issuing_the_calls_computes() {
             Ok(())
         })
         .unwrap();
-    assert_eq!(bump.context().read::<f32>(&x).unwrap(), vec![3.0; 4]);
+    assert_eq!(bump.context().read::<f32>(&x).unwrap(), vec![3.0; N]);
     assert_eq!(step.devices().len(), 2, "one part per device");
     assert_eq!(step.operations(), 3);
     for k in 1..=4u32 {
@@ -111,10 +87,10 @@ fn replays_compute_what_issuing_the_calls_computes() {
             t.wait().unwrap();
         }
         let doubled = 2f32.powi(k as i32 + 1);
-        assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![doubled; 4]);
+        assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![doubled; N]);
         assert_eq!(
             bump.context().read::<f32>(&x).unwrap(),
-            vec![doubled + 1.0; 4]
+            vec![doubled + 1.0; N]
         );
     }
     sys.shutdown().unwrap();
@@ -142,7 +118,7 @@ fn replay_with_takes_new_index_values_and_refuses_another_shape() {
         values.set_all("t", t).unwrap();
         sys.replay_with(&step, &values).unwrap();
         total += t as f32;
-        assert_eq!(add.context().read::<f32>(&x).unwrap(), vec![total; 4]);
+        assert_eq!(add.context().read::<f32>(&x).unwrap(), vec![total; N]);
     }
     let other = capture_schedule(&sys, &fill);
     match sys.replay_with(&step, &other.bindings()) {
@@ -152,7 +128,7 @@ fn replay_with_takes_new_index_values_and_refuses_another_shape() {
         }) => {}
         other => panic!("expected BindingShape, got {other:?}"),
     }
-    assert_eq!(add.context().read::<f32>(&x).unwrap(), vec![0.0; 4]);
+    assert_eq!(add.context().read::<f32>(&x).unwrap(), vec![0.0; N]);
     sys.shutdown().unwrap();
 }
 
@@ -186,7 +162,7 @@ fn a_replay_invalidated_on_one_device_issues_nothing_on_the_others() {
             Ok(())
         })
         .unwrap();
-    assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![2.0; 4]);
+    assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![2.0; N]);
     let gone = fill_y.protocol_context().id();
     sys.finalize(fill_y.protocol_context()).unwrap();
     match invalidation(sys.replay(&step).unwrap()) {
@@ -196,14 +172,14 @@ fn a_replay_invalidated_on_one_device_issues_nothing_on_the_others() {
     sys.sync().unwrap();
     assert_eq!(
         double.context().read::<f32>(&x).unwrap(),
-        vec![2.0; 4],
+        vec![2.0; N],
         "device 0 issued its part of a refused replay"
     );
     let again = capture_schedule(&sys, &double);
     for t in sys.replay(&again).unwrap() {
         t.wait().unwrap();
     }
-    assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![8.0; 4]);
+    assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![8.0; N]);
     sys.shutdown().unwrap();
 }
 
@@ -217,23 +193,23 @@ fn a_host_write_to_a_node_the_step_reads_invalidates_it() {
     let cw = sys
         .context(0, 0)
         .unwrap()
-        .init_from_host(&w, &[1.0f32; 4])
+        .init_from_host(&w, &[1.0f32; N])
         .unwrap();
     let copy = cw.link(kernels::copy(&y, &w).unwrap()).unwrap();
     let step = capture_schedule(&sys, &copy);
     for t in sys.replay(&step).unwrap() {
         t.wait().unwrap();
     }
-    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![1.0; 4]);
-    sys.host_write(&w, &[7.0f32; 4]).unwrap();
+    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![1.0; N]);
+    sys.host_write(&w, &[7.0f32; N]).unwrap();
     match invalidation(sys.replay(&step).unwrap()) {
         Invalidation::HostWritten { node, .. } => assert!(node.starts_with('w'), "{node}"),
         other => panic!("expected HostWritten, got {other:?}"),
     }
-    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![1.0; 4]);
+    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![1.0; N]);
     let again = capture_schedule(&sys, &copy);
     sys.replay(&again).unwrap();
-    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![7.0; 4]);
+    assert_eq!(copy.context().read::<f32>(&y).unwrap(), vec![7.0; N]);
     sys.shutdown().unwrap();
 }
 

@@ -69,6 +69,24 @@ pub fn double(x: &TensorNode) -> RoutineSpec {
     .expect("spec")
 }
 
+/// `x += t` with index `t` (i32), through a custom kernel (CPU only).
+pub fn add_index(x: &TensorNode) -> RoutineSpec {
+    RoutineSpec::custom(
+        "add_index",
+        vec![(x.clone(), Access::ReadWrite)],
+        None,
+        |a| {
+            let t = a.index("t")? as f32;
+            for v in a.output::<f32>(0)?.iter_mut() {
+                *v += t;
+            }
+            Ok(())
+        },
+    )
+    .and_then(|s| s.with_index_typed("t", tributary::kernels::IndexType::I32))
+    .expect("spec")
+}
+
 /// Which backend a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
