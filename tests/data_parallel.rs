@@ -7,12 +7,12 @@ mod model;
 #[macro_use]
 mod support;
 
-use support::{backend_kind, Kind};
+use support::{backend_kind, fill_index, Kind};
 use tributary::{
     collective::{ReduceOp, Strategy, Transfer},
     kernels,
     protocol::Context,
-    DType, MemoryMode, TensorNode,
+    DType, Error, Invalidation, MemoryMode, TensorNode,
 };
 use tributary_actors::{AllReducePlan, BucketedAllReduce, StreamConfig, System};
 
@@ -32,7 +32,9 @@ fn system(kind: Kind, devices: usize, test: &str) -> Option<System> {
 for_each_backend!(
     all_reduce_lands_in_every_context_for_every_strategy,
     all_reduce_refuses_contexts_sharing_a_buffer,
+    captured_all_reduces_replay_with_new_values_until_their_plan_is_finalized,
     bucketed_all_reduce_of_many_small_gradients,
+    captured_bucketed_all_reduce_replays,
     one_data_parallel_step_equals_one_full_batch_step,
     training_reduces_the_loss_and_learns_the_blobs,
 );
@@ -108,6 +110,118 @@ fn all_reduce_lands_in_every_context_for_every_strategy(kind: Kind) {
     sys.shutdown().unwrap();
 }
 
+/// The backend name `fill_index` takes.
+fn backend_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Cpu => "cpu",
+        Kind::Cuda => "cuda",
+        Kind::Vulkan | Kind::VulkanStaging => "vulkan",
+    }
+}
+
+/// A step that fills every chunk in every context with an index value (one slot per
+/// fill) and all-reduces the chunks, captured once ([`System::capture`]), then replayed
+/// three times with new values: each replay's sums are those of its values, for every
+/// strategy and transfer; once the plan is finalized, a replay is refused as a whole.
+fn captured_all_reduces_replay_with_new_values_until_their_plan_is_finalized(kind: Kind) {
+    let test = "captured_all_reduces_replay_with_new_values_until_their_plan_is_finalized";
+    let Some(sys) = system(kind, 3, test) else {
+        return;
+    };
+    let chunks = 3;
+    for strategy in Strategy::ALL {
+        for (n, op, transfer) in [
+            (2, ReduceOp::Sum, Transfer::Copy),
+            (3, ReduceOp::Sum, Transfer::Streaming),
+            (5, ReduceOp::Mean, Transfer::Auto),
+        ] {
+            if !kind.streams_across_devices() && transfer == Transfer::Streaming {
+                continue;
+            }
+            let what = format!("{strategy:?} n={n} {op:?} {transfer:?}");
+            let nodes: Vec<TensorNode> = (0..chunks)
+                .map(|c| {
+                    TensorNode::new(format!("g{c}"), DType::F32, [5 + c])
+                        .with_mode(MemoryMode::on_device())
+                        .unwrap()
+                })
+                .collect();
+            // Context i on device i % 3, stream (i / 3) % 2; fill j = i * chunks + c
+            // writes chunk c of context i.
+            let mut fills = Vec::new();
+            let mut contexts = Vec::new();
+            for i in 0..n {
+                let mut ctx = sys.context(i % 3, (i / 3) % 2).unwrap();
+                for node in &nodes {
+                    let r = ctx
+                        .link(fill_index(node, backend_name(kind), "t").unwrap())
+                        .unwrap();
+                    ctx = r.context();
+                    fills.push(r);
+                }
+                contexts.push(ctx.protocol_context().clone());
+            }
+            let plan = AllReducePlan::new(&sys, &nodes, &contexts, op, strategy, transfer).unwrap();
+            let step = sys
+                .capture(|c| {
+                    for (j, f) in fills.iter().enumerate() {
+                        c.schedule_with(f.routine(), &[("t", j as i64)])?;
+                    }
+                    c.all_reduce(&plan)?;
+                    Ok(())
+                })
+                .unwrap_or_else(|e| panic!("{what}: capture: {e}"));
+            assert_eq!(
+                step.bindings().len(),
+                fills.len(),
+                "{what}: one slot per fill"
+            );
+            let check = |values: &dyn Fn(usize) -> i64, round: usize| {
+                for (c, node) in nodes.iter().enumerate() {
+                    let sum: f32 = (0..n).map(|i| values(i * chunks + c) as f32).sum();
+                    let want = match op {
+                        ReduceOp::Mean => sum / n as f32,
+                        _ => sum,
+                    };
+                    for ctx in &contexts {
+                        let got = sys.read::<f32>(ctx, node).unwrap();
+                        assert!(
+                            close(&got, &vec![want; got.len()], 1e-5),
+                            "{what} round {round} chunk {c}: {got:?} != {want}"
+                        );
+                    }
+                }
+            };
+            check(&|j| j as i64, 0);
+            let mut values = step.bindings();
+            for round in 1..=3 {
+                let value = |j: usize| (round * 1000 + 7 * j) as i64;
+                for j in 0..values.len() {
+                    values.get_mut(j).unwrap().set("t", value(j)).unwrap();
+                }
+                let tickets = sys.replay_with(&step, &values).unwrap();
+                assert!(!tickets.is_empty(), "{what}: a ticket per stream");
+                for t in tickets {
+                    t.wait()
+                        .unwrap_or_else(|e| panic!("{what} round {round}: {e}"));
+                }
+                check(&value, round);
+            }
+            plan.finalize().unwrap();
+            for t in sys.replay(&step).unwrap() {
+                match t.wait() {
+                    Err(Error::ReplayInvalidated {
+                        why: Invalidation::ContextFinalized { .. },
+                        ..
+                    }) => {}
+                    other => panic!("{what}: a finalized plan's replay: {other:?}"),
+                }
+            }
+        }
+    }
+    sys.shutdown().unwrap();
+}
+
 fn all_reduce_refuses_contexts_sharing_a_buffer(kind: Kind) {
     let Some(sys) = system(kind, 1, "all_reduce_refuses_contexts_sharing_a_buffer") else {
         return;
@@ -157,6 +271,49 @@ fn bucketed_all_reduce_of_many_small_gradients(kind: Kind) {
                 sys.read::<f32>(ctx, g).unwrap().iter().all(|&v| v == want),
                 "grad {c}"
             );
+        }
+    }
+    plan.finalize().unwrap();
+    sys.shutdown().unwrap();
+}
+
+/// A bucketed all-reduce (packs, the buckets' all-reduce, unpacks) captured as one step
+/// and replayed: each replay sums what the previous one left (3 contexts: every gradient
+/// triples), on every context.
+fn captured_bucketed_all_reduce_replays(kind: Kind) {
+    let Some(sys) = system(kind, 2, "captured_bucketed_all_reduce_replays") else {
+        return;
+    };
+    let grads: Vec<TensorNode> = (0..7)
+        .map(|c| {
+            TensorNode::new(format!("g{c}"), DType::F32, [2 + c % 3])
+                .with_mode(MemoryMode::on_device())
+                .unwrap()
+        })
+        .collect();
+    let contexts = filled(&sys, 2, 3, &grads);
+    let plan =
+        BucketedAllReduce::new(&sys, &grads, &contexts, ReduceOp::Sum, Strategy::Ring, 32).unwrap();
+    let step = sys
+        .capture(|c| c.bucketed_all_reduce(&plan))
+        .expect("capture");
+    let mut factor = 1.0;
+    for round in 0..4 {
+        if round > 0 {
+            for t in sys.replay(&step).unwrap() {
+                t.wait().unwrap();
+            }
+            factor *= 3.0;
+        }
+        for (c, g) in grads.iter().enumerate() {
+            let want = factor * (0..3).map(|i| ((i + 1) * 10 + c) as f32).sum::<f32>();
+            for ctx in plan.contexts() {
+                let got = sys.read::<f32>(ctx, g).unwrap();
+                assert!(
+                    got.iter().all(|&v| v == want),
+                    "round {round} grad {c}: {got:?} != {want}"
+                );
+            }
         }
     }
     plan.finalize().unwrap();

@@ -20,6 +20,7 @@
 
 mod bad_input;
 mod common;
+mod support;
 
 use std::time::Duration;
 

@@ -9,6 +9,7 @@
 //! different order every run; only program order may decide the result.
 
 mod common;
+mod support;
 
 use std::time::Duration;
 

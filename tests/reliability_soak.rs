@@ -7,6 +7,7 @@
 //! the run, whichever comes first; `TRIBUTARY_SOAK_SEED` replays one.
 
 mod common;
+mod support;
 
 use std::{
     collections::VecDeque,

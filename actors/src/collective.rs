@@ -23,12 +23,8 @@ use crate::{system::System, ticket::Ticket};
 /// A linked all-reduce of some nodes (chunks) over some contexts, ready to run repeatedly.
 pub struct AllReducePlan {
     sys: System,
-    nodes: Vec<TensorNode>,
-    contexts: Vec<Context>,
-    merge: Vec<Vec<Routine>>,
-    scale: Vec<Vec<Routine>>,
-    steps: Vec<collective::Step>,
-    transfer: Transfer,
+    /// The steps, chunks, contexts and linked routines, as every run issues them.
+    pub(crate) call: AllReduceCall,
 }
 
 impl AllReducePlan {
@@ -89,18 +85,20 @@ impl AllReducePlan {
         }
         Ok(AllReducePlan {
             sys: sys.clone(),
-            nodes: nodes.to_vec(),
-            contexts,
-            merge,
-            scale,
-            steps: collective::plan(n, nodes.len(), strategy, op),
-            transfer,
+            call: AllReduceCall {
+                steps: collective::plan(n, nodes.len(), strategy, op),
+                nodes: nodes.to_vec(),
+                contexts,
+                merge,
+                scale,
+                transfer,
+            },
         })
     }
 
     /// The steps this plan issues, in issue order.
     pub fn steps(&self) -> &[collective::Step] {
-        &self.steps
+        &self.call.steps
     }
 
     /// The steps grouped into levels of independent steps ([`collective::levels`]): what
@@ -132,7 +130,7 @@ impl AllReducePlan {
     /// # Ok::<(), tributary::Error>(())
     /// ```
     pub fn levels(&self) -> Vec<Vec<collective::Step>> {
-        collective::levels(&self.steps)
+        collective::levels(&self.call.steps)
     }
 
     /// Issues the all-reduce and returns at once: every step goes to its devices in one
@@ -141,20 +139,13 @@ impl AllReducePlan {
     /// reads of the nodes wait by themselves.
     pub fn run(&self) -> Result<Vec<Ticket>> {
         self.sys.check_live()?;
-        let pending = self.sys.dispatcher().all_reduce(&AllReduceCall {
-            steps: self.steps.clone(),
-            nodes: self.nodes.clone(),
-            contexts: self.contexts.clone(),
-            merge: self.merge.clone(),
-            scale: self.scale.clone(),
-            transfer: self.transfer,
-        })?;
+        let pending = self.sys.dispatcher().all_reduce(&self.call)?;
         Ok(pending.into_iter().map(Ticket::pending).collect())
     }
 
     /// Finalizes the routines' contexts (their buffers belong to the parents: nothing is freed).
     pub fn finalize(self) -> Result<()> {
-        for r in self.merge.iter().chain(&self.scale).flatten() {
+        for r in self.call.merge.iter().chain(&self.call.scale).flatten() {
             self.sys.finalize(r.context())?;
         }
         Ok(())
@@ -198,9 +189,9 @@ impl System {
 /// Gradients packed into buckets, all-reduced per bucket, and unpacked.
 pub struct BucketedAllReduce {
     sys: System,
-    pack: Vec<Vec<Routine>>,
-    unpack: Vec<Vec<Routine>>,
-    reduce: AllReducePlan,
+    pub(crate) pack: Vec<Vec<Routine>>,
+    pub(crate) unpack: Vec<Vec<Routine>>,
+    pub(crate) reduce: AllReducePlan,
     /// `contexts()[i]`: a descendant of the i-th given context that holds the buckets.
     contexts: Vec<Context>,
     buckets: Vec<TensorNode>,

@@ -16,7 +16,7 @@ use tributary::{
     MergeBufferUse, Result, TensorNode,
 };
 
-use crate::{ticket::block_on, System, Ticket};
+use crate::{ticket::block_on, AllReducePlan, BucketedAllReduce, System, Ticket};
 
 /// The calls of a step being captured on a [`System`] ([`System::capture`]): each runs for
 /// real, as the `System` method of the same name, and is recorded.
@@ -54,6 +54,27 @@ impl SystemCapture<'_> {
             .inner
             .device_to_device(node, src, dst, mode)?
             .map(Ticket::pending))
+    }
+
+    /// [`AllReducePlan::run`], recorded: every step's copies and merges (its copies between
+    /// devices become edges between their parts of the step). A replay checks the plan's
+    /// routines like any other: after [`AllReducePlan::finalize`] it is invalidated.
+    pub fn all_reduce(&mut self, plan: &AllReducePlan) -> Result<Vec<Ticket>> {
+        let pending = self.inner.all_reduce(&plan.call)?;
+        Ok(pending.into_iter().map(Ticket::pending).collect())
+    }
+
+    /// [`BucketedAllReduce::run`], recorded: the packs, the all-reduce of the buckets and
+    /// the unpacks.
+    pub fn bucketed_all_reduce(&mut self, plan: &BucketedAllReduce) -> Result<()> {
+        for p in plan.pack.iter().flatten() {
+            self.schedule(p)?;
+        }
+        self.all_reduce(&plan.reduce)?;
+        for u in plan.unpack.iter().flatten() {
+            self.schedule(u)?;
+        }
+        Ok(())
     }
 }
 

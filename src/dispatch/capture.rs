@@ -18,7 +18,6 @@ use std::sync::Arc as StdArc;
 use crate::{
     engine::MergeBufferUse,
     error::{Error, Result},
-    ids::{DeviceId, StreamId},
     kernels::Bindings,
     node::TensorNode,
     pending::PendingEvent,
@@ -27,7 +26,10 @@ use crate::{
     sync::{Arc, Mutex},
 };
 
-use super::{dispatcher::Dispatcher, ops::Answer};
+use super::{
+    dispatcher::{AllReduceCall, Dispatcher, Recording},
+    ops::Answer,
+};
 
 /// Where a recorded operation is recorded, and as what.
 #[derive(Clone, Debug)]
@@ -90,31 +92,21 @@ impl<'d> StepCapture<'d> {
         }
     }
 
-    fn touch(&mut self, device: DeviceId) -> Result<()> {
-        let i = self.dispatcher.index_of(device)?;
-        if !self.touched.contains(&i) {
-            self.touched.push(i);
-        }
-        Ok(())
-    }
-
     /// [`Dispatcher::schedule`] (bindings checked by the caller), recorded.
     pub fn schedule(&mut self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
-        self.touch(routine.context().device())?;
+        let dispatcher = self.dispatcher;
+        let device = dispatcher.index_of(routine.context().device())?;
         let slot = (!bindings.is_empty()).then_some(self.slots.len() as u32);
-        let record = Record {
-            log: self.log.clone(),
-            position: self.position,
-            slot,
-            edge: None,
-        };
-        let pending =
-            self.dispatcher
-                .schedule_recorded(routine, bindings.clone(), Some(&record))?;
+        let pending = self.recording(|next| {
+            let record = Record {
+                slot,
+                ..next(1, None, &[device])
+            };
+            dispatcher.schedule_recorded(routine, bindings.clone(), Some(&record))
+        })?;
         if slot.is_some() {
             self.slots.push(bindings);
         }
-        self.position += 1;
         Ok(pending)
     }
 
@@ -127,33 +119,54 @@ impl<'d> StepCapture<'d> {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<PendingEvent>> {
-        let (log, position) = (self.log.clone(), self.position);
-        let edges = &mut self.edges;
-        let mut record = |dst_stream: StreamId| {
-            let edge = (src.device() != dst.device()).then(|| {
-                edges.push(Edge {
-                    src: src.device(),
-                    dst: dst.device(),
-                    dst_stream,
-                });
+        let dispatcher = self.dispatcher;
+        self.recording(|record| {
+            dispatcher.device_to_device_recorded(node, src, dst, mode, Some(record))
+        })
+    }
+
+    /// [`Dispatcher::all_reduce`], every operation of every step recorded (its copies
+    /// between devices become edges between their parts of the step).
+    pub fn all_reduce(&mut self, call: &AllReduceCall) -> Result<Vec<PendingEvent>> {
+        let dispatcher = self.dispatcher;
+        self.recording(|record| dispatcher.all_reduce_recorded(call, Some(record)))
+    }
+
+    /// Runs `call` with a [`Recording`] handing out the records of its operations at the
+    /// step's next positions; keeps the positions, edges and devices they took only if the
+    /// call posted (`Ok`).
+    fn recording<T>(&mut self, call: impl FnOnce(Recording<'_>) -> Result<T>) -> Result<T> {
+        let (edges_before, touched_before) = (self.edges.len(), self.touched.len());
+        let (log, edges, touched) = (&self.log, &mut self.edges, &mut self.touched);
+        let mut position = self.position;
+        let mut next = |positions: u32, edge: Option<Edge>, devices: &[usize]| {
+            for &d in devices {
+                if !touched.contains(&d) {
+                    touched.push(d);
+                }
+            }
+            let edge = edge.map(|e| {
+                edges.push(e);
                 edges.len() as u32 - 1
             });
-            Record {
+            let record = Record {
                 log: log.clone(),
                 position,
                 slot: None,
                 edge,
-            }
+            };
+            position += positions;
+            record
         };
-        let pending =
-            self.dispatcher
-                .device_to_device_recorded(node, src, dst, mode, Some(&mut record))?;
-        if pending.is_some() {
-            self.touch(src.device())?;
-            self.touch(dst.device())?;
-            self.position += 2;
+        let posted = call(&mut next);
+        match posted {
+            Ok(_) => self.position = position,
+            Err(_) => {
+                self.edges.truncate(edges_before);
+                self.touched.truncate(touched_before);
+            }
         }
-        Ok(pending)
+        posted
     }
 
     /// Fences every device the step touched: answered once each decided (and recorded)

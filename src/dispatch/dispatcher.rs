@@ -36,6 +36,7 @@ use crate::{
     node::TensorNode,
     pending::{Oneshot, PendingEvent, SeqPromise},
     protocol::{check_streaming_placement, reserve_issue_stamps, Context, HostTable, Routine},
+    replay::Edge,
     sync::{Arc, Mutex},
 };
 
@@ -79,6 +80,20 @@ pub struct AllReduceCall {
     pub scale: Vec<Vec<Routine>>,
     /// How reduce steps move data.
     pub transfer: Transfer,
+}
+
+/// Hands out the [`Record`] of a recorded call's next operation: `(positions it takes in
+/// the step, the cross-device edge it is, the devices (indices) its parts go to)`.
+pub(super) type Recording<'a> = &'a mut dyn FnMut(u32, Option<Edge>, &[usize]) -> Record;
+
+/// The edge a copy from `src` to `dst` (its destination operation on `dst_stream`) is in a
+/// captured step: none within one device.
+fn copy_edge(src: &Context, dst: &Context, dst_stream: StreamId) -> Option<Edge> {
+    (src.device() != dst.device()).then(|| Edge {
+        src: src.device(),
+        dst: dst.device(),
+        dst_stream,
+    })
 }
 
 /// One operation of a call, before posting.
@@ -563,15 +578,14 @@ impl Dispatcher {
     }
 
     /// [`Dispatcher::device_to_device`], both halves recorded into a step being captured
-    /// if `record` is given (asked for once the call is known to post: `record(src, dst
-    /// stream)`).
+    /// if `record` is given (asked for once the call is known to post).
     pub(super) fn device_to_device_recorded(
         &self,
         node: &TensorNode,
         src: &Context,
         dst: &Context,
         mode: MergeBufferUse,
-        record: Option<&mut dyn FnMut(StreamId) -> Record>,
+        record: Option<Recording<'_>>,
     ) -> Result<Option<PendingEvent>> {
         let di = self.index_of(dst.device())?;
         check_streaming_placement(
@@ -599,7 +613,7 @@ impl Dispatcher {
             _ => dst.stream(),
         };
         let (pending, promise) = self.pending(dst.stream())?;
-        let record = record.map(|r| r(dst_stream));
+        let record = record.map(|r| r(2, copy_edge(src, dst, dst_stream), &[si, di]));
         let delivery = match mode {
             MergeBufferUse::No => Delivery::Copy {
                 dst: dst.clone(),
@@ -682,7 +696,27 @@ impl Dispatcher {
     /// Issues an all-reduce, checked whole first (nothing is posted if any part of it is
     /// malformed); returns the final event of every chunk in every context.
     pub fn all_reduce(&self, call: &AllReduceCall) -> Result<Vec<PendingEvent>> {
+        self.all_reduce_recorded(call, None)
+    }
+
+    /// [`Dispatcher::all_reduce`], every operation of every step recorded into a step
+    /// being captured if `record` is given (asked once per operation, in step order, once
+    /// the call is checked).
+    pub(super) fn all_reduce_recorded(
+        &self,
+        call: &AllReduceCall,
+        mut record: Option<Recording<'_>>,
+    ) -> Result<Vec<PendingEvent>> {
         check_all_reduce(call, &*self.can_stream)?;
+        // Wraps the parts from `start` on (one operation) into `record`'s next record.
+        let mut recorded = |parts: &mut Vec<Part>, start: usize, positions: u32, edge| {
+            if let Some(r) = record.as_mut() {
+                let devices: Vec<usize> = parts[start..].iter().map(|p| p.device).collect();
+                let r = r(positions, edge, &devices);
+                let op: Vec<Part> = parts.drain(start..).map(|p| p.recorded(Some(&r))).collect();
+                parts.extend(op);
+            }
+        };
         let index: Vec<usize> = call
             .contexts
             .iter()
@@ -704,8 +738,10 @@ impl Dispatcher {
                     };
                     let (s, d) = (&call.contexts[src], &call.contexts[dst]);
                     let merge = call.merge[dst][chunk].clone();
+                    let start = parts.len();
                     if streaming {
                         let (pending, promise) = self.pending(d.stream())?;
+                        let edge = copy_edge(s, d, merge.context().stream());
                         self.copy_parts(
                             &mut parts,
                             k,
@@ -717,6 +753,7 @@ impl Dispatcher {
                             pending.clone(),
                             promise,
                         );
+                        recorded(&mut parts, start, 2, edge);
                         last[dst * chunks + chunk] = Some(pending);
                     } else {
                         let (copy, promise) = self.pending(d.stream())?;
@@ -735,7 +772,9 @@ impl Dispatcher {
                             copy,
                             promise,
                         );
+                        recorded(&mut parts, start, 2, copy_edge(s, d, d.stream()));
                         let (pending, promise) = self.pending(d.stream())?;
+                        let start = parts.len();
                         parts.push(Part::new(
                             index[dst],
                             k,
@@ -747,18 +786,20 @@ impl Dispatcher {
                                 promise,
                             },
                         ));
+                        recorded(&mut parts, start, 1, None);
                         last[dst * chunks + chunk] = Some(pending);
                     }
                 }
                 Step::Broadcast { chunk, src, dst } => {
-                    let d = &call.contexts[dst];
+                    let (s, d) = (&call.contexts[src], &call.contexts[dst]);
                     let (pending, promise) = self.pending(d.stream())?;
+                    let start = parts.len();
                     self.copy_parts(
                         &mut parts,
                         k,
                         index[src],
                         index[dst],
-                        &call.contexts[src],
+                        s,
                         &call.nodes[chunk],
                         Delivery::Copy {
                             dst: d.clone(),
@@ -768,11 +809,13 @@ impl Dispatcher {
                         pending.clone(),
                         promise,
                     );
+                    recorded(&mut parts, start, 2, copy_edge(s, d, d.stream()));
                     last[dst * chunks + chunk] = Some(pending);
                 }
                 Step::Scale { chunk, ctx } => {
                     let routine = call.scale[ctx][chunk].clone();
                     let (pending, promise) = self.pending(routine.context().stream())?;
+                    let start = parts.len();
                     parts.push(Part::new(
                         index[ctx],
                         k,
@@ -784,6 +827,7 @@ impl Dispatcher {
                             promise,
                         },
                     ));
+                    recorded(&mut parts, start, 1, None);
                     last[ctx * chunks + chunk] = Some(pending);
                 }
             }

@@ -87,6 +87,70 @@ pub fn add_index(x: &TensorNode) -> RoutineSpec {
     .expect("spec")
 }
 
+/// `dst[i] = t` (`t` the `i32` index named `index`, converted to `dst`'s dtype, `f32` or `i32`): a Rust
+/// closure on the CPU, WGSL (the value a push constant after the element count) on
+/// Vulkan, CUDA C (the value the argument after the element count) on CUDA.
+pub fn fill_index(dst: &TensorNode, backend: &str, index: &str) -> tributary::Result<RoutineSpec> {
+    use tributary::kernels::IndexType;
+    let params = vec![(dst.clone(), Access::Write)];
+    let n = dst.numel();
+    let (f32s, ty) = match dst.dtype() {
+        DType::F32 => (true, "f32"),
+        _ => (false, "i32"),
+    };
+    let index_name = index.to_string();
+    let spec = match backend {
+        "vulkan" => RoutineSpec::shader(
+            "fill_index",
+            params,
+            None,
+            ShaderKernel::wgsl(
+                format!(
+                    "struct P {{ n: u32, t: i32 }}
+var<immediate> p: P;
+@group(0) @binding(0) var<storage, read_write> d: array<{ty}>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {{
+    if (id.x < p.n) {{ d[id.x] = {ty}(p.t); }}
+}}"
+                ),
+                [(n as u32).div_ceil(64), 1, 1],
+            )
+            .with_immediates((n as u32).to_le_bytes().to_vec()),
+        ),
+        "cuda" => {
+            let c = if f32s { "float" } else { "int" };
+            RoutineSpec::cuda(
+                "fill_index",
+                params,
+                None,
+                CudaKernel::cuda_c(
+                    format!(
+                        r#"extern "C" __global__ void fill_index({c}* d, unsigned long long n, int t) {{
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {{ d[i] = ({c})t; }}
+}}"#
+                    ),
+                    "fill_index",
+                    [(n as u32).div_ceil(256), 1, 1],
+                    [256, 1, 1],
+                )
+                .with_scalars([CudaScalar::U64(n as u64)]),
+            )
+        }
+        _ => RoutineSpec::custom("fill_index", params, None, move |a| {
+            let t = a.index(&index_name)?;
+            if f32s {
+                a.output::<f32>(0)?.fill(t as f32);
+            } else {
+                a.output::<i32>(0)?.fill(t as i32);
+            }
+            Ok(())
+        }),
+    }?;
+    spec.with_index_typed(index, IndexType::I32)
+}
+
 /// Which backend a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
