@@ -20,7 +20,12 @@ mod kernel;
 mod metg;
 mod runners;
 
-use std::{sync::Arc, time::Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tributary::backend::cpu::CpuConfig;
 
 use clap::{Parser, ValueEnum};
 
@@ -90,18 +95,36 @@ struct Args {
     /// Largest kernel iteration count of the sweep (it halves down to 1).
     #[arg(long, default_value_t = 1 << 15)]
     max_iterations: u64,
-    /// Target wall time of one run, milliseconds (sets the timesteps, 16..=1000).
+    /// Target wall time of one run, milliseconds (sets the timesteps, 16..=`max-steps`).
     #[arg(long, default_value_t = 200)]
     budget_ms: u64,
+    /// Most timesteps of one run (raise it with `budget-ms` for a run long enough to
+    /// profile at small granularities).
+    #[arg(long, default_value_t = 1000)]
+    max_steps: usize,
     /// Runs per point (the median wall time counts).
     #[arg(long, default_value_t = 1)]
     samples: usize,
     /// Cores the granularity is computed for (default: all available).
     #[arg(long)]
     cores: Option<usize>,
+    /// The CPU workers' spin window in µs (`CpuConfig::spin_us`; default: the backend's).
+    #[arg(long)]
+    spin_us: Option<u64>,
     /// Print every point of every sweep.
     #[arg(long)]
     verbose: bool,
+}
+
+impl Args {
+    /// The CPU backend's configuration of the tributary runners.
+    fn cpu(&self) -> CpuConfig {
+        let cpu = CpuConfig::default();
+        match self.spin_us {
+            Some(us) => cpu.with_spin(Duration::from_micros(us)),
+            None => cpu,
+        }
+    }
 }
 
 fn run(
@@ -109,32 +132,32 @@ fn run(
     pool: &baseline::Pool,
     graph: Graph,
     iterations: u64,
+    cpu: &CpuConfig,
     checks: &Arc<Checks>,
 ) -> Result<f64, String> {
     checks.reset();
-    let wall = match runner {
-        Runner::Threads => {
-            let start = Instant::now();
-            baseline::run(pool, graph, iterations, checks)?;
-            start.elapsed()
-        }
-        Runner::Engine => runners::engine(graph, iterations, checks).map_err(|e| e.to_string())?,
-        Runner::EngineReplay => {
-            runners::engine_replay(graph, iterations, checks).map_err(|e| e.to_string())?
-        }
-        Runner::System => {
-            runners::system(graph, 1, iterations, checks, false).map_err(|e| e.to_string())?
-        }
-        Runner::SystemReplay => {
-            runners::system(graph, 1, iterations, checks, true).map_err(|e| e.to_string())?
-        }
-        Runner::System2 => {
-            runners::system(graph, 2, iterations, checks, false).map_err(|e| e.to_string())?
-        }
-        Runner::System2Replay => {
-            runners::system(graph, 2, iterations, checks, true).map_err(|e| e.to_string())?
-        }
-    };
+    let wall =
+        match runner {
+            Runner::Threads => {
+                let start = Instant::now();
+                baseline::run(pool, graph, iterations, checks)?;
+                start.elapsed()
+            }
+            Runner::Engine => {
+                runners::engine(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
+            }
+            Runner::EngineReplay => {
+                runners::engine_replay(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
+            }
+            Runner::System => runners::system(graph, 1, iterations, cpu, checks, false)
+                .map_err(|e| e.to_string())?,
+            Runner::SystemReplay => runners::system(graph, 1, iterations, cpu, checks, true)
+                .map_err(|e| e.to_string())?,
+            Runner::System2 => runners::system(graph, 2, iterations, cpu, checks, false)
+                .map_err(|e| e.to_string())?,
+            Runner::System2Replay => runners::system(graph, 2, iterations, cpu, checks, true)
+                .map_err(|e| e.to_string())?,
+        };
     let (want, got) = (graph.inputs(), checks.inputs());
     if got != want {
         return Err(format!(
@@ -148,6 +171,7 @@ fn run(
 /// Every pattern on every runner, widths 2 and 8: exits non-zero on any wrong input.
 fn quick(args: &Args, pool: &baseline::Pool) -> Result<(), String> {
     let checks = Arc::new(Checks::default());
+    let cpu = args.cpu();
     let (mut runs, mut inputs) = (0, 0);
     for pattern in Pattern::ALL {
         for width in [2, 8] {
@@ -161,7 +185,7 @@ fn quick(args: &Args, pool: &baseline::Pool) -> Result<(), String> {
                 period: args.period,
             };
             for &runner in &args.runners {
-                run(runner, pool, graph, 3, &checks).map_err(|e| {
+                run(runner, pool, graph, 3, &cpu, &checks).map_err(|e| {
                     format!("{} on {} width {width}: {e}", runner.name(), pattern.name())
                 })?;
                 runs += 1;
@@ -217,6 +241,7 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
         args.widths.clone()
     };
     let checks = Arc::new(Checks::default());
+    let cpu = args.cpu();
     let per_iteration = kernel_seconds(4096) / 4096.0;
     println!(
         "Task Bench {} on {cores} cores; compute_bound {:.2} ns per iteration ({:.2} GFLOP/s per core)",
@@ -234,7 +259,8 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
             while iterations >= 1 {
                 let task = per_iteration * iterations as f64 + 1e-6;
                 let steps = ((args.budget_ms as f64 * 1e-3 * cores as f64) / (width as f64 * task))
-                    .clamp(16.0, 1000.0) as usize;
+                    .clamp(16.0, args.max_steps.max(16) as f64)
+                    as usize;
                 let graph = Graph {
                     pattern: args.pattern,
                     width,
@@ -243,7 +269,7 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
                     period: args.period,
                 };
                 let walls = (0..args.samples.max(1))
-                    .map(|_| run(runner, pool, graph, iterations, &checks))
+                    .map(|_| run(runner, pool, graph, iterations, &cpu, &checks))
                     .collect::<Result<Vec<_>, _>>()?;
                 let wall = median(walls);
                 let tasks = graph.tasks() as f64;

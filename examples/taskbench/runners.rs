@@ -18,6 +18,7 @@ use std::{
 };
 
 use tributary::{
+    backend::cpu::CpuConfig,
     kernels::{Access, Bindings, RoutineSpec},
     protocol::{Context, Routine},
     DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
@@ -150,11 +151,13 @@ fn phases_with_first(graph: &Graph) -> impl Iterator<Item = Option<usize>> {
 fn engine_columns(
     graph: Graph,
     iterations: u64,
+    cpu: &CpuConfig,
     checks: &Arc<Checks>,
 ) -> Result<(Engine, Vec<Vec<Task<Routine>>>)> {
     let mut e = Engine::cpu(EngineConfig {
         devices: 1,
         streams_per_device: graph.width,
+        cpu: cpu.clone(),
         ..EngineConfig::default()
     })?;
     let outputs = Outputs::new(graph.width)?;
@@ -173,8 +176,13 @@ fn engine_columns(
 }
 
 /// `Engine` on one CPU device, one stream per column. Returns the wall time of the run.
-pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
-    let (mut e, mut routines) = engine_columns(graph, iterations, checks)?;
+pub fn engine(
+    graph: Graph,
+    iterations: u64,
+    cpu: &CpuConfig,
+    checks: &Arc<Checks>,
+) -> Result<Duration> {
+    let (mut e, mut routines) = engine_columns(graph, iterations, cpu, checks)?;
     let start = Instant::now();
     for t in 0..graph.steps {
         let s = slot(phase_of(&graph, t));
@@ -193,8 +201,13 @@ pub fn engine(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Dur
 /// `1..=phases` are captured (issued for real while recorded), and each later full period
 /// replays the step with every schedule's `t` shifted by the period; the timesteps left
 /// over are issued. Every task still checks its inputs against its timestep.
-pub fn engine_replay(graph: Graph, iterations: u64, checks: &Arc<Checks>) -> Result<Duration> {
-    let (mut e, mut routines) = engine_columns(graph, iterations, checks)?;
+pub fn engine_replay(
+    graph: Graph,
+    iterations: u64,
+    cpu: &CpuConfig,
+    checks: &Arc<Checks>,
+) -> Result<Duration> {
+    let (mut e, mut routines) = engine_columns(graph, iterations, cpu, checks)?;
     let issue = |e: &mut Engine, routines: &mut Vec<Vec<Task<Routine>>>, t: usize| {
         let s = slot(phase_of(&graph, t));
         for column in routines.iter_mut() {
@@ -246,6 +259,7 @@ pub fn system(
     graph: Graph,
     devices: usize,
     iterations: u64,
+    cpu: &CpuConfig,
     checks: &Arc<Checks>,
     replay: bool,
 ) -> Result<Duration> {
@@ -254,6 +268,7 @@ pub fn system(
     let sys = System::builder()
         .cpu_devices(devices)
         .streams(StreamConfig::MostParallelStreams(per_device))
+        .cpu(cpu.clone())
         .spawn()?;
     let outputs = Outputs::new(graph.width)?;
     let mut routines: Vec<Vec<Task<RoutineHandle>>> = Vec::new();
