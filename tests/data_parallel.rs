@@ -37,6 +37,7 @@ for_each_backend!(
     captured_bucketed_all_reduce_replays,
     one_data_parallel_step_equals_one_full_batch_step,
     training_reduces_the_loss_and_learns_the_blobs,
+    replayed_training_steps_equal_issued_ones,
 );
 
 /// Contexts `i` on device `i % devices`, stream `i / devices`, each holding every node
@@ -389,4 +390,40 @@ fn training_reduces_the_loss_and_learns_the_blobs(kind: Kind) {
     assert!(last < 0.1 * first, "loss {first} -> {last}");
     assert!(acc >= 0.95, "accuracy {acc}");
     sys.shutdown().unwrap();
+}
+
+/// Training with the first step captured and every later one replayed (compute, the
+/// gradients' all-reduce and the SGD updates: one operation per device per step) computes
+/// bit for bit what issuing every step computes: the same loss after every step and the
+/// same parameters on every replica.
+fn replayed_training_steps_equal_issued_ones(kind: Kind) {
+    let test = "replayed_training_steps_equal_issued_ones";
+    let cfg = model::ModelConfig::default();
+    let data = model::make_data(&cfg);
+    let init = model::init_params(&cfg);
+    let (Some(issued), Some(replayed)) = (system(kind, 3, test), system(kind, 3, test)) else {
+        return;
+    };
+    let a = model::DataParallel::new(&issued, &cfg, 3, &data, &init, Strategy::Tree).unwrap();
+    let b = model::DataParallel::new(&replayed, &cfg, 3, &data, &init, Strategy::Tree).unwrap();
+    a.step().unwrap();
+    let step = b.capture_step().unwrap();
+    assert_eq!(a.loss().unwrap(), b.loss().unwrap(), "the captured step");
+    for epoch in 1..8 {
+        a.step().unwrap();
+        b.replay(&step).unwrap();
+        assert_eq!(
+            a.loss().unwrap().to_bits(),
+            b.loss().unwrap().to_bits(),
+            "step {epoch}"
+        );
+    }
+    for i in 0..3 {
+        assert!(
+            a.params(i).unwrap() == b.params(i).unwrap(),
+            "replica {i}'s parameters"
+        );
+    }
+    issued.shutdown().unwrap();
+    replayed.shutdown().unwrap();
 }

@@ -9,6 +9,7 @@
 //! cargo run --release --example data_parallel -- --devices 4 --epochs 30 --strategy ring
 //! cargo run --release --example data_parallel -- --backend vulkan --devices 2
 //! cargo run --release --example data_parallel -- --epochs 5 --trace dp.trace.json
+//! cargo run --release --example data_parallel -- --replay   # capture step 1, replay the rest
 //! RUST_LOG=debug cargo run --example data_parallel -- --epochs 1   # the runtime's spans
 //! # across MPI ranks: R ranks x D devices, one shard each (feature `mpi`)
 //! cargo build --release --features mpi --example data_parallel
@@ -58,6 +59,10 @@ struct Args {
     /// where each stream's time went.
     #[arg(long, value_name = "FILE.json")]
     trace: Option<String>,
+    /// Capture the first step and replay it every later step (`System::capture` /
+    /// `System::replay`: one operation per device per step, no dependency inference).
+    #[arg(long)]
+    replay: bool,
     /// Run as one rank of an MPI job (`mpirun -np R ...`): R x `--devices` replicas, one
     /// shard each, gradients all-reduced inside each rank and across ranks (CPU devices;
     /// needs the `mpi` feature).
@@ -77,6 +82,9 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         StrategyArg::Ring => Strategy::Ring,
     };
     if args.mpi {
+        if args.replay {
+            return Err("--replay: a step whose all-reduce spans ranks is not captured".into());
+        }
         return run_mpi(&args, strategy);
     }
     let backend = args
@@ -115,11 +123,16 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     let mut first = None;
     let mut after_first = None;
+    let mut captured = None;
     for epoch in 0..args.epochs {
         if epoch == 1 {
             after_first = Some(sys.fence_stats());
         }
-        dp.step()?;
+        match &captured {
+            Some(step) => dp.replay(step)?,
+            None if args.replay => captured = Some(dp.capture_step()?),
+            None => dp.step()?,
+        }
         let loss = dp.loss()?;
         first.get_or_insert(loss);
         bar.set_message(format!("loss {loss:.4}"));
@@ -151,9 +164,14 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
     }
     let (first, last) = (first.unwrap_or(f32::NAN), dp.loss()?);
     println!(
-        "loss {first:.4} -> {last:.4}, accuracy {:.1}%, {:.1} ms per epoch; replicas identical",
+        "loss {first:.4} -> {last:.4}, accuracy {:.1}%, {:.1} ms per epoch{}; replicas identical",
         100.0 * model::accuracy(&cfg, &params, &data),
-        elapsed.as_secs_f64() * 1e3 / args.epochs.max(1) as f64
+        elapsed.as_secs_f64() * 1e3 / args.epochs.max(1) as f64,
+        if captured.is_some() {
+            " (steps replayed)"
+        } else {
+            ""
+        }
     );
     print!("{}", sys.memory_report()?);
     if let (Some(path), Some(rec)) = (&args.trace, sys.timeline()) {

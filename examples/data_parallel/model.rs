@@ -12,7 +12,7 @@ use tributary::{
     collective::{ReduceOp, Strategy, Transfer},
     kernels,
     protocol::Context,
-    DType, HostedKind, MemoryMode, Result, TensorNode,
+    DType, HostedKind, MemoryMode, Result, Step, TensorNode,
 };
 #[cfg(feature = "mpi")]
 use tributary_actors::cluster::{Cluster, ClusterAllReduce};
@@ -364,6 +364,46 @@ impl DataParallel {
             for s in &r.sgd {
                 s.schedule()?;
             }
+        }
+        Ok(())
+    }
+
+    /// Captures one training step ([`System::capture`]): runs it, as [`DataParallel::step`]
+    /// does, and returns it to [`DataParallel::replay`]. Over the devices of one system
+    /// only: an all-reduce across ranks is not captured.
+    pub fn capture_step(&self) -> Result<Step> {
+        let plan = match &self.reduce {
+            Reducer::Local(plan) => plan,
+            #[cfg(feature = "mpi")]
+            Reducer::Cluster(..) => {
+                return Err(tributary::Error::InvalidConfig {
+                    setting: "replay".into(),
+                    value: "a step across MPI ranks".into(),
+                    reason: "an all-reduce that spans ranks is not captured".into(),
+                })
+            }
+        };
+        self.sys.capture(|c| {
+            for r in &self.replicas {
+                for routine in &r.routines {
+                    c.schedule(routine.routine())?;
+                }
+            }
+            c.all_reduce(plan)?;
+            for r in &self.replicas {
+                for s in &r.sgd {
+                    c.schedule(s.routine())?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// One training step as a replay of `step` (one operation per device); waits for it,
+    /// so that a replay something invalidated is an error here.
+    pub fn replay(&self, step: &Step) -> Result<()> {
+        for ticket in self.sys.replay(step)? {
+            ticket.wait()?;
         }
         Ok(())
     }
