@@ -40,6 +40,17 @@ for_each_backend!(
     replayed_training_steps_equal_issued_ones,
 );
 
+/// `count` on-device f32 nodes `g0`, `g1`, ..., node `c` of `len(c)` elements.
+fn gradients(count: usize, len: impl Fn(usize) -> usize) -> Vec<TensorNode> {
+    (0..count)
+        .map(|c| {
+            TensorNode::new(format!("g{c}"), DType::F32, [len(c)])
+                .with_mode(MemoryMode::on_device())
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Contexts `i` on device `i % devices`, stream `i / devices`, each holding every node
 /// filled with a value that identifies (context, node).
 fn filled(sys: &System, devices: usize, n: usize, nodes: &[TensorNode]) -> Vec<Context> {
@@ -78,13 +89,7 @@ fn all_reduce_lands_in_every_context_for_every_strategy(kind: Kind) {
                     // each other's memory in place.
                     continue;
                 }
-                let nodes: Vec<TensorNode> = (0..3)
-                    .map(|c| {
-                        TensorNode::new(format!("g{c}"), DType::F32, [5 + c])
-                            .with_mode(MemoryMode::on_device())
-                            .unwrap()
-                    })
-                    .collect();
+                let nodes = gradients(3, |c| 5 + c);
                 let contexts = filled(&sys, 3, n, &nodes);
                 let plan =
                     AllReducePlan::new(&sys, &nodes, &contexts, op, strategy, transfer).unwrap();
@@ -140,13 +145,7 @@ fn captured_all_reduces_replay_with_new_values_until_their_plan_is_finalized(kin
                 continue;
             }
             let what = format!("{strategy:?} n={n} {op:?} {transfer:?}");
-            let nodes: Vec<TensorNode> = (0..chunks)
-                .map(|c| {
-                    TensorNode::new(format!("g{c}"), DType::F32, [5 + c])
-                        .with_mode(MemoryMode::on_device())
-                        .unwrap()
-                })
-                .collect();
+            let nodes = gradients(chunks, |c| 5 + c);
             // Context i on device i % 3, stream (i / 3) % 2; fill j = i * chunks + c
             // writes chunk c of context i.
             let mut fills = Vec::new();
@@ -253,13 +252,7 @@ fn bucketed_all_reduce_of_many_small_gradients(kind: Kind) {
     let Some(sys) = system(kind, 2, "bucketed_all_reduce_of_many_small_gradients") else {
         return;
     };
-    let grads: Vec<TensorNode> = (0..10)
-        .map(|c| {
-            TensorNode::new(format!("g{c}"), DType::F32, [3 + c % 4])
-                .with_mode(MemoryMode::on_device())
-                .unwrap()
-        })
-        .collect();
+    let grads = gradients(10, |c| 3 + c % 4);
     let contexts = filled(&sys, 2, 3, &grads);
     let plan =
         BucketedAllReduce::new(&sys, &grads, &contexts, ReduceOp::Sum, Strategy::Tree, 64).unwrap();
@@ -285,13 +278,7 @@ fn captured_bucketed_all_reduce_replays(kind: Kind) {
     let Some(sys) = system(kind, 2, "captured_bucketed_all_reduce_replays") else {
         return;
     };
-    let grads: Vec<TensorNode> = (0..7)
-        .map(|c| {
-            TensorNode::new(format!("g{c}"), DType::F32, [2 + c % 3])
-                .with_mode(MemoryMode::on_device())
-                .unwrap()
-        })
-        .collect();
+    let grads = gradients(7, |c| 2 + c % 3);
     let contexts = filled(&sys, 2, 3, &grads);
     let plan =
         BucketedAllReduce::new(&sys, &grads, &contexts, ReduceOp::Sum, Strategy::Ring, 32).unwrap();

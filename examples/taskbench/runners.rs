@@ -185,15 +185,26 @@ pub fn engine(
     let (mut e, mut routines) = engine_columns(graph, iterations, cpu, checks)?;
     let start = Instant::now();
     for t in 0..graph.steps {
-        let s = slot(phase_of(&graph, t));
-        for column in &mut routines {
-            let task = &mut column[s];
-            task.at(t)?;
-            e.schedule_with(&task.routine, &task.bindings)?;
-        }
+        engine_timestep(&graph, &mut e, &mut routines, t)?;
     }
     e.sync_all()?;
     Ok(start.elapsed())
+}
+
+/// Issues timestep `t`'s tasks on the `Engine`.
+fn engine_timestep(
+    graph: &Graph,
+    e: &mut Engine,
+    routines: &mut [Vec<Task<Routine>>],
+    t: usize,
+) -> Result<()> {
+    let s = slot(phase_of(graph, t));
+    for column in routines {
+        let task = &mut column[s];
+        task.at(t)?;
+        e.schedule_with(&task.routine, &task.bindings)?;
+    }
+    Ok(())
 }
 
 /// `Engine` as [`engine`], but every period of timesteps after the first is a replay of a
@@ -208,20 +219,11 @@ pub fn engine_replay(
     checks: &Arc<Checks>,
 ) -> Result<Duration> {
     let (mut e, mut routines) = engine_columns(graph, iterations, cpu, checks)?;
-    let issue = |e: &mut Engine, routines: &mut Vec<Vec<Task<Routine>>>, t: usize| {
-        let s = slot(phase_of(&graph, t));
-        for column in routines.iter_mut() {
-            let task = &mut column[s];
-            task.at(t)?;
-            e.schedule_with(&task.routine, &task.bindings)?;
-        }
-        Ok::<(), tributary::Error>(())
-    };
     let period = graph.phases();
     let start = Instant::now();
     let mut t = 0;
     if graph.steps > 0 {
-        issue(&mut e, &mut routines, 0)?;
+        engine_timestep(&graph, &mut e, &mut routines, 0)?;
         t = 1;
     }
     if graph.steps > 2 * period {
@@ -245,7 +247,7 @@ pub fn engine_replay(
         }
     }
     while t < graph.steps {
-        issue(&mut e, &mut routines, t)?;
+        engine_timestep(&graph, &mut e, &mut routines, t)?;
         t += 1;
     }
     e.sync_all()?;
