@@ -19,8 +19,8 @@
 //! - its [`Program`]: the built-ins of one dtype, or a user's CUDA C or PTX. A program is
 //!   its own cache key (`Eq + Hash`) and its text ([`Program::cuda_c`]) is a pure function
 //!   of the key, so the runtime compiles each program once per device (NVRTC with
-//!   [`Program::nvrtc_options`], for the architecture [`nvrtc::virtual_arch_for`] picks
-//!   from the device's compute capability; [`nvrtc::compile_to_ptx`] does it), loads the
+//!   [`Program::nvrtc_options`], for the architecture `nvrtc::virtual_arch_for` (feature `cuda`) picks
+//!   from the device's compute capability; `nvrtc::compile_to_ptx` does it), loads the
 //!   module and keeps it (PTX programs are loaded as they are);
 //! - the entry point (an `extern "C" __global__` function of the program);
 //! - grid and block dimensions (they respect the limits given) and the dynamic shared
