@@ -16,7 +16,10 @@ mod common;
 mod support;
 
 use std::{
-    sync::{atomic::Ordering, Arc},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -262,29 +265,12 @@ fn small_programs_match_the_reference() {
 /// invalidated would test nothing).
 #[test]
 fn captured_steps_match_the_reference() {
-    run(
-        "steps",
-        Profile {
-            max_devices: 3,
-            max_streams: 2,
-            max_nodes: 5,
-            max_ops: 80,
-            hosted: true,
-        },
-        20,
-        check_steps,
-    );
-    let replayed = REPLAYED.load(Ordering::Relaxed);
-    let invalidated = REPLAYS_INVALIDATED.load(Ordering::Relaxed);
-    eprintln!("steps: {replayed} replays planned, {invalidated} refused as invalidated");
-    assert!(replayed > 0, "no captured step was replayed");
+    run_steps("steps", 20, check_steps, (&REPLAYED, &REPLAYS_INVALIDATED));
 }
 
 fn check_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
-    let program = resolve_for(abs, ReferenceRunner::default().streaming);
-    let stepped = with_captured_steps(&program, &ReferenceRunner::default);
     check_program(
-        stepped,
+        stepped(abs),
         ReferenceRunner::default(),
         &mut EngineRunner::recording_cpu(),
     )
@@ -296,8 +282,32 @@ fn check_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
 /// checked. Fails if no replay was planned at all.
 #[test]
 fn system_captured_steps_match_the_reference() {
-    run(
+    run_steps(
         "system-steps",
+        10,
+        check_system_steps,
+        (&SYSTEM_REPLAYED, &SYSTEM_REPLAYS_INVALIDATED),
+    );
+}
+
+fn check_system_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    check_program(
+        stepped(abs),
+        ReferenceRunner::default(),
+        &mut SystemRunner::cpu(),
+    )
+}
+
+/// Runs `check` on `percent` of the cases over the captured-step programs' profile, then
+/// fails unless the runner's counters (`replayed`, `invalidated`) show a replay planned.
+fn run_steps(
+    name: &str,
+    percent: u64,
+    check: fn(&AbsProgram) -> Result<(), TestCaseError>,
+    (replayed, invalidated): (&AtomicU64, &AtomicU64),
+) {
+    run(
+        name,
         Profile {
             max_devices: 3,
             max_streams: 2,
@@ -305,23 +315,21 @@ fn system_captured_steps_match_the_reference() {
             max_ops: 80,
             hosted: true,
         },
-        10,
-        check_system_steps,
+        percent,
+        check,
     );
-    let replayed = SYSTEM_REPLAYED.load(Ordering::Relaxed);
-    let invalidated = SYSTEM_REPLAYS_INVALIDATED.load(Ordering::Relaxed);
-    eprintln!("system steps: {replayed} replays planned, {invalidated} refused as invalidated");
-    assert!(replayed > 0, "no captured step was replayed");
+    let (replayed, invalidated) = (
+        replayed.load(Ordering::Relaxed),
+        invalidated.load(Ordering::Relaxed),
+    );
+    eprintln!("{name}: {replayed} replays planned, {invalidated} refused as invalidated");
+    assert!(replayed > 0, "{name}: no captured step was replayed");
 }
 
-fn check_system_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
+/// `abs` resolved for the CPU reference, its windows captured and replayed.
+fn stepped(abs: &AbsProgram) -> Program {
     let program = resolve_for(abs, ReferenceRunner::default().streaming);
-    let stepped = with_captured_steps(&program, &ReferenceRunner::default);
-    check_program(
-        stepped,
-        ReferenceRunner::default(),
-        &mut SystemRunner::cpu(),
-    )
+    with_captured_steps(&program, &ReferenceRunner::default)
 }
 
 /// Up to 200 operations over up to 4 devices x 3 streams.

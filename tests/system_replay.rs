@@ -8,7 +8,7 @@
 mod support;
 
 use support::{add_index, node, N};
-use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step};
+use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode};
 use tributary_actors::{RoutineHandle, System, Ticket};
 
 fn system(devices: usize) -> System {
@@ -16,6 +16,14 @@ fn system(devices: usize) -> System {
         .cpu_devices(devices)
         .spawn()
         .expect("CPU system")
+}
+
+/// A routine filling `x` with `value` in a new context of `device`'s stream 0.
+fn fill_on(sys: &System, device: usize, x: &TensorNode, value: f64) -> RoutineHandle {
+    sys.context(device, 0)
+        .unwrap()
+        .link(kernels::fill(x, value).unwrap())
+        .unwrap()
 }
 
 fn capture_schedule(sys: &System, routine: &RoutineHandle) -> Step {
@@ -47,20 +55,12 @@ fn invalidation(tickets: Vec<Ticket>) -> Invalidation {
 fn replays_compute_what_issuing_the_calls_computes() {
     let sys = system(2);
     let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
+    let fill = fill_on(&sys, 0, &x, 1.0);
     let double = fill
         .context()
         .link(kernels::scale_in_place(&x, 2.0).unwrap())
         .unwrap();
-    let init = sys
-        .context(1, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 0.0).unwrap())
-        .unwrap();
+    let init = fill_on(&sys, 1, &x, 0.0);
     let bump = init.context().link(add_index(&x)).unwrap();
     fill.schedule().unwrap();
     init.schedule().unwrap();
@@ -102,11 +102,7 @@ fn replays_compute_what_issuing_the_calls_computes() {
 fn replay_with_takes_new_index_values_and_refuses_another_shape() {
     let sys = system(1);
     let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 0.0).unwrap())
-        .unwrap();
+    let fill = fill_on(&sys, 0, &x, 0.0);
     let add = fill.context().link(add_index(&x)).unwrap();
     fill.schedule().unwrap();
     let step = sys
@@ -140,20 +136,12 @@ fn a_replay_invalidated_on_one_device_issues_nothing_on_the_others() {
     let sys = system(2);
     let x = node("x", MemoryMode::on_device());
     let y = node("y", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
+    let fill = fill_on(&sys, 0, &x, 1.0);
     let double = fill
         .context()
         .link(kernels::scale_in_place(&x, 2.0).unwrap())
         .unwrap();
-    let fill_y = sys
-        .context(1, 0)
-        .unwrap()
-        .link(kernels::fill(&y, 5.0).unwrap())
-        .unwrap();
+    let fill_y = fill_on(&sys, 1, &y, 5.0);
     fill.schedule().unwrap();
     let step = sys
         .capture(|c| {
@@ -239,11 +227,7 @@ fn a_step_of_another_system_is_refused() {
 fn a_refused_call_fails_the_capture() {
     let sys = system(2);
     let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
+    let fill = fill_on(&sys, 0, &x, 1.0);
     let other = sys.context(1, 0).unwrap();
     let read_x = other
         .link(kernels::scale_in_place(&x, 2.0).unwrap())

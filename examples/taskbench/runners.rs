@@ -21,7 +21,7 @@ use tributary::{
     backend::cpu::CpuConfig,
     kernels::{Access, Bindings, RoutineSpec},
     protocol::{Context, Routine},
-    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
+    Capture, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Result, Sharing, TensorNode,
 };
 use tributary_actors::{RoutineHandle, StreamConfig, System, SystemCapture};
 
@@ -191,10 +191,11 @@ pub fn engine(
     Ok(start.elapsed())
 }
 
-/// Issues timestep `t`'s tasks on the `Engine`.
+/// Issues timestep `t`'s tasks of the `Engine`'s columns into `calls` (the engine, or a
+/// step being captured on it).
 fn engine_timestep(
     graph: &Graph,
-    e: &mut Engine,
+    calls: &mut dyn Calls,
     routines: &mut [Vec<Task<Routine>>],
     t: usize,
 ) -> Result<()> {
@@ -202,7 +203,7 @@ fn engine_timestep(
     for column in routines {
         let task = &mut column[s];
         task.at(t)?;
-        e.schedule_with(&task.routine, &task.bindings)?;
+        calls.schedule(&task.routine, &task.bindings)?;
     }
     Ok(())
 }
@@ -229,12 +230,7 @@ pub fn engine_replay(
     if graph.steps > 2 * period {
         let step = e.capture(|c| {
             for t in 1..=period {
-                let s = slot(phase_of(&graph, t));
-                for column in routines.iter_mut() {
-                    let task = &mut column[s];
-                    task.at(t)?;
-                    c.schedule_with(&task.routine, &task.bindings)?;
-                }
+                engine_timestep(&graph, c, &mut routines, t)?;
             }
             Ok(())
         })?;
@@ -355,32 +351,29 @@ pub fn system(
     Ok(took)
 }
 
-/// Where a timestep's calls go: the system, or a step being captured.
+/// Where a timestep's calls go: the `Engine` or the `System`, or a step being captured on
+/// either.
 trait Calls {
     fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()>;
     fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()>;
 }
 
-impl Calls for &System {
-    fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()> {
-        self.device_to_device(node, src, dst, MergeBufferUse::No)?;
-        Ok(())
-    }
+/// `Calls` for types whose `device_to_device` and `schedule_with` take the same arguments
+/// (what they return is dropped).
+macro_rules! calls {
+    ($($t:ty),*) => {$(
+        impl Calls for $t {
+            fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()> {
+                self.device_to_device(node, src, dst, MergeBufferUse::No)?;
+                Ok(())
+            }
 
-    fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()> {
-        self.schedule_with(routine, bindings)?;
-        Ok(())
-    }
+            fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()> {
+                self.schedule_with(routine, bindings)?;
+                Ok(())
+            }
+        }
+    )*};
 }
 
-impl Calls for SystemCapture<'_> {
-    fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()> {
-        self.device_to_device(node, src, dst, MergeBufferUse::No)?;
-        Ok(())
-    }
-
-    fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()> {
-        self.schedule_with(routine, bindings)?;
-        Ok(())
-    }
-}
+calls!(Engine, Capture<'_>, &System, SystemCapture<'_>);
