@@ -11,8 +11,9 @@
 //! `device_write_gate` (a device write of a hosted node not ordered against a download on
 //! another device: a finalize's write-back decided from the wrong newest value) and
 //! `inline_no_handoff` (a post that decides on its own thread leaves behind what another
-//! thread posted meanwhile) and `replay_entry` (a replayed step's entry dependencies on the
-//! live tables dropped).
+//! thread posted meanwhile), `drive_lost_kick` (a multi-device post decided in rounds on
+//! its own thread forgets the answer that would unblock a device) and `replay_entry` (a
+//! replayed step's entry dependencies on the live tables dropped).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
@@ -57,13 +58,38 @@ fn copy_races_a_write_of_its_source_deciding_on_posting_threads() {
     );
 }
 
+/// The same race with the copy against device order (from device 1 to device 0), decided
+/// on the posting threads: the copy's post finds both devices idle and decides them in
+/// rounds (`inbox::decide_in_rounds`): device 0's destination half waits for device 1's
+/// verdict, which the next round acts on, without waking the actor. The mutant
+/// `drive_lost_kick` (the verdict's kick noted while the post decides, then forgotten)
+/// leaves the destination half undecided: loom reports the deadlock. Without preemption,
+/// like the model above (every switch at a blocking point; with one preemption it runs
+/// for more than 10 minutes).
+#[test]
+fn copy_against_device_order() {
+    copy_between(
+        "actors::copy_against_device_order",
+        Actors::SharedInline,
+        Some(0),
+        (1, 0),
+    );
+}
+
 fn copy_races_a_write_of_its_source_with(name: &'static str, actors: Actors, bound: Option<usize>) {
+    copy_between(name, actors, bound, (0, 1));
+}
+
+/// A copy of `x` from device `from.0` to device `from.1` while another host thread
+/// overwrites `x` on the source device.
+fn copy_between(name: &'static str, actors: Actors, bound: Option<usize>, from: (usize, usize)) {
+    let (src, dst_device) = from;
     run_model(name, windowed(bound), move || {
         let mut w = ActorWorld::new(&[1, 1], actors);
         let x = node("x", MemoryMode::on_device());
-        let set1 = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+        let set1 = w.link(&w.context(src, 0), fill(&x, 1.0).unwrap());
         let set2 = w.link(set1.context(), fill(&x, 2.0).unwrap());
-        let dst = w.link(&w.context(1, 0), fill(&x, 0.0).unwrap());
+        let dst = w.link(&w.context(dst_device, 0), fill(&x, 0.0).unwrap());
         let d = w.dispatcher();
         wait(&schedule(&d, &set1)).unwrap();
         wait(&schedule(&d, &dst)).unwrap();

@@ -45,6 +45,7 @@ MUTANTS=(
   "host_gate:actors::upload_after_a_download_on_another_device"
   "device_write_gate:actors::finalize_after_a_write_on_another_device actors::write_on_another_device_after_a_finalize"
   "inline_no_handoff:actors::inline_posts_race_the_actor"
+  "drive_lost_kick:actors::copy_against_device_order"
   "replay_entry:actors::replay_races_a_schedule_from_another_thread"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"

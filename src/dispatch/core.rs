@@ -38,7 +38,10 @@ use super::{
 
 /// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
 pub trait PlanSink: Send {
-    /// Hands `plans` to their streams, in order. Never blocks on the work.
+    /// Hands `plans` to their streams, in order. Never blocks on the work, nor on another
+    /// device's decisions (`Event::seq` of a dependency on a copy's other half that is not
+    /// planned yet): the thread submitting may be the one that decides that device next
+    /// (a post decided in rounds, [`super::inbox`]).
     fn submit(&mut self, plans: Vec<Plan>);
 
     /// Asks for a sweep of the device once the work submitted so far completes: called

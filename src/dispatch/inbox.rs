@@ -29,6 +29,17 @@
 //! device in the middle of a batch ([`crate::dispatch::DeviceCore`]) keeps `scheduled`
 //! set and is kicked again by whoever unblocks it ([`Inbox::kick`]).
 //!
+//! # Several idle devices in one post: rounds on the posting thread
+//!
+//! A post that finds several consumers idle and may decide for them ([`Inbox::set_runner`])
+//! decides them in rounds ([`post_atomically`]): a device whose batch blocks on another
+//! device's answer is decided again in the next round, once a device decided in this one
+//! gave it. Meanwhile its inbox is *driven*: a kick is noted instead of sent, and the
+//! posting thread either acts on it or, when it stops, passes it on ([`Inbox::kick`]
+//! and `undrive`). Without this, a copy against device order or an all-reduce woke a
+//! device actor for every blocked batch, though the answer came from the same thread a
+//! microsecond later.
+//!
 //! Capacity: a post to a full inbox waits for the consumer to make room, holding no other
 //! inbox's lock while it waits (a consumer may need another device to progress first).
 
@@ -44,6 +55,29 @@ use crate::{
 /// thread, nothing (it waits on [`Inbox::wait_kicked`]).
 pub type Waker = std::sync::Arc<dyn Fn() + Send + Sync>;
 
+/// What a post that found the consumer idle runs on its own thread in the consumer's place
+/// ([`Inbox::set_runner`]): it decides one batch and says how that ended.
+pub type Runner = std::sync::Arc<dyn Fn() -> Ran + Send + Sync>;
+
+/// How a [`Runner`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ran {
+    /// Everything was decided; the consumer is idle again.
+    Idle,
+    /// An operation waits for another device; whoever answers it kicks the inbox.
+    Blocked,
+    /// The runner did not decide everything (the device is in a burst, or more was posted
+    /// meanwhile): the consumer must be kicked to go on.
+    Handoff,
+}
+
+/// At most this many rounds of a multi-device post decided on the posting thread
+/// ([`post_atomically`]) before what is still blocked is handed to the consumers. Each
+/// round after the first needs an answer that the previous round produced, so a post's
+/// own verdict chain ends well before; the bound only keeps a thread from deciding for
+/// others forever while they keep posting.
+const MAX_DRIVE_ROUNDS: usize = 64;
+
 /// The locked part of an [`Inbox`].
 pub struct InboxState<T> {
     queue: VecDeque<T>,
@@ -54,6 +88,12 @@ pub struct InboxState<T> {
     kicked: bool,
     /// Set by [`Inbox::close`]: posts are refused.
     closed: bool,
+    /// Posting threads deciding this inbox's batches in rounds ([`post_atomically`]): while
+    /// non-zero, a kick is not sent to the consumer but noted in `absorbed`, for the
+    /// driving thread to decide again or to pass on when it stops.
+    driven: u32,
+    /// A kick arrived while `driven`.
+    absorbed: bool,
 }
 
 /// A device's mailbox; see the module documentation.
@@ -72,7 +112,7 @@ pub struct Inbox<T> {
     /// What a post from outside the consumer does when it found the consumer idle, if
     /// not a kick: decide on the posting thread ([`crate::dispatch::DeviceTurn`]). Set
     /// once, like `waker`.
-    runner: std::sync::OnceLock<Waker>,
+    runner: std::sync::OnceLock<Runner>,
 }
 
 /// Why a post was refused.
@@ -93,6 +133,8 @@ impl<T> Inbox<T> {
                 scheduled: false,
                 kicked: false,
                 closed: false,
+                driven: 0,
+                absorbed: false,
             }),
             room: Condvar::new(),
             work: Condvar::new(),
@@ -112,10 +154,11 @@ impl<T> Inbox<T> {
     }
 
     /// Sets what a post that found the consumer idle does instead of a kick, once (later
-    /// calls are ignored): `runner` must decide what is queued, or kick (see
+    /// calls are ignored): `runner` decides what is queued and says how that ended; a
+    /// [`Ran::Handoff`] is followed by a kick (see
     /// [`crate::dispatch::DeviceTurn::run_here`]). Posts from consumers
     /// ([`Inbox::post_internal`]) and waits for room always kick.
-    pub fn set_runner(&self, runner: Waker) {
+    pub fn set_runner(&self, runner: Runner) {
         let _ = self.runner.set(runner);
     }
 
@@ -123,8 +166,36 @@ impl<T> Inbox<T> {
     /// set, else kick it.
     fn wake_idle(&self) {
         match self.runner.get() {
-            Some(run) => run(),
+            Some(run) => {
+                if run() == Ran::Handoff {
+                    self.kick();
+                }
+            }
             None => self.kick(),
+        }
+    }
+
+    /// Starts deciding this inbox in rounds on the posting thread: kicks are noted, not
+    /// sent, until [`Inbox::undrive`].
+    fn drive(&self) {
+        self.state.lock().driven += 1;
+    }
+
+    /// Whether a kick was noted since the last look (and forgets it).
+    fn take_absorbed(&self) -> bool {
+        std::mem::take(&mut self.state.lock().absorbed) && !mutant!("drive_lost_kick")
+    }
+
+    /// Stops deciding this inbox on the posting thread; kicks the consumer if `handoff`
+    /// or if a kick was noted and not yet looked at, so none is lost.
+    fn undrive(&self, handoff: bool) {
+        let absorbed = {
+            let mut s = self.state.lock();
+            s.driven = s.driven.saturating_sub(1);
+            std::mem::take(&mut s.absorbed) && !mutant!("drive_lost_kick")
+        };
+        if handoff || absorbed {
+            self.kick();
         }
     }
 
@@ -190,14 +261,24 @@ impl<T> Inbox<T> {
 
     /// Wakes the consumer: calls its waker if it has one, else signals
     /// [`Inbox::wait_kicked`].
+    /// While a posting thread decides the inbox in rounds ([`post_atomically`]), the kick
+    /// is only noted: that thread decides again or passes it on.
     pub fn kick(&self) {
+        {
+            let mut s = self.state.lock();
+            if s.driven > 0 {
+                s.absorbed = true;
+                return;
+            }
+            if self.waker.get().is_none() {
+                s.kicked = true;
+                self.work.notify_all();
+                return;
+            }
+        }
         if let Some(w) = self.waker.get() {
             w();
-            return;
         }
-        let mut s = self.state.lock();
-        s.kicked = true;
-        self.work.notify_all();
     }
 
     /// Consumer side: moves every queued operation to the back of `into`.
@@ -314,10 +395,66 @@ pub fn post_atomically<T>(
             }
         }
         drop(guards);
-        for i in kick {
-            inboxes[i].wake_idle();
+        match kick.as_slice() {
+            [] => {}
+            [i] => inboxes[*i].wake_idle(),
+            _ => decide_in_rounds(inboxes, kick),
         }
         return Ok(());
+    }
+}
+
+/// The consumers of `idle` (indices into `inboxes`, each found idle by the post that
+/// called this, which owes it a drain) decided on this thread, in rounds: a device whose
+/// batch waits for another device's answer (a copy's destination before its source, an
+/// all-reduce's later steps) is decided again once an earlier round answered it, instead
+/// of its consumer being woken by the answer. An all-reduce or a copy against device order
+/// thus needs no consumer wake-up at all when its devices were idle.
+///
+/// Correct whoever decides: each round decides each inbox in its own order, holding its
+/// turn ([`crate::dispatch::DeviceTurn`]); kicks noted meanwhile are either acted on by the
+/// next round or passed to the consumer by [`Inbox::undrive`] (mutant `drive_lost_kick`,
+/// which forgets them, strands the blocked device: `actors::copy_against_device_order`).
+fn decide_in_rounds<T>(inboxes: &[&Inbox<T>], idle: Vec<usize>) {
+    let mut active = Vec::with_capacity(idle.len());
+    for i in idle {
+        if inboxes[i].runner.get().is_some() {
+            inboxes[i].drive();
+            active.push(i);
+        } else {
+            inboxes[i].kick();
+        }
+    }
+    // Blocked devices stay driven while others run: their answer may come from those.
+    let mut blocked: Vec<usize> = Vec::with_capacity(active.len());
+    for _ in 0..MAX_DRIVE_ROUNDS {
+        for i in active.drain(..) {
+            let ran = inboxes[i].runner.get().map_or(Ran::Handoff, |run| run());
+            match ran {
+                Ran::Blocked => blocked.push(i),
+                Ran::Idle => inboxes[i].undrive(false),
+                Ran::Handoff => inboxes[i].undrive(true),
+            }
+        }
+        // The next round: the blocked devices that were answered meanwhile.
+        blocked.retain(|&i| {
+            let answered = inboxes[i].take_absorbed();
+            if answered {
+                active.push(i);
+            }
+            !answered
+        });
+        active.sort_unstable();
+        if active.is_empty() {
+            break;
+        }
+    }
+    // Nobody left to answer them here (or the bound was reached): the consumers go on.
+    for &i in &blocked {
+        inboxes[i].undrive(false);
+    }
+    for &i in &active {
+        inboxes[i].undrive(true);
     }
 }
 
@@ -366,6 +503,100 @@ mod tests {
         b.drain_into(&mut qb);
         assert_eq!(qa, qb, "the two inboxes saw the posts in different orders");
         assert_eq!(qa.len(), 800);
+    }
+
+    /// Two inboxes whose runners act like a copy against device order: device 0's batch
+    /// blocks until device 1's batch answers it (kicks inbox 0). Counts device 0's runs
+    /// and both consumers' (actors') kicks.
+    struct AgainstOrder {
+        a: Arc<Inbox<u32>>,
+        b: Arc<Inbox<u32>>,
+        answered: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        a_runs: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        actor_kicks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    fn against_order(b_answers: bool) -> AgainstOrder {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+        let (a, b) = (
+            Inbox::<u32>::new(DeviceId(0), 8),
+            Inbox::<u32>::new(DeviceId(1), 8),
+        );
+        let answered = std::sync::Arc::new(AtomicBool::new(false));
+        let a_runs = std::sync::Arc::new(AtomicUsize::new(0));
+        let actor_kicks = std::sync::Arc::new(AtomicUsize::new(0));
+        for inbox in [&a, &b] {
+            let k = actor_kicks.clone();
+            inbox.set_waker(std::sync::Arc::new(move || {
+                k.fetch_add(1, SeqCst);
+            }));
+        }
+        let (inbox, done, runs) = (a.clone(), answered.clone(), a_runs.clone());
+        a.set_runner(std::sync::Arc::new(move || {
+            runs.fetch_add(1, SeqCst);
+            inbox.drain_into(&mut VecDeque::new());
+            if !done.load(SeqCst) {
+                return Ran::Blocked;
+            }
+            inbox.finish();
+            Ran::Idle
+        }));
+        let (inbox, other, done) = (b.clone(), a.clone(), answered.clone());
+        b.set_runner(std::sync::Arc::new(move || {
+            inbox.drain_into(&mut VecDeque::new());
+            if b_answers {
+                done.store(true, SeqCst);
+                other.kick();
+            }
+            inbox.finish();
+            Ran::Idle
+        }));
+        AgainstOrder {
+            a,
+            b,
+            answered,
+            a_runs,
+            actor_kicks,
+        }
+    }
+
+    #[test]
+    fn a_post_to_several_idle_devices_decides_them_in_rounds_without_waking_an_actor() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let t = against_order(true);
+        post_atomically(&[&*t.a, &*t.b], |_, push| push(1)).unwrap();
+        assert_eq!(
+            t.a_runs.load(SeqCst),
+            2,
+            "device 0 decided again once answered"
+        );
+        assert_eq!(t.actor_kicks.load(SeqCst), 0, "no actor was woken");
+        // Both are idle again: the next such post runs them again, still without an actor.
+        t.answered.store(false, SeqCst);
+        post_atomically(&[&*t.a, &*t.b], |_, push| push(2)).unwrap();
+        assert_eq!(t.a_runs.load(SeqCst), 4);
+        assert_eq!(t.actor_kicks.load(SeqCst), 0);
+    }
+
+    #[test]
+    fn a_device_left_blocked_by_the_rounds_gets_its_answer_through_its_actor() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let t = against_order(false);
+        post_atomically(&[&*t.a, &*t.b], |_, push| push(1)).unwrap();
+        assert_eq!(
+            t.a_runs.load(SeqCst),
+            1,
+            "nobody answered device 0 in the post"
+        );
+        assert_eq!(t.actor_kicks.load(SeqCst), 0);
+        // The answer comes later, from elsewhere: the kick reaches device 0's actor.
+        t.answered.store(true, SeqCst);
+        t.a.kick();
+        assert_eq!(
+            t.actor_kicks.load(SeqCst),
+            1,
+            "the late answer woke the actor"
+        );
     }
 
     #[test]

@@ -34,7 +34,10 @@
 //! mutant `inline_no_handoff`, which drops that kick, strands the operation of a second
 //! host thread that posted while the first decided: loom reports the deadlock,
 //! `actors::inline_posts_race_the_actor`). A blocked batch (a copy's destination waiting
-//! for the source's verdict) keeps the flag set and the verdict kicks the actor.
+//! for the source's verdict) keeps the flag set and the verdict kicks the actor — unless
+//! the post that found it idle found other devices idle too and decides them all in rounds
+//! ([`crate::dispatch::inbox`]): then the verdict's kick is noted for that thread, which
+//! decides the batch again once the source's round gave it.
 //!
 //! A poster that set the flag finds the turn free except in the instant between another
 //! holder's `finish` and its unlock, during a sweep the actor had already started, or
@@ -43,7 +46,7 @@
 
 use super::{
     core::{DeviceCore, Progress},
-    inbox::Inbox,
+    inbox::{Inbox, Ran},
     ops::DeviceOp,
 };
 use crate::sync::{Arc, Mutex, MutexGuard};
@@ -79,11 +82,11 @@ impl DeviceTurn {
     /// nobody left to decide or to kick.
     pub fn decide_on_posting_threads(self: &std::sync::Arc<Self>) {
         let turn = std::sync::Arc::downgrade(self);
-        self.inbox.set_runner(std::sync::Arc::new(move || {
-            if let Some(turn) = turn.upgrade() {
-                turn.run_here();
-            }
-        }));
+        self.inbox
+            .set_runner(std::sync::Arc::new(move || match turn.upgrade() {
+                Some(turn) => turn.run_here(),
+                None => Ran::Idle,
+            }));
     }
 
     /// The actor's side: waits for the turn, then decides until the inbox is idle or
@@ -93,25 +96,27 @@ impl DeviceTurn {
     }
 
     /// A posting thread's side, after its post found the inbox idle (it set `scheduled`):
-    /// takes the turn, decides one batch here, and kicks the actor for anything posted
-    /// meanwhile.
+    /// takes the turn and decides one batch here. [`Ran::Handoff`] asks the caller to
+    /// kick the actor for what is left (anything posted meanwhile); [`Ran::Blocked`] says
+    /// the batch waits for another device, whose answer kicks the inbox.
     ///
     /// A device with [`BURST`] operations or more in flight is in the middle of a burst:
     /// the caller posts without waiting, and will post again at once. Then the actor
     /// decides, in parallel with the caller's next posts (one wake-up for a whole batch),
     /// instead of the caller deciding one operation after the other. A dependency chain
     /// (a copy, then its reader) keeps fewer in flight and stays on the caller.
-    pub fn run_here(&self) {
+    pub fn run_here(&self) -> Ran {
         let mut core = self.core.lock();
         if core.work_in_flight() >= BURST {
-            drop(core);
-            self.inbox.kick();
-            return;
+            return Ran::Handoff;
         }
         let progress = core.run_once(&self.inbox);
         drop(core);
-        if progress == Progress::More && !mutant!("inline_no_handoff") {
-            self.inbox.kick();
+        match progress {
+            Progress::Idle => Ran::Idle,
+            Progress::Blocked => Ran::Blocked,
+            Progress::More if mutant!("inline_no_handoff") => Ran::Idle,
+            Progress::More => Ran::Handoff,
         }
     }
 

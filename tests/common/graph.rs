@@ -49,7 +49,7 @@ use tributary::{
     kernels::{Access, RoutineSpec},
     memory::AlignedBuffer,
     protocol::{current_issue, issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
-    DeviceError, DeviceId, PoolId, StreamId, Timeline,
+    DeviceError, DeviceId, Event, PoolId, StreamId, Timeline,
 };
 
 /// Whether runners that can record the dependency graph do (`TRIBUTARY_GRAPH_CHECK=0`
@@ -102,6 +102,10 @@ struct Recorded {
     /// The program operation during which it was submitted.
     op: usize,
     deps: Vec<(StreamId, u64, DepKind)>,
+    /// Dependencies on operations not yet planned when this plan was submitted (the other
+    /// half of a copy, decided later, possibly by the same thread): resolved into `deps`
+    /// when the graph is checked. A decider must not wait for them at submit.
+    deferred: Vec<(Event, DepKind)>,
     touches: Vec<Touch>,
     /// `(stream, completed sequence number)` of every stream when it was submitted.
     completed: Vec<(StreamId, u64)>,
@@ -137,14 +141,33 @@ pub struct GraphRecorder {
 
 // ---- reading plans: the one place that knows `Plan`'s API -------------------------------
 
-/// The stream, sequence number, dependencies and work of a plan.
-fn plan_parts(plan: &Plan) -> (StreamId, u64, Vec<(StreamId, u64, DepKind)>, &Work) {
-    let deps = plan
-        .deps()
-        .iter()
-        .map(|d| (d.event().stream(), d.event().seq(), d.kind()))
-        .collect();
-    (plan.stream(), plan.event().seq(), deps, plan.work())
+/// The stream, sequence number, dependencies (those already planned, and those not yet)
+/// and work of a plan.
+#[allow(clippy::type_complexity)]
+fn plan_parts(
+    plan: &Plan,
+) -> (
+    StreamId,
+    u64,
+    Vec<(StreamId, u64, DepKind)>,
+    Vec<(Event, DepKind)>,
+    &Work,
+) {
+    let mut deps = Vec::new();
+    let mut deferred = Vec::new();
+    for d in plan.deps() {
+        match d.event().planned_seq() {
+            Some(seq) => deps.push((d.event().stream(), seq, d.kind())),
+            None => deferred.push((d.event().clone(), d.kind())),
+        }
+    }
+    (
+        plan.stream(),
+        plan.event().seq(),
+        deps,
+        deferred,
+        plan.work(),
+    )
 }
 
 /// Where a kernel argument is, its size, and how the kernel uses it.
@@ -248,7 +271,7 @@ impl GraphRecorder {
     }
 
     fn record(&self, plan: &Plan) {
-        let (stream, seq, deps, work) = plan_parts(plan);
+        let (stream, seq, deps, deferred, work) = plan_parts(plan);
         let (touches, hosts) = touches(work);
         let label = work.label();
         let mut state = self.lock();
@@ -263,6 +286,7 @@ impl GraphRecorder {
             label,
             op,
             deps,
+            deferred,
             touches,
             completed,
         });
@@ -294,6 +318,14 @@ impl GraphRecorder {
     pub fn check(&self) -> GraphReport {
         let state = self.lock();
         let mut plans = state.plans.clone();
+        drop(state);
+        for p in &mut plans {
+            // Every operation was planned (or refused) by the end of the run.
+            for (e, kind) in p.deferred.drain(..) {
+                p.deps.push((e.stream(), e.seq(), kind));
+            }
+        }
+        let state = self.lock();
         plans.sort_by_key(|p| p.issue);
         let mut releases = state.releases.clone();
         releases.sort_by_key(|r| r.issue);
