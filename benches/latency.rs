@@ -10,16 +10,19 @@
 //!   `decide_on_posting_thread(false)`, every decision on the device actor's thread (the
 //!   shape before it: a wake-up of the actor per call into an idle device);
 //! - `actor_path/*`: through `System` on 2 devices × 2 streams: alone, behind a
-//!   cross-stream dependency, behind a cross-device copy; the `*_idle` ones after the
-//!   same sleep as above (compare them with `raw_handoff_idle`).
+//!   cross-stream dependency, behind a cross-device copy, behind a copy against device
+//!   order (from device 1 to device 0: the destination's half blocks on the source's
+//!   verdict), and a whole 4 KiB all-reduce over the two devices; the `*_idle` ones after
+//!   the same sleep as above (compare them with `raw_handoff_idle`).
 
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkGroup, Criterion};
 use tributary::{
+    collective::{ReduceOp, Strategy, Transfer},
     kernels, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, TensorNode,
 };
-use tributary_actors::{StreamConfig, System};
+use tributary_actors::{AllReducePlan, StreamConfig, System};
 
 /// The pause before each operation of an `*_idle` measurement: far longer than the spin
 /// windows (50 µs for the CPU workers and for a waiting host thread; crossbeam's are
@@ -177,6 +180,69 @@ pub fn bench(c: &mut Criterion) {
                 r1.schedule().expect("schedule").wait().expect("wait");
             })
         })
+    });
+
+    // The same copy against device order (device 1 to device 0): the destination's half
+    // is reached before the source's verdict, so it blocks; the post decides it again in
+    // its next round (no wake-up of device 0's actor).
+    let v = node("v", MemoryMode::on_device());
+    let w1 = z1
+        .context()
+        .link(kernels::fill(&v, 1.0).expect("spec"))
+        .expect("link");
+    let v0 = a.link(kernels::fill(&v, 0.0).expect("spec")).expect("link");
+    let y0 = node("y0", MemoryMode::on_device());
+    let r0 = v0
+        .context()
+        .link(kernels::copy(&y0, &v).expect("spec"))
+        .expect("link");
+    let against_order = || {
+        w1.schedule().expect("schedule");
+        sys.device_to_device(&v, &w1.context(), &v0.context(), MergeBufferUse::No)
+            .expect("copy");
+        r0.schedule().expect("schedule").wait().expect("wait")
+    };
+    g.bench_function("actor_path/copy_against_device_order", |b| {
+        b.iter(against_order)
+    });
+    g.bench_function("actor_path/copy_against_device_order_idle", |b| {
+        b.iter_custom(|iters| idle(iters, &against_order))
+    });
+
+    // An all-reduce of one 4 KiB node over the two devices (tree: one merge into device
+    // 0, one copy back), every step in one post; until every final event is done.
+    let g4 = TensorNode::new("g4", DType::F32, [1024])
+        .with_mode(MemoryMode::on_device())
+        .expect("mode");
+    let replicas: Vec<_> = [0, 1]
+        .into_iter()
+        .map(|d| {
+            let r = sys
+                .context(d, 0)
+                .expect("ctx")
+                .link(kernels::fill(&g4, 1.0).expect("spec"))
+                .expect("link");
+            r.schedule().expect("schedule");
+            r
+        })
+        .collect();
+    let plan = AllReducePlan::new(
+        &sys,
+        std::slice::from_ref(&g4),
+        &replicas,
+        ReduceOp::Sum,
+        Strategy::Tree,
+        Transfer::Auto,
+    )
+    .expect("plan");
+    let all_reduce = || {
+        for t in plan.run().expect("all-reduce") {
+            t.wait().expect("wait");
+        }
+    };
+    g.bench_function("actor_path/all_reduce_4KiB", |b| b.iter(all_reduce));
+    g.bench_function("actor_path/all_reduce_4KiB_idle", |b| {
+        b.iter_custom(|iters| idle(iters, all_reduce))
     });
 
     // Raw baseline: hand a job to a worker thread and wait for its reply.

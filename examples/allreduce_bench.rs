@@ -48,11 +48,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Timed runs per measurement (after a warm-up): enough that the median of a small size
+/// is not one scheduler hiccup on a shared 2-core machine (each run of 1 MiB or less takes
+/// well under a millisecond).
 fn reps_for(bytes: usize) -> usize {
     match bytes {
-        b if b <= 1 << 20 => 15,
-        b if b <= 16 << 20 => 7,
-        _ => 3,
+        b if b <= 1 << 20 => 201,
+        b if b <= 16 << 20 => 15,
+        _ => 5,
     }
 }
 

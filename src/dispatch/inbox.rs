@@ -94,6 +94,8 @@ pub struct InboxState<T> {
     driven: u32,
     /// A kick arrived while `driven`.
     absorbed: bool,
+    /// Posters waiting for room ([`Inbox::drain_into`] signals only if there are any).
+    room_waiters: u32,
 }
 
 /// A device's mailbox; see the module documentation.
@@ -135,6 +137,7 @@ impl<T> Inbox<T> {
                 closed: false,
                 driven: 0,
                 absorbed: false,
+                room_waiters: 0,
             }),
             room: Condvar::new(),
             work: Condvar::new(),
@@ -224,10 +227,7 @@ impl<T> Inbox<T> {
             // See `post_atomically`: a consumer waiting for another device keeps its queue
             // until kicked.
             self.kick();
-            s = self.state.lock();
-            while !s.closed && s.queue.len() >= self.capacity {
-                s = self.room.wait(s);
-            }
+            s = self.wait_for_room(self.state.lock());
         }
         let queue = &mut s.queue;
         fill(&mut |op| queue.push_back(op));
@@ -289,7 +289,24 @@ impl<T> Inbox<T> {
         } else {
             into.extend(s.queue.drain(..));
         }
-        self.room.notify_all();
+        // Only a poster waiting for room needs the signal (a notify is a system call even
+        // with nobody waiting, and this runs once per decided batch).
+        if s.room_waiters > 0 {
+            self.room.notify_all();
+        }
+    }
+
+    /// Waits, holding `s`, until the inbox has room or is closed.
+    fn wait_for_room<'a>(
+        &'a self,
+        mut s: MutexGuard<'a, InboxState<T>>,
+    ) -> MutexGuard<'a, InboxState<T>> {
+        while !s.closed && s.queue.len() >= self.capacity {
+            s.room_waiters += 1;
+            s = self.room.wait(s);
+            s.room_waiters -= 1;
+        }
+        s
     }
 
     /// Consumer side: the consumer ran out of work. Returns `true` (and stops owing a
@@ -379,10 +396,7 @@ pub fn post_atomically<T>(
             // A consumer waiting for another device keeps its queue until kicked: kick it,
             // so that it moves the queue into its own backlog and makes room.
             inbox.kick();
-            let mut g = inbox.state.lock();
-            while !g.closed && g.queue.len() >= inbox.capacity {
-                g = inbox.room.wait(g);
-            }
+            drop(inbox.wait_for_room(inbox.state.lock()));
             continue;
         }
         let mut kick = Vec::new();
