@@ -73,9 +73,10 @@ pub enum Ran {
 
 /// At most this many rounds of a multi-device post decided on the posting thread
 /// ([`post_atomically`]) before what is still blocked is handed to the consumers. Each
-/// round after the first needs an answer that the previous round produced, so a post's
-/// own verdict chain ends well before; the bound only keeps a thread from deciding for
-/// others forever while they keep posting.
+/// round after the first needs an answer that the previous round produced; an all-reduce's
+/// chain of steps (2(n-1) per chunk) ends well before. The bound keeps a thread from
+/// deciding for others forever while they keep posting; a longer chain (many buckets in
+/// one post) goes on on the actors past it, as every blocked batch did before rounds.
 const MAX_DRIVE_ROUNDS: usize = 64;
 
 /// The locked part of an [`Inbox`].
@@ -261,6 +262,7 @@ impl<T> Inbox<T> {
 
     /// Wakes the consumer: calls its waker if it has one, else signals
     /// [`Inbox::wait_kicked`].
+    ///
     /// While a posting thread decides the inbox in rounds ([`post_atomically`]), the kick
     /// is only noted: that thread decides again or passes it on.
     pub fn kick(&self) {
