@@ -3,9 +3,66 @@
 //! Identifiers are plain integers so that tables, plans and traces stay deterministic and
 //! serialisable; nothing here refers to memory or to a backend.
 
-use std::fmt;
+use std::{
+    collections::HashMap,
+    fmt,
+    hash::{BuildHasherDefault, Hasher},
+};
 
 use serde::{Deserialize, Serialize};
+
+/// A hash map keyed by identifiers, hashed by [`IdHasher`].
+pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+/// Hashes identifiers (small integers and pairs of them) by a rotate, an xor and one
+/// multiplication per word (Fibonacci hashing), not by SipHash: the protocol's tables are
+/// looked up several times per scheduled routine (SipHash was 9% of the instructions of a
+/// tiny routine through `System`, `BENCHMARKS.md`), and their keys are chosen by the
+/// runtime, not by an adversary. Deterministic: no per-process seed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IdHasher(u64);
+
+impl IdHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+impl Hasher for IdHasher {
+    /// The state with its best-mixed (high) half folded into the low bits the map indexes
+    /// its buckets with: a multiplication leaves the low bits of the product depending
+    /// only on the low bits of the operands, and buffer offsets are multiples of their
+    /// alignment (the test below).
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 32)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.add(u64::from(b));
+        }
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u16(&mut self, n: u16) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+}
 
 /// Identifies a tensor node, unique within one node registry (one engine or system).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -77,5 +134,40 @@ impl fmt::Display for ContextId {
 impl fmt::Display for BufferLoc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}+{}", self.pool, self.offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+
+    use super::*;
+
+    fn hash(v: impl std::hash::Hash) -> u64 {
+        BuildHasherDefault::<IdHasher>::default().hash_one(v)
+    }
+
+    #[test]
+    fn aligned_buffer_offsets_of_one_pool_spread_over_the_low_bits() {
+        let buckets: std::collections::HashSet<u64> = (0..1024u64)
+            .map(|i| {
+                hash(BufferLoc {
+                    pool: PoolId(3),
+                    offset: i * 256,
+                }) & 1023
+            })
+            .collect();
+        assert!(
+            buckets.len() > 550, // random hashing: ~647 on average
+            "1,024 offsets of one pool fell into {} of 1,024 buckets",
+            buckets.len()
+        );
+    }
+
+    #[test]
+    fn identifiers_hash_apart_and_the_same_every_time() {
+        let hashes: std::collections::HashSet<u64> = (0..10_000).map(|i| hash(NodeId(i))).collect();
+        assert_eq!(hashes.len(), 10_000);
+        assert_eq!(hash(ContextId(7)), hash(ContextId(7)));
     }
 }

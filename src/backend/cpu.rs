@@ -34,8 +34,6 @@
 //! `std::sync::Arc`.
 
 use std::{
-    collections::HashMap,
-    hash::{BuildHasherDefault, Hasher},
     panic::{catch_unwind, AssertUnwindSafe},
     sync::Arc,
     time::Instant,
@@ -63,28 +61,7 @@ use stream::StreamTask;
 
 /// The pools of one device. Looked up for every binding of every plan submitted (on the
 /// submitting thread: an actor's, or the engine's owner), so hashed cheaply.
-type PoolMap = HashMap<PoolId, Arc<AlignedBuffer>, BuildHasherDefault<PoolIdHasher>>;
-
-/// Hashes a [`PoolId`] (a small integer) by one multiplication (Fibonacci hashing), not
-/// by SipHash: pool ids are chosen by the protocol, not by an adversary.
-#[derive(Default)]
-struct PoolIdHasher(u64);
-
-impl Hasher for PoolIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
+type PoolMap = crate::ids::IdMap<PoolId, Arc<AlignedBuffer>>;
 
 struct Shared {
     devices: Vec<DeviceId>,

@@ -6,10 +6,10 @@
 //! checks it on every use, so a stale or finalized context is an error, never a dangling
 //! buffer.
 
-use std::{collections::HashMap, fmt, sync::Arc};
+use std::{fmt, sync::Arc};
 
 use crate::{
-    ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
+    ids::{BufferLoc, ContextId, DeviceId, IdMap, NodeId, StreamId},
     kernels::{Bindings, IndexDecl, IntoBindings, RoutineSpec},
     node::TensorNode,
 };
@@ -33,7 +33,7 @@ pub(crate) struct ContextInner {
     pub(crate) id: ContextId,
     pub(crate) stream: StreamId,
     pub(crate) parent: Option<Context>,
-    pub(crate) arrays: HashMap<NodeId, ArrayEntry>,
+    pub(crate) arrays: IdMap<NodeId, ArrayEntry>,
 }
 
 /// An immutable context: a stream and the buffers of the nodes it (or an ancestor) holds.

@@ -20,7 +20,7 @@
 //! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
 //! 6. failure: [`DepKind::Data`] dependencies carry failures to dependents (executors).
 
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
 
 mod replay;
 pub(crate) use replay::invalidated;
@@ -29,7 +29,7 @@ pub use replay::{ReplayLinks, ReplayProgress, ReplayRun};
 use crate::{
     error::{Error, Result},
     event::{Event, Timeline},
-    ids::{BufferLoc, ContextId, DeviceId, NodeId, StreamId},
+    ids::{BufferLoc, ContextId, DeviceId, IdMap, NodeId, StreamId},
     kernels::{Access, Bindings, RoutineSpec},
     memory::{Allocation, DevicePools, PoolConfig, PoolMemory, PoolStats},
     node::{MemoryMode, Sharing, TensorNode},
@@ -188,12 +188,12 @@ pub struct DeviceState {
     streams: Vec<StreamState>,
     pools: DevicePools<Event>,
     memory: Box<dyn PoolMemory + Send>,
-    contexts: HashMap<ContextId, ContextRecord>,
+    contexts: IdMap<ContextId, ContextRecord>,
     next_context: u64,
-    buffers: HashMap<BufferLoc, BufferRecord>,
-    sharing: HashMap<NodeId, Sharing>,
-    owner_stream: HashMap<NodeId, StreamId>,
-    cross_stream_candidates: HashMap<NodeId, BufferLoc>,
+    buffers: IdMap<BufferLoc, BufferRecord>,
+    sharing: IdMap<NodeId, Sharing>,
+    owner_stream: IdMap<NodeId, StreamId>,
+    cross_stream_candidates: IdMap<NodeId, BufferLoc>,
     since_sweep: u32,
     /// The issue stamp of the next plan, while an operation with a stamp is decided.
     stamp: Option<u64>,
@@ -229,12 +229,12 @@ impl DeviceState {
             streams,
             pools: DevicePools::new(device, pools),
             memory,
-            contexts: HashMap::new(),
+            contexts: IdMap::default(),
             next_context: 0,
-            buffers: HashMap::new(),
-            sharing: HashMap::new(),
-            owner_stream: HashMap::new(),
-            cross_stream_candidates: HashMap::new(),
+            buffers: IdMap::default(),
+            sharing: IdMap::default(),
+            owner_stream: IdMap::default(),
+            cross_stream_candidates: IdMap::default(),
             since_sweep: 0,
             stamp: None,
             position: None,
@@ -298,7 +298,7 @@ impl DeviceState {
             id,
             stream,
             parent: None,
-            arrays: HashMap::new(),
+            arrays: IdMap::default(),
         })))
     }
 
