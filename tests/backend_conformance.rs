@@ -327,15 +327,13 @@ fn builtins_match_cpu(kind: Kind) {
         for &(m, k, n) in &[(1usize, 1usize, 1usize), (5, 7, 3), (33, 17, 65)] {
             let r = &mut rng;
             let mat = |rows: usize, cols: usize| node("m", d, &[rows, cols]);
-            if matches!(d, DType::F32 | DType::F64) {
-                let ins = |r: &mut Rng| vec![vec![], random(d, m * k, r), random(d, k * n, r)];
-                let spec = kernels::matmul(&mat(m, n), &mat(m, k), &mat(k, n)).unwrap();
-                check_spec(&mut e, spec, ins(r));
-                let spec = kernels::matmul_tn(&mat(m, n), &mat(k, m), &mat(k, n)).unwrap();
-                check_spec(&mut e, spec, ins(r));
-                let spec = kernels::matmul_nt(&mat(m, n), &mat(m, k), &mat(n, k)).unwrap();
-                check_spec(&mut e, spec, ins(r));
-            }
+            let ins = |r: &mut Rng| vec![vec![], random(d, m * k, r), random(d, k * n, r)];
+            let spec = kernels::matmul(&mat(m, n), &mat(m, k), &mat(k, n)).unwrap();
+            check_spec(&mut e, spec, ins(r));
+            let spec = kernels::matmul_tn(&mat(m, n), &mat(k, m), &mat(k, n)).unwrap();
+            check_spec(&mut e, spec, ins(r));
+            let spec = kernels::matmul_nt(&mat(m, n), &mat(m, k), &mat(n, k)).unwrap();
+            check_spec(&mut e, spec, ins(r));
             // [m, k] matrices for the row ops.
             let ins = vec![random(d, m * k, r), random(d, k, r)];
             check_spec(
@@ -355,6 +353,169 @@ fn builtins_match_cpu(kind: Kind) {
             check_spec(&mut e, spec.unwrap(), ins);
         }
     }
+    e.sync_all().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// The CPU's fast kernel mode against its exact mode.
+
+/// Runs `spec` on `(device, stream)` of `e` over `inputs` (zeros for `Write` parameters)
+/// and returns what it wrote, per parameter (`None` for read-only ones).
+fn run_spec(
+    e: &mut Engine,
+    (device, stream): (usize, usize),
+    spec: &RoutineSpec,
+    inputs: &[Vec<u8>],
+) -> Vec<Option<Vec<u8>>> {
+    let mut ctx = e.context(device, stream).unwrap();
+    for (p, buf) in spec.params.iter().zip(inputs) {
+        if p.access.reads() {
+            ctx = upload(e, &ctx, &p.node, buf);
+        }
+    }
+    let r = e.link(&ctx, spec.clone()).unwrap();
+    e.schedule(&r).unwrap();
+    let out = spec
+        .params
+        .iter()
+        .map(|p| p.access.writes().then(|| download(e, r.context(), &p.node)))
+        .collect();
+    e.finalize(r.context()).unwrap();
+    out
+}
+
+/// `Σ_p |a_ip| |b_pj|` for each output of a matmul spec over `inputs`: the scale of the
+/// rounding error any summation order can make.
+fn matmul_magnitudes(spec: &RoutineSpec, inputs: &[Vec<u8>]) -> Vec<f64> {
+    let kernels::Kernel::Builtin(b) = &spec.kernel else {
+        unreachable!("built-in matmuls only")
+    };
+    let d = spec.params[0].node.dtype();
+    let (a, bm) = (as_f64(d, &inputs[1]), as_f64(d, &inputs[2]));
+    // (m, k, n), and the index of a(i, p) and b(p, j) in their buffers.
+    let ((m, k, n), at, bt): (_, fn(_, _, _) -> _, fn(_, _, _) -> _) = match *b {
+        kernels::Builtin::Matmul { m, k, n } => (
+            (m, k, n),
+            |(_, k, _), i, p| i * k + p,
+            |(_, _, n), p, j| p * n + j,
+        ),
+        kernels::Builtin::MatmulTn { m, k, n } => (
+            (m, k, n),
+            |(m, _, _), i, p| p * m + i,
+            |(_, _, n), p, j| p * n + j,
+        ),
+        kernels::Builtin::MatmulNt { m, k, n } => (
+            (m, k, n),
+            |(_, k, _), i, p| i * k + p,
+            |(_, k, _), p, j| j * k + p,
+        ),
+        _ => unreachable!("built-in matmuls only"),
+    };
+    let dims: (usize, usize, usize) = (m, k, n);
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k)
+                .map(|p| (a[at(dims, i, p)] * bm[bt(dims, p, j)]).abs())
+                .sum();
+        }
+    }
+    out
+}
+
+/// The fast mode (the CPU's default) against the exact one (`kernels::run_on_host`): every
+/// built-in but the matmuls bit for bit; the matmuls of every float dtype and layout within
+/// the bound `KernelMode::Fast` documents, `2 k u Σ_p |a_ip| |b_pj|` (`u` the computation
+/// type's unit roundoff), plus one unit in the last place of `f16`/`bf16` outputs (each
+/// mode rounds once); the same bits on another device, another stream and a pool of one
+/// worker; and, on a processor with fused multiply-adds, not the exact bits (the fast path
+/// really runs).
+#[test]
+fn cpu_fast_mode_is_within_its_bound_of_the_exact_mode_and_deterministic() {
+    use tributary::backend::cpu::{CpuBackend, CpuConfig};
+    let fast_engine = |workers: usize| {
+        let config = CpuConfig::default().with_workers(workers);
+        assert_eq!(config.kernel_mode, kernels::KernelMode::Fast, "the default");
+        let b = CpuBackend::with_config(tributary::DeviceId(0), 2, config).unwrap();
+        Engine::with_backend(std::sync::Arc::new(b), 2, PoolConfig::default()).unwrap()
+    };
+    let (mut e, mut one_worker) = (fast_engine(0), fast_engine(1));
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut differs = false;
+    for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let (u, ulp) = match d {
+            DType::F64 => (2f64.powi(-53), 0.0),
+            DType::F32 => (2f64.powi(-24), 0.0),
+            DType::F16 => (2f64.powi(-24), 2f64.powi(-10)),
+            _ => (2f64.powi(-24), 2f64.powi(-7)),
+        };
+        for &(m, k, n) in &[
+            (1usize, 1usize, 1usize),
+            (5, 7, 3),
+            (33, 17, 65),
+            (70, 300, 45),
+        ] {
+            let mat = |rows: usize, cols: usize| node("m", d, &[rows, cols]);
+            for spec in [
+                kernels::matmul(&mat(m, n), &mat(m, k), &mat(k, n)),
+                kernels::matmul_tn(&mat(m, n), &mat(k, m), &mat(k, n)),
+                kernels::matmul_nt(&mat(m, n), &mat(m, k), &mat(n, k)),
+            ] {
+                let spec = spec.unwrap();
+                let what = format!("{} {m}x{k}x{n} ({d})", spec.name);
+                let inputs = vec![
+                    vec![0; m * n * d.size_in_bytes()],
+                    random(d, m * k, &mut rng),
+                    random(d, k * n, &mut rng),
+                ];
+                let mut want = inputs.clone();
+                kernels::run_on_host(&spec, &mut want, None).unwrap();
+                let got = run_spec(&mut e, (0, 0), &spec, &inputs)[0].clone().unwrap();
+                let scale = matmul_magnitudes(&spec, &inputs);
+                let (g, w) = (as_f64(d, &got), as_f64(d, &want[0]));
+                for (i, ((g, w), s)) in g.iter().zip(&w).zip(&scale).enumerate() {
+                    let bound = 2.0 * k as f64 * u * s + ulp * w.abs().max(g.abs());
+                    assert!(
+                        (g - w).abs() <= bound,
+                        "{what}: element {i}: fast {g}, exact {w}, bound {bound:e}"
+                    );
+                }
+                differs |= got != want[0];
+                for (engine, place) in [(&mut e, (1, 1)), (&mut one_worker, (0, 1))] {
+                    let again = run_spec(engine, place, &spec, &inputs)[0].clone().unwrap();
+                    assert_eq!(again, got, "{what}: the same bits on {place:?}");
+                }
+            }
+        }
+        // The other built-ins do not depend on the mode.
+        let v = || node("v", d, &[1000]);
+        for spec in [
+            kernels::axpy(&v(), &v(), 0.7),
+            kernels::sgd_step(&v(), &v(), 0.01),
+            kernels::add_into(&v(), &v()),
+            kernels::relu(&v(), &v()),
+            kernels::sum_rows(&node("s", d, &[10]), &node("r", d, &[100, 10])),
+        ] {
+            let spec = spec.unwrap();
+            let inputs: Vec<Vec<u8>> = spec
+                .params
+                .iter()
+                .map(|p| random(d, p.node.numel(), &mut rng))
+                .collect();
+            let mut want = inputs.clone();
+            kernels::run_on_host(&spec, &mut want, None).unwrap();
+            let got = run_spec(&mut e, (0, 0), &spec, &inputs);
+            assert_eq!(got[0].as_ref(), Some(&want[0]), "{} ({d})", spec.name);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        assert!(
+            differs,
+            "fast mode gave the exact bits everywhere: is it running?"
+        );
+    }
+    let _ = differs;
     e.sync_all().unwrap();
 }
 

@@ -58,7 +58,7 @@ fn check(abs: &AbsProgram) -> Result<(), TestCaseError> {
 /// programs run on a CPU pool of one worker (every stream whose plan waits must give the
 /// worker back), a quarter with workers that never spin (every wait parks).
 fn check_stalled(abs: &AbsProgram) -> Result<(), TestCaseError> {
-    let cpu = CpuConfig::default()
+    let cpu = common::engine_runner::exact_cpu()
         .with_workers(1 + abs.ops.len() % 2)
         .with_spin(if abs.ops.len() % 4 < 2 {
             Duration::ZERO

@@ -44,7 +44,7 @@ use crate::{
     error::{DeviceError, Error, Failure, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::{run_cpu, ArgView, Kernel, KernelArgs},
+    kernels::{run_cpu, ArgView, Kernel, KernelArgs, KernelMode},
     memory::AlignedBuffer,
     protocol::{ArgBinding, GlobalLoc, Plan, Work},
     sync::{Arc as SyncArc, Mutex},
@@ -163,6 +163,8 @@ enum Job {
         merge: Option<ResolvedArg>,
         /// The index values snapshotted into the plan.
         bindings: crate::kernels::Bindings,
+        /// The backend's [`CpuConfig::kernel_mode`].
+        mode: KernelMode,
     },
     Copy {
         src: Region,
@@ -278,6 +280,7 @@ impl CpuBackend {
             } => Job::Run {
                 bindings,
                 kernel,
+                mode: s.config.kernel_mode,
                 // Shared with the routine (resolved once at link): each is cloned.
                 args: args
                     .iter()
@@ -584,6 +587,7 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             args,
             merge,
             bindings,
+            mode,
         } => {
             let views = args.iter().map(view).collect();
             let merge = merge.as_ref().map(view);
@@ -594,7 +598,7 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             // `run_item` are those operations themselves, so every other use of a buffer
             // this job writes, and every writer of a buffer it reads, has finished.
             let kargs = unsafe { KernelArgs::new(views, merge) }.with_bindings(bindings);
-            run_cpu(&kernel, &kargs)
+            run_cpu(&kernel, &kargs, mode)
         }
         Job::Copy { src, dst } => {
             if src.bytes != dst.bytes {

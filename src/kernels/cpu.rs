@@ -6,12 +6,18 @@ use std::{
     panic::{catch_unwind, AssertUnwindSafe},
 };
 
+use serde::{Deserialize, Serialize};
+
 use super::{
     args::{ArgView, KernelArgs},
     bindings::{Bindings, IntoBindings},
     spec::{Access, Builtin, Kernel, RoutineSpec},
 };
 use crate::node::{Bf16, DType, Element, F16};
+
+mod matmul;
+
+use matmul::{matmul, Layout};
 
 /// Why a [`Kernel::Shader`] cannot run on the CPU.
 pub(crate) const SHADER_ON_CPU: &str =
@@ -21,19 +27,42 @@ pub(crate) const SHADER_ON_CPU: &str =
 pub(crate) const CUDA_ON_CPU: &str =
     "CUDA kernels (CUDA C or PTX) run on CUDA devices only, not on the CPU";
 
-/// Runs `kernel` over `args` on the calling thread.
+/// How the CPU built-ins may order their floating-point work (`CpuConfig::kernel_mode`,
+/// TOML `[cpu] kernel_mode = "exact"`).
+///
+/// Only the matmuls differ between the modes; every other built-in computes the same
+/// bits in both. Either mode is deterministic: the same inputs give the same bits on
+/// every run, whatever the stream or worker that runs them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelMode {
+    /// Matmuls on `matrixmultiply`'s blocked kernels (`f32`, `f64`): 4-6x the exact
+    /// loops. Results differ from [`KernelMode::Exact`] by rounding only: each output
+    /// within `k * eps * Σ_p |a_ip| |b_pj|` of the exact sum (`eps` = 2^-24 for `f32`,
+    /// 2^-53 for `f64`). They may differ between processors of different instruction
+    /// sets (fused multiply-add or not), never between runs on one machine.
+    #[default]
+    Fast,
+    /// Every sum in the documented order of its built-in, one rounding per operation:
+    /// the bits the Vulkan and CUDA backends reproduce, and what
+    /// [`run_on_host`] computes.
+    Exact,
+}
+
+/// Runs `kernel` over `args` on the calling thread, its built-ins in `mode`.
 ///
 /// Built-ins dispatch on the dtype of their first parameter and check every view against
 /// their declared accesses, dtypes and dimensions (an error, never a panic, when the views
-/// disagree); [`Kernel::Cpu`] calls the closure; [`Kernel::Shader`] and [`Kernel::Cuda`] are errors. A panic inside the kernel is caught and
-/// returned as `Err("kernel panicked: ...")`, so a failing kernel never unwinds into the
-/// caller (DESIGN.md §3, rule 6); what it wrote before failing is left as it is.
-pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>) -> Result<(), String> {
+/// disagree); [`Kernel::Cpu`] calls the closure; [`Kernel::Shader`] and [`Kernel::Cuda`]
+/// are errors. A panic inside the kernel is caught and returned as
+/// `Err("kernel panicked: ...")`, so a failing kernel never unwinds into the caller
+/// (DESIGN.md §3, rule 6); what it wrote before failing is left as it is.
+pub fn run_cpu(kernel: &Kernel, args: &KernelArgs<'_>, mode: KernelMode) -> Result<(), String> {
     // AssertUnwindSafe: after a panic the only state left behind is the partially written
     // buffers (reported as a failure) and the borrow flags of `args`, which stay
     // conservative (a flag set is never unset).
     let outcome = catch_unwind(AssertUnwindSafe(|| match kernel {
-        Kernel::Builtin(b) => run_builtin(b, args).map_err(|e| format!("{}: {e}", b.name())),
+        Kernel::Builtin(b) => run_builtin(b, args, mode).map_err(|e| format!("{}: {e}", b.name())),
         Kernel::Cpu(k) => k.call(args),
         Kernel::Shader(_) => Err(SHADER_ON_CPU.to_string()),
         Kernel::Cuda(_) => Err(CUDA_ON_CPU.to_string()),
@@ -58,7 +87,8 @@ fn panic_message(payload: &(dyn Any + Send)) -> &str {
 /// exactly the node's element count times its dtype's size), `merge` the merge buffer's
 /// contents when the spec reads one.
 ///
-/// Every buffer is copied into an aligned temporary, the kernel runs with [`run_cpu`], and
+/// Every buffer is copied into an aligned temporary, the kernel runs with [`run_cpu`] in
+/// [`KernelMode::Exact`] (the reference order every backend reproduces), and
 /// the temporaries of `Write`/`ReadWrite` parameters are copied back, only on success (on
 /// error `buffers` are unchanged). Correctness over speed: this is for tests and the
 /// engine's sequential reference interpreter.
@@ -173,7 +203,7 @@ pub fn run_on_host_with(
         // writes; no two views share an allocation, so none overlap. The temporaries are
         // neither moved nor accessed until `args` is dropped at the end of this block.
         let args = unsafe { KernelArgs::new(views, merge_view) }.with_bindings(bindings);
-        run_cpu(&spec.kernel, &args)
+        run_cpu(&spec.kernel, &args, KernelMode::Exact)
     };
     result?;
     for ((p, t), b) in spec.params.iter().zip(&temps).zip(buffers.iter_mut()) {
@@ -257,27 +287,39 @@ trait Real: Element {
     type C: Num;
     fn load(self) -> Self::C;
     fn store(c: Self::C) -> Self;
-}
-
-impl Real for f32 {
-    type C = f32;
-    fn load(self) -> f32 {
-        self
+    /// The slice as its computation type, where the two are the same type.
+    fn as_comp(_: &[Self]) -> Option<&[Self::C]> {
+        None
     }
-    fn store(c: f32) -> f32 {
-        c
+    /// [`Real::as_comp`], mutably.
+    fn as_comp_mut(_: &mut [Self]) -> Option<&mut [Self::C]> {
+        None
     }
 }
 
-impl Real for f64 {
-    type C = f64;
-    fn load(self) -> f64 {
-        self
-    }
-    fn store(c: f64) -> f64 {
-        c
-    }
+/// A storage type that is its own computation type.
+macro_rules! wide_real {
+    ($t:ty) => {
+        impl Real for $t {
+            type C = $t;
+            fn load(self) -> $t {
+                self
+            }
+            fn store(c: $t) -> $t {
+                c
+            }
+            fn as_comp(s: &[$t]) -> Option<&[$t]> {
+                Some(s)
+            }
+            fn as_comp_mut(s: &mut [$t]) -> Option<&mut [$t]> {
+                Some(s)
+            }
+        }
+    };
 }
+
+wide_real!(f32);
+wide_real!(f64);
 
 impl Real for F16 {
     type C = f32;
@@ -328,17 +370,6 @@ macro_rules! floats {
     };
 }
 
-/// Dispatches a generic kernel over `f32` and `f64`.
-macro_rules! wide_floats {
-    ($b:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            other => Err(unsupported($b, other)),
-        }
-    };
-}
-
 fn check_len(what: &str, len: usize, expected: usize) -> KResult {
     if len == expected {
         Ok(())
@@ -352,7 +383,7 @@ fn product(a: usize, b: usize) -> Result<usize, String> {
         .ok_or_else(|| format!("dimensions {a} x {b} overflow"))
 }
 
-fn run_builtin(b: &Builtin, args: &KernelArgs<'_>) -> KResult {
+fn run_builtin(b: &Builtin, args: &KernelArgs<'_>, mode: KernelMode) -> KResult {
     let accesses = b.accesses();
     if args.len() != accesses.len() {
         return Err(format!(
@@ -391,9 +422,15 @@ fn run_builtin(b: &Builtin, args: &KernelArgs<'_>) -> KResult {
         Builtin::Scale { alpha } => floats!(b, dtype, scale(args, alpha)),
         Builtin::Axpy { alpha } => floats!(b, dtype, axpy(args, alpha)),
         Builtin::SgdStep { lr } => floats!(b, dtype, sgd_step(args, lr)),
-        Builtin::Matmul { m, k, n } => wide_floats!(b, dtype, matmul_nn(args, m, k, n)),
-        Builtin::MatmulTn { m, k, n } => wide_floats!(b, dtype, matmul_tn(args, m, k, n)),
-        Builtin::MatmulNt { m, k, n } => wide_floats!(b, dtype, matmul_nt(args, m, k, n)),
+        Builtin::Matmul { m, k, n } => {
+            floats!(b, dtype, matmul(args, Layout::Nn, (m, k, n), mode))
+        }
+        Builtin::MatmulTn { m, k, n } => {
+            floats!(b, dtype, matmul(args, Layout::Tn, (m, k, n), mode))
+        }
+        Builtin::MatmulNt { m, k, n } => {
+            floats!(b, dtype, matmul(args, Layout::Nt, (m, k, n), mode))
+        }
         Builtin::AddRowBias { m, n } => floats!(b, dtype, add_row_bias(args, m, n)),
         Builtin::Relu => floats!(b, dtype, relu(args)),
         Builtin::ReluBackward => floats!(b, dtype, relu_backward(args)),
@@ -586,82 +623,6 @@ fn relu_backward<T: Real>(args: &KernelArgs<'_>) -> KResult {
 
 fn mul<T: Real>(args: &KernelArgs<'_>) -> KResult {
     map2::<T>(args, |a, b| a * b)
-}
-
-/// The three operands of a matmul, lengths checked: `(c, a, b)`.
-#[allow(clippy::type_complexity)]
-fn matmul_operands<'s, T: Real>(
-    args: &'s KernelArgs<'_>,
-    (c_len, a_len, b_len): (usize, usize, usize),
-) -> Result<(&'s mut [T], &'s [T], &'s [T]), String> {
-    let c = args.output::<T>(0)?;
-    let a = args.input::<T>(1)?;
-    let b = args.input::<T>(2)?;
-    check_len("c", c.len(), c_len)?;
-    check_len("a", a.len(), a_len)?;
-    check_len("b", b.len(), b_len)?;
-    Ok((c, a, b))
-}
-
-/// `c[m,n] = a[m,k] b[k,n]`, loop order i-p-j.
-fn matmul_nn<T: Real>(args: &KernelArgs<'_>, m: usize, k: usize, n: usize) -> KResult {
-    let lens = (product(m, n)?, product(m, k)?, product(k, n)?);
-    let (c, a, b) = matmul_operands::<T>(args, lens)?;
-    c.fill(T::store(T::C::ZERO));
-    if n == 0 || k == 0 {
-        return Ok(());
-    }
-    for (c_row, a_row) in c.chunks_exact_mut(n).zip(a.chunks_exact(k)) {
-        for (&a_ip, b_row) in a_row.iter().zip(b.chunks_exact(n)) {
-            let a_ip = a_ip.load();
-            for (c_ij, &b_pj) in c_row.iter_mut().zip(b_row) {
-                *c_ij = T::store(c_ij.load() + a_ip * b_pj.load());
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `c[m,n] = a[k,m]ᵀ b[k,n]`, loop order p-i-j.
-fn matmul_tn<T: Real>(args: &KernelArgs<'_>, m: usize, k: usize, n: usize) -> KResult {
-    let lens = (product(m, n)?, product(k, m)?, product(k, n)?);
-    let (c, a, b) = matmul_operands::<T>(args, lens)?;
-    c.fill(T::store(T::C::ZERO));
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    for (a_row, b_row) in a.chunks_exact(m).zip(b.chunks_exact(n)) {
-        for (&a_pi, c_row) in a_row.iter().zip(c.chunks_exact_mut(n)) {
-            let a_pi = a_pi.load();
-            for (c_ij, &b_pj) in c_row.iter_mut().zip(b_row) {
-                *c_ij = T::store(c_ij.load() + a_pi * b_pj.load());
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `c[m,n] = a[m,k] b[n,k]ᵀ`, loop order i-j-p.
-fn matmul_nt<T: Real>(args: &KernelArgs<'_>, m: usize, k: usize, n: usize) -> KResult {
-    let lens = (product(m, n)?, product(m, k)?, product(n, k)?);
-    let (c, a, b) = matmul_operands::<T>(args, lens)?;
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        c.fill(T::store(T::C::ZERO));
-        return Ok(());
-    }
-    for (c_row, a_row) in c.chunks_exact_mut(n).zip(a.chunks_exact(k)) {
-        for (c_ij, b_row) in c_row.iter_mut().zip(b.chunks_exact(k)) {
-            let mut acc = T::C::ZERO;
-            for (&x, &y) in a_row.iter().zip(b_row) {
-                acc = acc + x.load() * y.load();
-            }
-            *c_ij = T::store(acc);
-        }
-    }
-    Ok(())
 }
 
 fn add_row_bias<T: Real>(args: &KernelArgs<'_>, m: usize, n: usize) -> KResult {

@@ -41,7 +41,7 @@ mod spec;
 
 pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
 pub use bindings::{Bindings, IndexDecl, IndexType, IntoBindings, MAX_INDICES};
-pub use cpu::{run_cpu, run_on_host, run_on_host_with};
+pub use cpu::{run_cpu, run_on_host, run_on_host_with, KernelMode};
 pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
 pub use spec::{
     add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul, matmul_nt,

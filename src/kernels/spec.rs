@@ -309,7 +309,9 @@ pub enum Builtin {
     },
     /// `matmul(c: Write, a: Read, b: Read)`, `a: [m,k]`, `b: [k,n]`, `c: [m,n]`, row-major:
     /// `c[i,j] = Σ_p a[i,p] * b[p,j]`, summed from 0 in increasing `p` (loop order i-p-j).
-    /// `f32`, `f64`.
+    /// Floats: `f16`/`bf16` summed in `f32`, rounded once. That order is the CPU's
+    /// [`KernelMode::Exact`](super::KernelMode::Exact), which the GPU backends reproduce;
+    /// the CPU's default [`KernelMode::Fast`](super::KernelMode::Fast) sums in blocks.
     Matmul {
         /// Rows of `a` and `c`.
         m: usize,
@@ -319,8 +321,8 @@ pub enum Builtin {
         n: usize,
     },
     /// `matmul_tn(c: Write, a: Read, b: Read)`, `a: [k,m]`, `b: [k,n]`, `c: [m,n]`:
-    /// `c = aᵀ b`, `c[i,j] = Σ_p a[p,i] * b[p,j]`, summed from 0 in increasing `p` (loop
-    /// order p-i-j). `f32`, `f64`. (Weight gradient: `dW = xᵀ dy`.)
+    /// `c = aᵀ b`, `c[i,j] = Σ_p a[p,i] * b[p,j]`, summed as [`Builtin::Matmul`] (loop
+    /// order p-i-j). Floats. (Weight gradient: `dW = xᵀ dy`.)
     MatmulTn {
         /// Columns of `a`, rows of `c`.
         m: usize,
@@ -330,8 +332,8 @@ pub enum Builtin {
         n: usize,
     },
     /// `matmul_nt(c: Write, a: Read, b: Read)`, `a: [m,k]`, `b: [n,k]`, `c: [m,n]`:
-    /// `c = a bᵀ`, `c[i,j] = Σ_p a[i,p] * b[j,p]`, summed from 0 in increasing `p` (loop
-    /// order i-j-p, row dot products). `f32`, `f64`. (Input gradient: `dx = dy Wᵀ`.)
+    /// `c = a bᵀ`, `c[i,j] = Σ_p a[i,p] * b[j,p]`, summed as [`Builtin::Matmul`] (loop
+    /// order i-j-p, row dot products). Floats. (Input gradient: `dx = dy Wᵀ`.)
     MatmulNt {
         /// Rows of `a` and `c`.
         m: usize,
@@ -406,7 +408,6 @@ pub enum Builtin {
 
 const FLOATS: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16];
 const ADDABLE: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32];
-const MATMUL: &[DType] = &[DType::F32, DType::F64];
 const ALL: &[DType] = &[
     DType::F32,
     DType::F64,
@@ -478,8 +479,10 @@ impl Builtin {
             | Builtin::CopyMerge
             | Builtin::CopyRange { .. } => ALL,
             Builtin::AddInto | Builtin::AddMerge => ADDABLE,
-            Builtin::Matmul { .. } | Builtin::MatmulTn { .. } | Builtin::MatmulNt { .. } => MATMUL,
-            Builtin::Scale { .. }
+            Builtin::Matmul { .. }
+            | Builtin::MatmulTn { .. }
+            | Builtin::MatmulNt { .. }
+            | Builtin::Scale { .. }
             | Builtin::Axpy { .. }
             | Builtin::SgdStep { .. }
             | Builtin::AddRowBias { .. }
@@ -964,7 +967,7 @@ fn matmul_dtypes(b: &Builtin, c: &TensorNode, a: &TensorNode, bm: &TensorNode) -
     check_same_dtype(bm, c)
 }
 
-/// `c = a b` with `a: [m,k]`, `b: [k,n]`, `c: [m,n]` ([`Builtin::Matmul`]); `f32`, `f64`.
+/// `c = a b` with `a: [m,k]`, `b: [k,n]`, `c: [m,n]` ([`Builtin::Matmul`]); floats.
 pub fn matmul(c: &TensorNode, a: &TensorNode, b: &TensorNode) -> Result<RoutineSpec> {
     matmul_dtypes(&Builtin::Matmul { m: 0, k: 0, n: 0 }, c, a, b)?;
     let (m, k) = matrix(a)?;
@@ -974,7 +977,7 @@ pub fn matmul(c: &TensorNode, a: &TensorNode, b: &TensorNode) -> Result<RoutineS
     build(Builtin::Matmul { m, k, n }, &[c, a, b], None)
 }
 
-/// `c = aᵀ b` with `a: [k,m]`, `b: [k,n]`, `c: [m,n]` ([`Builtin::MatmulTn`]); `f32`, `f64`.
+/// `c = aᵀ b` with `a: [k,m]`, `b: [k,n]`, `c: [m,n]` ([`Builtin::MatmulTn`]); floats.
 pub fn matmul_tn(c: &TensorNode, a: &TensorNode, b: &TensorNode) -> Result<RoutineSpec> {
     matmul_dtypes(&Builtin::MatmulTn { m: 0, k: 0, n: 0 }, c, a, b)?;
     let (k, m) = matrix(a)?;
@@ -984,7 +987,7 @@ pub fn matmul_tn(c: &TensorNode, a: &TensorNode, b: &TensorNode) -> Result<Routi
     build(Builtin::MatmulTn { m, k, n }, &[c, a, b], None)
 }
 
-/// `c = a bᵀ` with `a: [m,k]`, `b: [n,k]`, `c: [m,n]` ([`Builtin::MatmulNt`]); `f32`, `f64`.
+/// `c = a bᵀ` with `a: [m,k]`, `b: [n,k]`, `c: [m,n]` ([`Builtin::MatmulNt`]); floats.
 pub fn matmul_nt(c: &TensorNode, a: &TensorNode, b: &TensorNode) -> Result<RoutineSpec> {
     matmul_dtypes(&Builtin::MatmulNt { m: 0, k: 0, n: 0 }, c, a, b)?;
     let (m, k) = matrix(a)?;

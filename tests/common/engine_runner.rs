@@ -10,7 +10,10 @@ use std::{
 };
 
 use tributary::{
-    backend::{cpu::CpuBackend, Backend},
+    backend::{
+        cpu::{CpuBackend, CpuConfig},
+        Backend,
+    },
     kernels::{self, RoutineSpec},
     memory::{PoolKind, PoolStats},
     protocol::{Context, Routine, TableSizes},
@@ -26,9 +29,25 @@ use super::{
 /// The longest any single wait of a program may take before the run counts as hung.
 pub const WAIT: Duration = Duration::from_secs(30);
 
+/// The CPU configuration of every program run: the exact kernel mode, whose sums are in
+/// the reference's order (the default fast mode's matmuls are not, DESIGN.md §5).
+pub fn exact_cpu() -> CpuConfig {
+    CpuConfig::default().with_kernel_mode(kernels::KernelMode::Exact)
+}
+
+/// A CPU backend of `devices` devices in [`exact_cpu`]'s mode.
+pub fn exact_cpu_backend(devices: usize) -> tributary::Result<Arc<dyn Backend>> {
+    Ok(Arc::new(CpuBackend::with_config(
+        DeviceId(0),
+        devices,
+        exact_cpu(),
+    )?))
+}
+
 /// The CPU engine configuration for `setup`.
 pub fn config(setup: &Setup) -> EngineConfig {
     EngineConfig {
+        cpu: exact_cpu(),
         devices: setup.devices,
         streams_per_device: setup.streams,
         pools: tributary::memory::PoolConfig {
@@ -171,9 +190,7 @@ impl EngineRunner {
 
     /// CPU engines whose dependency graph is checked.
     pub fn recording_cpu() -> EngineRunner {
-        EngineRunner::recording("engine(cpu)", |s| {
-            Ok(Arc::new(CpuBackend::new(DeviceId(0), s.devices)))
-        })
+        EngineRunner::recording("engine(cpu)", |s| exact_cpu_backend(s.devices))
     }
 }
 

@@ -8,15 +8,17 @@ use std::{
     },
 };
 
-use tributary::backend::{cpu::CpuBackend, Backend, BackendKind};
+use tributary::backend::{Backend, BackendKind};
 use tributary::{
     protocol::{Context, Routine},
-    DeviceId, EventStatus, MergeBufferUse, NodeId, TensorNode,
+    EventStatus, MergeBufferUse, NodeId, TensorNode,
 };
 use tributary_actors::{StreamConfig, System, Ticket};
 
 use super::{
-    engine_runner::{config, create_nodes, device_memory, kernel_spec, probe_of},
+    engine_runner::{
+        config, create_nodes, device_memory, exact_cpu, exact_cpu_backend, kernel_spec, probe_of,
+    },
     graph::{GraphRecorder, GraphReport, RecordingBackend},
     program::*,
     steps::{resolve_calls, Call, Handles},
@@ -43,9 +45,7 @@ pub struct SystemRunner {
 impl SystemRunner {
     /// Actor systems on CPU devices, whose dependency graph is checked.
     pub fn cpu() -> SystemRunner {
-        SystemRunner::recording("system(cpu)", |setup| {
-            Ok(Arc::new(CpuBackend::new(DeviceId(0), setup.devices)))
-        })
+        SystemRunner::recording("system(cpu)", |setup| exact_cpu_backend(setup.devices))
     }
 
     /// Actor systems on the backend `backend` picks for a setup (e.g. Vulkan with the
@@ -81,6 +81,7 @@ impl ProgramRunner for SystemRunner {
         self.recorder = None;
         let builder = System::builder()
             .cpu_devices(setup.devices)
+            .cpu(exact_cpu())
             .streams(StreamConfig::MostParallelStreams(setup.streams))
             .pools(config(setup).pools);
         let builder = match &mut self.make {

@@ -24,12 +24,12 @@ use std::{
 
 use tributary::{
     backend::{
-        cpu::CpuBackend,
+        cpu::{CpuBackend, CpuConfig},
         cuda::{CudaBackend, CudaConfig},
         vulkan::{VulkanBackend, VulkanConfig},
         Backend, BackendKind,
     },
-    kernels::{Access, CudaKernel, CudaScalar, RoutineSpec, ShaderKernel},
+    kernels::{Access, CudaKernel, CudaScalar, KernelMode, RoutineSpec, ShaderKernel},
     DType, DeviceId, MemoryMode, Sharing, TensorNode,
 };
 
@@ -276,7 +276,10 @@ pub fn cuda_config(devices: usize, test: &str) -> Option<CudaConfig> {
 /// The backend of `kind` with `devices` devices, or `None` when it is not available.
 pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend>> {
     match kind {
-        Kind::Cpu => Some(Arc::new(CpuBackend::new(DeviceId(0), devices))),
+        // The exact kernel mode: the order every GPU backend reproduces bit for bit.
+        Kind::Cpu => Some(Arc::new(
+            CpuBackend::with_config(DeviceId(0), devices, exact_cpu()).expect("cpu backend"),
+        )),
         Kind::Vulkan | Kind::VulkanStaging => {
             let config = vulkan_config(kind, devices, test)?;
             Some(Arc::new(
@@ -290,6 +293,12 @@ pub fn backend(kind: Kind, devices: usize, test: &str) -> Option<Arc<dyn Backend
             ))
         }
     }
+}
+
+/// The CPU configuration of the suites that compare with other backends or with
+/// `kernels::run_on_host`: the exact kernel mode (DESIGN.md §5).
+pub fn exact_cpu() -> CpuConfig {
+    CpuConfig::default().with_kernel_mode(KernelMode::Exact)
 }
 
 /// The [`BackendKind`] of `kind` (for `System`), or `None` when it is not available.

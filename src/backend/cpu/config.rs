@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     error::{Error, Result},
     ids::{DeviceId, StreamId},
+    kernels::KernelMode,
 };
 
 /// The largest pool accepted: far beyond any core count, small enough that a typo (an
@@ -18,9 +19,9 @@ pub const MAX_WORKERS: usize = 1024;
 /// than that before parking is a busy loop, not a wake-up optimisation.
 pub const MAX_SPIN_US: u64 = 10_000;
 
-/// Configuration of the CPU backend's streams (serde: every field optional; TOML
-/// `[cpu]` in a `SystemConfig`, e.g. `workers = 4`, `spin_us = 20`,
-/// `dedicated_streams = [{ device = 0, index = 2 }]`).
+/// Configuration of the CPU backend's streams and built-in kernels (serde: every field
+/// optional; TOML `[cpu]` in a `SystemConfig`, e.g. `workers = 4`, `spin_us = 20`,
+/// `dedicated_streams = [{ device = 0, index = 2 }]`, `kernel_mode = "exact"`).
 ///
 /// Streams are multiplexed on a pool of `workers` threads shared by every device of the
 /// backend; a worker that runs out of work, or whose stream waits for a dependency,
@@ -51,6 +52,9 @@ pub struct CpuConfig {
     pub spin_us: u64,
     /// Streams that run on a thread of their own instead of the shared pool.
     pub dedicated_streams: Vec<StreamId>,
+    /// How the built-ins order their floating-point sums: `fast` (the default, blocked
+    /// matmuls) or `exact` (the order the Vulkan and CUDA backends reproduce bit for bit).
+    pub kernel_mode: KernelMode,
 }
 
 impl Default for CpuConfig {
@@ -59,6 +63,7 @@ impl Default for CpuConfig {
             workers: 0,
             spin_us: 50,
             dedicated_streams: Vec::new(),
+            kernel_mode: KernelMode::Fast,
         }
     }
 }
@@ -81,6 +86,12 @@ impl CpuConfig {
         if !self.dedicated_streams.contains(&stream) {
             self.dedicated_streams.push(stream);
         }
+        self
+    }
+
+    /// Sets [`CpuConfig::kernel_mode`].
+    pub fn with_kernel_mode(mut self, mode: KernelMode) -> CpuConfig {
+        self.kernel_mode = mode;
         self
     }
 
@@ -211,5 +222,12 @@ mod tests {
         let json = serde_json::to_string(&c).unwrap();
         assert_eq!(serde_json::from_str::<CpuConfig>(&json).unwrap(), c);
         assert!(serde_json::from_str::<CpuConfig>(r#"{ "threads": 2 }"#).is_err());
+        let c: CpuConfig = serde_json::from_str(r#"{ "kernel_mode": "exact" }"#).unwrap();
+        assert_eq!(c, CpuConfig::default().with_kernel_mode(KernelMode::Exact));
+        assert_eq!(CpuConfig::default().kernel_mode, KernelMode::Fast);
+        let err = serde_json::from_str::<CpuConfig>(r#"{ "kernel_mode": "quick" }"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("quick") && err.contains("exact"), "{err}");
     }
 }

@@ -333,9 +333,10 @@ extern "C" __global__ void softmax_xent_loss_{T}({S}* loss, const {S}* logits,
 }
 "#;
 
-/// The matmuls' simple kernels (`f32`, `f64`): one thread per output element, summing in
-/// increasing `p` from zero, which is the CPU's order for every loop order it uses. Used on
-/// devices whose blocks cannot hold a 16 x 16 tile.
+/// The matmuls' simple kernels (every float; `f16`/`bf16` summed in `float`, rounded once):
+/// one thread per output element, summing in increasing `p` from zero, which is the CPU's
+/// exact order for every loop order it uses. Used on devices whose blocks cannot hold a
+/// 16 x 16 tile.
 const MATMUL: &str = r#"
 extern "C" __global__ void matmul_{T}({S}* c, const {S}* a, const {S}* b, u64 m, u64 k,
                                       u64 n) {
@@ -343,9 +344,9 @@ extern "C" __global__ void matmul_{T}({S}* c, const {S}* a, const {S}* b, u64 m,
     u64 i = ij / n, j = ij % n;
     {C} acc = ({C})0;
     for (u64 p = 0; p < k; ++p) {
-      acc = ADD(acc, MUL(a[i * k + p], b[p * n + j]));
+      acc = ADD(acc, MUL(LOAD(a[i * k + p]), LOAD(b[p * n + j])));
     }
-    c[ij] = acc;
+    c[ij] = STORE(acc);
   }
 }
 
@@ -355,9 +356,9 @@ extern "C" __global__ void matmul_tn_{T}({S}* c, const {S}* a, const {S}* b, u64
     u64 i = ij / n, j = ij % n;
     {C} acc = ({C})0;
     for (u64 p = 0; p < k; ++p) {
-      acc = ADD(acc, MUL(a[p * m + i], b[p * n + j]));
+      acc = ADD(acc, MUL(LOAD(a[p * m + i]), LOAD(b[p * n + j])));
     }
-    c[ij] = acc;
+    c[ij] = STORE(acc);
   }
 }
 
@@ -367,9 +368,9 @@ extern "C" __global__ void matmul_nt_{T}({S}* c, const {S}* a, const {S}* b, u64
     u64 i = ij / n, j = ij % n;
     {C} acc = ({C})0;
     for (u64 p = 0; p < k; ++p) {
-      acc = ADD(acc, MUL(a[i * k + p], b[j * k + p]));
+      acc = ADD(acc, MUL(LOAD(a[i * k + p]), LOAD(b[j * k + p])));
     }
-    c[ij] = acc;
+    c[ij] = STORE(acc);
   }
 }
 "#;
@@ -400,12 +401,12 @@ extern "C" __global__ void {NAME}_tiled_{T}({S}* c, const {S}* a, const {S}* b, 
       __syncthreads();
       u64 steps = k - p0 < {TILE} ? k - p0 : {TILE};
       for (u64 q = 0; q < steps; ++q) {
-        acc = ADD(acc, MUL(at[ty][q], bt[q][tx]));
+        acc = ADD(acc, MUL(LOAD(at[ty][q]), LOAD(bt[q][tx])));
       }
       __syncthreads();
     }
     if (i < m && j < n) {
-      c[i * n + j] = acc;
+      c[i * n + j] = STORE(acc);
     }
   }
 }
@@ -447,21 +448,19 @@ pub(super) fn builtin_source(dtype: DType) -> String {
         DType::U8 => {}
         DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
             out.push_str(&FLOAT.replace("{LOSS_BLOCK}", &LOSS_BLOCK.to_string()));
-            if matches!(dtype, DType::F32 | DType::F64) {
-                out.push_str(MATMUL);
-                for (name, load_a, load_b) in [
-                    ("matmul", LOAD_A_ROWS, LOAD_B_ROWS),
-                    ("matmul_tn", LOAD_A_COLUMNS, LOAD_B_ROWS),
-                    ("matmul_nt", LOAD_A_ROWS, LOAD_B_COLUMNS),
-                ] {
-                    out.push_str(
-                        &MATMUL_TILED
-                            .replace("{LOAD_A}", load_a)
-                            .replace("{LOAD_B}", load_b)
-                            .replace("{NAME}", name)
-                            .replace("{TILE}", &TILE.to_string()),
-                    );
-                }
+            out.push_str(MATMUL);
+            for (name, load_a, load_b) in [
+                ("matmul", LOAD_A_ROWS, LOAD_B_ROWS),
+                ("matmul_tn", LOAD_A_COLUMNS, LOAD_B_ROWS),
+                ("matmul_nt", LOAD_A_ROWS, LOAD_B_COLUMNS),
+            ] {
+                out.push_str(
+                    &MATMUL_TILED
+                        .replace("{LOAD_A}", load_a)
+                        .replace("{LOAD_B}", load_b)
+                        .replace("{NAME}", name)
+                        .replace("{TILE}", &TILE.to_string()),
+                );
             }
         }
     }
