@@ -16,7 +16,7 @@ use clap::Parser;
 use tributary::{
     backend::cpu::CpuConfig,
     kernels::{self, KernelMode, RoutineSpec},
-    DType, Element, Engine, EngineConfig, Result, TensorNode,
+    DType, Element, Engine, EngineConfig, MergeBufferUse, Result, TensorNode,
 };
 
 /// Options.
@@ -85,6 +85,36 @@ fn builtin_time<T: Element>(
     let t = timed(runs, reps, |n| {
         for _ in 0..n {
             if let Err(err) = e.schedule(&r) {
+                failed = Some(err);
+            }
+        }
+        if let Err(err) = e.sync_all() {
+            failed = Some(err);
+        }
+    });
+    failed.map_or(Ok(t), Err)
+}
+
+/// Seconds per `add_merge` of `n` elements on device 0, its merge buffer filled once by a
+/// copy from device 1 (`MergeBufferUse::Copy`).
+fn add_merge_time(n: usize, runs: usize, reps: usize) -> Result<f64> {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 2,
+        streams_per_device: 1,
+        ..Default::default()
+    })?;
+    let g = TensorNode::new("g", DType::F32, [n]);
+    let c1 = e.context(1, 0)?;
+    let c1 = e.init_from_host(&c1, &g, &values(n, 1))?;
+    let c0 = e.context(0, 0)?;
+    let c0 = e.init_from_host(&c0, &g, &values(n, 0))?;
+    let merge = e.link(&c0, kernels::add_merge(&g)?)?;
+    e.device_to_device(&g, &c1, merge.context(), MergeBufferUse::Copy)?;
+    e.sync_all()?;
+    let mut failed = None;
+    let t = timed(runs, reps, |k| {
+        for _ in 0..k {
+            if let Err(err) = e.schedule(&merge) {
                 failed = Some(err);
             }
         }
@@ -238,6 +268,14 @@ const ELEMENTWISE: &[Elementwise] = &[
         plain: |d, s, _| d.iter_mut().zip(s).for_each(|(d, s)| *d += s),
     },
     Elementwise {
+        name: "add_merge",
+        // Measured by `add_merge_time` (two devices, the merge buffer filled by a copy);
+        // the spec here only counts the bytes.
+        spec: |v| kernels::add_into(&v[0], &v[1]),
+        params: 2,
+        plain: |d, s, _| d.iter_mut().zip(s).for_each(|(d, s)| *d += s),
+    },
+    Elementwise {
         name: "scale",
         spec: |v| kernels::scale(&v[0], &v[1], 0.5),
         params: 2,
@@ -314,7 +352,11 @@ fn elementwise(args: &Args) -> Result<()> {
                     (k.plain)(black_box(&mut d), black_box(&x), black_box(&y));
                 }
             });
-            let t = builtin_time(KernelMode::Fast, spec, &data, args.runs, reps)?;
+            let t = if k.name == "add_merge" {
+                add_merge_time(n, args.runs, reps)?
+            } else {
+                builtin_time(KernelMode::Fast, spec, &data, args.runs, reps)?
+            };
             let gbs = |t: f64| bytes / t / 1e9;
             println!(
                 "{mib:>4} {:>15} {:>10.1} {:>16}",

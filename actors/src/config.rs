@@ -65,8 +65,8 @@ pub struct SystemConfig {
     pub record_timeline: bool,
     /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
     pub backend: BackendKind,
-    /// How the CPU backend runs its streams (TOML `[cpu]`: `workers`, `spin_us`,
-    /// `dedicated_streams`); ignored by other backends.
+    /// How the CPU backend runs its streams and built-ins (TOML `[cpu]`: `workers`,
+    /// `spin_us`, `dedicated_streams`, `kernel_mode`); ignored by other backends.
     pub cpu: CpuConfig,
     /// A host call that finds a device actor idle decides its operations on the calling
     /// thread, holding the actor's turn, instead of waking the actor's thread (default
@@ -98,6 +98,9 @@ impl SystemConfig {
     /// ```
     /// use tributary_actors::SystemConfig;
     /// let c = SystemConfig::from_toml_str("cpu_devices = 3")?;
+    /// let exact = SystemConfig::from_toml_str("[cpu]\nkernel_mode = \"exact\"")?;
+    /// assert_eq!(exact.cpu.kernel_mode, tributary::kernels::KernelMode::Exact);
+    /// assert!(SystemConfig::from_toml_str("[cpu]\nkernel_mode = \"quick\"").is_err());
     /// assert_eq!(c.cpu_devices, 3);
     /// assert!(SystemConfig::from_toml_str("cpu_devices = \"three\"").is_err());
     /// # Ok::<(), tributary::Error>(())

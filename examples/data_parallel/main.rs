@@ -10,6 +10,8 @@
 //! cargo run --release --example data_parallel -- --backend vulkan --devices 2
 //! cargo run --release --example data_parallel -- --epochs 5 --trace dp.trace.json
 //! cargo run --release --example data_parallel -- --replay   # capture step 1, replay the rest
+//! cargo run --release --example data_parallel -- --dim 256 --hidden 1024 --samples 4096 \
+//!     --cpu-kernels exact   # a larger model; the matmuls in the GPU backends' order
 //! RUST_LOG=debug cargo run --example data_parallel -- --epochs 1   # the runtime's spans
 //! # across MPI ranks: R ranks x D devices, one shard each (feature `mpi`)
 //! cargo build --release --features mpi --example data_parallel
@@ -24,10 +26,19 @@ use std::{error::Error, process::ExitCode, time::Instant};
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use tributary::collective::Strategy;
+use tributary::{backend::cpu::CpuConfig, collective::Strategy, kernels::KernelMode};
 use tributary_actors::{StreamConfig, System};
 
 use common::BackendArg;
+
+/// How the CPU built-ins order their sums (`CpuConfig::kernel_mode`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum KernelsArg {
+    /// Matmuls on blocked kernels (`matrixmultiply`).
+    Fast,
+    /// The summation order the GPU backends reproduce bit for bit.
+    Exact,
+}
 
 /// How the gradients are all-reduced.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -63,6 +74,18 @@ struct Args {
     /// `System::replay`: one operation per device per step, no dependency inference).
     #[arg(long)]
     replay: bool,
+    /// Input features of the MLP.
+    #[arg(long, default_value_t = 8)]
+    dim: usize,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 32)]
+    hidden: usize,
+    /// Samples in the full batch (split over the replicas).
+    #[arg(long, default_value_t = 512)]
+    samples: usize,
+    /// How CPU devices run the built-in kernels.
+    #[arg(long, value_enum, default_value = "fast")]
+    cpu_kernels: KernelsArg,
     /// Run as one rank of an MPI job (`mpirun -np R ...`): R x `--devices` replicas, one
     /// shard each, gradients all-reduced inside each rank and across ranks (CPU devices;
     /// needs the `mpi` feature).
@@ -75,7 +98,34 @@ fn main() -> ExitCode {
     common::exit_code(run(Args::parse()))
 }
 
+impl Args {
+    fn model(&self) -> model::ModelConfig {
+        model::ModelConfig {
+            dim: self.dim,
+            hidden: self.hidden,
+            samples: self.samples,
+            ..model::ModelConfig::default()
+        }
+    }
+
+    fn kernel_mode(&self) -> KernelMode {
+        match self.cpu_kernels {
+            KernelsArg::Fast => KernelMode::Fast,
+            KernelsArg::Exact => KernelMode::Exact,
+        }
+    }
+}
+
 fn run(args: Args) -> Result<(), Box<dyn Error>> {
+    for (name, value) in [
+        ("--dim", args.dim),
+        ("--hidden", args.hidden),
+        ("--samples", args.samples),
+    ] {
+        if value == 0 {
+            return Err(format!("{name} 0: the model needs at least 1").into());
+        }
+    }
     let strategy = match args.strategy {
         StrategyArg::Star => Strategy::Star,
         StrategyArg::Tree => Strategy::Tree,
@@ -91,9 +141,10 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         .backend
         .kind(Some(args.devices))
         .map_err(|why| format!("backend {} is unavailable: {why}", args.backend.name()))?;
-    let cfg = model::ModelConfig::default();
+    let cfg = args.model();
     let sys = System::builder()
         .cpu_devices(args.devices)
+        .cpu(CpuConfig::default().with_kernel_mode(args.kernel_mode()))
         .backend(backend)
         .streams(StreamConfig::OnlyDevicesParallel)
         .record_timeline(args.trace.is_some())
@@ -164,7 +215,7 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
     }
     let (first, last) = (first.unwrap_or(f32::NAN), dp.loss()?);
     println!(
-        "loss {first:.4} -> {last:.4}, accuracy {:.1}%, {:.1} ms per epoch{}; replicas identical",
+        "loss {first:.4} -> {last:.4}, accuracy {:.1}%, {:.2} ms per epoch{}; replicas identical",
         100.0 * model::accuracy(&cfg, &params, &data),
         elapsed.as_secs_f64() * 1e3 / args.epochs.max(1) as f64,
         if captured.is_some() {
@@ -203,9 +254,14 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
                 .into(),
         );
     }
-    let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
+    let cluster = Arc::new(
+        Cluster::builder()
+            .cpu_devices(args.devices)
+            .kernel_mode(args.kernel_mode())
+            .spawn()?,
+    );
     let (rank, ranks) = (cluster.rank(), cluster.size());
-    let cfg = model::ModelConfig::default();
+    let cfg = args.model();
     let data = model::make_data(&cfg);
     let init = model::init_params(&cfg);
     let dp = model::DataParallel::on_cluster(cluster.clone(), &cfg, &data, &init, strategy)?;

@@ -36,11 +36,13 @@ pub(crate) const CUDA_ON_CPU: &str =
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelMode {
-    /// Matmuls on `matrixmultiply`'s blocked kernels (`f32`, `f64`): 4-6x the exact
-    /// loops. Results differ from [`KernelMode::Exact`] by rounding only: each output
-    /// within `k * eps * Σ_p |a_ip| |b_pj|` of the exact sum (`eps` = 2^-24 for `f32`,
-    /// 2^-53 for `f64`). They may differ between processors of different instruction
-    /// sets (fused multiply-add or not), never between runs on one machine.
+    /// Matmuls on `matrixmultiply`'s blocked kernels, single-threaded (`f16`/`bf16`
+    /// through `f32`): about 7x the exact loops. Results differ from
+    /// [`KernelMode::Exact`] by rounding only: each output within
+    /// `2 k u Σ_p |a_ip b_pj|` of the exact mode's (`u` = 2^-24 for `f32`, `f16` and
+    /// `bf16`, 2^-53 for `f64`), plus one unit in the last place of an `f16`/`bf16`
+    /// output. They may differ between processors of different instruction sets (fused
+    /// multiply-add or not), never between runs on one machine.
     #[default]
     Fast,
     /// Every sum in the documented order of its built-in, one rounding per operation:

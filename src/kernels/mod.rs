@@ -29,10 +29,12 @@
 //! ([`RoutineSpec::with_index`]) whose values each schedule gives, snapshotted into the
 //! plan ([`Bindings`]; the `bindings` module explains why and how each backend passes them).
 //!
-//! **Determinism.** Every CPU built-in runs sequentially, with a fixed order of
-//! floating-point operations (documented per built-in), no fused multiply-add and no
-//! threads, so results are bitwise reproducible. `f16` and `bf16` arithmetic converts each
-//! element to `f32`, computes in `f32` and rounds the result back (ties to even).
+//! **Determinism.** Every CPU built-in runs sequentially, without threads, so results are
+//! bitwise reproducible. In [`KernelMode::Exact`] each follows the order of floating-point
+//! operations documented per built-in, without fused multiply-adds; the default
+//! [`KernelMode::Fast`] runs the matmuls on blocked kernels instead (DESIGN.md §5). `f16`
+//! and `bf16` arithmetic converts each element to `f32`, computes in `f32` and rounds the
+//! result back (ties to even).
 
 mod args;
 mod bindings;

@@ -54,7 +54,6 @@ pub fn config(setup: &Setup) -> EngineConfig {
             pool_bytes: setup.pool_bytes,
             ..Default::default()
         },
-        ..EngineConfig::default()
     }
 }
 

@@ -8,6 +8,7 @@ use std::{
 
 use tributary::{
     backend::cpu::{CpuBackend, CpuConfig},
+    kernels::KernelMode,
     DType, DeviceId, Error, Result, StreamId, TensorNode,
 };
 
@@ -37,6 +38,9 @@ pub struct ClusterConfig {
     pub direct_max_bytes: usize,
     /// Largest message of the ring, in bytes (default 1 MiB).
     pub chunk_bytes: usize,
+    /// How this rank's CPU built-ins order their sums (default `Fast`). Replicas stay
+    /// identical across ranks in either mode: an all-reduce gives every rank the same bits.
+    pub kernel_mode: KernelMode,
 }
 
 impl Default for ClusterConfig {
@@ -48,6 +52,7 @@ impl Default for ClusterConfig {
             algorithm: CrossRankAlgorithm::Auto,
             direct_max_bytes: 16 << 10,
             chunk_bytes: 1 << 20,
+            kernel_mode: KernelMode::Fast,
         }
     }
 }
@@ -80,6 +85,12 @@ impl ClusterBuilder {
     /// The cross-rank algorithm ([`ClusterConfig::algorithm`]).
     pub fn algorithm(mut self, algorithm: CrossRankAlgorithm) -> Self {
         self.config.algorithm = algorithm;
+        self
+    }
+
+    /// How the CPU built-ins order their sums ([`ClusterConfig::kernel_mode`]).
+    pub fn kernel_mode(mut self, mode: KernelMode) -> Self {
+        self.config.kernel_mode = mode;
         self
     }
 
@@ -139,7 +150,9 @@ impl ClusterBuilder {
             let backend: Arc<dyn tributary::backend::Backend> = Arc::new(CpuBackend::with_config(
                 DeviceId(0),
                 c.cpu_devices,
-                CpuConfig::default().with_dedicated_stream(network_stream),
+                CpuConfig::default()
+                    .with_dedicated_stream(network_stream)
+                    .with_kernel_mode(c.kernel_mode),
             )?);
             let sys = System::builder()
                 .cpu_devices(c.cpu_devices)

@@ -100,9 +100,10 @@
 //! [`Backend::check_routine`] refuses at link a shader whose push constants exceed the
 //! device's `maxPushConstantsSize`).
 //!
-//! **Results against the CPU backend.** Fill, copy, copy-range, memset and the integer
-//! kernels are bitwise equal. The element-wise float kernels, matmuls and `sum_rows`
-//! perform the same operations in the same order in the same precision, and are bitwise
+//! **Results against the CPU backend** (in its exact kernel mode, DESIGN.md §5). Fill, copy,
+//! copy-range, memset and the integer kernels are bitwise equal. The element-wise float
+//! kernels, matmuls and `sum_rows` perform the same operations in the same order in the
+//! same precision, and are bitwise
 //! equal on lavapipe (the conformance suite checks it); a driver that contracts multiply-adds
 //! into FMAs or flushes denormals may differ in the last bits (for sums: relative to the sum
 //! of the terms' magnitudes). `softmax_xent`
