@@ -16,6 +16,7 @@ use clap::Parser;
 use tributary::{
     backend::cpu::CpuConfig,
     kernels::{self, KernelMode, RoutineSpec},
+    protocol::Routine,
     DType, Element, Engine, EngineConfig, MergeBufferUse, Result, TensorNode,
 };
 
@@ -81,10 +82,15 @@ fn builtin_time<T: Element>(
         }
     }
     let r = e.link(&ctx, spec)?;
+    schedule_time(&mut e, &r, runs, reps)
+}
+
+/// Seconds per run of `r`: `reps` schedules back to back, then `sync_all`.
+fn schedule_time(e: &mut Engine, r: &Routine, runs: usize, reps: usize) -> Result<f64> {
     let mut failed = None;
     let t = timed(runs, reps, |n| {
         for _ in 0..n {
-            if let Err(err) = e.schedule(&r) {
+            if let Err(err) = e.schedule(r) {
                 failed = Some(err);
             }
         }
@@ -111,18 +117,7 @@ fn add_merge_time(n: usize, runs: usize, reps: usize) -> Result<f64> {
     let merge = e.link(&c0, kernels::add_merge(&g)?)?;
     e.device_to_device(&g, &c1, merge.context(), MergeBufferUse::Copy)?;
     e.sync_all()?;
-    let mut failed = None;
-    let t = timed(runs, reps, |k| {
-        for _ in 0..k {
-            if let Err(err) = e.schedule(&merge) {
-                failed = Some(err);
-            }
-        }
-        if let Err(err) = e.sync_all() {
-            failed = Some(err);
-        }
-    });
-    failed.map_or(Ok(t), Err)
+    schedule_time(&mut e, &merge, runs, reps)
 }
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -151,7 +146,7 @@ fn matmuls(args: &Args) -> Result<()> {
                     let mut c = vec![0f32; n * n];
                     timed(args.runs, reps, |r| {
                         for _ in 0..r {
-                            sgemm(n, &a, &b, &mut c);
+                            gemm(matrixmultiply::sgemm, (1.0, 0.0), n, &a, &b, &mut c);
                             black_box(&mut c);
                         }
                     })
@@ -161,7 +156,7 @@ fn matmuls(args: &Args) -> Result<()> {
                     let mut c = vec![0f64; n * n];
                     timed(args.runs, reps, |r| {
                         for _ in 0..r {
-                            dgemm(n, &a, &b, &mut c);
+                            gemm(matrixmultiply::dgemm, (1.0, 0.0), n, &a, &b, &mut c);
                             black_box(&mut c);
                         }
                     })
@@ -203,52 +198,31 @@ fn matmuls(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn sgemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    assert!(a.len() == n * n && b.len() == n * n && c.len() == n * n);
-    let s = n as isize;
-    // SAFETY: three distinct n x n row-major buffers (checked above), strides (n, 1).
-    unsafe {
-        matrixmultiply::sgemm(
-            n,
-            n,
-            n,
-            1.0,
-            a.as_ptr(),
-            s,
-            1,
-            b.as_ptr(),
-            s,
-            1,
-            0.0,
-            c.as_mut_ptr(),
-            s,
-            1,
-        )
-    }
-}
+/// `matrixmultiply::sgemm` or `dgemm`.
+type GemmFn<T> = unsafe fn(
+    usize,
+    usize,
+    usize,
+    T,
+    *const T,
+    isize,
+    isize,
+    *const T,
+    isize,
+    isize,
+    T,
+    *mut T,
+    isize,
+    isize,
+);
 
-fn dgemm(n: usize, a: &[f64], b: &[f64], c: &mut [f64]) {
+/// `c = a b` for `n x n` row-major matrices through `f`.
+fn gemm<T: Copy>(f: GemmFn<T>, (one, zero): (T, T), n: usize, a: &[T], b: &[T], c: &mut [T]) {
     assert!(a.len() == n * n && b.len() == n * n && c.len() == n * n);
     let s = n as isize;
-    // SAFETY: as in `sgemm`.
-    unsafe {
-        matrixmultiply::dgemm(
-            n,
-            n,
-            n,
-            1.0,
-            a.as_ptr(),
-            s,
-            1,
-            b.as_ptr(),
-            s,
-            1,
-            0.0,
-            c.as_mut_ptr(),
-            s,
-            1,
-        )
-    }
+    let (a, b, c) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    // SAFETY: three distinct n x n row-major buffers (checked above), strides (n, 1).
+    unsafe { f(n, n, n, one, a, s, 1, b, s, 1, zero, c, s, 1) }
 }
 
 /// An element-wise built-in and the loop a user would write instead.

@@ -60,13 +60,38 @@
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
-/// `mutant!("rule")` is true when the engine is compiled with
-/// `--cfg tributary_mutant="rule"`: the protocol rule of that name is then switched off, so
-/// the loom models and engine tests can prove they notice its absence.
+/// `mutant!("rule")` is true when the protocol rule of that name is switched off, so the
+/// loom models and engine tests can prove they notice its absence: when the engine is
+/// compiled with `--cfg tributary_mutant="rule"` (`TRIBUTARY_MUTANT=rule`, through
+/// `build.rs`), or, in a build with every mutant (`TRIBUTARY_MUTANTS=1`, `--cfg
+/// tributary_mutants`), when the process runs with `TRIBUTARY_ACTIVE_MUTANT=rule`. One such
+/// build serves the whole mutation check (`loom_tests/run.sh`).
+#[cfg(not(tributary_mutants))]
 macro_rules! mutant {
     ($rule:literal) => {
         cfg!(tributary_mutant = $rule)
     };
+}
+
+/// See the other definition: the rule is also chosen when the process starts.
+#[cfg(tributary_mutants)]
+macro_rules! mutant {
+    ($rule:literal) => {
+        cfg!(tributary_mutant = $rule) || $crate::mutants::active($rule)
+    };
+}
+
+/// The run-time choice of a mutant, in a build with every mutant (`--cfg
+/// tributary_mutants`, never a normal build).
+#[cfg(tributary_mutants)]
+#[doc(hidden)]
+pub mod mutants {
+    /// Whether `rule` is the mutant this process runs (`TRIBUTARY_ACTIVE_MUTANT`, read once:
+    /// plain `std`, not the loom shim, so it adds no interleaving to a model).
+    pub fn active(rule: &str) -> bool {
+        static ACTIVE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        ACTIVE.get_or_init(|| std::env::var("TRIBUTARY_ACTIVE_MUTANT").unwrap_or_default()) == rule
+    }
 }
 
 pub mod backend;

@@ -48,31 +48,27 @@ pub(super) trait Gemm: Num {
     );
 }
 
-impl Gemm for f32 {
-    unsafe fn gemm(
-        (m, k, n): (usize, usize, usize),
-        (a, rsa, csa): (*const f32, isize, isize),
-        (b, rsb, csb): (*const f32, isize, isize),
-        (c, rsc, csc): (*mut f32, isize, isize),
-    ) {
-        // SAFETY: the caller's contract is `sgemm`'s: operands in bounds for the given
-        // dimensions and strides, `c` writable and not overlapping `a` or `b`. With
-        // `beta = 0` `c` is only written, never read.
-        unsafe { matrixmultiply::sgemm(m, k, n, 1.0, a, rsa, csa, b, rsb, csb, 0.0, c, rsc, csc) }
-    }
+/// `Gemm` through one of `matrixmultiply`'s functions.
+macro_rules! gemm_through {
+    ($t:ty, $f:path) => {
+        impl Gemm for $t {
+            unsafe fn gemm(
+                (m, k, n): (usize, usize, usize),
+                (a, rsa, csa): (*const $t, isize, isize),
+                (b, rsb, csb): (*const $t, isize, isize),
+                (c, rsc, csc): (*mut $t, isize, isize),
+            ) {
+                // SAFETY: the caller's contract is the library's: operands in bounds for the
+                // given dimensions and strides, `c` writable and not overlapping `a` or `b`.
+                // With `beta = 0` `c` is only written, never read.
+                unsafe { $f(m, k, n, 1.0, a, rsa, csa, b, rsb, csb, 0.0, c, rsc, csc) }
+            }
+        }
+    };
 }
 
-impl Gemm for f64 {
-    unsafe fn gemm(
-        (m, k, n): (usize, usize, usize),
-        (a, rsa, csa): (*const f64, isize, isize),
-        (b, rsb, csb): (*const f64, isize, isize),
-        (c, rsc, csc): (*mut f64, isize, isize),
-    ) {
-        // SAFETY: as for `f32`: the caller's contract is `dgemm`'s.
-        unsafe { matrixmultiply::dgemm(m, k, n, 1.0, a, rsa, csa, b, rsb, csb, 0.0, c, rsc, csc) }
-    }
-}
+gemm_through!(f32, matrixmultiply::sgemm);
+gemm_through!(f64, matrixmultiply::dgemm);
 
 /// Runs a matmul of `layout` in `mode`: `c[m,n] = op(a) op(b)`.
 ///
