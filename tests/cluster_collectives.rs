@@ -19,9 +19,11 @@ mod bodies {
     use std::{sync::Arc, time::Duration};
 
     use tributary::{
+        backend::cpu::CpuConfig,
         collective::{ReduceOp, Strategy},
         half::{bf16, f16},
-        kernels, DType, Element, MemoryMode, TensorNode,
+        kernels::{self, KernelMode},
+        DType, Element, MemoryMode, TensorNode,
     };
     use tributary_actors::{
         cluster::{Cluster, ClusterConfig, CrossRankAlgorithm},
@@ -56,6 +58,10 @@ mod bodies {
         c.cpu_devices = devices;
         c.algorithm = algorithm;
         c.deadline = Duration::from_secs(60);
+        // The exact kernel mode: `data_parallel_step` compares the replicas with a
+        // full-batch step on one device, whose sums differ from the sharded ones only by
+        // their order there (the fast mode's blocked matmuls add their own rounding).
+        c.kernel_mode = KernelMode::Exact;
         c
     }
 
@@ -372,7 +378,11 @@ mod bodies {
         };
         let data = model::make_data(&cfg);
         let init = model::init_params(&cfg);
-        let single_sys = System::builder().cpu_devices(1).spawn().expect("system");
+        let single_sys = System::builder()
+            .cpu_devices(1)
+            .cpu(CpuConfig::default().with_kernel_mode(KernelMode::Exact))
+            .spawn()
+            .expect("system");
         let single = model::DataParallel::new(&single_sys, &cfg, 1, &data, &init, Strategy::Star)
             .expect("single");
         single.step().expect("step");

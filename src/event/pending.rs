@@ -1,0 +1,400 @@
+//! Events planned later, by another actor: [`PendingEvent`], and the one-shot cell behind
+//! it ([`Oneshot`]).
+//!
+//! # Why
+//!
+//! A host call that touches two devices (a copy from device A to device B) is split into
+//! one part per device, posted to both mailboxes at once (see [`crate::dispatch`]). Each
+//! device plans its part when it reaches it in its own mailbox order, without waiting for
+//! the other: A records the copy as a reader of its source buffer *before* B has planned
+//! the copy and given it a sequence number. What A records is a [`PendingEvent`]: "the
+//! operation that B plans for this call, on B's stream `s`". A later write of the source on
+//! A waits for it like for any event ([`PendingEvent::event`]): first for B to plan it, then
+//! for its completion. The same cell is what `System::schedule` hands back at once (the
+//! device actor fills it in when it plans the routine).
+//!
+//! # Rules
+//!
+//! - A pending event names its stream (its timeline) from the start; only the sequence
+//!   number is decided later, by the one actor that owns the [`SeqPromise`].
+//! - A promise resolves once. A refused operation (bad input the device found in its
+//!   tables) resolves to the *last sequence number issued on its stream* together with the
+//!   typed error: as a use of a buffer it is then over as soon as everything issued before
+//!   it on that stream is, which keeps the tables' "one use per stream, later supersedes
+//!   earlier" rule true (a refused operation never releases an earlier use of the same
+//!   stream it superseded).
+//! - A promise dropped unresolved (its actor stopped or panicked) resolves to
+//!   [`MAX_SEQ`]: that stream's timeline is poisoned in both cases, so a wait on it ends
+//!   with the poison cause instead of hanging, and the ticket reports
+//!   [`Error::ShutDown`].
+//!
+//! Everything synchronises through [`crate::sync`], so the loom models check these cells
+//! with the protocol.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+use crate::{
+    error::{Error, Result},
+    event::{Event, Timeline, MAX_SEQ},
+    ids::StreamId,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Condvar, Mutex,
+    },
+};
+
+/// A value set once by one party and read by any number of others: blocking, with a
+/// deadline, or asynchronously (wakers).
+pub struct Oneshot<T> {
+    /// Set (Release) after the value is stored, for lock-free polling.
+    ready: AtomicBool,
+    state: Mutex<OneshotState<T>>,
+    cond: Condvar,
+}
+
+struct OneshotState<T> {
+    value: Option<T>,
+    wakers: Vec<Waker>,
+    blocked: usize,
+}
+
+impl<T: Clone> Oneshot<T> {
+    /// An empty cell.
+    pub fn new() -> Arc<Oneshot<T>> {
+        Arc::new(Oneshot {
+            ready: AtomicBool::new(false),
+            state: Mutex::new(OneshotState {
+                value: None,
+                wakers: Vec::new(),
+                blocked: 0,
+            }),
+            cond: Condvar::new(),
+        })
+    }
+
+    /// Stores `value` if the cell is empty (the first value wins) and wakes every waiter.
+    /// Returns whether this call set it.
+    pub fn set(&self, value: T) -> bool {
+        let wakers = {
+            let mut s = self.state.lock();
+            if s.value.is_some() {
+                return false;
+            }
+            s.value = Some(value);
+            // Release: a reader that sees `ready` also sees the value (it reads it under
+            // the lock anyway; the flag only spares the lock).
+            self.ready.store(true, Ordering::Release);
+            if s.blocked > 0 {
+                self.cond.notify_all();
+            }
+            std::mem::take(&mut s.wakers)
+        };
+        for w in wakers {
+            w.wake();
+        }
+        true
+    }
+
+    /// Whether the value is set.
+    pub fn is_set(&self) -> bool {
+        // Acquire: pairs with the Release in `set`.
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// The value, if set.
+    pub fn get(&self) -> Option<T> {
+        if !self.is_set() {
+            return None;
+        }
+        self.state.lock().value.clone()
+    }
+
+    /// Blocks until the value is set (or `deadline` passes: `None`).
+    pub fn wait_deadline(&self, deadline: Option<Instant>) -> Option<T> {
+        if let Some(v) = self.get() {
+            return Some(v);
+        }
+        let mut s = self.state.lock();
+        s.blocked += 1;
+        let out = loop {
+            if let Some(v) = &s.value {
+                break Some(v.clone());
+            }
+            s = match deadline {
+                None => self.cond.wait(s),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        break None;
+                    }
+                    self.cond.wait_timeout(s, d - now).0
+                }
+            };
+        };
+        s.blocked -= 1;
+        out
+    }
+
+    /// Blocks until the value is set.
+    pub fn wait(&self) -> T {
+        match self.wait_deadline(None) {
+            Some(v) => v,
+            // `wait_deadline(None)` only returns with a value.
+            None => unreachable!("an unbounded wait returned without a value"),
+        }
+    }
+
+    /// The value if set; otherwise registers `waker` to be woken when it is.
+    pub fn poll_get(&self, waker: &Waker) -> Option<T> {
+        if let Some(v) = self.get() {
+            return Some(v);
+        }
+        let mut s = self.state.lock();
+        if let Some(v) = &s.value {
+            return Some(v.clone());
+        }
+        if !s.wakers.iter().any(|w| w.will_wake(waker)) {
+            s.wakers.push(waker.clone());
+        }
+        None
+    }
+}
+
+impl<T> fmt::Debug for Oneshot<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Oneshot")
+            .field("set", &self.ready.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// How the operation behind a [`PendingEvent`] was decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Planned {
+    /// Planned as operation `seq` of the stream.
+    At(u64),
+    /// Refused with this error; nothing was planned. The sequence number is the last one
+    /// issued on the stream before the refusal (see the module documentation).
+    Refused(u64, Error),
+}
+
+impl Planned {
+    /// The sequence number a dependency on the operation waits for.
+    pub fn seq(&self) -> u64 {
+        match self {
+            Planned::At(seq) | Planned::Refused(seq, _) => *seq,
+        }
+    }
+}
+
+/// An operation that an actor will plan on a known stream; see the module documentation.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct PendingEvent {
+    timeline: Arc<Timeline>,
+    cell: Arc<Oneshot<Planned>>,
+}
+
+/// The deciding side of a [`PendingEvent`]: only the actor that plans the operation holds
+/// it. Dropped unresolved, it resolves the event as refused at [`MAX_SEQ`] with
+/// [`Error::ShutDown`].
+pub struct SeqPromise {
+    cell: Option<Arc<Oneshot<Planned>>>,
+}
+
+impl PendingEvent {
+    /// A pending operation on `timeline`'s stream and the promise that decides it.
+    pub(crate) fn new(timeline: Arc<Timeline>) -> (PendingEvent, SeqPromise) {
+        let cell = Oneshot::new();
+        (
+            PendingEvent {
+                timeline,
+                cell: cell.clone(),
+            },
+            SeqPromise { cell: Some(cell) },
+        )
+    }
+
+    /// The stream the operation runs on.
+    pub fn stream(&self) -> StreamId {
+        self.timeline.stream()
+    }
+
+    /// How the operation was decided, once it was.
+    pub fn planned(&self) -> Option<Planned> {
+        self.cell.get()
+    }
+
+    /// Blocks until the operation is decided; `None` if `deadline` passed first.
+    pub fn wait_planned(&self, deadline: Option<Instant>) -> Option<Planned> {
+        self.cell.wait_deadline(deadline)
+    }
+
+    /// The operation's event once planned, or the error that refused it.
+    pub fn outcome(&self) -> Option<Result<Event>> {
+        self.planned().map(|p| self.to_event(p))
+    }
+
+    fn to_event(&self, planned: Planned) -> Result<Event> {
+        match planned {
+            Planned::At(seq) => Ok(Event::new(self.timeline.clone(), seq)),
+            Planned::Refused(_, e) => Err(e),
+        }
+    }
+
+    /// Waits asynchronously until the operation is decided: its event, or the error that
+    /// refused it.
+    pub fn planned_async(&self) -> PlannedFuture {
+        PlannedFuture {
+            pending: self.clone(),
+        }
+    }
+
+    /// This operation as an [`Event`]: a use of a buffer that is over once the operation
+    /// is planned and complete (or refused, and everything issued before it on its stream
+    /// complete).
+    pub fn event(&self) -> Event {
+        Event::deferred(self.timeline.clone(), self.cell.clone())
+    }
+}
+
+impl fmt::Debug for PendingEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.planned() {
+            Some(Planned::At(seq)) => write!(f, "{}#{seq}", self.stream()),
+            Some(Planned::Refused(_, e)) => write!(f, "{}#refused({e})", self.stream()),
+            None => write!(f, "{}#?", self.stream()),
+        }
+    }
+}
+
+impl SeqPromise {
+    /// Decides the operation.
+    pub fn resolve(mut self, planned: Planned) {
+        if let Some(cell) = self.cell.take() {
+            cell.set(planned);
+        }
+    }
+}
+
+impl Drop for SeqPromise {
+    fn drop(&mut self) {
+        if let Some(cell) = self.cell.take() {
+            cell.set(Planned::Refused(
+                MAX_SEQ,
+                Error::ShutDown("the actor stopped before planning the operation".into()),
+            ));
+        }
+    }
+}
+
+impl fmt::Debug for SeqPromise {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SeqPromise")
+    }
+}
+
+/// The future of [`PendingEvent::planned_async`].
+#[must_use = "futures do nothing unless polled"]
+#[derive(Debug)]
+pub struct PlannedFuture {
+    pending: PendingEvent,
+}
+
+impl Future for PlannedFuture {
+    type Output = Result<Event>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Event>> {
+        match self.pending.cell.poll_get(cx.waker()) {
+            Some(p) => Poll::Ready(self.pending.to_event(p)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests {
+    use super::*;
+    use crate::ids::DeviceId;
+    use std::time::Duration;
+
+    fn timeline() -> Arc<Timeline> {
+        Timeline::new(StreamId {
+            device: DeviceId(1),
+            index: 0,
+        })
+    }
+
+    #[test]
+    fn a_deferred_event_waits_to_be_planned_then_for_completion() {
+        let t = timeline();
+        let (pending, promise) = PendingEvent::new(t.clone());
+        let event = pending.event();
+        assert!(!event.is_done());
+        assert!(event.status().is_pending());
+        assert_eq!(format!("{pending:?}"), "d1s0#?");
+        let waiter = {
+            let event = event.clone();
+            std::thread::spawn(move || event.wait())
+        };
+        promise.resolve(Planned::At(2));
+        assert!(!event.is_done(), "planned, not complete");
+        t.signal(2);
+        assert_eq!(waiter.join().expect("waiter"), Ok(()));
+        assert!(event.is_done());
+        assert_eq!(event.seq(), 2);
+        assert_eq!(pending.outcome(), Some(Ok(Event::new(t, 2))));
+    }
+
+    #[test]
+    fn a_refused_operation_is_over_once_its_stream_caught_up_and_reports_its_error() {
+        let t = timeline();
+        let (pending, promise) = PendingEvent::new(t.clone());
+        let refusal = Error::ShutDown("refused for the test".into());
+        promise.resolve(Planned::Refused(3, refusal.clone()));
+        assert_eq!(pending.outcome(), Some(Err(refusal)));
+        let event = pending.event();
+        assert!(
+            !event.is_done(),
+            "operation 3 of the stream is still pending"
+        );
+        t.signal(3);
+        assert!(event.is_done());
+    }
+
+    #[test]
+    fn a_dropped_promise_fails_waiters_instead_of_hanging() {
+        let t = timeline();
+        let (pending, promise) = PendingEvent::new(t.clone());
+        drop(promise);
+        assert!(matches!(pending.outcome(), Some(Err(Error::ShutDown(_)))));
+        // The actor that dropped it poisons its streams: the wait ends.
+        t.poison(std::sync::Arc::new(crate::Failure {
+            stream: t.stream(),
+            seq: 1,
+            operation: "actor".into(),
+            message: "stopped".into(),
+        }));
+        assert!(pending
+            .event()
+            .wait_timeout(Duration::from_secs(5))
+            .is_err());
+    }
+
+    #[test]
+    fn oneshot_first_value_wins_and_wakes_async_waiters() {
+        let cell = Oneshot::<u32>::new();
+        let fut = PlannedFuture {
+            pending: PendingEvent::new(timeline()).0,
+        };
+        drop(fut);
+        assert!(cell.set(1));
+        assert!(!cell.set(2));
+        assert_eq!(cell.get(), Some(1));
+        assert_eq!(cell.wait(), 1);
+    }
+}
