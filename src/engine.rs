@@ -27,17 +27,7 @@ use crate::{
     protocol::{Context, DeviceState, HostTable, Plan, Routine, TableSizes},
 };
 
-/// How a device-to-device operation delivers the node (DESIGN.md §2, "Merge buffer").
-#[derive(Clone, Debug)]
-pub enum MergeBufferUse {
-    /// Copy into the node's own buffer in the destination context.
-    No,
-    /// Copy into the destination stream's merge buffer.
-    Copy,
-    /// No copy: schedule this routine (linked in the destination context, expecting the
-    /// node as its merge input) reading the source buffer in place.
-    StreamingFor(Routine),
-}
+pub use crate::protocol::MergeBufferUse;
 
 /// Configuration of an [`Engine`] on the CPU backend.
 #[derive(Clone, Debug, Serialize, Deserialize)]

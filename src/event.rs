@@ -84,7 +84,9 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Failure, Result};
 use crate::ids::StreamId;
-use crate::pending::{Oneshot, Planned};
+
+pub mod pending;
+use self::pending::{Oneshot, Planned};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{spin::SpinWait, Arc, Condvar, Mutex};
 
@@ -583,7 +585,7 @@ impl fmt::Debug for Timeline {
 ///
 /// An event can also be *deferred* ([`crate::pending::PendingEvent::event`]): an operation
 /// that another actor will plan on a known stream. Until it is planned it is pending; then
-/// it is the event it was planned as (see `src/pending.rs` for a refused operation).
+/// it is the event it was planned as (see `src/event/pending.rs` for a refused operation).
 #[derive(Clone)]
 pub struct Event {
     timeline: Arc<Timeline>,

@@ -104,18 +104,18 @@ pub mod ids;
 pub mod kernels;
 pub mod memory;
 pub mod node;
-pub mod pending;
 pub mod protocol;
 pub mod replay;
 pub mod sync;
 pub mod trace;
 
-pub use engine::{Capture, Engine, EngineConfig, MergeBufferUse};
+pub use engine::{Capture, Engine, EngineConfig};
 pub use error::{DeviceError, Error, Failure, Invalidation, Result};
-pub use event::{Event, EventStatus, Timeline};
+pub use event::{pending, Event, EventStatus, Timeline};
 /// The `half` crate behind [`F16`] and [`Bf16`] (e.g. `half::slice::HalfFloatSliceExt` for
 /// bulk conversions).
 pub use half;
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
 pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};
+pub use protocol::MergeBufferUse;
 pub use replay::{Step, StepBindings};

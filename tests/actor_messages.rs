@@ -42,8 +42,8 @@ async fn schedule(sys: &System, addr: &Addr<DeviceActor>, routine: &Routine) {
     ticket.wait_async().await.expect("scheduled routine ran");
 }
 
-async fn finalize(sys: &System, addr: &Addr<DeviceActor>, ctx: &Context) {
-    let msg = Finalize::new(sys, ctx.clone());
+async fn finalize(addr: &Addr<DeviceActor>, ctx: &Context) {
+    let msg = Finalize::new(ctx.clone());
     delivered(addr.send(msg).await)
         .and_then(|r| r)
         .expect("finalize");
@@ -75,7 +75,6 @@ fn a_host_running_actix_drives_the_system_with_public_messages() {
         schedule(&sys, &d0, &fill0).await;
         schedule(&sys, &d1, &fill1).await;
         let msg = DeviceToDevice::new(
-            &sys,
             g.clone(),
             fill1.context().clone(),
             merge0.context().clone(),
@@ -97,7 +96,6 @@ fn a_host_running_actix_drives_the_system_with_public_messages() {
             ]);
         }
         let msg = AllReduce::new(
-            &sys,
             collective::plan(2, 1, Strategy::Star, ReduceOp::Sum),
             vec![g.clone()],
             contexts.clone(),
@@ -124,7 +122,7 @@ fn a_host_running_actix_drives_the_system_with_public_messages() {
         last.wait_timeout(T).expect("d1s0 done");
         for (addr, routines) in [(&d0, &merge[0]), (&d1, &merge[1])] {
             for r in routines {
-                finalize(&sys, addr, r.context()).await;
+                finalize(addr, r.context()).await;
             }
         }
         for (addr, ctx) in [
@@ -134,7 +132,7 @@ fn a_host_running_actix_drives_the_system_with_public_messages() {
             (&d1, fill1.context()),
             (&d1, &r1),
         ] {
-            finalize(&sys, addr, ctx).await;
+            finalize(addr, ctx).await;
         }
     });
     sys.sync().expect("sync");

@@ -755,7 +755,6 @@ fn all_reduce(w: &mut World, spoil: impl FnOnce(&mut AllReduce)) -> Result<(), E
     let (g, merge, m01) = (w.g.clone(), w.merge.clone(), w.m01.clone());
     let m = raw(w);
     let mut msg = AllReduce::new(
-        m.system(),
         vec![Step::Reduce {
             chunk: 0,
             src: 0,
@@ -823,7 +822,7 @@ fn message_cases() -> Vec<Case> {
             |w| {
                 let ctx = w.plain01.context().clone();
                 let m = raw(w);
-                let msg = Finalize::new(m.system(), ctx);
+                let msg = Finalize::new(ctx);
                 m.ask(1, msg)?
             },
         ),
@@ -833,7 +832,7 @@ fn message_cases() -> Vec<Case> {
             |w| {
                 let (ctx, node) = (w.r01.clone(), w.w.clone());
                 let m = raw(w);
-                let msg = InitFromHost::new(m.system(), ctx, node);
+                let msg = InitFromHost::new(ctx, node);
                 m.ask(1, msg)?.map(drop)
             },
         ),
@@ -844,7 +843,7 @@ fn message_cases() -> Vec<Case> {
             |w| {
                 let (ctx, node) = (w.r01.clone(), w.g.clone());
                 let m = raw(w);
-                let msg = InitFromHost::new(m.system(), ctx, node);
+                let msg = InitFromHost::new(ctx, node);
                 m.ask(0, msg)?.map(drop)
             },
         ),

@@ -1,4 +1,4 @@
-//! Configuration of a [`System`]: how many devices and streams, pools, mailboxes, which
+//! Configuration of a [`System`](crate::System): how many devices and streams, pools, mailboxes, which
 //! backend; read from TOML or JSON, or built with [`SystemBuilder`].
 
 use std::{path::Path, sync::Arc};
@@ -9,8 +9,6 @@ use tributary::{
     memory::PoolConfig,
     Error, Result,
 };
-
-use crate::system::System;
 
 /// How many streams each device gets (OCANNL's `config`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,10 +40,10 @@ impl StreamConfig {
     }
 }
 
-/// Configuration of a [`System`], serde-deserialisable (TOML or JSON).
+/// Configuration of a [`System`](crate::System), serde-deserialisable (TOML or JSON).
 ///
 /// New settings may be added in minor releases (`#[non_exhaustive]`): build one with
-/// [`System::builder`], from a document ([`SystemConfig::from_toml_str`]), or from
+/// [`System::builder`](crate::System::builder), from a document ([`SystemConfig::from_toml_str`]), or from
 /// `SystemConfig::default()` and field assignments.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -61,7 +59,7 @@ pub struct SystemConfig {
     pub mailbox_capacity: usize,
     /// How long `shutdown` lets in-flight work finish, in milliseconds.
     pub shutdown_timeout_ms: u64,
-    /// Record a timeline of every operation and wait (see [`System::timeline`]).
+    /// Record a timeline of every operation and wait (see [`System::timeline`](crate::System::timeline)).
     pub record_timeline: bool,
     /// Which backend runs the devices (default: `Cpu`, with `cpu_devices` devices).
     pub backend: BackendKind,
@@ -165,12 +163,12 @@ impl SystemConfig {
     }
 }
 
-/// Builds a [`System`].
+/// Builds a [`System`](crate::System).
 #[derive(Clone, Default)]
 pub struct SystemBuilder {
-    config: SystemConfig,
+    pub(crate) config: SystemConfig,
     /// A backend made by the caller, used instead of creating `config.backend`.
-    instance: Option<Arc<dyn Backend>>,
+    pub(crate) instance: Option<Arc<dyn Backend>>,
 }
 
 impl std::fmt::Debug for SystemBuilder {
@@ -270,7 +268,7 @@ impl SystemBuilder {
         self
     }
 
-    /// Records a timeline of every operation and wait, for [`System::timeline`].
+    /// Records a timeline of every operation and wait, for [`System::timeline`](crate::System::timeline).
     ///
     /// ```
     /// let sys = tributary_actors::System::builder().record_timeline(true).spawn()?;
@@ -331,18 +329,5 @@ impl SystemBuilder {
     pub fn config(mut self, config: SystemConfig) -> Self {
         self.config = config;
         self
-    }
-
-    /// Starts the actor system on its own threads.
-    ///
-    /// ```
-    /// use tributary::backend::BackendKind;
-    /// let sys = tributary_actors::System::builder().spawn()?; // 2 CPU devices x 2 streams
-    /// assert_eq!((sys.device_count(), sys.device(1).stream_count()), (2, 2));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn spawn(self) -> Result<System> {
-        System::spawn(self.config, self.instance)
     }
 }

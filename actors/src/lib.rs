@@ -90,6 +90,7 @@ mod steps;
 mod stream;
 mod system;
 mod ticket;
+mod ticketed;
 
 pub use collective::{AllReducePlan, BucketedAllReduce};
 pub use config::{StreamConfig, SystemBuilder, SystemConfig};

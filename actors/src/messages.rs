@@ -21,8 +21,9 @@
 //!   [`Sweep`], [`IsIdle`], [`GetMemoryStats`], [`GetTableSizes`], [`DebugInfo`];
 //! - coordinator: [`DeviceToDevice`], [`AllReduce`], [`CreateNode`], [`RefineNode`].
 //!
-//! Messages that produce an event are built with `new(&system, ...)`, which hands back the
-//! [`Ticket`] the device will decide. Host arrays (host reads and writes, reads into host
+//! Messages that produce an event ([`Schedule`], [`FromHost`], [`ToHost`]) are built with
+//! `new(&system, ...)`, which hands back the [`Ticket`](crate::Ticket) the device will
+//! decide; the others with `new(...)`. Host arrays (host reads and writes, reads into host
 //! memory) have no message: use the [`crate::System`] methods, which order them with the
 //! device work of every device.
 //!
@@ -43,8 +44,6 @@ use tributary::{
     protocol::{Context, Routine, TableSizes},
     Event, MergeBufferUse, Result, StreamId, TensorNode,
 };
-
-use crate::{system::System, ticket::Ticket};
 
 /// A new root context on stream `stream` of the device.
 #[derive(Message, Debug)]
@@ -263,66 +262,26 @@ pub struct RefineNode {
     pub mode: tributary::MemoryMode,
 }
 
-// ----- Constructors of the messages that produce an event -------------------------------
-
-/// A promise for an operation on `stream` and its ticket; a refused ticket when the
-/// stream is not one of `sys`'s.
-fn promise(sys: &System, stream: StreamId) -> (Option<SeqPromise>, Ticket) {
-    match sys.dispatcher().pending_event(stream) {
-        Ok((pending, promise)) => (Some(promise), Ticket::pending(pending)),
-        Err(e) => (None, Ticket::ready(Err(e))),
-    }
-}
-
-impl Schedule {
-    /// A schedule of `routine` and the ticket its device will decide.
-    pub fn new(sys: &System, routine: Routine) -> (Schedule, Ticket) {
-        let (promise, ticket) = promise(sys, routine.context().stream());
-        (
-            Schedule {
-                routine,
-                bindings: Bindings::none(),
-                promise,
-            },
-            ticket,
-        )
-    }
-}
-
-impl FromHost {
-    /// An upload of `node`'s host array into `ctx`, and its ticket.
-    pub fn new(sys: &System, ctx: Context, node: TensorNode) -> (FromHost, Ticket) {
-        let (promise, ticket) = promise(sys, ctx.stream());
-        (FromHost { ctx, node, promise }, ticket)
-    }
-}
-
-impl ToHost {
-    /// A download of `node`'s buffer in `ctx` into its host array, and its ticket.
-    pub fn new(sys: &System, ctx: Context, node: TensorNode) -> (ToHost, Ticket) {
-        let (promise, ticket) = promise(sys, ctx.stream());
-        (ToHost { ctx, node, promise }, ticket)
-    }
-}
+// The messages whose operation produces an event are made with the system that promises
+// it and its ticket (`Schedule::new`, `FromHost::new`, `ToHost::new`: `ticketed.rs`).
 
 impl InitFromHost {
-    /// An [`InitFromHost`] (kept for symmetry with the other constructors).
-    pub fn new(_sys: &System, ctx: Context, node: TensorNode) -> InitFromHost {
+    /// An [`InitFromHost`].
+    pub fn new(ctx: Context, node: TensorNode) -> InitFromHost {
         InitFromHost { ctx, node }
     }
 }
 
 impl Finalize {
-    /// A [`Finalize`] (kept for symmetry with the other constructors).
-    pub fn new(_sys: &System, ctx: Context) -> Finalize {
+    /// A [`Finalize`].
+    pub fn new(ctx: Context) -> Finalize {
         Finalize { ctx }
     }
 }
 
 impl DeviceToDevice {
-    /// A [`DeviceToDevice`] (kept for symmetry with the other constructors).
+    /// A [`DeviceToDevice`].
     pub fn new(
-        _sys: &System,
         node: TensorNode,
         src: Context,
         dst: Context,
@@ -338,9 +297,8 @@ impl DeviceToDevice {
 }
 
 impl AllReduce {
-    /// An [`AllReduce`] (kept for symmetry with the other constructors).
+    /// An [`AllReduce`].
     pub fn new(
-        _sys: &System,
         steps: Vec<tributary::collective::Step>,
         nodes: Vec<TensorNode>,
         contexts: Vec<Context>,

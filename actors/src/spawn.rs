@@ -16,7 +16,7 @@ use tributary::{
 };
 
 use crate::{
-    config::SystemConfig,
+    config::{SystemBuilder, SystemConfig},
     coordinator::Coordinator,
     device::{DeviceActor, QueueSink},
     stream::StreamActor,
@@ -39,6 +39,21 @@ struct Device {
     id: DeviceId,
     inbox: tributary::sync::Arc<Inbox<DeviceOp>>,
     timelines: Vec<tributary::sync::Arc<Timeline>>,
+}
+
+impl SystemBuilder {
+    /// Starts the actor system on its own threads.
+    ///
+    /// ```
+    /// use tributary::backend::BackendKind;
+    /// let sys = tributary_actors::System::builder().spawn()?; // 2 CPU devices x 2 streams
+    /// assert_eq!((sys.device_count(), sys.device(1).stream_count()), (2, 2));
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn spawn(self) -> Result<System> {
+        System::spawn(self.config, self.instance)
+    }
 }
 
 impl System {

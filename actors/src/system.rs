@@ -26,17 +26,15 @@ use serde::Serialize;
 use tributary::trace::Recorder;
 use tributary::{
     dispatch::{answer, ops::Query, Dispatcher},
-    kernels::RoutineSpec,
     memory::PoolStats,
     protocol::{Context, Routine, TableSizes},
-    DType, Element, Error, HostedKind, MemoryMode, MergeBufferUse, Result, Shape, TensorNode,
+    DType, Error, MergeBufferUse, Result, Shape, TensorNode,
 };
 
 use crate::{
     config::{SystemBuilder, SystemConfig},
     coordinator::Coordinator,
     device::DeviceActor,
-    handles::{ContextHandle, DeviceHandle, RoutineHandle},
     messages::{Abandoned, StopStreams},
     ticket::{block_on, Ticket},
 };
@@ -237,24 +235,6 @@ impl System {
             })
     }
 
-    /// A handle on device `i`.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let ctx = sys.device(1).stream(0).context()?;
-    /// assert_eq!(ctx.device(), tributary::DeviceId(1));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn device(&self, i: usize) -> DeviceHandle {
-        DeviceHandle {
-            sys: self.clone(),
-            index: i,
-        }
-    }
-
     /// The device actor of device `i`, for hosts that send messages directly.
     ///
     /// ```
@@ -311,82 +291,6 @@ impl System {
     }
 
     // ----- contexts, linking, scheduling --------------------------------------------
-
-    /// A root context on `stream` of device `device`.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let ctx = sys.context(1, 1)?;
-    /// assert_eq!(ctx.stream().index, 1);
-    /// assert!(matches!(sys.context(2, 0), Err(Error::NoSuchDevice { index: 2, count: 2 })));
-    /// assert!(matches!(sys.context(0, 5), Err(Error::NoSuchStream { index: 5, .. })));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn context(&self, device: usize, stream: usize) -> Result<ContextHandle> {
-        block_on(self.context_async(device, stream))
-    }
-
-    /// Async [`System::context`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let ctx = block_on(sys.context_async(0, 1))?;
-    /// assert_eq!(ctx.stream().index, 1);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn context_async(&self, device: usize, stream: usize) -> Result<ContextHandle> {
-        self.check_live()?;
-        let ctx = answer(self.dispatcher().new_context(device, stream)?).await?;
-        Ok(ContextHandle {
-            sys: self.clone(),
-            ctx,
-        })
-    }
-
-    /// Links a routine into `ctx`.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let root = sys.context(0, 0)?;
-    /// let fill = sys.link(&root, kernels::fill(&x, 2.0)?)?; // a handle derefs to its context
-    /// assert!(fill.protocol_context().contains(&x));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn link(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
-        block_on(self.link_async(ctx, spec))
-    }
-
-    /// Async [`System::link`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let x = sys.node("x", DType::F32, [4]);
-    /// let root = sys.context(0, 0)?;
-    /// let fill = block_on(sys.link_async(&root, kernels::fill(&x, 2.0)?))?;
-    /// assert!(fill.protocol_context().contains(&x));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn link_async(&self, ctx: &Context, spec: RoutineSpec) -> Result<RoutineHandle> {
-        self.check_live()?;
-        let routine = answer(self.dispatcher().link(ctx, spec)?).await?;
-        Ok(RoutineHandle {
-            sys: self.clone(),
-            routine,
-        })
-    }
 
     /// Schedules a routine. Returns at once, without a round trip to the device actor.
     ///
@@ -483,71 +387,6 @@ impl System {
         Ok(Ticket::pending(
             self.dispatcher().transfer(ctx, node, false)?,
         ))
-    }
-
-    /// Writes `data` as the host value of `node` (made hosted if undecided) and returns a
-    /// child of `ctx` holding a buffer initialised from it.
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::I32, [3]);
-    /// let root = sys.context(1, 0)?;
-    /// let held = sys.init_from_host(&root, &w, &[1i32, 2, 3])?;
-    /// assert_eq!(held.read::<i32>(&w)?, vec![1, 2, 3]);
-    /// assert!(matches!(
-    ///     sys.init_from_host(&held, &w, &[0i32; 3]),
-    ///     Err(Error::AlreadyInContext { .. })
-    /// ));
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub fn init_from_host<T: Element>(
-        &self,
-        ctx: &Context,
-        node: &TensorNode,
-        data: &[T],
-    ) -> Result<ContextHandle> {
-        block_on(self.init_from_host_async(ctx, node, data))
-    }
-
-    /// Async [`System::init_from_host`].
-    ///
-    /// ```
-    /// # use tributary::{kernels, DType, Error, MemoryMode, MergeBufferUse};
-    /// # use tributary_actors::{block_on, System};
-    /// # let sys = System::builder().cpu_devices(2).spawn()?;
-    /// let w = sys.node("w", DType::F32, [2]);
-    /// let root = sys.context(0, 0)?;
-    /// let held = block_on(sys.init_from_host_async(&root, &w, &[1.0f32, 2.0]))?;
-    /// assert_eq!(held.read::<f32>(&w)?, vec![1.0, 2.0]);
-    /// # sys.shutdown()?;
-    /// # Ok::<(), tributary::Error>(())
-    /// ```
-    pub async fn init_from_host_async<T: Element>(
-        &self,
-        ctx: &Context,
-        node: &TensorNode,
-        data: &[T],
-    ) -> Result<ContextHandle> {
-        node.check_data(T::DTYPE, data.len())?;
-        if ctx.contains(node) {
-            return Err(Error::AlreadyInContext {
-                node: node.to_string(),
-                context: ctx.id(),
-            });
-        }
-        if !node.mode().is_hosted() {
-            node.refine_mode(MemoryMode::Hosted(HostedKind::Unset))?;
-        }
-        self.host_write_async(node, data).await?;
-        self.check_live()?;
-        let child = answer(self.dispatcher().init_from_host(ctx, node)?).await?;
-        Ok(ContextHandle {
-            sys: self.clone(),
-            ctx: child,
-        })
     }
 
     /// Moves `node` from `src` to `dst` (DESIGN.md §3, rule 3). Returns at once: `None`

@@ -1486,11 +1486,11 @@ pub fn device_to_device(
     node: &TensorNode,
     src: &Context,
     dst: &Context,
-    mode: crate::engine::MergeBufferUse,
+    mode: super::MergeBufferUse,
     can_stream: bool,
     host: &mut HostTable,
 ) -> Result<DeviceToDevicePlans> {
-    use crate::engine::MergeBufferUse;
+    use super::MergeBufferUse;
     let count = devices.len();
     let unknown = |index: usize| Error::NoSuchDevice { index, count };
     devices
@@ -1542,12 +1542,12 @@ pub fn device_to_device(
 /// on the destination stream, and the backend can read the source's memory there.
 /// Shared by [`device_to_device`] and the actor coordinator.
 pub fn check_streaming_placement(
-    mode: &crate::engine::MergeBufferUse,
+    mode: &super::MergeBufferUse,
     src: &Context,
     dst: &Context,
     can_stream: bool,
 ) -> Result<()> {
-    let crate::engine::MergeBufferUse::StreamingFor(routine) = mode else {
+    let super::MergeBufferUse::StreamingFor(routine) = mode else {
         return Ok(());
     };
     if routine.context().stream() != dst.stream() {

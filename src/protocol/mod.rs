@@ -9,6 +9,7 @@ pub(crate) mod capture;
 mod context;
 mod device;
 mod host;
+mod merge;
 mod plan;
 mod tables;
 mod unsubmitted;
@@ -21,6 +22,7 @@ pub use device::{
     ReplayProgress, ReplayRun, Source, TableSizes,
 };
 pub use host::{DeviceCopy, HostArrayObserver, HostRecord, HostTable};
+pub use merge::MergeBufferUse;
 pub use plan::OP_STAMPS;
 pub use plan::{
     await_deps, await_deps_observed, current_issue, issue_clock, ArgBinding, Dep, DepKind,

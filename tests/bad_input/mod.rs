@@ -424,7 +424,7 @@ impl Api for MessagesApi {
     fn init_from_host(&mut self, ctx: &Context, node: &TensorNode, data: Data) -> Result<Context> {
         // The host value has no message: write it first, then add the buffer.
         self.host_write(node, data)?;
-        let msg = InitFromHost::new(&self.0, ctx.clone(), node.clone());
+        let msg = InitFromHost::new(ctx.clone(), node.clone());
         delivered(block_on(self.actor_of(ctx)?.send(msg)))?
     }
     fn from_host(&mut self, ctx: &Context, node: &TensorNode) -> Result<Event> {
@@ -442,7 +442,7 @@ impl Api for MessagesApi {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<Event>> {
-        let msg = DeviceToDevice::new(&self.0, node.clone(), src.clone(), dst.clone(), mode);
+        let msg = DeviceToDevice::new(node.clone(), src.clone(), dst.clone(), mode);
         delivered(block_on(self.0.coordinator().send(msg)))?
     }
     fn read(&mut self, ctx: &Context, node: &TensorNode, dtype: DType) -> Result<Values> {
@@ -455,7 +455,7 @@ impl Api for MessagesApi {
         with_data!(data, |v| self.0.host_write(node, &v))
     }
     fn finalize(&mut self, ctx: &Context) -> Result<()> {
-        let msg = Finalize::new(&self.0, ctx.clone());
+        let msg = Finalize::new(ctx.clone());
         delivered(block_on(self.actor_of(ctx)?.send(msg)))?
     }
     fn quiesce(&mut self) -> Result<()> {
