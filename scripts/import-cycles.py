@@ -16,12 +16,6 @@ from pathlib import Path
 
 CRATES = ["src", "actors/src"]
 
-# Cycles known and not yet taken apart (issue 29): each is reported, and fails the check
-# only if it grows. `error` names the kernels' argument errors and index types
-# (`Error::Argument(ArgError)`, `BindingOutOfRange { ty: IndexType }`) and the kernels and
-# nodes return `Error`; taking it apart moves the element types out of `node` and the
-# kernels' argument vocabulary below `error`.
-KNOWN = {"src": [{"error", "kernels", "node"}]}
 COMMENT = re.compile(r"//.*$")
 CRATE = re.compile(r"\bcrate::")
 SUPERS = re.compile(r"(?<![A-Za-z0-9_:])(?:super::)+")
@@ -169,17 +163,13 @@ def main():
                 print(f"{crate}: {a} -> {b}  ({Path(f).relative_to(here)})")
         found = cycles(modules, edges)
         for comp in found:
-            known = set(comp) in KNOWN.get(crate, [])
-            failed |= not known
-            inner = [f"{a} -> {b} ({Path(f).relative_to(here)})"
-                     for (a, b), f in sorted(edges.items()) if a in comp and b in comp]
-            what = "known import cycle (issue 29)" if known else "import cycle"
-            print(f"{crate}: {what} among {', '.join(comp)}:")
-            for line in inner:
-                print(f"    {line}")
-        new = [c for c in found if set(c) not in KNOWN.get(crate, [])]
-        print(f"{crate}: {len(modules)} modules, {len(edges)} edges, "
-              f"{len(new)} new import cycle(s)")
+            failed = True
+            print(f"{crate}: import cycle among {', '.join(comp)}:")
+            for (a, b), f in sorted(edges.items()):
+                if a in comp and b in comp:
+                    print(f"    {a} -> {b} ({Path(f).relative_to(here)})")
+        if not found:
+            print(f"{crate}: {len(modules)} modules, {len(edges)} edges, no import cycle")
     sys.exit(1 if failed else 0)
 
 

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     ids::{BufferLoc, ContextId, DeviceId, StreamId},
-    kernels::ArgError,
+    param::{ArgError, IndexType},
 };
 
 /// Shorthand for results of this crate.
@@ -262,7 +262,7 @@ pub enum Error {
         /// The value given.
         value: i64,
         /// The index's declared type.
-        ty: crate::kernels::IndexType,
+        ty: IndexType,
     },
     /// A shader's push constants (its immediates, then its indices' values) exceed what
     /// the device allows (`maxPushConstantsSize`; 128 bytes on lavapipe); refused at link.

@@ -97,6 +97,7 @@ pub mod mutants {
 pub mod backend;
 pub mod collective;
 pub mod dispatch;
+mod dtype;
 pub mod engine;
 pub mod error;
 pub mod event;
@@ -104,6 +105,7 @@ pub mod ids;
 pub mod kernels;
 pub mod memory;
 pub mod node;
+mod param;
 pub mod protocol;
 pub mod replay;
 pub mod sync;

@@ -34,67 +34,12 @@
 
 use std::{fmt, sync::Arc};
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Error, Result};
 
 /// The most indices one routine may declare (their values live inline in every plan).
 pub const MAX_INDICES: usize = 8;
 
-/// The type of an index: the range its values must fit, and how a GPU kernel receives it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum IndexType {
-    /// `0..=u32::MAX`; WGSL `u32`, C `unsigned int`. The default: indices, offsets and
-    /// steps are rarely negative, and WGSL indexes arrays with `u32`.
-    U32,
-    /// `i32::MIN..=i32::MAX`; WGSL `i32`, C `int`.
-    I32,
-    /// Any `i64`; C `long long`; in WGSL (which has no 64-bit integers without an
-    /// extension) a `vec2<u32>` of the low then the high word (little-endian).
-    I64,
-}
-
-impl IndexType {
-    /// The type's name (`u32`, `i32`, `i64`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            IndexType::U32 => "u32",
-            IndexType::I32 => "i32",
-            IndexType::I64 => "i64",
-        }
-    }
-
-    /// Bytes a value takes in push constants and launch arguments (also its alignment).
-    pub const fn size_in_bytes(self) -> usize {
-        match self {
-            IndexType::U32 | IndexType::I32 => 4,
-            IndexType::I64 => 8,
-        }
-    }
-
-    /// Whether `value` is in the type's range.
-    ///
-    /// ```
-    /// use tributary::kernels::IndexType;
-    /// assert!(IndexType::U32.contains(4_000_000_000));
-    /// assert!(!IndexType::U32.contains(-1));
-    /// assert!(!IndexType::I32.contains(1 << 31));
-    /// assert!(IndexType::I64.contains(i64::MIN));
-    /// ```
-    pub const fn contains(self, value: i64) -> bool {
-        match self {
-            IndexType::U32 => value >= 0 && value <= u32::MAX as i64,
-            IndexType::I32 => value >= i32::MIN as i64 && value <= i32::MAX as i64,
-            IndexType::I64 => true,
-        }
-    }
-}
-
-impl fmt::Display for IndexType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::param::IndexType;
 
 /// One declared index of a routine: its name and type.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

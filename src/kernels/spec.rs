@@ -13,28 +13,7 @@ use crate::{
     node::{DType, TensorNode},
 };
 
-/// How a routine uses one of its nodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Access {
-    /// Only read.
-    Read,
-    /// Only written (every element, before any read of it).
-    Write,
-    /// Read, then written (or read before written, as in `dst += src`).
-    ReadWrite,
-}
-
-impl Access {
-    /// Whether the routine reads the node (`Read` or `ReadWrite`): it is an input.
-    pub const fn reads(self) -> bool {
-        matches!(self, Access::Read | Access::ReadWrite)
-    }
-
-    /// Whether the routine writes the node (`Write` or `ReadWrite`): it is an output.
-    pub const fn writes(self) -> bool {
-        matches!(self, Access::Write | Access::ReadWrite)
-    }
-}
+pub use crate::param::Access;
 
 /// One argument of a routine: a node and how the routine uses it.
 #[derive(Clone, Debug)]
