@@ -41,32 +41,7 @@ impl AllReducePlan {
         transfer: Transfer,
     ) -> Result<AllReducePlan> {
         let contexts: Vec<Context> = contexts.into_iter().map(|c| c.as_ref().clone()).collect();
-        let invalid = |reason: String| Error::InvalidRoutine {
-            routine: "all_reduce".into(),
-            reason,
-        };
-        if contexts.is_empty() || nodes.is_empty() {
-            return Err(invalid("no contexts or no nodes".into()));
-        }
-        for node in nodes {
-            let mut seen = Vec::new();
-            for ctx in &contexts {
-                let entry = ctx
-                    .array(node.id())
-                    .ok_or_else(|| Error::NodeNotInContext {
-                        node: node.to_string(),
-                        context: ctx.id(),
-                    })?;
-                let key = (ctx.device(), entry.loc);
-                if seen.contains(&key) {
-                    return Err(invalid(format!(
-                        "two contexts share the buffer of {node} on {}",
-                        ctx.device()
-                    )));
-                }
-                seen.push(key);
-            }
-        }
+        check_replicas("all_reduce", nodes, &contexts)?;
         let n = contexts.len();
         let mut merge = Vec::with_capacity(n);
         let mut scale = Vec::with_capacity(n);
@@ -186,15 +161,45 @@ impl System {
     }
 }
 
+/// [`Error::InvalidRoutine`] (naming `what`) unless there are contexts and nodes and every
+/// context holds every node in a buffer of its own (two contexts sharing one buffer would
+/// count it twice); [`Error::NodeNotInContext`] for a node a context lacks. Shared by the
+/// in-system and the cluster all-reduces.
+pub(crate) fn check_replicas(what: &str, nodes: &[TensorNode], contexts: &[Context]) -> Result<()> {
+    let invalid = |reason: String| Error::InvalidRoutine {
+        routine: what.into(),
+        reason,
+    };
+    if contexts.is_empty() || nodes.is_empty() {
+        return Err(invalid("no contexts or no nodes".into()));
+    }
+    for node in nodes {
+        let mut seen = Vec::new();
+        for ctx in contexts {
+            let entry = ctx
+                .array(node.id())
+                .ok_or_else(|| Error::NodeNotInContext {
+                    node: node.to_string(),
+                    context: ctx.id(),
+                })?;
+            let key = (ctx.device(), entry.loc);
+            if seen.contains(&key) {
+                return Err(invalid(format!(
+                    "two contexts share the buffer of {node} on {}",
+                    ctx.device()
+                )));
+            }
+            seen.push(key);
+        }
+    }
+    Ok(())
+}
+
 /// Gradients packed into buckets, all-reduced per bucket, and unpacked.
 pub struct BucketedAllReduce {
     sys: System,
-    pub(crate) pack: Vec<Vec<Routine>>,
-    pub(crate) unpack: Vec<Vec<Routine>>,
+    pub(crate) buckets: Buckets,
     pub(crate) reduce: AllReducePlan,
-    /// `contexts()[i]`: a descendant of the i-th given context that holds the buckets.
-    contexts: Vec<Context>,
-    buckets: Vec<TensorNode>,
 }
 
 impl BucketedAllReduce {
@@ -234,12 +239,88 @@ impl BucketedAllReduce {
         strategy: Strategy,
         bucket_bytes: u64,
     ) -> Result<BucketedAllReduce> {
+        let contexts = contexts.into_iter().map(|c| c.as_ref().clone());
+        let buckets = Buckets::link(
+            sys,
+            "bucketed_all_reduce",
+            grads,
+            contexts,
+            bucket_bytes,
+            |b, _| format!("bucket{b}"),
+        )?;
+        let reduce = AllReducePlan::new(
+            sys,
+            &buckets.nodes,
+            &buckets.holders,
+            op,
+            strategy,
+            Transfer::Auto,
+        )?;
+        Ok(BucketedAllReduce {
+            sys: sys.clone(),
+            buckets,
+            reduce,
+        })
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.nodes.len()
+    }
+
+    /// The contexts holding the buckets (descendants of the given ones).
+    pub fn contexts(&self) -> &[Context] {
+        &self.buckets.holders
+    }
+
+    /// Packs, all-reduces and unpacks; returns once everything is issued.
+    pub fn run(&self) -> Result<()> {
+        self.buckets.pack(&self.sys)?;
+        self.reduce.run()?;
+        self.buckets.unpack(&self.sys)?;
+        Ok(())
+    }
+
+    /// Finalizes every context the plan linked (innermost first).
+    pub fn finalize(self) -> Result<()> {
+        self.buckets.finalize(&self.sys, || self.reduce.finalize())
+    }
+}
+
+/// Gradients packed into bucket nodes in each of a set of contexts: the buckets, the
+/// routines that pack and unpack them, and the contexts holding the packed buckets (where
+/// an all-reduce of the buckets runs). Shared by [`BucketedAllReduce`] and the cluster's
+/// bucketed all-reduce.
+pub(crate) struct Buckets {
+    /// The bucket nodes.
+    pub(crate) nodes: Vec<TensorNode>,
+    /// Per context, the routines packing every gradient into its bucket, in order.
+    pub(crate) pack: Vec<Vec<Routine>>,
+    /// Per context, the routines unpacking every gradient from its bucket.
+    pub(crate) unpack: Vec<Vec<Routine>>,
+    /// `holders[i]`: a descendant of the i-th context that holds the packed buckets.
+    pub(crate) holders: Vec<Context>,
+}
+
+impl Buckets {
+    /// Groups `grads` (same dtype) into buckets of at most `bucket_bytes` bytes (a larger
+    /// gradient gets one of its own), labelled by `label(bucket, its gradients)`, and links
+    /// the pack and unpack routines in each of `contexts`. `what` names the operation in
+    /// errors.
+    pub(crate) fn link(
+        sys: &System,
+        what: &str,
+        grads: &[TensorNode],
+        contexts: impl IntoIterator<Item = Context>,
+        bucket_bytes: u64,
+        label: impl Fn(usize, &[usize]) -> String,
+    ) -> Result<Buckets> {
         let dtype: DType =
             grads
                 .first()
                 .map(|g| g.dtype())
                 .ok_or_else(|| Error::InvalidRoutine {
-                    routine: "bucketed_all_reduce".into(),
+                    routine: what.into(),
                     reason: "no gradients".into(),
                 })?;
         let mut sizes = Vec::with_capacity(grads.len());
@@ -248,69 +329,59 @@ impl BucketedAllReduce {
             sizes.push(g.size_in_bytes()?);
         }
         let groups = collective::buckets(&sizes, bucket_bytes);
-        let buckets: Vec<TensorNode> = groups
+        let nodes: Vec<TensorNode> = groups
             .iter()
             .enumerate()
             .map(|(b, group)| {
                 let elems: usize = group.iter().map(|&i| grads[i].numel()).sum();
                 // Packed by `copy_range`, which writes a part of the bucket and keeps the
                 // rest: the rest must be defined before the first pack.
-                TensorNode::new_zeroed(format!("bucket{b}"), dtype, [elems])
+                TensorNode::new_zeroed(label(b, group), dtype, [elems])
                     .with_mode(MemoryMode::on_device())
             })
             .collect::<Result<_>>()?;
-        let mut pack = Vec::new();
-        let mut unpack = Vec::new();
-        let mut holders = Vec::new();
+        let (mut pack, mut unpack, mut holders) = (Vec::new(), Vec::new(), Vec::new());
         for ctx in contexts {
-            let (p, u, ctx) =
-                link_bucket_copies(sys, ctx.as_ref().clone(), grads, &groups, &buckets)?;
+            let (p, u, ctx) = link_bucket_copies(sys, ctx, grads, &groups, &nodes)?;
             pack.push(p);
             unpack.push(u);
             holders.push(ctx);
         }
-        let reduce = AllReducePlan::new(sys, &buckets, &holders, op, strategy, Transfer::Auto)?;
-        Ok(BucketedAllReduce {
-            sys: sys.clone(),
+        Ok(Buckets {
+            nodes,
             pack,
             unpack,
-            reduce,
-            contexts: holders,
-            buckets,
+            holders,
         })
     }
 
-    /// Number of buckets.
-    pub fn bucket_count(&self) -> usize {
-        self.buckets.len()
-    }
-
-    /// The contexts holding the buckets (descendants of the given ones).
-    pub fn contexts(&self) -> &[Context] {
-        &self.contexts
-    }
-
-    /// Packs, all-reduces and unpacks; returns once everything is issued.
-    pub fn run(&self) -> Result<()> {
+    /// Schedules every pack routine.
+    pub(crate) fn pack(&self, sys: &System) -> Result<()> {
         for p in self.pack.iter().flatten() {
-            self.sys.schedule(p)?;
-        }
-        self.reduce.run()?;
-        for u in self.unpack.iter().flatten() {
-            self.sys.schedule(u)?;
+            sys.schedule(p)?;
         }
         Ok(())
     }
 
-    /// Finalizes every context the plan linked (innermost first).
-    pub fn finalize(self) -> Result<()> {
+    /// Schedules every unpack routine; their tickets.
+    pub(crate) fn unpack(&self, sys: &System) -> Result<Vec<Ticket>> {
+        self.unpack
+            .iter()
+            .flatten()
+            .map(|u| sys.schedule(u))
+            .collect()
+    }
+
+    /// Finalizes the unpack contexts, then what `reduce` finalizes, then the pack
+    /// contexts, innermost first.
+    pub(crate) fn finalize(&self, sys: &System, reduce: impl FnOnce() -> Result<()>) -> Result<()> {
         for u in self.unpack.iter().flatten() {
-            self.sys.finalize(u.context())?;
+            sys.finalize(u.context())?;
         }
-        self.reduce.finalize()?;
+        reduce()?;
         for p in self.pack.iter().rev() {
             for r in p.iter().rev() {
-                self.sys.finalize(r.context())?;
+                sys.finalize(r.context())?;
             }
         }
         Ok(())
@@ -320,8 +391,8 @@ impl BucketedAllReduce {
 /// Links, in `ctx`, the routines that pack each gradient of `grads` into its slice of its
 /// bucket (`groups[b]` lists bucket `b`'s gradients, in order) and those that unpack them
 /// back; returns the pack and unpack routines and the context holding the packs (where the
-/// all-reduce of the buckets runs). Shared by the in-system and the cluster bucketing.
-pub(crate) fn link_bucket_copies(
+/// all-reduce of the buckets runs).
+fn link_bucket_copies(
     sys: &System,
     mut ctx: Context,
     grads: &[TensorNode],

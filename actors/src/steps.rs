@@ -67,11 +67,11 @@ impl SystemCapture<'_> {
     /// [`BucketedAllReduce::run`], recorded: the packs, the all-reduce of the buckets and
     /// the unpacks.
     pub fn bucketed_all_reduce(&mut self, plan: &BucketedAllReduce) -> Result<()> {
-        for p in plan.pack.iter().flatten() {
+        for p in plan.buckets.pack.iter().flatten() {
             self.schedule(p)?;
         }
         self.all_reduce(&plan.reduce)?;
-        for u in plan.unpack.iter().flatten() {
+        for u in plan.buckets.unpack.iter().flatten() {
             self.schedule(u)?;
         }
         Ok(())

@@ -21,7 +21,7 @@ use tributary::{
     collective::{self, ReduceOp, Step, Strategy},
     kernels::{self, Access, RoutineSpec},
     protocol::{Context, Routine},
-    DType, Error, Event, MemoryMode, MergeBufferUse, Result, TensorNode,
+    Error, Event, MergeBufferUse, Result, TensorNode,
 };
 
 use super::{
@@ -29,7 +29,10 @@ use super::{
     network::{check_dtype, Issued, Network},
     Cluster,
 };
-use crate::{RoutineHandle, System, Ticket};
+use crate::{
+    collective::{check_replicas, Buckets},
+    RoutineHandle, System, Ticket,
+};
 
 /// The network routine of a cross-rank all-reduce of `node`: reads the merge buffer (the
 /// rank's sum, in place), writes `node` in its own context.
@@ -161,32 +164,9 @@ impl ClusterAllReduce {
         strategy: Strategy,
     ) -> Result<ClusterAllReduce> {
         let sys = &cluster.sys;
-        let invalid = |reason: String| Error::InvalidRoutine {
-            routine: "cluster all_reduce".into(),
-            reason,
-        };
-        if contexts.is_empty() || nodes.is_empty() {
-            return Err(invalid("no contexts or no nodes".into()));
-        }
+        check_replicas("cluster all_reduce", nodes, &contexts)?;
         for node in nodes {
             check_dtype(node.dtype(), "cluster all_reduce")?;
-            let mut seen = Vec::new();
-            for ctx in &contexts {
-                let entry = ctx
-                    .array(node.id())
-                    .ok_or_else(|| Error::NodeNotInContext {
-                        node: node.to_string(),
-                        context: ctx.id(),
-                    })?;
-                let key = (ctx.device(), entry.loc);
-                if seen.contains(&key) {
-                    return Err(invalid(format!(
-                        "two contexts share the buffer of {node} on {}",
-                        ctx.device()
-                    )));
-                }
-                seen.push(key);
-            }
         }
         let (d, k) = (contexts.len(), nodes.len());
         // The reduce half of a Star or Tree plan leaves the sum in context 0 (a Ring would
@@ -334,11 +314,8 @@ impl ClusterAllReduce {
 /// bucketing of `BucketedAllReduce` around [`ClusterAllReduce`].
 pub struct ClusterBucketedAllReduce {
     sys: System,
-    pack: Vec<Vec<Routine>>,
-    unpack: Vec<Vec<Routine>>,
+    buckets: Buckets,
     reduce: ClusterAllReduce,
-    contexts: Vec<Context>,
-    buckets: usize,
 }
 
 impl ClusterBucketedAllReduce {
@@ -351,89 +328,59 @@ impl ClusterBucketedAllReduce {
         bucket_bytes: u64,
     ) -> Result<ClusterBucketedAllReduce> {
         let sys = &cluster.sys;
-        let dtype: DType =
-            grads
-                .first()
-                .map(|g| g.dtype())
-                .ok_or_else(|| Error::InvalidRoutine {
-                    routine: "cluster bucketed all_reduce".into(),
-                    reason: "no gradients".into(),
-                })?;
-        let mut sizes = Vec::with_capacity(grads.len());
-        for g in grads {
-            g.check_data(dtype, g.numel())?;
-            sizes.push(g.size_in_bytes()?);
-        }
-        let groups = collective::buckets(&sizes, bucket_bytes);
         // Labels name the bucket and its first gradient, so that every rank agrees on them.
-        let buckets: Vec<TensorNode> = groups
-            .iter()
-            .enumerate()
-            .map(|(b, group)| {
-                let elems: usize = group.iter().map(|&i| grads[i].numel()).sum();
-                let first = group.first().map_or("", |&i| grads[i].label());
-                TensorNode::new_zeroed(format!("bucket{b}.{first}"), dtype, [elems])
-                    .with_mode(MemoryMode::on_device())
-            })
-            .collect::<Result<_>>()?;
-        let (mut pack, mut unpack, mut holders) = (Vec::new(), Vec::new(), Vec::new());
-        for ctx in contexts {
-            let (p, u, ctx) =
-                crate::collective::link_bucket_copies(sys, ctx, grads, &groups, &buckets)?;
-            pack.push(p);
-            unpack.push(u);
-            holders.push(ctx);
-        }
-        let reduce = ClusterAllReduce::new(cluster, &buckets, holders.clone(), op, strategy)?;
+        let label = |b: usize, group: &[usize]| {
+            let first = group.first().map_or("", |&i| grads[i].label());
+            format!("bucket{b}.{first}")
+        };
+        let buckets = Buckets::link(
+            sys,
+            "cluster bucketed all_reduce",
+            grads,
+            contexts,
+            bucket_bytes,
+            label,
+        )?;
+        let reduce = ClusterAllReduce::new(
+            cluster,
+            &buckets.nodes,
+            buckets.holders.clone(),
+            op,
+            strategy,
+        )?;
         Ok(ClusterBucketedAllReduce {
             sys: sys.clone(),
-            pack,
-            unpack,
+            buckets,
             reduce,
-            contexts: holders,
-            buckets: buckets.len(),
         })
     }
 
-    /// Number of buckets.
+    /// Number of buckets (the same on every rank).
     pub fn bucket_count(&self) -> usize {
-        self.buckets
+        self.buckets.nodes.len()
     }
 
-    /// The contexts holding the buckets (descendants of the given ones).
+    /// This rank's contexts holding the buckets, descendants of the given ones.
     pub fn contexts(&self) -> &[Context] {
-        &self.contexts
+        &self.buckets.holders
     }
 
     /// Packs, all-reduces across ranks and unpacks; returns once everything is issued.
     pub fn run(&self) -> Result<ClusterTicket> {
-        for p in self.pack.iter().flatten() {
-            self.sys.schedule(p)?;
-        }
+        self.buckets.pack(&self.sys)?;
         let ticket = self.reduce.run()?;
-        let mut tickets = Vec::new();
-        for u in self.unpack.iter().flatten() {
-            tickets.push(self.sys.schedule(u)?);
-        }
-        let mut t = ticket;
-        for x in tickets {
-            t = t.with_ticket(x);
-        }
-        Ok(t)
+        let tickets = self.buckets.unpack(&self.sys)?;
+        Ok(tickets.into_iter().fold(ticket, |t, x| t.with_ticket(x)))
     }
 
     /// Finalizes every context the plan linked (innermost first).
     pub fn finalize(self) -> Result<()> {
-        for u in self.unpack.iter().flatten() {
-            self.sys.finalize(u.context())?;
-        }
-        self.reduce.finalize()?;
-        for p in self.pack.iter().rev() {
-            for r in p.iter().rev() {
-                self.sys.finalize(r.context())?;
-            }
-        }
-        Ok(())
+        let ClusterBucketedAllReduce {
+            sys,
+            buckets,
+            reduce,
+        } = self;
+        buckets.finalize(&sys, || reduce.finalize())
     }
 }
 
