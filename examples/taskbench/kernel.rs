@@ -56,6 +56,13 @@ impl Checks {
             .fetch_add(kernel_value.to_bits() & 1, Ordering::Relaxed);
     }
 
+    /// Records `inputs` checked inputs and a worker's sum of its kernels' low bits, once
+    /// per run (the baseline's workers count locally).
+    pub fn add(&self, inputs: u64, sink: u64) {
+        self.inputs.fetch_add(inputs, Ordering::Relaxed);
+        self.sink.fetch_add(sink, Ordering::Relaxed);
+    }
+
     /// Checked inputs so far.
     pub fn inputs(&self) -> u64 {
         self.inputs.load(Ordering::Relaxed)
