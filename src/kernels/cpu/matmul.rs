@@ -38,8 +38,7 @@ pub(super) trait Gemm: Num {
     /// For every operand `x` of `r x s` elements (`a`: `m x k`, `b`: `k x n`, `c`:
     /// `m x n`) and every `i < r`, `j < s`, `x + i * rs + j * cs` must lie inside one live
     /// allocation of `Self`; `a` and `b` must be readable, `c` writable, and `c` must not
-    /// overlap `a` or `b`.
-    #[allow(clippy::too_many_arguments)]
+    /// overlap `a` or `b`; `c`'s strides must not make two of its elements alias.
     unsafe fn gemm(
         dims: (usize, usize, usize),
         a: (*const Self, isize, isize),
