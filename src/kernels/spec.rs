@@ -387,14 +387,7 @@ pub enum Builtin {
 
 const FLOATS: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16];
 const ADDABLE: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32];
-const ALL: &[DType] = &[
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I32,
-    DType::U8,
-];
+const ALL: &[DType] = &DType::ALL;
 
 impl Builtin {
     /// The built-in's name (the constructor's name).
