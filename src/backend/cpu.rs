@@ -116,13 +116,7 @@ impl Region {
     /// A whole host array, which must be exactly `bytes` long: a transfer of another size
     /// would be truncated or overrun, so it is a bug to report.
     fn host(buf: Arc<AlignedBuffer>, bytes: u64) -> std::result::Result<Region, String> {
-        if bytes != buf.len() as u64 {
-            return Err(format!(
-                "size mismatch: host array of {} bytes, transfer of {} bytes",
-                buf.len(),
-                bytes
-            ));
-        }
+        super::check_host_array(buf.len(), bytes)?;
         Ok(Region {
             buf,
             offset: 0,

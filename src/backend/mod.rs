@@ -356,6 +356,18 @@ pub(crate) fn pool_exists(device: DeviceId, pool: PoolId) -> DeviceError {
     DeviceError::Unexpected(format!("pool {pool} already exists on {device}"))
 }
 
+/// Every backend's rule for a host transfer: it covers its whole host array, exactly
+/// `bytes` long. Anything else would be truncated or overrun, so it is a bug to report
+/// (the plan fails with this message, naming both sizes).
+pub(crate) fn check_host_array(host_len: usize, bytes: u64) -> std::result::Result<(), String> {
+    if bytes != host_len as u64 {
+        return Err(format!(
+            "size mismatch: host array of {host_len} bytes, transfer of {bytes} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// The [`Backend::check_routine`] error of a backend that cannot run `kernel` at all.
 pub(crate) fn unsupported_kernel(
     routine: &str,
@@ -366,5 +378,23 @@ pub(crate) fn unsupported_kernel(
     Error::InvalidRoutine {
         routine: routine.to_string(),
         reason: format!("{backend} device {device} cannot run it: {why}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host array shorter or longer than its transfer is refused, naming both sizes (the
+    /// CUDA backend once accepted a longer one and truncated it).
+    #[test]
+    fn a_host_array_must_be_exactly_the_transfer() {
+        assert!(check_host_array(16, 16).is_ok());
+        for (len, bytes) in [(32usize, 16u64), (8, 16), (0, 1)] {
+            let e = check_host_array(len, bytes).expect_err("a size mismatch");
+            assert!(e.contains("size mismatch"), "{e}");
+            assert!(e.contains(&format!("{len} bytes")), "{e}");
+            assert!(e.contains(&format!("{bytes} bytes")), "{e}");
+        }
     }
 }

@@ -125,6 +125,7 @@ impl Shared {
         Some(RouteFacts {
             same_device: s == d,
             same_context: sg.ctx.cu_ctx() == dg.ctx.cu_ctx(),
+            same_gpu: sg.ctx.cu_device() == dg.ctx.cu_device(),
             peer_access: self
                 .peer
                 .get(d)

@@ -321,7 +321,8 @@ impl StagingRing {
 pub(super) enum CopyRoute {
     /// `cuMemcpyDtoDAsync`: one context addresses both.
     Direct,
-    /// `cuMemcpyPeerAsync` between two contexts with peer access.
+    /// `cuMemcpyPeerAsync` between two contexts with peer access, or two contexts of one
+    /// GPU (which the driver copies on the GPU without peer access).
     Peer,
     /// Through pinned host memory: download from the source, upload to the destination.
     Staged,
@@ -336,12 +337,17 @@ pub(super) struct RouteFacts {
     pub(super) same_context: bool,
     /// The destination's context has peer access to the source's.
     pub(super) peer_access: bool,
+    /// Source and destination contexts are on the same physical GPU (two logical devices
+    /// of one GPU: the driver refuses peer access between them, yet `cuMemcpyPeerAsync`
+    /// copies on the GPU at device bandwidth).
+    pub(super) same_gpu: bool,
     /// [`super::CudaConfig::force_staging`].
     pub(super) force_staging: bool,
 }
 
 /// The route of a copy: inside one device always direct; across devices staged when forced,
-/// direct in one context, peer-to-peer where peer access is on, staged otherwise.
+/// direct in one context, peer-to-peer where peer access is on or both contexts are on one
+/// GPU, staged otherwise.
 pub(super) fn copy_route(f: RouteFacts) -> CopyRoute {
     if f.same_device {
         CopyRoute::Direct
@@ -349,14 +355,16 @@ pub(super) fn copy_route(f: RouteFacts) -> CopyRoute {
         CopyRoute::Staged
     } else if f.same_context {
         CopyRoute::Direct
-    } else if f.peer_access {
+    } else if f.peer_access || f.same_gpu {
         CopyRoute::Peer
     } else {
         CopyRoute::Staged
     }
 }
 
-/// Whether a kernel on the destination device can read the source's memory in place.
+/// Whether a kernel on the destination device can read the source's memory in place (not
+/// merely because both are on one GPU: without peer access a context need not map the
+/// other's allocations).
 pub(super) fn can_address(f: RouteFacts) -> bool {
     f.same_device || f.same_context || f.peer_access
 }
@@ -444,8 +452,19 @@ mod tests {
             same_context,
             peer_access,
             force_staging,
+            same_gpu: false,
+        };
+        let one_gpu = |force_staging| RouteFacts {
+            same_gpu: true,
+            ..f(false, false, false, force_staging)
         };
         use CopyRoute::*;
+        // Two logical devices of one GPU: peer copies (the first GPU run found them staged
+        // through the host at a tenth of the bandwidth), staged only when forced, never
+        // addressed in place.
+        assert_eq!(copy_route(one_gpu(false)), Peer);
+        assert_eq!(copy_route(one_gpu(true)), Staged);
+        assert!(!can_address(one_gpu(false)));
         assert_eq!(copy_route(f(true, true, false, true)), Direct);
         assert_eq!(copy_route(f(false, true, true, false)), Direct);
         assert_eq!(copy_route(f(false, false, true, false)), Peer);

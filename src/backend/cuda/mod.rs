@@ -69,8 +69,9 @@
 //! into the slot, and the watcher copies the slot into the host array before completing.
 //!
 //! **Copies.** Memset is `cuMemsetD8Async`. A copy inside one device (or between devices
-//! sharing a context) is `cuMemcpyDtoDAsync`; between contexts with peer access it is
-//! `cuMemcpyPeerAsync`; otherwise ([`CudaConfig::force_staging`] forces it, to test that
+//! sharing a context) is `cuMemcpyDtoDAsync`; between contexts with peer access, or two
+//! contexts of one GPU (the driver refuses them peer access, yet copies between them on the
+//! GPU), it is `cuMemcpyPeerAsync`; otherwise ([`CudaConfig::force_staging`] forces it, to test that
 //! path where peer access exists) it is staged: after every dependency and this stream's
 //! earlier work completed, each slot is downloaded from the source context and uploaded to
 //! the destination context with synchronous copies on the submit thread. `StreamingFor`

@@ -523,16 +523,10 @@ impl CudaStreamQueue {
         let arg = |a: &ArgBinding| -> std::result::Result<(ArgBinding, Region), String> {
             Ok((a.clone(), b.resolve(a.loc, a.bytes)?))
         };
-        let host_len = |host: &AlignedBuffer, bytes: u64| {
-            if bytes > host.len() as u64 {
-                Err(format!(
-                    "host array of {} bytes, {bytes} requested",
-                    host.len()
-                ))
-            } else {
-                Ok(())
-            }
-        };
+        // The same rule as every backend (a longer host array used to pass here and be
+        // truncated: found on the first GPU run).
+        let host_len =
+            |host: &AlignedBuffer, bytes: u64| crate::backend::check_host_array(host.len(), bytes);
         Ok(match work {
             Work::Run {
                 kernel,
@@ -729,8 +723,24 @@ impl Submitter {
                 self.gpu.stream_of(dep.event.timeline())
             };
             let decision = match &local {
-                // This stream's own earlier work is before this plan already.
-                Some(s) if Arc::ptr_eq(s, &self.me) => continue,
+                // This stream's own earlier work is before this plan already: nothing to
+                // wait for, but a failure of it is this plan's too (its event is recorded
+                // and pending, so only the decision says so).
+                Some(s) if Arc::ptr_eq(s, &self.me) => {
+                    match s.decision(dep.event.seq()) {
+                        Decision::Recorded {
+                            failure: Some(f), ..
+                        }
+                        | Decision::Failed(f) => note(f),
+                        Decision::Completed | Decision::Gone => {
+                            if let EventStatus::Failed(f) = dep.event.status() {
+                                note(f);
+                            }
+                        }
+                        Decision::Recorded { failure: None, .. } => {}
+                    }
+                    continue;
+                }
                 Some(s) => s.decision(dep.event.seq()),
                 None => Decision::Gone,
             };

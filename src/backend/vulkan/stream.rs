@@ -322,17 +322,8 @@ impl VulkanStream {
                 binding: a.clone(),
             })
         };
-        // A transfer must cover its whole host array: anything else would be truncated.
-        let host_len = |host: &AlignedBuffer, bytes: u64| {
-            if bytes != host.len() as u64 {
-                Err(format!(
-                    "size mismatch: host array of {} bytes, transfer of {bytes} bytes",
-                    host.len()
-                ))
-            } else {
-                Ok(())
-            }
-        };
+        let host_len =
+            |host: &AlignedBuffer, bytes: u64| crate::backend::check_host_array(host.len(), bytes);
         Ok(match work {
             Work::Run {
                 kernel,
