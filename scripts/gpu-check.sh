@@ -1,43 +1,95 @@
 #!/usr/bin/env bash
-# The CUDA backend on a machine with an NVIDIA GPU: builds with `--features cuda`, runs every
-# backend-parametric suite with CUDA required (two logical devices on the GPU, i.e. two
-# contexts, exercising the cross-device paths), then the release benchmark beside raw
-# cudarc calls. Without a GPU it stops at the first step with the reason and exit status 2.
+# The CUDA backend on a machine with an NVIDIA GPU: every backend-parametric suite with CUDA
+# required (two logical devices on the GPU, i.e. two contexts, exercising the cross-device
+# paths), then the release benchmark beside raw cudarc calls and Task Bench on CUDA beside
+# hand-written cudarc streams. Without a GPU it stops at the probe with the reason and exit
+# status 2. Every step runs even when one before it failed; the summary names the failures
+# and the exit status is 1 if any.
 #
-#   scripts/gpu-check.sh             # everything (tests, then the benchmark)
-#   scripts/gpu-check.sh --quick     # the benchmark's quick mode
+#   scripts/gpu-check.sh                  # builds with `--features cuda`, then everything
+#   scripts/gpu-check.sh --quick          # the benchmarks' quick modes
+#   scripts/gpu-check.sh --prebuilt DIR   # no cargo: runs what `scripts/gpu-prebuild.sh DIR`
+#                                         # built on another machine
 #
-# Environment: TRIBUTARY_PROPTEST_CASES (random programs, default 400 here).
-set -euo pipefail
+# Environment: TRIBUTARY_PROPTEST_CASES (random programs, default 400 here), STEP_TIMEOUT
+# (seconds per step, default 900).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 quick=""
-[ "${1:-}" = "--quick" ] && quick="--quick"
+prebuilt=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick="--quick" ;;
+    --prebuilt) prebuilt="${2:?--prebuilt needs a directory}"; shift ;;
+    *) echo "usage: scripts/gpu-check.sh [--quick] [--prebuilt DIR]" >&2; exit 64 ;;
+  esac
+  shift
+done
 
 step() { printf '\n=== %s (%ss elapsed)\n' "$*" "$SECONDS"; }
+failed=()
+# Runs one step under the step timeout; a failure is recorded, not fatal.
+check() {
+  local what="$1"; shift
+  step "$what"
+  if ! timeout "${STEP_TIMEOUT:-900}" bash -c '"$@"' check "$@"; then
+    echo "gpu-check: FAILED: $what" >&2
+    failed+=("$what")
+  fi
+}
 
-step "build (--features cuda)"
-cargo build --features cuda --all-targets
+if [ -n "$prebuilt" ]; then
+  # suite (lib or a test target) and its test-harness arguments
+  tests() { local suite="$1"; shift; "$prebuilt/$suite" "$@"; }
+  example() { local name="$1"; shift; "$prebuilt/$name" "$@"; }
+  release_example() { example "$@"; }
+  export prebuilt
+else
+  step "build (--features cuda)"
+  cargo build --features cuda --all-targets || exit 1
+  tests() {
+    local suite="$1"; shift
+    if [ "$suite" = lib ]; then cargo test --features cuda --lib -- "$@"
+    else cargo test --features cuda --test "$suite" -- "$@"; fi
+  }
+  example() { local name="$1"; shift; cargo run --features cuda --example "$name" -- "$@"; }
+  release_example() {
+    local name="$1"; shift; cargo run --release --features cuda --example "$name" -- "$@"
+  }
+fi
+
+export -f tests example release_example
 
 step "is there a GPU? (the backend's own probe)"
-if ! cargo run --features cuda --example cuda_bench -- --probe; then
+if ! example cuda_bench --probe; then
   echo "gpu-check: CUDA is unavailable here (reason above); nothing to check" >&2
   exit 2
 fi
 
-step "backend-parametric suites on CUDA (TRIBUTARY_REQUIRE_CUDA=1)"
 export TRIBUTARY_REQUIRE_CUDA=1
 export TRIBUTARY_PROPTEST_CASES="${TRIBUTARY_PROPTEST_CASES:-400}"
-cargo test --features cuda --lib backend::cuda
-cargo test --features cuda --test cuda_unavailable --test cuda_harness_kernels --test cuda_kernels
-for suite in backend_conformance engine_protocol system_e2e data_parallel trace; do
-  step "suite $suite (CUDA tests)"
-  cargo test --features cuda --test "$suite" cuda::
+check "library's CUDA unit tests" tests lib backend::cuda
+for suite in cuda_unavailable cuda_harness_kernels cuda_kernels; do
+  check "suite $suite" tests "$suite"
 done
-step "suite reliability_programs (CUDA runs)"
-cargo test --features cuda --test reliability_programs cuda_
+for suite in backend_conformance engine_protocol system_e2e data_parallel trace bindings; do
+  check "suite $suite (CUDA tests)" tests "$suite" cuda::
+done
+check "suite reliability_programs (CUDA runs)" tests reliability_programs cuda_
 
-step "benchmark beside raw cudarc (release)"
-cargo run --release --features cuda --example cuda_bench -- $quick
+check "benchmark beside raw cudarc (release)" release_example cuda_bench $quick
+cuda_runners=cuda-streams,system-cuda,system-cuda-replay
+check "Task Bench on CUDA: every pattern, results checked" \
+  release_example taskbench --quick --runners "$cuda_runners"
+check "Task Bench on CUDA: METG(50%) of stencil_1d beside hand-written streams" \
+  release_example taskbench --runners "$cuda_runners" --widths 2,8 --verbose \
+  --samples "$([ -n "$quick" ] && echo 1 || echo 3)"
 
 step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'gpu-check: %d step(s) failed:\n' "${#failed[@]}" >&2
+  printf '  - %s\n' "${failed[@]}" >&2
+  exit 1
+fi
+echo "gpu-check: every step passed"
