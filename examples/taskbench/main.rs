@@ -11,10 +11,17 @@
 //! `cargo run --release --example taskbench` measures `stencil_1d` at widths 2, 8 and
 //! 4 × cores; `-- --quick` checks every pattern on every system (results, not times), as CI
 //! does.
+//!
+//! On a CUDA GPU (`--features cuda`, `cuda.rs`): `-- --runners
+//! cuda-streams,system-cuda,system-cuda-replay --widths 2,8` measures hand-written cudarc
+//! streams and `System` on one CUDA device side by side; a CUDA sweep counts a column's
+//! stream as a core and has its own peak, per stream.
 
 mod baseline;
 #[path = "../common/mod.rs"]
 mod common;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod graph;
 mod kernel;
 mod metg;
@@ -50,6 +57,13 @@ enum Runner {
     System2,
     /// `System` on 2 CPU devices replaying a captured period, its copies included.
     System2Replay,
+    /// Hand-written cudarc: one CUDA stream per column, events between them (`--features
+    /// cuda`, a GPU).
+    CudaStreams,
+    /// `System` on 1 CUDA device, one stream per column.
+    SystemCuda,
+    /// `System` on 1 CUDA device replaying a captured period.
+    SystemCudaReplay,
 }
 
 impl Runner {
@@ -62,7 +76,83 @@ impl Runner {
             Runner::SystemReplay => "System, replaying a captured step",
             Runner::System2 => "System, 2 devices",
             Runner::System2Replay => "System, 2 devices, replaying",
+            Runner::CudaStreams => "hand-written CUDA streams",
+            Runner::SystemCuda => "System, 1 CUDA device",
+            Runner::SystemCudaReplay => "System, 1 CUDA device, replaying",
         }
+    }
+
+    /// Whether it runs on a CUDA GPU (its sweeps count a stream as a core).
+    fn is_cuda(self) -> bool {
+        matches!(
+            self,
+            Runner::CudaStreams | Runner::SystemCuda | Runner::SystemCudaReplay
+        )
+    }
+
+    /// The hand-written runner its ratios are taken to.
+    fn baseline(self) -> Runner {
+        if self.is_cuda() {
+            Runner::CudaStreams
+        } else {
+            Runner::Threads
+        }
+    }
+}
+
+/// The CUDA runners (feature `cuda`): the hand-written side's state is made once per
+/// process, on first use.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::{sync::OnceLock, time::Duration};
+
+    use super::{cuda, Graph, Runner};
+
+    /// Widest graph (and most inputs of a task) the hand-written side is made for.
+    pub const MAX_WIDTH: usize = 64;
+
+    fn raw() -> Result<&'static cuda::RawGpu, String> {
+        static RAW: OnceLock<Result<cuda::RawGpu, String>> = OnceLock::new();
+        // cudarc panics where there is no driver: ask the backend's probe first.
+        RAW.get_or_init(|| {
+            tributary::backend::cuda::probe().map_err(|e| format!("CUDA is unavailable: {e}"))?;
+            cuda::RawGpu::new(MAX_WIDTH, MAX_WIDTH)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+
+    pub fn run(runner: Runner, graph: Graph, iterations: u64) -> Result<Duration, String> {
+        if graph.width > MAX_WIDTH {
+            return Err(format!("CUDA runners take widths up to {MAX_WIDTH}"));
+        }
+        match runner {
+            Runner::CudaStreams => raw()?.run(graph, iterations),
+            Runner::SystemCuda => cuda::system(graph, iterations, false),
+            Runner::SystemCudaReplay => cuda::system(graph, iterations, true),
+            _ => Err(format!("{runner:?} is not a CUDA runner")),
+        }
+    }
+
+    pub fn seconds_per_iteration() -> Result<f64, String> {
+        Ok(cuda::kernel_seconds(raw()?, 4096)? / 4096.0)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    use std::time::Duration;
+
+    use super::{Graph, Runner};
+
+    const WHY: &str = "the CUDA runners need `--features cuda`";
+
+    pub fn run(_: Runner, _: Graph, _: u64) -> Result<Duration, String> {
+        Err(WHY.into())
+    }
+
+    pub fn seconds_per_iteration() -> Result<f64, String> {
+        Err(WHY.into())
     }
 }
 
@@ -157,6 +247,10 @@ fn run(
                 .map_err(|e| e.to_string())?,
             Runner::System2Replay => runners::system(graph, 2, iterations, cpu, checks, true)
                 .map_err(|e| e.to_string())?,
+            // The GPU checks its inputs itself (`cuda.rs`): a wrong one fails the run.
+            Runner::CudaStreams | Runner::SystemCuda | Runner::SystemCudaReplay => {
+                return gpu::run(runner, graph, iterations).map(|d| d.as_secs_f64())
+            }
         };
     let (want, got) = (graph.inputs(), checks.inputs());
     if got != want {
@@ -249,10 +343,27 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
         per_iteration * 1e9,
         flops_per_task(4096) / kernel_seconds(4096) / 1e9
     );
+    let gpu_per_iteration = if args.runners.iter().any(|r| r.is_cuda()) {
+        let s = gpu::seconds_per_iteration()?;
+        println!(
+            "CUDA runners: a column's stream counts as a core; compute_bound on one 64-thread block {:.2} ns per iteration",
+            s * 1e9
+        );
+        s
+    } else {
+        f64::NAN
+    };
     let mut sweeps: Vec<(usize, Runner, Vec<Point>)> = Vec::new();
-    let mut peak = 0f64;
+    // The best FLOP/s of the session: [CPU runners, CUDA runners].
+    let mut peaks = [0f64; 2];
     for &width in &widths {
         for &runner in &args.runners {
+            let (cores, per_iteration) = if runner.is_cuda() {
+                (width, gpu_per_iteration)
+            } else {
+                (cores, per_iteration)
+            };
+            let peak = &mut peaks[usize::from(runner.is_cuda())];
             let mut points = Vec::new();
             let mut iterations = args.max_iterations;
             let mut below = 0;
@@ -273,23 +384,26 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
                     .collect::<Result<Vec<_>, _>>()?;
                 let wall = median(walls);
                 let tasks = graph.tasks() as f64;
+                // A CUDA sweep's FLOP/s are per stream: a graph of width 2 keeps 2 blocks
+                // busy, so its efficiency is against 2 streams' worth of the peak.
+                let per = if runner.is_cuda() { width as f64 } else { 1.0 };
                 let point = Point {
-                    flops: tasks * flops_per_task(iterations) / wall,
+                    flops: tasks * flops_per_task(iterations) / wall / per,
                     granularity_us: wall * cores as f64 / tasks * 1e6,
                 };
-                peak = peak.max(point.flops);
+                *peak = peak.max(point.flops);
                 if args.verbose {
                     println!(
                         "  {:<22} width {width:>3} iterations {iterations:>6} steps {steps:>4}: {:>9.2} µs/task, {:>6.2} GFLOP/s, {:>5.1}% of peak so far",
                         runner.name(),
                         point.granularity_us,
                         point.flops / 1e9,
-                        100.0 * point.flops / peak
+                        100.0 * point.flops / *peak
                     );
                 }
                 points.push(point);
                 // Once well below half of the peak, finer grains only get worse.
-                below = if point.flops < 0.25 * peak {
+                below = if point.flops < 0.25 * *peak {
                     below + 1
                 } else {
                     0
@@ -304,8 +418,9 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
     }
     println!();
     println!(
-        "METG(50%), µs (peak {:.2} GFLOP/s, the best run of the session)",
-        peak / 1e9
+        "METG(50%), µs (peak {:.2} GFLOP/s CPU, {:.2} GFLOP/s per CUDA stream: the best run of the session)",
+        peaks[0] / 1e9,
+        peaks[1] / 1e9
     );
     println!(
         "| runner | {} |",
@@ -324,10 +439,10 @@ fn measure(args: &Args, cores: usize, pool: &baseline::Pool) -> Result<(), Strin
                     sweeps
                         .iter()
                         .find(|(sw, sr, _)| *sw == w && *sr == r)
-                        .and_then(|(_, _, pts)| metg(pts, peak, 0.5))
+                        .and_then(|(_, _, pts)| metg(pts, peaks[usize::from(r.is_cuda())], 0.5))
                 };
-                match (m(runner), m(Runner::Threads)) {
-                    (Some(v), Some(base)) if runner != Runner::Threads => {
+                match (m(runner), m(runner.baseline())) {
+                    (Some(v), Some(base)) if runner != runner.baseline() => {
                         format!("{v:.2} ({:.1}×)", v / base)
                     }
                     (Some(v), _) => format!("{v:.2}"),
