@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     args::{ArgView, KernelArgs},
     bindings::{Bindings, IntoBindings},
-    spec::{Access, Builtin, Kernel, RoutineSpec},
+    Access, Builtin, Kernel, RoutineSpec,
 };
 use crate::node::{Bf16, DType, Element, F16};
 

@@ -35,19 +35,28 @@
 //! [`KernelMode::Fast`] runs the matmuls on blocked kernels instead (DESIGN.md §5). `f16`
 //! and `bf16` arithmetic converts each element to `f32`, computes in `f32` and rounds the
 //! result back (ties to even).
+//!
+//! Files: `kind.rs` (the kernel kinds), `builtin.rs` (the built-in table and constructors),
+//! `spec.rs` ([`RoutineSpec`]), `bindings.rs` (indices), `args.rs` (typed views), `cpu.rs`
+//! (running kernels on the host).
 
 mod args;
 mod bindings;
+mod builtin;
 mod cpu;
+mod kind;
 mod spec;
 
 pub use args::{from_bytes, to_bytes, ArgError, ArgSlot, ArgView, KernelArgs};
 pub use bindings::{Bindings, IndexDecl, IndexType, IntoBindings, MAX_INDICES};
-pub use cpu::{run_cpu, run_on_host, run_on_host_with, KernelMode};
-pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
-pub use spec::{
+pub use builtin::{
     add_into, add_merge, add_row_bias, axpy, copy, copy_merge, copy_range, fill, matmul, matmul_nt,
     matmul_tn, mul, relu, relu_backward, scale, scale_in_place, sgd_step, softmax_xent, sum_rows,
-    Access, Builtin, CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, Param,
-    RoutineSpec, ShaderKernel, ShaderSource,
+    Builtin,
 };
+pub use cpu::{run_cpu, run_on_host, run_on_host_with, KernelMode};
+pub(crate) use cpu::{CUDA_ON_CPU, SHADER_ON_CPU};
+pub use kind::{
+    CpuKernel, CpuKernelFn, CudaKernel, CudaScalar, CudaSource, Kernel, ShaderKernel, ShaderSource,
+};
+pub use spec::{Access, Param, RoutineSpec};
