@@ -9,10 +9,11 @@ use std::{
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 
 use super::{
+    events::EventPool,
     instance::{driver_error, guarded, lock, open_driver, version_string},
     kernels::{unsupported_on_cuda, LaunchLimits, Program},
     memory::{can_address, copy_route, CopyRoute, DevicePool, Region, RouteFacts},
-    stream::{CudaStreamQueue, EventPool, StreamShared},
+    stream::{CudaStreamQueue, StreamShared},
     CudaConfig, CudaInfo,
 };
 use crate::{

@@ -105,11 +105,15 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod events;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 use device as imp;
 #[cfg(feature = "cuda")]
 mod instance;
+#[cfg(feature = "cuda")]
+mod launch;
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]

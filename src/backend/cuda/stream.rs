@@ -12,7 +12,6 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    ops::Deref,
     sync::{Arc, Condvar, Mutex},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -20,14 +19,16 @@ use std::{
 
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::{
-    driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream},
+    driver::{result, sys, CudaFunction, CudaModule, CudaStream},
     nvrtc::Ptx,
 };
 
 use super::{
     device::{Gpu, LoadedProgram, Shared},
+    events::SharedEvent,
     instance::{driver_error, lock},
-    kernels::{kernel_launches, nvrtc, LaunchParam, Program},
+    kernels::{nvrtc, Program},
+    launch::{lower, DeviceLaunch, ParamCell},
     memory::{CopyRoute, DevicePool, PinnedMemory, Region, StagingRing},
 };
 use crate::{
@@ -44,87 +45,6 @@ use crate::{
     sync::Arc as SyncArc,
     trace::Recorder,
 };
-
-// ---------------------------------------------------------------------------------------
-// Pooled events.
-
-/// A pool of values made on demand and handed back on drop (CUDA events: creating one is a
-/// driver call, recording a pooled one is not).
-pub(super) struct Recycler<T> {
-    free: Mutex<Vec<T>>,
-    make: Box<dyn Fn() -> std::result::Result<T, String> + Send + Sync>,
-}
-
-impl<T> Recycler<T> {
-    /// A pool whose new values come from `make`.
-    pub(super) fn new(
-        make: impl Fn() -> std::result::Result<T, String> + Send + Sync + 'static,
-    ) -> Recycler<T> {
-        Recycler {
-            free: Mutex::new(Vec::new()),
-            make: Box::new(make),
-        }
-    }
-
-    /// A free value, or a new one.
-    pub(super) fn acquire(self: &Arc<Self>) -> std::result::Result<Pooled<T>, String> {
-        let item = match lock(&self.free).pop() {
-            Some(item) => item,
-            None => (self.make)()?,
-        };
-        Ok(Pooled {
-            item: Some(item),
-            home: self.clone(),
-        })
-    }
-
-    /// Values waiting for reuse.
-    #[cfg(test)]
-    pub(super) fn idle(&self) -> usize {
-        lock(&self.free).len()
-    }
-}
-
-/// A value on loan from a [`Recycler`]; dropping it hands it back.
-pub(super) struct Pooled<T> {
-    item: Option<T>,
-    home: Arc<Recycler<T>>,
-}
-
-impl<T> Deref for Pooled<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        match &self.item {
-            Some(item) => item,
-            // `item` is `None` only inside `drop`.
-            None => unreachable!("a pooled value used during its drop"),
-        }
-    }
-}
-
-impl<T> Drop for Pooled<T> {
-    fn drop(&mut self) {
-        if let Some(item) = self.item.take() {
-            lock(&self.home.free).push(item);
-        }
-    }
-}
-
-/// The CUDA events of one context (timing disabled).
-pub(super) type EventPool = Recycler<CudaEvent>;
-
-/// A pooled event, shared by the stream that recorded it and the streams that wait on it;
-/// it goes back to the pool (and may be recorded again) only when all of them let go: the
-/// recording stream after observing its completion, the waiters after their own
-/// completion (their `cuStreamWaitEvent` captured the recorded work long before).
-type SharedEvent = Arc<Pooled<CudaEvent>>;
-
-impl Recycler<CudaEvent> {
-    /// Events of `ctx`, created with `CU_EVENT_DISABLE_TIMING`.
-    pub(super) fn for_context(ctx: Arc<CudaContext>) -> EventPool {
-        Recycler::new(move || ctx.new_event(None).map_err(driver_error))
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // What streams of one device see of each other.
@@ -206,144 +126,6 @@ impl StreamShared {
                 return Decision::Gone;
             }
             d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Kernel launches.
-
-/// One parameter of a launch, by value, buffers resolved to device pointers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) enum KernelParam {
-    /// A device pointer (`base + offset` of a resolved buffer).
-    Pointer(sys::CUdeviceptr),
-    /// `unsigned int`.
-    U32(u32),
-    /// `unsigned long long`.
-    U64(u64),
-    /// `int`.
-    I32(i32),
-    /// `long long`.
-    I64(i64),
-    /// `float`.
-    F32(f32),
-    /// `double`.
-    F64(f64),
-}
-
-/// A kernel launch with its buffers resolved: a [`Launch`] of the kernels module whose
-/// `Buffer(i)` parameters became argument `i`'s device pointer (`Merge`: the merge
-/// buffer's).
-#[derive(Clone, Debug)]
-pub(super) struct DeviceLaunch {
-    pub(super) program: Program,
-    pub(super) entry_point: String,
-    pub(super) grid: [u32; 3],
-    pub(super) block: [u32; 3],
-    pub(super) shared_mem_bytes: u32,
-    pub(super) params: Vec<KernelParam>,
-}
-
-/// The launches that run `kernel` over its resolved arguments: the kernels module computes
-/// them from the bindings and the device's limits (and checks arity, accesses, dtypes and
-/// sizes), the stream resolves their buffers.
-fn lower(
-    kernel: &Kernel,
-    args: &[(ArgBinding, Region)],
-    merge: Option<&(ArgBinding, Region)>,
-    indices: &crate::kernels::Bindings,
-    gpu: &Gpu,
-) -> std::result::Result<Vec<DeviceLaunch>, String> {
-    let bindings: Vec<ArgBinding> = args.iter().map(|(b, _)| b.clone()).collect();
-    let launches = kernel_launches(
-        kernel,
-        &bindings,
-        merge.map(|(b, _)| b),
-        indices,
-        &gpu.limits.launch_limits(),
-    )?;
-    launches
-        .into_iter()
-        .map(|l| {
-            let params = resolve_params(
-                &l.params,
-                |i| args.get(i).map(|(_, r)| r.ptr()),
-                merge.map(|(_, r)| r.ptr()),
-            )?;
-            Ok(DeviceLaunch {
-                program: l.program,
-                entry_point: l.entry_point,
-                grid: l.grid,
-                block: l.block,
-                shared_mem_bytes: l.shared_mem_bytes,
-                params,
-            })
-        })
-        .collect()
-}
-
-/// A launch's parameters with `Buffer(i)` as `arg(i)`'s device pointer and `Merge` as the
-/// merge buffer's; an error when one names a buffer that is not bound.
-fn resolve_params(
-    params: &[LaunchParam],
-    arg: impl Fn(usize) -> Option<sys::CUdeviceptr>,
-    merge: Option<sys::CUdeviceptr>,
-) -> std::result::Result<Vec<KernelParam>, String> {
-    params
-        .iter()
-        .map(|p| {
-            Ok(match *p {
-                LaunchParam::Buffer(i) => {
-                    KernelParam::Pointer(arg(i).ok_or_else(|| {
-                        format!("a launch parameter names argument {i}, not bound")
-                    })?)
-                }
-                LaunchParam::Merge => KernelParam::Pointer(
-                    merge.ok_or("a launch parameter names the merge buffer, not bound")?,
-                ),
-                LaunchParam::U32(x) => KernelParam::U32(x),
-                LaunchParam::U64(x) => KernelParam::U64(x),
-                LaunchParam::I32(x) => KernelParam::I32(x),
-                LaunchParam::I64(x) => KernelParam::I64(x),
-                LaunchParam::F32(x) => KernelParam::F32(x),
-                LaunchParam::F64(x) => KernelParam::F64(x),
-            })
-        })
-        .collect()
-}
-
-/// Storage for one parameter, whose address `cuLaunchKernel` reads.
-enum ParamCell {
-    U32(u32),
-    U64(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-}
-
-impl ParamCell {
-    fn of(p: KernelParam) -> ParamCell {
-        match p {
-            KernelParam::Pointer(ptr) => ParamCell::U64(ptr),
-            KernelParam::U32(x) => ParamCell::U32(x),
-            KernelParam::U64(x) => ParamCell::U64(x),
-            KernelParam::I32(x) => ParamCell::I32(x),
-            KernelParam::I64(x) => ParamCell::I64(x),
-            KernelParam::F32(x) => ParamCell::F32(x),
-            KernelParam::F64(x) => ParamCell::F64(x),
-        }
-    }
-
-    fn address(&mut self) -> *mut std::ffi::c_void {
-        match self {
-            ParamCell::U32(x) => (x as *mut u32).cast(),
-            ParamCell::U64(x) => (x as *mut u64).cast(),
-            ParamCell::I32(x) => (x as *mut i32).cast(),
-            ParamCell::I64(x) => (x as *mut i64).cast(),
-            ParamCell::F32(x) => (x as *mut f32).cast(),
-            ParamCell::F64(x) => (x as *mut f64).cast(),
         }
     }
 }
@@ -1349,97 +1131,7 @@ impl Drop for CloseRingOnExit {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicU32, Ordering};
-
     use super::*;
-
-    fn counting_pool() -> (Arc<Recycler<u32>>, Arc<AtomicU32>) {
-        let made = Arc::new(AtomicU32::new(0));
-        let m = made.clone();
-        let pool = Arc::new(Recycler::new(move || Ok(m.fetch_add(1, Ordering::SeqCst))));
-        (pool, made)
-    }
-
-    #[test]
-    fn events_are_reused_only_after_every_holder_let_go() {
-        let (pool, made) = counting_pool();
-        let a = Arc::new(pool.acquire().expect("new"));
-        let waiter = a.clone();
-        let b = pool.acquire().expect("new");
-        assert_ne!(**a, *b, "two live loans are two events");
-        drop(a);
-        // A waiter still holds the first event: it is not handed out again.
-        let c = pool.acquire().expect("new");
-        assert_eq!(made.load(Ordering::SeqCst), 3);
-        assert_eq!(pool.idle(), 0);
-        let first = **waiter;
-        drop(waiter);
-        assert_eq!(pool.idle(), 1);
-        let d = pool.acquire().expect("reused");
-        assert_eq!(*d, first, "the released event comes back");
-        assert_eq!(made.load(Ordering::SeqCst), 3, "no new event was made");
-        drop((b, c, d));
-        assert_eq!(pool.idle(), 3);
-    }
-
-    #[test]
-    fn launch_parameters_are_stored_at_their_c_size() {
-        // cuLaunchKernel reads each parameter from its address at the size of the entry
-        // point's parameter type: the bytes there must be the value's own, in native order.
-        let read = |p: KernelParam, size: usize| -> Vec<u8> {
-            let mut cell = ParamCell::of(p);
-            let at = cell.address().cast::<u8>();
-            // SAFETY: `at` points at the cell's value, at least `size` bytes (checked by
-            // the expectations below, each the size of the stored type).
-            unsafe { std::slice::from_raw_parts(at, size) }.to_vec()
-        };
-        assert_eq!(
-            read(KernelParam::Pointer(0x1234_5678_9abc), 8),
-            0x1234_5678_9abcu64.to_ne_bytes()
-        );
-        assert_eq!(read(KernelParam::U32(7), 4), 7u32.to_ne_bytes());
-        assert_eq!(
-            read(KernelParam::U64(u64::MAX - 1), 8),
-            (u64::MAX - 1).to_ne_bytes()
-        );
-        assert_eq!(read(KernelParam::I32(-3), 4), (-3i32).to_ne_bytes());
-        assert_eq!(read(KernelParam::I64(-5), 8), (-5i64).to_ne_bytes());
-        assert_eq!(read(KernelParam::F32(1.5), 4), 1.5f32.to_ne_bytes());
-        assert_eq!(read(KernelParam::F64(-2.25), 8), (-2.25f64).to_ne_bytes());
-    }
-
-    #[test]
-    fn launch_buffers_resolve_to_their_pointers() {
-        let ptrs = [0x1000u64, 0x2000];
-        let arg = |i: usize| ptrs.get(i).copied();
-        let params = [
-            LaunchParam::Buffer(1),
-            LaunchParam::Merge,
-            LaunchParam::Buffer(0),
-            LaunchParam::U64(9),
-            LaunchParam::F32(0.5),
-        ];
-        assert_eq!(
-            resolve_params(&params, arg, Some(0x3000)),
-            Ok(vec![
-                KernelParam::Pointer(0x2000),
-                KernelParam::Pointer(0x3000),
-                KernelParam::Pointer(0x1000),
-                KernelParam::U64(9),
-                KernelParam::F32(0.5),
-            ])
-        );
-        let missing = resolve_params(&[LaunchParam::Buffer(2)], arg, None).expect_err("unbound");
-        assert!(missing.contains("argument 2"), "{missing}");
-        let no_merge = resolve_params(&params, arg, None).expect_err("no merge buffer");
-        assert!(no_merge.contains("merge"), "{no_merge}");
-    }
-
-    #[test]
-    fn a_failing_factory_is_an_error() {
-        let pool: Arc<Recycler<u32>> = Arc::new(Recycler::new(|| Err("no events".to_string())));
-        assert_eq!(pool.acquire().err().as_deref(), Some("no events"));
-    }
 
     #[test]
     fn decisions_are_published_and_forgotten_once_complete() {
