@@ -14,6 +14,9 @@
 //! queued with a failed event and first sends that operation's header with
 //! [`Status::InputFailed`], so the other ranks fail it with a typed error and stay in step
 //! ([`Network::flush`] does the same when the cluster shuts down).
+//!
+//! This file keeps the ranks in step (the issue queue, the header exchange, the deadline);
+//! `network/wire.rs` holds what each operation sends and receives once they agreed.
 
 use std::{
     collections::VecDeque,
@@ -24,12 +27,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tributary::{collective::ReduceOp, DType, Error, Event, EventStatus, Result};
+use tributary::{Error, Event, EventStatus, Result};
+
+mod wire;
+
+pub(crate) use wire::check_dtype;
 
 use super::{
     header::{check_headers, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES},
     mpi::{Mpi, Request, WaitError},
-    reduce::{self, Wire},
+    reduce::Wire,
 };
 
 /// The cluster's network settings that every rank must share (they decide the algorithm).
@@ -565,322 +572,6 @@ impl Network {
             e => e,
         })
     }
-
-    // ------------------------------------------------------------------------------------
-    // Operations.
-    // ------------------------------------------------------------------------------------
-
-    /// A header exchange and nothing else.
-    pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
-        self.exchange_headers(guard, op, CrossRankAlgorithm::Direct, Status::Ready, 0)
-            .map(|_| ())
-    }
-
-    /// Tells the other ranks that this rank's input of `op` is unusable (a view error).
-    pub(crate) fn input_failed(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        why: String,
-    ) -> Result<()> {
-        self.catch_up(guard, op);
-        Err(Error::Internal(format!(
-            "the input of {} could not be read on this rank: {why}",
-            op.desc.describe()
-        )))
-    }
-
-    /// The cross-rank all-reduce of `input` into `output` (same size; the storage dtype of
-    /// the operation), the mean divided by the contributions of every rank.
-    pub(crate) fn all_reduce(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        input: &[u8],
-        output: &mut [u8],
-    ) -> Result<()> {
-        let dtype = op.desc.dtype;
-        let wire = Wire::of(dtype)?;
-        let n = op.desc.elements() as usize;
-        let algorithm = self.algorithm_for(op.desc.algorithm, n * wire.size());
-        let headers =
-            self.exchange_headers(guard, op, algorithm, Status::Ready, op.contributions)?;
-        let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
-        let scale = match op.desc.op {
-            Some(ReduceOp::Mean) => Some(1.0 / total.max(1) as f64),
-            _ => None,
-        };
-        if wire.same_as_storage(dtype) {
-            return self.all_reduce_wire(guard, op, algorithm, wire, n, input, output, scale);
-        }
-        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums).
-        let wide_in = reduce::widen(dtype, input)?;
-        let mut wide_out = vec![0f32; n];
-        self.all_reduce_wire(
-            guard,
-            op,
-            algorithm,
-            wire,
-            n,
-            bytemuck_bytes(&wide_in),
-            bytemuck_bytes_mut(&mut wide_out),
-            scale,
-        )?;
-        reduce::narrow(dtype, &wide_out, output)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn all_reduce_wire(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        algorithm: CrossRankAlgorithm,
-        wire: Wire,
-        n: usize,
-        input: &[u8],
-        output: &mut [u8],
-        scale: Option<f64>,
-    ) -> Result<()> {
-        if self.size() == 1 {
-            output.copy_from_slice(input);
-            if let Some(s) = scale {
-                reduce::scale(wire, output, s);
-            }
-            return Ok(());
-        }
-        match algorithm {
-            CrossRankAlgorithm::Direct | CrossRankAlgorithm::Auto => {
-                self.direct(guard, op, wire, input, output, scale)
-            }
-            CrossRankAlgorithm::Ring => self.ring(guard, op, wire, n, input, output, scale),
-            CrossRankAlgorithm::Mpi => {
-                // SAFETY: `input` and `output` are the operation's distinct buffers (the
-                // kernel's merge view and output view, or this function's own vectors),
-                // alive until the request completes or, abandoned, until finalisation
-                // (module docs of `cluster`: the pools outlive `MPI_Finalize`).
-                let request = unsafe {
-                    self.mpi.iallreduce_sum(
-                        input.as_ptr(),
-                        output.as_mut_ptr(),
-                        n,
-                        matches!(wire, Wire::F64),
-                    )?
-                };
-                self.wait(guard, vec![request], Vec::new(), op, self.deadline())?;
-                if let Some(s) = scale {
-                    reduce::scale(wire, output, s);
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Every rank sends its whole input to every other; each sums all in rank order.
-    fn direct(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        wire: Wire,
-        input: &[u8],
-        output: &mut [u8],
-        scale: Option<f64>,
-    ) -> Result<()> {
-        let (rank, size, bytes) = (self.rank(), self.size(), input.len());
-        let t = tag(op.seq, phase::DIRECT);
-        let slot = bytes.div_ceil(8);
-        let mut keep = std::mem::take(&mut guard.state.staging);
-        keep.clear();
-        keep.resize(slot * size, 0.0);
-        let base = keep.as_mut_ptr().cast::<u8>();
-        let mut requests = Vec::with_capacity(2 * size);
-        let posted = (|| {
-            for peer in (0..size).filter(|&p| p != rank) {
-                // SAFETY: slot `peer` of `keep` (not reallocated from here on) receives only
-                // this message; `wait` and `abandon` keep `keep` while a request may use it.
-                // The input is the operation's input view, alive until finalisation (module
-                // docs of `cluster`).
-                unsafe {
-                    requests.push(self.mpi.irecv(base.add(peer * slot * 8), bytes, peer, t)?);
-                    requests.push(self.mpi.isend(input.as_ptr(), bytes, peer, t)?);
-                }
-            }
-            Ok(())
-        })();
-        if let Err(e) = posted {
-            return Err(self.abandon(guard, requests, keep, e));
-        }
-        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        let all = bytemuck_bytes(&keep);
-        for r in 0..size {
-            let part = if r == rank {
-                input
-            } else {
-                &all[r * slot * 8..r * slot * 8 + bytes]
-            };
-            if r == 0 {
-                output.copy_from_slice(part);
-            } else {
-                reduce::add_into(wire, output, part);
-            }
-        }
-        if let Some(s) = scale {
-            reduce::scale(wire, output, s);
-        }
-        guard.state.staging = keep;
-        Ok(())
-    }
-
-    /// Reduce-scatter then all-gather around the ranks, in chunks.
-    #[allow(clippy::too_many_arguments)]
-    fn ring(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        wire: Wire,
-        n: usize,
-        input: &[u8],
-        output: &mut [u8],
-        scale: Option<f64>,
-    ) -> Result<()> {
-        let (rank, size, es) = (self.rank(), self.size(), wire.size());
-        let right = (rank + 1) % size;
-        let left = (rank + size - 1) % size;
-        let seg = |j: usize| (j * n / size * es)..((j + 1) * n / size * es);
-        let longest = (0..size).map(|j| seg(j).len()).max().unwrap_or(0);
-        let chunk = self.config.chunk_bytes.max(es) / es * es;
-        let mut keep = std::mem::take(&mut guard.state.staging);
-        keep.clear();
-        keep.resize(longest.div_ceil(8), 0.0);
-        let staging = keep.as_mut_ptr().cast::<u8>();
-        let out = output.as_mut_ptr();
-        // Reduce-scatter: at step s, send segment r - s, receive r - s - 1 and add this
-        // rank's input of it (each segment is received once: the input is still unread).
-        let t = tag(op.seq, phase::SCATTER);
-        for s in 0..size - 1 {
-            let send = seg((rank + size - s) % size);
-            let recv = seg((rank + 2 * size - s - 1) % size);
-            let src = if s == 0 {
-                input.as_ptr()
-            } else {
-                out.cast_const()
-            };
-            let mut receives = Vec::new();
-            let mut sends = Vec::new();
-            let posted = (|| {
-                let mut at = 0;
-                while at < recv.len() || (at == 0 && recv.is_empty()) {
-                    let len = chunk.min(recv.len() - at);
-                    // SAFETY: staging holds `longest` bytes; the chunk is inside it and only
-                    // this receive writes it. Kept in `keep` (see `wait` and `abandon`).
-                    receives.push((at, len, unsafe {
-                        self.mpi.irecv(staging.add(at), len, left, t)?
-                    }));
-                    at += len.max(1);
-                }
-                let mut at = 0;
-                while at < send.len() || (at == 0 && send.is_empty()) {
-                    let len = chunk.min(send.len() - at);
-                    // SAFETY: the segment is inside the input (step 0) or the output, which
-                    // outlive the requests (module docs of `cluster`); no receive of this
-                    // step writes it.
-                    sends.push(unsafe { self.mpi.isend(src.add(send.start + at), len, right, t)? });
-                    at += len.max(1);
-                }
-                Ok(())
-            })();
-            if let Err(e) = posted {
-                let mut all: Vec<Request> = receives.into_iter().map(|(_, _, r)| r).collect();
-                all.extend(sends);
-                return Err(self.abandon(guard, all, keep, e));
-            }
-            for (at, len, request) in receives {
-                keep = self.wait(guard, vec![request], keep, op, self.deadline())?;
-                let range = recv.start + at..recv.start + at + len;
-                // SAFETY: the output range is this step's receive segment, which no pending
-                // request reads (the sends read another segment); the staging chunk was
-                // just received.
-                let (dst, incoming) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(out.add(range.start), len),
-                        std::slice::from_raw_parts(staging.add(at), len),
-                    )
-                };
-                dst.copy_from_slice(&input[range]);
-                reduce::add_into(wire, dst, incoming);
-            }
-            keep = self.wait(guard, sends, keep, op, self.deadline())?;
-        }
-        // This rank now holds segment r + 1 in full.
-        let full = seg((rank + 1) % size);
-        if let Some(s) = scale {
-            // SAFETY: no request is pending.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.add(full.start), full.len()) };
-            reduce::scale(wire, dst, s);
-        }
-        // All-gather: at step s, send segment r + 1 - s, receive segment r - s in place.
-        let t = tag(op.seq, phase::GATHER);
-        for s in 0..size - 1 {
-            let send = seg((rank + 1 + size - s) % size);
-            let recv = seg((rank + size - s) % size);
-            let mut requests = Vec::new();
-            let posted = (|| {
-                // SAFETY: the receive writes segment `recv` of the output and the send reads
-                // segment `send`, two different segments; the output outlives the requests
-                // (module docs of `cluster`).
-                unsafe {
-                    requests.push(self.mpi.irecv(out.add(recv.start), recv.len(), left, t)?);
-                    requests.push(self.mpi.isend(out.add(send.start), send.len(), right, t)?);
-                }
-                Ok(())
-            })();
-            if let Err(e) = posted {
-                return Err(self.abandon(guard, requests, keep, e));
-            }
-            keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        }
-        guard.state.staging = keep;
-        Ok(())
-    }
-
-    /// The sending side of a transfer.
-    pub(crate) fn send(&self, guard: &mut ExecGuard<'_>, op: &Issued, input: &[u8]) -> Result<()> {
-        self.transfer_headers(guard, op, Status::Ready)?;
-        let (_, to) = op.desc.route.unwrap_or((0, 0));
-        // SAFETY: the input view outlives the request (module docs of `cluster`).
-        let request = unsafe {
-            self.mpi.isend(
-                input.as_ptr(),
-                input.len(),
-                to,
-                tag(op.seq, phase::TRANSFER_DATA),
-            )?
-        };
-        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
-            .map(|_| ())
-    }
-
-    /// The receiving side of a transfer, into `output`.
-    pub(crate) fn recv(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        op: &Issued,
-        output: &mut [u8],
-    ) -> Result<()> {
-        self.transfer_headers(guard, op, Status::Ready)?;
-        let (from, _) = op.desc.route.unwrap_or((0, 0));
-        // SAFETY: the output view outlives the request (module docs of `cluster`) and
-        // nothing else writes it while this routine runs.
-        let request = unsafe {
-            self.mpi.irecv(
-                output.as_mut_ptr(),
-                output.len(),
-                from,
-                tag(op.seq, phase::TRANSFER_DATA),
-            )?
-        };
-        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
-            .map(|_| ())
-    }
 }
 
 /// The worker's exclusive access to the execution state.
@@ -889,24 +580,14 @@ pub(crate) struct ExecGuard<'a> {
 }
 
 /// The wire bytes of an all-reduce of `desc`.
-fn wire_bytes(desc: &OpDesc) -> usize {
+pub(super) fn wire_bytes(desc: &OpDesc) -> usize {
     Wire::of(desc.dtype).map_or(0, |w| w.size()) * desc.elements() as usize
 }
 
-fn bytemuck_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+pub(super) fn bytemuck_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
-fn bytemuck_bytes_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
+pub(super) fn bytemuck_bytes_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(v)
-}
-
-/// Whether `dtype` can be all-reduced across ranks (f32, f64, and f16/bf16 through f32).
-pub(crate) fn check_dtype(dtype: DType, routine: &str) -> Result<()> {
-    Wire::of(dtype)
-        .map(|_| ())
-        .map_err(|_| Error::InvalidRoutine {
-            routine: routine.to_string(),
-            reason: format!("{dtype} cannot be all-reduced across ranks (f32, f64, f16, bf16 can)"),
-        })
 }
