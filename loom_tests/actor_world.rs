@@ -24,8 +24,8 @@ use std::sync::{Arc as StdArc, Mutex as StdMutex};
 
 use tributary::{
     dispatch::{
-        self, answer, ops::DeviceOp, ops::Query, ops::ReadValue, AllReduceCall, DeviceCore,
-        DeviceSlot, DeviceTurn, Dispatcher, Inbox, PlanSink, Progress,
+        self, answer, messages::DeviceOp, messages::Query, messages::ReadValue, AllReduceCall,
+        DeviceCore, DeviceSlot, DeviceTurn, Dispatcher, Inbox, PlanSink, Progress,
     },
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig},

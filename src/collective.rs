@@ -1,6 +1,6 @@
 //! Collectives: all-reduce plans built only from the protocol's primitives.
 //!
-//! An all-reduce over `n` contexts is a list of [`Step`]s: *reduce* (`dst += src`, a
+//! An all-reduce over `n` contexts is a list of [`AllReduceStep`]s: *reduce* (`dst += src`, a
 //! device-to-device transfer into the destination's merge buffer, or a `StreamingFor`
 //! read in place, followed by a merge routine), *broadcast* (`dst = src`, a plain
 //! device-to-device copy) and *scale* (the mean). Correctness comes from the protocol: each
@@ -85,7 +85,7 @@ pub enum Transfer {
 
 /// One step of an all-reduce; contexts and chunks are indices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Step {
+pub enum AllReduceStep {
     /// `chunk` of context `dst` += `chunk` of context `src`.
     Reduce {
         /// Chunk index.
@@ -113,36 +113,36 @@ pub enum Step {
     },
 }
 
-impl fmt::Display for Step {
+impl fmt::Display for AllReduceStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            Step::Reduce { chunk, src, dst } => {
+            AllReduceStep::Reduce { chunk, src, dst } => {
                 write!(f, "reduce chunk {chunk}: ctx {src} -> ctx {dst}")
             }
-            Step::Broadcast { chunk, src, dst } => {
+            AllReduceStep::Broadcast { chunk, src, dst } => {
                 write!(f, "broadcast chunk {chunk}: ctx {src} -> ctx {dst}")
             }
-            Step::Scale { chunk, ctx } => write!(f, "scale chunk {chunk} in ctx {ctx}"),
+            AllReduceStep::Scale { chunk, ctx } => write!(f, "scale chunk {chunk} in ctx {ctx}"),
         }
     }
 }
 
-impl Step {
+impl AllReduceStep {
     /// The chunk of one context this step reads (the source), if it reads another one's.
     fn reads(&self) -> Option<(usize, usize)> {
         match *self {
-            Step::Reduce { chunk, src, .. } | Step::Broadcast { chunk, src, .. } => {
-                Some((src, chunk))
-            }
-            Step::Scale { .. } => None,
+            AllReduceStep::Reduce { chunk, src, .. }
+            | AllReduceStep::Broadcast { chunk, src, .. } => Some((src, chunk)),
+            AllReduceStep::Scale { .. } => None,
         }
     }
 
     /// The chunk of one context this step writes (read first by reduce and scale).
     fn writes(&self) -> (usize, usize) {
         match *self {
-            Step::Reduce { chunk, dst, .. } | Step::Broadcast { chunk, dst, .. } => (dst, chunk),
-            Step::Scale { chunk, ctx } => (ctx, chunk),
+            AllReduceStep::Reduce { chunk, dst, .. }
+            | AllReduceStep::Broadcast { chunk, dst, .. } => (dst, chunk),
+            AllReduceStep::Scale { chunk, ctx } => (ctx, chunk),
         }
     }
 }
@@ -154,11 +154,11 @@ impl Step {
 /// touch disjoint data and may run at the same time; running the levels one after another
 /// gives the same result as the steps in issue order. Within a level, steps keep their
 /// issue order. See the module docs for an example.
-pub fn levels(steps: &[Step]) -> Vec<Vec<Step>> {
+pub fn levels(steps: &[AllReduceStep]) -> Vec<Vec<AllReduceStep>> {
     // Per (context, chunk): the level of its last writer and of its last reader.
     let mut last_write: HashMap<(usize, usize), usize> = HashMap::new();
     let mut last_read: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut out: Vec<Vec<Step>> = Vec::new();
+    let mut out: Vec<Vec<AllReduceStep>> = Vec::new();
     for step in steps {
         let w = step.writes();
         let after_write = |x| last_write.get(&x).map(|l| l + 1);
@@ -189,7 +189,7 @@ pub fn levels(steps: &[Step]) -> Vec<Vec<Step>> {
 /// The steps of an all-reduce of `chunks` chunks over `n` contexts, in issue order.
 ///
 /// With `n <= 1` there is nothing to exchange (a mean over one context is the identity).
-pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<Step> {
+pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<AllReduceStep> {
     let mut steps = Vec::new();
     if n <= 1 || chunks == 0 {
         return steps;
@@ -199,13 +199,13 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
         Strategy::Star => {
             for chunk in 0..chunks {
                 for src in 1..n {
-                    steps.push(Step::Reduce { chunk, src, dst: 0 });
+                    steps.push(AllReduceStep::Reduce { chunk, src, dst: 0 });
                 }
                 if mean {
-                    steps.push(Step::Scale { chunk, ctx: 0 });
+                    steps.push(AllReduceStep::Scale { chunk, ctx: 0 });
                 }
                 for dst in 1..n {
-                    steps.push(Step::Broadcast { chunk, src: 0, dst });
+                    steps.push(AllReduceStep::Broadcast { chunk, src: 0, dst });
                 }
             }
         }
@@ -220,7 +220,7 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
             for chunk in 0..chunks {
                 for &(h, m) in &levels {
                     for i in 0..m - h {
-                        steps.push(Step::Reduce {
+                        steps.push(AllReduceStep::Reduce {
                             chunk,
                             src: i + h,
                             dst: i,
@@ -228,11 +228,11 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
                     }
                 }
                 if mean {
-                    steps.push(Step::Scale { chunk, ctx: 0 });
+                    steps.push(AllReduceStep::Scale { chunk, ctx: 0 });
                 }
                 for &(h, m) in levels.iter().rev() {
                     for i in 0..m - h {
-                        steps.push(Step::Broadcast {
+                        steps.push(AllReduceStep::Broadcast {
                             chunk,
                             src: i,
                             dst: i + h,
@@ -248,7 +248,7 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
                 for i in 0..n {
                     let g = (i + n - s % n) % n;
                     for chunk in group(g) {
-                        steps.push(Step::Reduce {
+                        steps.push(AllReduceStep::Reduce {
                             chunk,
                             src: i,
                             dst: (i + 1) % n,
@@ -260,7 +260,7 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
             if mean {
                 for i in 0..n {
                     for chunk in group((i + 1) % n) {
-                        steps.push(Step::Scale { chunk, ctx: i });
+                        steps.push(AllReduceStep::Scale { chunk, ctx: i });
                     }
                 }
             }
@@ -268,7 +268,7 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
                 for i in 0..n {
                     let g = (i + 1 + n - s % n) % n;
                     for chunk in group(g) {
-                        steps.push(Step::Broadcast {
+                        steps.push(AllReduceStep::Broadcast {
                             chunk,
                             src: i,
                             dst: (i + 1) % n,
@@ -283,12 +283,12 @@ pub fn plan(n: usize, chunks: usize, strategy: Strategy, op: ReduceOp) -> Vec<St
 
 /// Runs `steps` on plain numbers: `values[ctx][chunk]`. The reference the executors are
 /// tested against, and a check of the planner itself.
-pub fn simulate(steps: &[Step], values: &mut [Vec<f64>], n: usize) {
+pub fn simulate(steps: &[AllReduceStep], values: &mut [Vec<f64>], n: usize) {
     for step in steps {
         match *step {
-            Step::Reduce { chunk, src, dst } => values[dst][chunk] += values[src][chunk],
-            Step::Broadcast { chunk, src, dst } => values[dst][chunk] = values[src][chunk],
-            Step::Scale { chunk, ctx } => values[ctx][chunk] /= n as f64,
+            AllReduceStep::Reduce { chunk, src, dst } => values[dst][chunk] += values[src][chunk],
+            AllReduceStep::Broadcast { chunk, src, dst } => values[dst][chunk] = values[src][chunk],
+            AllReduceStep::Scale { chunk, ctx } => values[ctx][chunk] /= n as f64,
         }
     }
 }
@@ -364,7 +364,7 @@ mod tests {
             for i in 0..n {
                 let sent = ring
                     .iter()
-                    .filter(|s| matches!(s, Step::Reduce { src, .. } | Step::Broadcast { src, .. } if *src == i))
+                    .filter(|s| matches!(s, AllReduceStep::Reduce { src, .. } | AllReduceStep::Broadcast { src, .. } if *src == i))
                     .count();
                 assert_eq!(sent, 2 * (n - 1));
             }
@@ -377,7 +377,7 @@ mod tests {
         let steps = plan(8, 1, Strategy::Tree, ReduceOp::Sum);
         let into0 = steps
             .iter()
-            .filter(|s| matches!(s, Step::Reduce { dst: 0, .. }))
+            .filter(|s| matches!(s, AllReduceStep::Reduce { dst: 0, .. }))
             .count();
         assert_eq!(into0, 3);
     }
@@ -391,7 +391,7 @@ mod tests {
                         let steps = plan(n, chunks, strategy, op);
                         let lv = levels(&steps);
                         // Every step exactly once.
-                        let flat: Vec<Step> = lv.iter().flatten().copied().collect();
+                        let flat: Vec<AllReduceStep> = lv.iter().flatten().copied().collect();
                         assert_eq!(flat.len(), steps.len());
                         // No two steps of a level touch a chunk one of them writes.
                         for level in &lv {
@@ -422,8 +422,8 @@ mod tests {
     #[test]
     fn tree_levels_pair_the_upper_half_with_the_lower() {
         let lv = levels(&plan(5, 1, Strategy::Tree, ReduceOp::Sum));
-        let r = |src, dst| Step::Reduce { chunk: 0, src, dst };
-        let b = |src, dst| Step::Broadcast { chunk: 0, src, dst };
+        let r = |src, dst| AllReduceStep::Reduce { chunk: 0, src, dst };
+        let b = |src, dst| AllReduceStep::Broadcast { chunk: 0, src, dst };
         assert_eq!(
             lv,
             vec![

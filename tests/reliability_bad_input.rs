@@ -27,7 +27,7 @@ use std::time::Duration;
 use bad_input::{Api, Data, EngineApi, Given, MessagesApi, SystemApi};
 use common::{program::describe, watchdog::Watchdog};
 use tributary::{
-    collective::{Step, Transfer},
+    collective::{AllReduceStep, Transfer},
     kernels::{self, Access, RoutineSpec},
     memory::PoolKind,
     protocol::{Context, Routine},
@@ -755,7 +755,7 @@ fn all_reduce(w: &mut World, spoil: impl FnOnce(&mut AllReduce)) -> Result<(), E
     let (g, merge, m01) = (w.g.clone(), w.merge.clone(), w.m01.clone());
     let m = raw(w);
     let mut msg = AllReduce::new(
-        vec![Step::Reduce {
+        vec![AllReduceStep::Reduce {
             chunk: 0,
             src: 0,
             dst: 1,
@@ -921,7 +921,7 @@ fn message_cases() -> Vec<Case> {
             "IndexOutOfRange",
             |w| {
                 all_reduce(w, |m| {
-                    m.steps.push(Step::Broadcast {
+                    m.steps.push(AllReduceStep::Broadcast {
                         chunk: 0,
                         src: 1,
                         dst: 5,
@@ -936,7 +936,7 @@ fn message_cases() -> Vec<Case> {
                 all_reduce(w, |m| {
                     m.steps.insert(
                         0,
-                        Step::Reduce {
+                        AllReduceStep::Reduce {
                             chunk: 3,
                             src: 0,
                             dst: 1,
@@ -948,7 +948,11 @@ fn message_cases() -> Vec<Case> {
         message_case(
             "an all-reduce scale step without scale routines",
             "IndexOutOfRange",
-            |w| all_reduce(w, |m| m.steps.push(Step::Scale { chunk: 0, ctx: 1 })),
+            |w| {
+                all_reduce(w, |m| {
+                    m.steps.push(AllReduceStep::Scale { chunk: 0, ctx: 1 })
+                })
+            },
         ),
         message_case(
             "an all-reduce merge routine on another stream than its context",

@@ -72,7 +72,7 @@ impl AllReducePlan {
     }
 
     /// The steps this plan issues, in issue order.
-    pub fn steps(&self) -> &[collective::Step] {
+    pub fn steps(&self) -> &[collective::AllReduceStep] {
         &self.call.steps
     }
 
@@ -104,7 +104,7 @@ impl AllReducePlan {
     /// # sys.shutdown()?;
     /// # Ok::<(), tributary::Error>(())
     /// ```
-    pub fn levels(&self) -> Vec<Vec<collective::Step>> {
+    pub fn levels(&self) -> Vec<Vec<collective::AllReduceStep>> {
         collective::levels(&self.call.steps)
     }
 

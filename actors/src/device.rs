@@ -24,7 +24,7 @@ use tributary::{
     backend::StreamQueue,
     dispatch::{
         answer,
-        ops::{DeviceOp, Query, Reply},
+        messages::{DeviceOp, Query, Reply},
         DeviceTurn, Dispatcher, PlanSink, Progress,
     },
     pending::SeqPromise,

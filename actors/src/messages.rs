@@ -225,7 +225,7 @@ pub struct DeviceToDevice {
 #[rtype(result = "Result<Vec<Event>>")]
 pub struct AllReduce {
     /// The steps.
-    pub steps: Vec<tributary::collective::Step>,
+    pub steps: Vec<tributary::collective::AllReduceStep>,
     /// The chunk nodes.
     pub nodes: Vec<TensorNode>,
     /// One context per participant.
@@ -299,7 +299,7 @@ impl DeviceToDevice {
 impl AllReduce {
     /// An [`AllReduce`].
     pub fn new(
-        steps: Vec<tributary::collective::Step>,
+        steps: Vec<tributary::collective::AllReduceStep>,
         nodes: Vec<TensorNode>,
         contexts: Vec<Context>,
         merge: Vec<Vec<Routine>>,

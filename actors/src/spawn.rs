@@ -9,7 +9,7 @@ use std::{
 use actix::{Actor, Addr, Arbiter};
 use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
-    dispatch::{ops::DeviceOp, DeviceCore, DeviceSlot, DeviceTurn, Dispatcher, Inbox},
+    dispatch::{messages::DeviceOp, DeviceCore, DeviceSlot, DeviceTurn, Dispatcher, Inbox},
     protocol::{DeviceState, HostTable},
     trace::Recorder,
     DeviceId, Error, Result, StreamId, Timeline,

@@ -25,7 +25,7 @@ use actix::{Addr, Arbiter};
 use serde::Serialize;
 use tributary::trace::Recorder;
 use tributary::{
-    dispatch::{answer, ops::Query, Dispatcher},
+    dispatch::{answer, messages::Query, Dispatcher},
     memory::PoolStats,
     protocol::{Context, Routine, TableSizes},
     DType, Error, MergeBufferUse, Result, Shape, TensorNode,
@@ -452,7 +452,7 @@ impl System {
     async fn query<T: Clone>(
         &self,
         i: usize,
-        make: impl FnOnce(tributary::dispatch::ops::Reply<T>) -> Query,
+        make: impl FnOnce(tributary::dispatch::messages::Reply<T>) -> Query,
     ) -> Result<T> {
         self.check_live()?;
         answer(self.dispatcher().query(i, make)?).await

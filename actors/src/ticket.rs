@@ -10,12 +10,7 @@
 //! If the device stops before deciding it, the ticket resolves to [`Error::ShutDown`], so
 //! no waiter can hang on a dead actor.
 
-use std::{
-    future::Future,
-    sync::Arc,
-    task::{Context, Poll, Wake, Waker},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use tributary::{pending::PendingEvent, Error, Event, Result};
 
@@ -141,32 +136,11 @@ impl std::fmt::Debug for Ticket {
     }
 }
 
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
 /// Runs a future to completion on the calling thread (for the blocking API; never call it
-/// inside an `async fn`).
+/// inside an `async fn`). The engine crate's [`tributary::dispatch::block_on`], the one the
+/// loom models run, re-exported: one implementation for both crates.
 ///
 /// ```
 /// assert_eq!(tributary_actors::block_on(async { 7 }), 7);
 /// ```
-pub fn block_on<F: Future>(fut: F) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
+pub use tributary::dispatch::block_on;

@@ -37,13 +37,17 @@
 //! on the node is ordered with them. The lock is asynchronous (waiters register wakers),
 //! so `async` callers never block a thread on it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::AtomicU64;
 use std::task::{Context as TaskContext, Poll, Waker};
 
+use super::messages::{reply, Delivery, DeviceOp, Part, Query};
 use crate::{
     ids::NodeId,
+    node::TensorNode,
+    protocol::Routine,
     sync::{Arc, Mutex},
 };
 
@@ -288,4 +292,131 @@ mod tests {
         // The next download on 2 waits for both writers and the last download's device.
         assert_eq!(o.gate(2, Download), vec![0, 1]);
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gating the parts of a post.
+
+/// What an operation may do to host arrays and hosted nodes' buffers: `(node, Some(use))`
+/// for uploads, downloads and device writes, `(node, None)` for an operation that only
+/// reads a hosted node's version (it still takes the node's lock, to be ordered with host
+/// writes).
+pub(super) fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
+    let routine = |r: &Routine, f: &mut dyn FnMut(&TensorNode, Option<HostUse>)| {
+        for p in &r.spec().params {
+            if p.node.mode().is_hosted() {
+                // A parameter that is read and written is gated as an upload, which orders
+                // it exactly as a write.
+                let use_ = if p.access.reads() {
+                    HostUse::Upload
+                } else {
+                    HostUse::DeviceWrite
+                };
+                f(&p.node, Some(use_));
+            }
+        }
+    };
+    match op {
+        DeviceOp::Schedule { routine: r, .. } => routine(r, &mut f),
+        DeviceOp::Transfer { node, up, .. } if node.mode().is_hosted() => f(
+            node,
+            Some(if *up {
+                HostUse::Upload
+            } else {
+                HostUse::Download
+            }),
+        ),
+        DeviceOp::InitFromHost { node, .. } => f(node, Some(HostUse::Upload)),
+        DeviceOp::CopySource { node, .. } if node.mode().is_hosted() => {
+            f(node, Some(HostUse::Upload))
+        }
+        // A copy into a hosted node's own buffer writes it (into a merge buffer, not).
+        DeviceOp::CopyDest {
+            delivery:
+                Delivery::Copy {
+                    node,
+                    into_merge: false,
+                    ..
+                },
+            ..
+        } if node.mode().is_hosted() => f(node, Some(HostUse::DeviceWrite)),
+        DeviceOp::CopyDest {
+            delivery: Delivery::Streaming(r),
+            ..
+        } => routine(r, &mut f),
+        DeviceOp::Read {
+            node, raw: false, ..
+        } if node.mode().is_hosted() => f(node, Some(HostUse::Upload)),
+        DeviceOp::TransferToHost { node, .. } => f(node, Some(HostUse::Download)),
+        DeviceOp::Recorded { op, .. } => hosted_uses(op, f),
+        // A replay uploads nothing (it is refused if a hosted node it reads lags), but it
+        // reads host versions and writes hosted nodes' buffers: ordered as an upload.
+        DeviceOp::Replay { part, .. } => {
+            for n in part.step.hosted_nodes() {
+                f(n, Some(HostUse::Upload));
+            }
+        }
+        DeviceOp::Finalize { ctx, .. } => {
+            for n in ctx.nodes() {
+                if n.mode().is_hosted() {
+                    f(n, Some(HostUse::Download));
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Host-array order for `parts`: takes the lock of every hosted node
+/// they touch, gates parts on fences of the devices they must follow, and adds the
+/// fences; `gates_posted` counts the gates (a statistic). The guards must be held until the parts are posted.
+pub(super) fn gate(
+    locks: &NodeLocks,
+    gates_posted: &AtomicU64,
+    parts: &mut Vec<Part>,
+    held: Option<&NodeGuard>,
+) -> Vec<NodeGuard> {
+    let mut uses: Vec<(usize, TensorNode, Option<HostUse>)> = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        hosted_uses(&p.op, |node, use_| uses.push((i, node.clone(), use_)));
+    }
+    if uses.is_empty() {
+        return Vec::new();
+    }
+    let mut nodes: Vec<&TensorNode> = uses
+        .iter()
+        .map(|(_, n, _)| n)
+        .filter(|n| held.is_none_or(|h| h.node() != n.id()))
+        .collect();
+    nodes.sort_by_key(|n| n.id());
+    nodes.dedup_by_key(|n| n.id());
+    let guards: BTreeMap<_, NodeGuard> = nodes
+        .iter()
+        .map(|n| {
+            let lock = locks.get(n.id());
+            (n.id(), super::block_on(NodeLock::lock(&lock)))
+        })
+        .collect();
+    let mut fences = Vec::new();
+    for (i, node, use_) in uses {
+        let Some(use_) = use_ else { continue };
+        let device = parts[i].device;
+        let step = parts[i].step;
+        let guard = match held {
+            Some(h) if h.node() == node.id() => h,
+            _ => &guards[&node.id()],
+        };
+        for e in guard.with(|o| o.gate(device, use_)) {
+            // Relaxed: a statistic.
+            gates_posted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (r, answer) = reply::<()>();
+            parts[i].gates.push(answer);
+            fences.push(Part {
+                fence: true,
+                ..Part::new(e, step, 0, DeviceOp::Query(Query::Fence(r)))
+            });
+        }
+    }
+    parts.extend(fences);
+    guards.into_values().collect()
 }

@@ -13,36 +13,51 @@
 //!
 //! - [`inbox`]: a device's mailbox, posted to atomically across devices, drained in
 //!   batches (one wake-up carries many operations);
-//! - [`ops`]: the operations an inbox carries;
+//! - [`messages`]: the operations an inbox carries;
 //! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state;
 //! - [`DeviceTurn`]: who runs them — the actor's thread when kicked, or the host thread
 //!   whose post found the inbox idle (no wake-up on the way to a decision);
 //! - [`Dispatcher`]: the host side and the coordinator's routing: each host call becomes
 //!   the operations of the devices it concerns, posted at one point of the program order;
-//! - `hosted`: host-array order across devices as gates instead of round trips.
+//! - `hosted`: host-array order across devices as gates instead of round trips (which
+//!   operations use host arrays, the node locks, the fences a post is gated on).
+//!
+//! # The seam: each file and its actor
+//!
+//! A file here and its actix shell in `actors/src/` carry the same name:
+//!
+//! | here (the decisions) | `actors/src/` (the actix shell) |
+//! |---|---|
+//! | `device.rs` (`DeviceCore`), `turn.rs` (`DeviceTurn`) | `device.rs` (`DeviceActor`) |
+//! | `system.rs` (`Dispatcher`) | `system.rs` (`System`), `coordinator.rs` (`Coordinator`) |
+//! | `messages.rs` (`DeviceOp`, `Part`) | `messages.rs` (the actor messages) |
+//! | `steps.rs` (`StepCapture`), `replay.rs` (`ReplayPart`) | `steps.rs` (`SystemCapture`, replays) |
+//! | `hosted.rs` (gates) | `host_arrays.rs` (host reads and writes) |
+//! | `inbox.rs` | (the actor's mailbox is this inbox) |
+//! | `event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
 //!
 //! DESIGN.md §4 describes the message flows and their costs.
 
-mod capture;
-mod core;
-mod dispatcher;
+mod device;
 mod hosted;
 pub mod inbox;
-pub mod ops;
+pub mod messages;
 mod replay;
+mod steps;
+mod system;
 pub mod turn;
 
 use std::future::Future;
 use std::task::{Context, Poll, Wake, Waker};
 
-pub use self::core::{DeviceCore, PlanSink, Progress};
-pub use capture::{CaptureLog, Record, StepCapture};
-pub use dispatcher::{
-    answer, AllReduceCall, AnswerFuture, CanStream, DeviceSlot, Dispatcher, FenceStats,
-};
+pub use device::{DeviceCore, PlanSink, Progress};
 pub use hosted::{HostUse, NodeOrder};
 pub use inbox::Inbox;
 pub use replay::ReplayPart;
+pub use steps::{CaptureLog, Record, StepCapture};
+pub use system::{
+    answer, AllReduceCall, AnswerFuture, CanStream, DeviceSlot, Dispatcher, FenceStats,
+};
 pub use turn::DeviceTurn;
 
 use crate::sync::{Condvar, Mutex};

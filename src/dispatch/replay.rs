@@ -33,8 +33,8 @@ use crate::{
 };
 
 use super::{
-    dispatcher::{Dispatcher, Part},
-    ops::{reply, Answer, DeviceOp, Reply},
+    messages::{reply, Answer, DeviceOp, Part, Reply},
+    system::Dispatcher,
 };
 
 /// An incoming edge as its destination part holds it: the source's answer, the promise of
@@ -223,7 +223,7 @@ impl Dispatcher {
         let checks: StdArc<[Answer<()>]> = checks.into();
         let mut last = Vec::new();
         let mut parts = Vec::with_capacity(inner.devices.len());
-        let span = u64::from(inner.positions).div_ceil(super::dispatcher::STEP_STAMPS);
+        let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
         for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
             let incoming = d
                 .incoming

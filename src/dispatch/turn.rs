@@ -45,9 +45,9 @@
 //! turn is held rather than make a poster wait.
 
 use super::{
-    core::{DeviceCore, Progress},
+    device::{DeviceCore, Progress},
     inbox::{Inbox, Ran},
-    ops::DeviceOp,
+    messages::DeviceOp,
 };
 use crate::sync::{Arc, Mutex, MutexGuard};
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tributary::{
     backend::Backend,
-    collective::{self, ReduceOp, Step, Strategy},
+    collective::{self, AllReduceStep, ReduceOp, Strategy},
     kernels::{self, Access, RoutineSpec},
     protocol::{Context, Routine},
     Error, Event, MergeBufferUse, Result, TensorNode,
@@ -148,8 +148,8 @@ pub struct ClusterAllReduce {
     net: Arc<Network>,
     nodes: Vec<TensorNode>,
     contexts: Vec<Context>,
-    /// The intra-rank reduce steps (`Step::Reduce` only), with their transfer mode.
-    reduce: Vec<(Step, bool)>,
+    /// The intra-rank reduce steps (`AllReduceStep::Reduce` only), with their transfer mode.
+    reduce: Vec<(AllReduceStep, bool)>,
     /// `merge[ctx][node]`: the merge routine of a reduce destination.
     merge: Vec<Vec<Option<Routine>>>,
     network: Vec<(RoutineHandle, OpDesc)>,
@@ -177,10 +177,10 @@ impl ClusterAllReduce {
             Strategy::Tree
         };
         let backend: &Arc<dyn Backend> = &cluster.backend;
-        let reduce: Vec<(Step, bool)> = collective::plan(d, k, intra, ReduceOp::Sum)
+        let reduce: Vec<(AllReduceStep, bool)> = collective::plan(d, k, intra, ReduceOp::Sum)
             .into_iter()
             .filter_map(|s| match s {
-                Step::Reduce { src, dst, .. } => Some((
+                AllReduceStep::Reduce { src, dst, .. } => Some((
                     s,
                     backend.can_stream(contexts[src].device(), contexts[dst].device()),
                 )),
@@ -189,7 +189,7 @@ impl ClusterAllReduce {
             .collect();
         let mut merge = vec![vec![None; k]; d];
         for (step, _) in &reduce {
-            if let Step::Reduce { chunk, dst, .. } = *step {
+            if let AllReduceStep::Reduce { chunk, dst, .. } = *step {
                 if merge[dst][chunk].is_none() {
                     let r = sys.link(&contexts[dst], kernels::add_merge(&nodes[chunk])?)?;
                     merge[dst][chunk] = Some(r.routine().clone());
@@ -228,7 +228,7 @@ impl ClusterAllReduce {
     pub fn run(&self) -> Result<ClusterTicket> {
         let sys = &self.sys;
         for (step, streaming) in &self.reduce {
-            let Step::Reduce { chunk, src, dst } = *step else {
+            let AllReduceStep::Reduce { chunk, src, dst } = *step else {
                 continue;
             };
             let routine = self.merge[dst][chunk]

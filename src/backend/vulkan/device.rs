@@ -6,7 +6,7 @@ use std::{
 };
 
 use super::{
-    instance::{create_instance, lock, DeviceCore, InstanceCore},
+    instance::{create_instance, lock, InstanceCore, LogicalDevice},
     kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN, CUDA_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
     stream::{StreamShared, VulkanStream},
@@ -26,7 +26,7 @@ use crate::{
 /// One tributary device: a logical `VkDevice` with its pools, pipelines and streams.
 pub(super) struct Gpu {
     pub(super) id: DeviceId,
-    pub(super) core: Arc<DeviceCore>,
+    pub(super) core: Arc<LogicalDevice>,
     pools: Mutex<HashMap<PoolId, Arc<Buffer>>>,
     pub(super) pipelines: PipelineCache,
     /// The streams of this device, to turn dependencies on them into semaphore waits.
@@ -45,7 +45,7 @@ impl Gpu {
 
 impl Drop for Gpu {
     fn drop(&mut self) {
-        // Pipelines and pools go first; `DeviceCore` (held by everything) goes last.
+        // Pipelines and pools go first; `LogicalDevice` (held by everything) goes last.
         self.pipelines.clear();
         lock(&self.pools).clear();
     }
@@ -143,7 +143,7 @@ impl VulkanBackend {
         let mut gpus = Vec::with_capacity(n);
         for i in 0..n {
             let physical = usable[i % usable.len()].clone();
-            let core = DeviceCore::new(instance.clone(), physical, config.device_timeout)?;
+            let core = LogicalDevice::new(instance.clone(), physical, config.device_timeout)?;
             let id = u32::try_from(i)
                 .ok()
                 .and_then(|i| first.0.checked_add(i))

@@ -1,20 +1,20 @@
 //! Instance and physical-device discovery, logical device creation, and the objects whose
-//! lifetimes everything else hangs on ([`InstanceCore`] ⊃ [`DeviceCore`]).
+//! lifetimes everything else hangs on ([`InstanceCore`] ⊃ [`LogicalDevice`]).
 //!
 //! Ownership: every object that holds a Vulkan handle of a device (pool buffers, pipelines,
-//! semaphores, command pools) holds an `Arc<DeviceCore>` and destroys its handle in its own
-//! `Drop`; `DeviceCore`'s `Drop` therefore runs after all of them, waits for the device to
+//! semaphores, command pools) holds an `Arc<LogicalDevice>` and destroys its handle in its own
+//! `Drop`; `LogicalDevice`'s `Drop` therefore runs after all of them, waits for the device to
 //! go idle, drops the allocator and destroys the device; `InstanceCore` outlives every
 //! device the same way.
 //!
-//! Bounded waits: every wait for submitted device work ([`DeviceCore::wait_semaphores`],
-//! [`DeviceCore::wait_fence`]) gives up after [`VulkanConfig::device_timeout`]: the device
+//! Bounded waits: every wait for submitted device work ([`LogicalDevice::wait_semaphores`],
+//! [`LogicalDevice::wait_fence`]) gives up after [`VulkanConfig::device_timeout`]: the device
 //! is then marked lost ([`DeviceError::Lost`], "timed out ..."), and so is it after any
 //! other wait error (the state of the work is then unknown). Whatever such work might
-//! still use is *leaked* ([`DeviceCore::leak`]): never freed, never reused, and the
-//! `DeviceCore` itself is never destroyed (a leaked object keeps it alive), since
+//! still use is *leaked* ([`LogicalDevice::leak`]): never freed, never reused, and the
+//! `LogicalDevice` itself is never destroyed (a leaked object keeps it alive), since
 //! destroying a device with pending work, or memory under it, is undefined behaviour.
-//! Tests inject a stuck or lost device through [`DeviceCore::inject`].
+//! Tests inject a stuck or lost device through [`LogicalDevice::inject`].
 //!
 //! [`VulkanConfig::device_timeout`]: super::VulkanConfig::device_timeout
 
@@ -230,7 +230,7 @@ fn check_physical(
 }
 
 /// A logical device, its queue and its allocator.
-pub(super) struct DeviceCore {
+pub(super) struct LogicalDevice {
     /// Keeps the instance alive as long as the device.
     _instance: Arc<InstanceCore>,
     pub(super) physical: PhysicalInfo,
@@ -246,11 +246,11 @@ pub(super) struct DeviceCore {
     lost: Mutex<Option<String>>,
     /// How long one wait for submitted work may block ([`super::VulkanConfig::device_timeout`]).
     timeout: Duration,
-    /// Injected wait results ([`DeviceCore::inject`]).
+    /// Injected wait results ([`LogicalDevice::inject`]).
     injected: Mutex<Injected>,
-    /// Objects leaked because the device might still use them ([`DeviceCore::leak`]).
+    /// Objects leaked because the device might still use them ([`LogicalDevice::leak`]).
     leaked: AtomicUsize,
-    /// Whether a leak has pinned this `DeviceCore` (one extra `Arc` forgotten).
+    /// Whether a leak has pinned this `LogicalDevice` (one extra `Arc` forgotten).
     pinned: AtomicBool,
 }
 
@@ -268,14 +268,14 @@ struct Helper {
     fence: vk::Fence,
 }
 
-impl DeviceCore {
+impl LogicalDevice {
     /// Creates a logical device on `physical` with one queue, timeline semaphores, push
     /// descriptors and `shaderFloat64` where available.
     pub(super) fn new(
         instance: Arc<InstanceCore>,
         physical: PhysicalInfo,
         timeout: Duration,
-    ) -> Result<Arc<DeviceCore>, DeviceError> {
+    ) -> Result<Arc<LogicalDevice>, DeviceError> {
         let inst = &instance.instance;
         let priorities = [1.0f32];
         let queues = [vk::DeviceQueueCreateInfo::default()
@@ -294,7 +294,7 @@ impl DeviceCore {
         let device = unsafe { inst.create_device(physical.handle, &info, None) }
             .map_err(|r| map_init_err("vkCreateDevice", r))?;
         match Self::finish(&instance, &physical, &device) {
-            Ok((queue, push_descriptor, allocator, helper)) => Ok(Arc::new(DeviceCore {
+            Ok((queue, push_descriptor, allocator, helper)) => Ok(Arc::new(LogicalDevice {
                 _instance: instance,
                 physical,
                 device,
@@ -546,8 +546,8 @@ impl DeviceCore {
     }
 
     /// Leaks `thing` (its `Drop` never runs) because the device might still use what it
-    /// owns, and pins this `DeviceCore` (it is never destroyed: a device with pending work
-    /// cannot be). Counted in [`DeviceCore::leaked`].
+    /// owns, and pins this `LogicalDevice` (it is never destroyed: a device with pending work
+    /// cannot be). Counted in [`LogicalDevice::leaked`].
     pub(super) fn leak<T>(self: &Arc<Self>, thing: T, what: &str) {
         std::mem::forget(thing);
         self.leaked.fetch_add(1, Ordering::Relaxed);
@@ -595,9 +595,9 @@ pub(super) fn host_visibility_barrier(d: &ash::Device, cb: vk::CommandBuffer) {
     };
 }
 
-impl Drop for DeviceCore {
+impl Drop for LogicalDevice {
     fn drop(&mut self) {
-        // SAFETY: every object created from this device holds an `Arc<DeviceCore>`, so all
+        // SAFETY: every object created from this device holds an `Arc<LogicalDevice>`, so all
         // of them (buffers, pipelines, semaphores, command pools) are destroyed already; we
         // wait for the device to go idle, destroy our own helper objects, drop the
         // allocator (which frees its memory blocks) and only then destroy the device.

@@ -10,7 +10,7 @@ use std::{
 use ash::vk;
 
 use super::{
-    instance::{lock, DeviceCore},
+    instance::{lock, LogicalDevice},
     memory::Region,
     shaders::{self, Op, Ty},
 };
@@ -114,7 +114,7 @@ pub(super) fn push_constants(immediates: &[u8], bindings: &Bindings) -> Vec<u8> 
 /// A compute pipeline with its own layout: `bindings` storage buffers (push descriptors)
 /// and `push_size` bytes of push constants.
 pub(super) struct Pipeline {
-    core: Arc<DeviceCore>,
+    core: Arc<LogicalDevice>,
     set_layout: vk::DescriptorSetLayout,
     layout: vk::PipelineLayout,
     pipeline: vk::Pipeline,
@@ -123,7 +123,7 @@ pub(super) struct Pipeline {
 
 impl Pipeline {
     fn new(
-        core: &Arc<DeviceCore>,
+        core: &Arc<LogicalDevice>,
         spirv: &[u32],
         entry: &str,
         bindings: u32,
@@ -250,7 +250,7 @@ impl Drop for Pipeline {
         let d = &self.core.device;
         // SAFETY: a pipeline is dropped only when no in-flight work holds it (work keeps an
         // `Arc<Pipeline>` until its completion is observed, and leaks it when it cannot
-        // observe that: `DeviceCore::leak`); null handles are ignored.
+        // observe that: `LogicalDevice::leak`); null handles are ignored.
         unsafe {
             d.destroy_pipeline(self.pipeline, None);
             d.destroy_pipeline_layout(self.layout, None);
@@ -305,7 +305,7 @@ pub(super) enum Lowered {
 
 /// What lowering needs from the device.
 pub(super) struct Lowering<'a> {
-    pub(super) core: &'a Arc<DeviceCore>,
+    pub(super) core: &'a Arc<LogicalDevice>,
     pub(super) pipelines: &'a PipelineCache,
     pub(super) spirv: &'a SpirvCache,
 }

@@ -12,7 +12,7 @@ use gpu_allocator::{
 
 use super::{
     conv::{map_alloc_err, map_oom_and_lost},
-    instance::{lock, DeviceCore},
+    instance::{lock, LogicalDevice},
 };
 use crate::error::DeviceError;
 
@@ -29,7 +29,7 @@ unsafe impl Sync for HostPtr {}
 
 /// A `VkBuffer` bound to its own allocation.
 pub(super) struct Buffer {
-    core: Arc<DeviceCore>,
+    core: Arc<LogicalDevice>,
     buffer: vk::Buffer,
     allocation: std::sync::Mutex<Option<Allocation>>,
     /// Size of the buffer in bytes (the requested size rounded up to 16).
@@ -42,7 +42,7 @@ impl Buffer {
     /// A pool: device memory (`GpuOnly`), usable directly by the host where the driver's
     /// device memory is host-visible and coherent, unless `no_host_access`.
     pub(super) fn pool(
-        core: &Arc<DeviceCore>,
+        core: &Arc<LogicalDevice>,
         bytes: u64,
         no_host_access: bool,
     ) -> Result<Buffer, DeviceError> {
@@ -51,7 +51,7 @@ impl Buffer {
     }
 
     /// Device memory for a kernel's temporary values (not host-accessible).
-    pub(super) fn scratch(core: &Arc<DeviceCore>, bytes: u64) -> Result<Buffer, DeviceError> {
+    pub(super) fn scratch(core: &Arc<LogicalDevice>, bytes: u64) -> Result<Buffer, DeviceError> {
         Ok(Buffer::new(
             core,
             bytes,
@@ -63,7 +63,7 @@ impl Buffer {
     }
 
     /// A staging buffer in host-visible memory.
-    pub(super) fn staging(core: &Arc<DeviceCore>, bytes: u64) -> Result<Buffer, DeviceError> {
+    pub(super) fn staging(core: &Arc<LogicalDevice>, bytes: u64) -> Result<Buffer, DeviceError> {
         let b = Buffer::new(
             core,
             bytes,
@@ -85,7 +85,7 @@ impl Buffer {
     }
 
     fn new(
-        core: &Arc<DeviceCore>,
+        core: &Arc<LogicalDevice>,
         bytes: u64,
         location: MemoryLocation,
         name: &str,
@@ -168,7 +168,7 @@ impl Buffer {
     }
 
     /// The device it lives on.
-    pub(super) fn core(&self) -> &Arc<DeviceCore> {
+    pub(super) fn core(&self) -> &Arc<LogicalDevice> {
         &self.core
     }
 
@@ -189,7 +189,7 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: a `Buffer` is only dropped when no recorded work refers to it any more:
         // in-flight work holds an `Arc` to it until its completion is observed, and leaks
-        // that `Arc` (`DeviceCore::leak`) when it cannot observe it. So the buffer can be
+        // that `Arc` (`LogicalDevice::leak`) when it cannot observe it. So the buffer can be
         // destroyed; then its memory is returned to the allocator.
         unsafe { self.core.device.destroy_buffer(self.buffer, None) };
         if let Some(a) = lock(&self.allocation).take() {
@@ -353,7 +353,7 @@ impl Region {
     }
 
     /// Whether the region lives on the device `core`.
-    pub(super) fn on_device(&self, core: &Arc<DeviceCore>) -> bool {
+    pub(super) fn on_device(&self, core: &Arc<LogicalDevice>) -> bool {
         Arc::ptr_eq(self.buffer.core(), core)
     }
 }

@@ -27,7 +27,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::{
     conv::map_oom_and_lost,
     device::{Gpu, Shared},
-    instance::{host_visibility_barrier, lock, DeviceCore},
+    instance::{host_visibility_barrier, lock, LogicalDevice},
     kernels::{Arg, Lowered, Lowering, Pipeline},
     memory::{same_size, Buffer, Region},
 };
@@ -50,7 +50,7 @@ pub(super) struct StreamShared {
     pub(super) id: StreamId,
     pub(super) timeline: SyncArc<Timeline>,
     pub(super) semaphore: vk::Semaphore,
-    core: Arc<DeviceCore>,
+    core: Arc<LogicalDevice>,
     decided: Mutex<Decided>,
     cond: Condvar,
 }
@@ -78,7 +78,7 @@ enum Decision {
 
 impl StreamShared {
     pub(super) fn new(
-        core: Arc<DeviceCore>,
+        core: Arc<LogicalDevice>,
         id: StreamId,
         timeline: SyncArc<Timeline>,
     ) -> std::result::Result<StreamShared, DeviceError> {
@@ -157,9 +157,9 @@ impl Drop for StreamShared {
 }
 
 /// Waits on the host until every `(semaphore, value)` is reached, for at most the device
-/// timeout ([`DeviceCore::wait_semaphores`]); past it the device is lost.
+/// timeout ([`LogicalDevice::wait_semaphores`]); past it the device is lost.
 fn host_wait(
-    core: &DeviceCore,
+    core: &LogicalDevice,
     waits: &[(vk::Semaphore, u64)],
     what: impl FnOnce() -> String,
 ) -> std::result::Result<(), DeviceError> {
@@ -876,7 +876,7 @@ impl Submitter {
 }
 
 /// Makes the writes of earlier dispatches of `cb` visible to later ones.
-fn compute_barrier(core: &DeviceCore, cb: vk::CommandBuffer) {
+fn compute_barrier(core: &LogicalDevice, cb: vk::CommandBuffer) {
     let barrier = [vk::MemoryBarrier::default()
         .src_access_mask(vk::AccessFlags::SHADER_WRITE)
         .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
@@ -896,7 +896,7 @@ fn compute_barrier(core: &DeviceCore, cb: vk::CommandBuffer) {
 
 /// Records a copy of `bytes` bytes, which both regions hold (checked by the callers: a
 /// `Work::Copy` above, `Lowering::copy` for copy kernels, both of exactly `bytes`).
-fn copy_cmd(core: &DeviceCore, cb: vk::CommandBuffer, src: &Region, dst: &Region, bytes: u64) {
+fn copy_cmd(core: &LogicalDevice, cb: vk::CommandBuffer, src: &Region, dst: &Region, bytes: u64) {
     debug_assert!(bytes <= src.bytes && bytes <= dst.bytes);
     let region = [vk::BufferCopy {
         src_offset: src.offset,
@@ -931,7 +931,7 @@ impl Drop for CloseOnExit {
 
 /// Completes the timeline in order as the semaphore advances.
 ///
-/// Once a wait fails (the device timed out or is lost, see [`DeviceCore::wait_semaphores`])
+/// Once a wait fails (the device timed out or is lost, see [`LogicalDevice::wait_semaphores`])
 /// every operation still to come is failed in order, the ones whose work was submitted
 /// with the loss as root cause, and what their batches use is leaked (the device might
 /// still use it), with the semaphore: nothing is freed under the device.

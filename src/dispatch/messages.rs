@@ -21,8 +21,8 @@ use crate::{
     sync::Arc,
 };
 
-pub use super::capture::Record;
 pub use super::replay::ReplayPart;
+pub use super::steps::Record;
 
 /// What the caller of an operation waits on: the cell its [`Reply`] fills.
 pub type Answer<T> = Arc<Oneshot<Result<T>>>;
@@ -414,5 +414,59 @@ impl DeviceOp {
 impl fmt::Debug for DeviceOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// One operation of a call, before posting.
+pub(super) struct Part {
+    /// The device (index) it goes to.
+    pub(super) device: usize,
+    /// The call's step this part belongs to (stamps and placement of fences).
+    pub(super) step: usize,
+    /// Stamp offset within the step.
+    pub(super) offset: u64,
+    /// Steps of stamps the part spans (a replay's positions).
+    pub(super) span: u64,
+    /// A fence (placed before the step's other parts on its device).
+    pub(super) fence: bool,
+    /// The fences of other devices it is gated on (host-array order, `hosted.rs`).
+    pub(super) gates: Vec<Answer<()>>,
+    /// The operation.
+    pub(super) op: DeviceOp,
+}
+
+impl Part {
+    pub(super) fn new(device: usize, step: usize, offset: u64, op: DeviceOp) -> Part {
+        Part {
+            device,
+            step,
+            offset,
+            span: 1,
+            fence: false,
+            gates: Vec::new(),
+            op,
+        }
+    }
+
+    /// The part takes `steps` steps of stamps from its own (at least one).
+    pub(super) fn with_span(self, steps: u64) -> Part {
+        Part {
+            span: steps.max(1),
+            ..self
+        }
+    }
+
+    /// The part, recorded into a step being captured (if `record`).
+    pub(super) fn recorded(self, record: Option<&Record>) -> Part {
+        match record {
+            None => self,
+            Some(r) => Part {
+                op: DeviceOp::Recorded {
+                    record: r.clone(),
+                    op: Box::new(self.op),
+                },
+                ..self
+            },
+        }
     }
 }

@@ -27,8 +27,8 @@ use crate::{
 };
 
 use super::{
-    dispatcher::{AllReduceCall, Dispatcher, Recording},
-    ops::Answer,
+    messages::Answer,
+    system::{AllReduceCall, Dispatcher, Recording},
 };
 
 /// Where a recorded operation is recorded, and as what.
@@ -176,7 +176,7 @@ impl<'d> StepCapture<'d> {
             .iter()
             .map(|&i| {
                 self.dispatcher.request(i, |r| {
-                    super::ops::DeviceOp::Query(super::ops::Query::Fence(r))
+                    super::messages::DeviceOp::Query(super::messages::Query::Fence(r))
                 })
             })
             .collect()

@@ -19,14 +19,13 @@
 //! Every operation's stamp is taken inside the atomic post (`issue` stamps of the plans it
 //! makes), so stamp order is the order every inbox agrees on.
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc as StdArc;
 use std::task::{Context as TaskContext, Poll};
 
 use crate::{
-    collective::{Step, Transfer},
+    collective::{AllReduceStep, Transfer},
     engine::MergeBufferUse,
     error::{Error, Result},
     event::{Event, Timeline},
@@ -41,9 +40,10 @@ use crate::{
 };
 
 use super::{
-    hosted::{HostUse, NodeGuard, NodeLock, NodeLocks},
+    hosted::{self, hosted_uses, NodeGuard, NodeLock, NodeLocks},
     inbox::{post_atomically, Inbox, Refused},
-    ops::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, Record, SourceLink},
+    messages::Part,
+    messages::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, Record, SourceLink},
 };
 
 /// Stamps reserved per step of a call (a copy's source half takes the first ones, its
@@ -69,7 +69,7 @@ pub type CanStream = StdArc<dyn Fn(DeviceId, DeviceId) -> bool + Send + Sync>;
 #[derive(Clone, Debug)]
 pub struct AllReduceCall {
     /// The steps, in issue order.
-    pub steps: Vec<Step>,
+    pub steps: Vec<AllReduceStep>,
     /// The chunk nodes.
     pub nodes: Vec<TensorNode>,
     /// The contexts, one per participant.
@@ -94,57 +94,6 @@ fn copy_edge(src: &Context, dst: &Context, dst_stream: StreamId) -> Option<Edge>
         dst: dst.device(),
         dst_stream,
     })
-}
-
-/// One operation of a call, before posting.
-pub(super) struct Part {
-    device: usize,
-    /// The call's step this part belongs to (stamps and placement of fences).
-    step: usize,
-    /// Stamp offset within the step.
-    offset: u64,
-    /// Steps of stamps the part spans (a replay's positions).
-    span: u64,
-    /// A fence (placed before the step's other parts on its device).
-    fence: bool,
-    gates: Vec<Answer<()>>,
-    op: DeviceOp,
-}
-
-impl Part {
-    pub(super) fn new(device: usize, step: usize, offset: u64, op: DeviceOp) -> Part {
-        Part {
-            device,
-            step,
-            offset,
-            span: 1,
-            fence: false,
-            gates: Vec::new(),
-            op,
-        }
-    }
-
-    /// The part takes `steps` steps of stamps from its own (at least one).
-    pub(super) fn with_span(self, steps: u64) -> Part {
-        Part {
-            span: steps.max(1),
-            ..self
-        }
-    }
-
-    /// The part, recorded into a step being captured (if `record`).
-    fn recorded(self, record: Option<&Record>) -> Part {
-        match record {
-            None => self,
-            Some(r) => Part {
-                op: DeviceOp::Recorded {
-                    record: r.clone(),
-                    op: Box::new(self.op),
-                },
-                ..self
-            },
-        }
-    }
 }
 
 /// Routes host calls into device inboxes; see the module documentation. Shared by every
@@ -309,7 +258,7 @@ impl Dispatcher {
     /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
     /// or a read of a hosted node, posting under its node's lock).
     fn post_holding(&self, mut parts: Vec<Part>, held: Option<&NodeGuard>) -> Result<()> {
-        let guards = self.gate(&mut parts, held);
+        let guards = hosted::gate(&self.nodes, &self.fences.gates, &mut parts, held);
         // Fences go before the other parts of their step on their device (see `gate`).
         parts.sort_by_key(|p| (p.step, !p.fence));
         let mut devices: Vec<usize> = parts.iter().map(|p| p.device).collect();
@@ -354,57 +303,6 @@ impl Dispatcher {
         result.map_err(Self::closed)
     }
 
-    /// Host-array order for `parts` (`hosted.rs`): takes the lock of every hosted node
-    /// they touch, gates parts on fences of the devices they must follow, and adds the
-    /// fences. The guards must be held until the parts are posted.
-    fn gate(&self, parts: &mut Vec<Part>, held: Option<&NodeGuard>) -> Vec<NodeGuard> {
-        let mut uses: Vec<(usize, TensorNode, Option<HostUse>)> = Vec::new();
-        for (i, p) in parts.iter().enumerate() {
-            hosted_uses(&p.op, |node, use_| uses.push((i, node.clone(), use_)));
-        }
-        if uses.is_empty() {
-            return Vec::new();
-        }
-        let mut nodes: Vec<&TensorNode> = uses
-            .iter()
-            .map(|(_, n, _)| n)
-            .filter(|n| held.is_none_or(|h| h.node() != n.id()))
-            .collect();
-        nodes.sort_by_key(|n| n.id());
-        nodes.dedup_by_key(|n| n.id());
-        let guards: BTreeMap<_, NodeGuard> = nodes
-            .iter()
-            .map(|n| {
-                let lock = self.nodes.get(n.id());
-                (n.id(), super::block_on(NodeLock::lock(&lock)))
-            })
-            .collect();
-        let mut fences = Vec::new();
-        for (i, node, use_) in uses {
-            let Some(use_) = use_ else { continue };
-            let device = parts[i].device;
-            let step = parts[i].step;
-            let guard = match held {
-                Some(h) if h.node() == node.id() => h,
-                _ => &guards[&node.id()],
-            };
-            for e in guard.with(|o| o.gate(device, use_)) {
-                // Relaxed: a statistic.
-                self.fences
-                    .gates
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let (r, answer) = reply::<()>();
-                parts[i].gates.push(answer);
-                fences.push(Part {
-                    fence: true,
-                    ..Part::new(e, step, 0, DeviceOp::Query(Query::Fence(r)))
-                });
-            }
-        }
-        parts.extend(fences);
-        guards.into_values().collect()
-    }
-
     /// Posts `op` to device `index` (whatever device its contexts name: the device checks
     /// them, so an operation sent to the wrong actor is refused there).
     pub fn post_to(&self, index: usize, op: DeviceOp) -> Result<()> {
@@ -416,7 +314,7 @@ impl Dispatcher {
     pub fn request<T: Clone>(
         &self,
         index: usize,
-        make: impl FnOnce(super::ops::Reply<T>) -> DeviceOp,
+        make: impl FnOnce(super::messages::Reply<T>) -> DeviceOp,
     ) -> Result<Answer<T>> {
         self.slot(index)?;
         let (r, answer) = reply();
@@ -543,7 +441,7 @@ impl Dispatcher {
     pub fn query<T: Clone>(
         &self,
         index: usize,
-        make: impl FnOnce(super::ops::Reply<T>) -> Query,
+        make: impl FnOnce(super::messages::Reply<T>) -> Query,
     ) -> Result<Answer<T>> {
         self.request(index, |r| DeviceOp::Query(make(r)))
     }
@@ -727,7 +625,7 @@ impl Dispatcher {
         let mut parts = Vec::new();
         for (k, step) in call.steps.iter().enumerate() {
             match *step {
-                Step::Reduce { chunk, src, dst } => {
+                AllReduceStep::Reduce { chunk, src, dst } => {
                     let streaming = match call.transfer {
                         Transfer::Copy => false,
                         Transfer::Streaming => true,
@@ -790,7 +688,7 @@ impl Dispatcher {
                         last[dst * chunks + chunk] = Some(pending);
                     }
                 }
-                Step::Broadcast { chunk, src, dst } => {
+                AllReduceStep::Broadcast { chunk, src, dst } => {
                     let (s, d) = (&call.contexts[src], &call.contexts[dst]);
                     let (pending, promise) = self.pending(d.stream())?;
                     let start = parts.len();
@@ -812,7 +710,7 @@ impl Dispatcher {
                     recorded(&mut parts, start, 2, copy_edge(s, d, d.stream()));
                     last[dst * chunks + chunk] = Some(pending);
                 }
-                Step::Scale { chunk, ctx } => {
+                AllReduceStep::Scale { chunk, ctx } => {
                     let routine = call.scale[ctx][chunk].clone();
                     let (pending, promise) = self.pending(routine.context().stream())?;
                     let start = parts.len();
@@ -972,76 +870,6 @@ impl Dispatcher {
     }
 }
 
-/// What an operation may do to host arrays and hosted nodes' buffers: `(node, Some(use))`
-/// for uploads, downloads and device writes, `(node, None)` for an operation that only
-/// reads a hosted node's version (it still takes the node's lock, to be ordered with host
-/// writes).
-fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<HostUse>)) {
-    let routine = |r: &Routine, f: &mut dyn FnMut(&TensorNode, Option<HostUse>)| {
-        for p in &r.spec().params {
-            if p.node.mode().is_hosted() {
-                // A parameter that is read and written is gated as an upload, which orders
-                // it exactly as a write.
-                let use_ = if p.access.reads() {
-                    HostUse::Upload
-                } else {
-                    HostUse::DeviceWrite
-                };
-                f(&p.node, Some(use_));
-            }
-        }
-    };
-    match op {
-        DeviceOp::Schedule { routine: r, .. } => routine(r, &mut f),
-        DeviceOp::Transfer { node, up, .. } if node.mode().is_hosted() => f(
-            node,
-            Some(if *up {
-                HostUse::Upload
-            } else {
-                HostUse::Download
-            }),
-        ),
-        DeviceOp::InitFromHost { node, .. } => f(node, Some(HostUse::Upload)),
-        DeviceOp::CopySource { node, .. } if node.mode().is_hosted() => {
-            f(node, Some(HostUse::Upload))
-        }
-        // A copy into a hosted node's own buffer writes it (into a merge buffer, not).
-        DeviceOp::CopyDest {
-            delivery:
-                Delivery::Copy {
-                    node,
-                    into_merge: false,
-                    ..
-                },
-            ..
-        } if node.mode().is_hosted() => f(node, Some(HostUse::DeviceWrite)),
-        DeviceOp::CopyDest {
-            delivery: Delivery::Streaming(r),
-            ..
-        } => routine(r, &mut f),
-        DeviceOp::Read {
-            node, raw: false, ..
-        } if node.mode().is_hosted() => f(node, Some(HostUse::Upload)),
-        DeviceOp::TransferToHost { node, .. } => f(node, Some(HostUse::Download)),
-        DeviceOp::Recorded { op, .. } => hosted_uses(op, f),
-        // A replay uploads nothing (it is refused if a hosted node it reads lags), but it
-        // reads host versions and writes hosted nodes' buffers: ordered as an upload.
-        DeviceOp::Replay { part, .. } => {
-            for n in part.step.hosted_nodes() {
-                f(n, Some(HostUse::Upload));
-            }
-        }
-        DeviceOp::Finalize { ctx, .. } => {
-            for n in ctx.nodes() {
-                if n.mode().is_hosted() {
-                    f(n, Some(HostUse::Download));
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
 /// The checks of a `StreamingFor` consumer that need no device state (the rest are the
 /// destination's): it reads a merge buffer, expects `node` there, and does not write the
 /// source buffer it would read in place.
@@ -1168,14 +996,15 @@ fn check_all_reduce(
     };
     for (k, step) in msg.steps.iter().enumerate() {
         match *step {
-            Step::Reduce { chunk, src, dst } | Step::Broadcast { chunk, src, dst } => {
+            AllReduceStep::Reduce { chunk, src, dst }
+            | AllReduceStep::Broadcast { chunk, src, dst } => {
                 let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
                 let src = index(format!("source context of step {k}"), src, n)?;
                 let dst = index(format!("destination context of step {k}"), dst, n)?;
                 holds(src, chunk)?;
                 holds(dst, chunk)?;
                 let (s, d) = (msg.contexts[src].device(), msg.contexts[dst].device());
-                if matches!(step, Step::Reduce { .. })
+                if matches!(step, AllReduceStep::Reduce { .. })
                     && msg.transfer == Transfer::Streaming
                     && !can_stream(s, d)
                 {
@@ -1186,7 +1015,7 @@ fn check_all_reduce(
                     });
                 }
             }
-            Step::Scale { chunk, ctx } => {
+            AllReduceStep::Scale { chunk, ctx } => {
                 let ctx = index(format!("context of step {k}"), ctx, n)?;
                 let chunk = index(format!("chunk of step {k}"), chunk, chunks)?;
                 index(

@@ -32,7 +32,7 @@ use crate::{
 
 use super::{
     inbox::Inbox,
-    ops::{Delivery, DeviceOp, Query, ReadValue, Record, Reply, SourceLink, Verdict},
+    messages::{Delivery, DeviceOp, Query, ReadValue, Record, Reply, SourceLink, Verdict},
     replay::ReplayPart,
 };
 
