@@ -85,6 +85,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Failure, Result};
 use crate::ids::StreamId;
 
+#[doc(hidden)]
 pub mod pending;
 use self::pending::{Oneshot, Planned};
 use crate::sync::atomic::{AtomicU64, Ordering};

@@ -96,6 +96,9 @@ pub mod mutants {
 
 pub mod backend;
 pub mod collective;
+// Internal: the actor layer's decisions, for `tributary-actors` and the loom models. Not
+// part of the API (DESIGN.md §4, "The public API").
+#[doc(hidden)]
 pub mod dispatch;
 mod dtype;
 pub mod engine;
@@ -108,12 +111,18 @@ pub mod node;
 mod param;
 pub mod protocol;
 pub mod replay;
+// Internal: the synchronisation shim (`std`, or loom under `--cfg tributary_loom`), for the
+// actor crate and the loom models. Not part of the API.
+#[doc(hidden)]
 pub mod sync;
 pub mod trace;
 
 pub use engine::{Capture, Engine, EngineConfig};
 pub use error::{DeviceError, Error, Failure, Invalidation, Result};
-pub use event::{pending, Event, EventStatus, Timeline};
+// Internal: deferred events, for the actor crate. Not part of the API.
+#[doc(hidden)]
+pub use event::pending;
+pub use event::{Event, EventStatus, Timeline};
 /// The `half` crate behind [`F16`] and [`Bf16`] (e.g. `half::slice::HalfFloatSliceExt` for
 /// bulk conversions).
 pub use half;
