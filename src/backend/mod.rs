@@ -44,15 +44,17 @@
 //! Backends: [`cpu`] (always built), [`vulkan`] and [`cuda`] (their types always exist;
 //! without the `vulkan` or `cuda` cargo feature, [`vulkan::VulkanBackend::new`] or
 //! [`cuda::CudaBackend::new`] reports [`DeviceError::Unavailable`]). [`BackendKind`] picks
-//! one from configuration.
+//! one from configuration. What the two GPU backends' streams do alike (lowering a plan's
+//! work, the channel to the submit thread, publishing decisions, sorting dependencies,
+//! stopping the threads) is written once, in `gpu_stream.rs`.
 
 pub mod cpu;
 pub mod cuda;
 pub mod fault;
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
-pub(crate) mod recording;
+mod gpu_stream;
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
-mod stream_threads;
+pub(crate) mod recording;
 pub mod vulkan;
 
 use serde::{Deserialize, Serialize};

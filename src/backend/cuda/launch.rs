@@ -8,7 +8,7 @@ use super::{
     kernels::{kernel_launches, LaunchParam, Program},
     memory::Region,
 };
-use crate::{kernels::Kernel, protocol::ArgBinding};
+use crate::{backend::gpu_stream::Arg, kernels::Kernel, protocol::ArgBinding};
 
 /// One parameter of a launch, by value, buffers resolved to device pointers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,16 +47,16 @@ pub(super) struct DeviceLaunch {
 /// sizes), the stream resolves their buffers.
 pub(super) fn lower(
     kernel: &Kernel,
-    args: &[(ArgBinding, Region)],
-    merge: Option<&(ArgBinding, Region)>,
+    args: &[Arg<Region>],
+    merge: Option<&Arg<Region>>,
     indices: &crate::kernels::Bindings,
     gpu: &Gpu,
 ) -> std::result::Result<Vec<DeviceLaunch>, String> {
-    let bindings: Vec<ArgBinding> = args.iter().map(|(b, _)| b.clone()).collect();
+    let bindings: Vec<ArgBinding> = args.iter().map(|a| a.binding.clone()).collect();
     let launches = kernel_launches(
         kernel,
         &bindings,
-        merge.map(|(b, _)| b),
+        merge.map(|m| &m.binding),
         indices,
         &gpu.limits.launch_limits(),
     )?;
@@ -65,8 +65,8 @@ pub(super) fn lower(
         .map(|l| {
             let params = resolve_params(
                 &l.params,
-                |i| args.get(i).map(|(_, r)| r.ptr()),
-                merge.map(|(_, r)| r.ptr()),
+                |i| args.get(i).map(|a| a.region.ptr()),
+                merge.map(|m| m.region.ptr()),
             )?;
             Ok(DeviceLaunch {
                 program: l.program,

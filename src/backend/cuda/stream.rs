@@ -10,12 +10,7 @@
 //! [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller promises
 //! that nothing else completes that timeline.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    sync::{Arc, Condvar, Mutex},
-    thread::JoinHandle,
-    time::{Duration, Instant},
-};
+use std::{collections::HashMap, sync::Arc, time::Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::{
@@ -33,15 +28,14 @@ use super::{
 };
 use crate::{
     backend::{
+        gpu_stream::{self, Decided, Decisions, SubmitChannel},
         recording::{CompletionTrace, OpTrace, StreamTrace},
-        StreamQueue,
     },
-    error::{DeviceError, Error, Failure, Result},
+    error::{DeviceError, Error, Failure},
     event::{EventStatus, Timeline},
     ids::StreamId,
-    kernels::Kernel,
     memory::AlignedBuffer,
-    protocol::{ArgBinding, Dep, DepKind, Plan, Work},
+    protocol::{Dep, Work},
     sync::Arc as SyncArc,
     trace::Recorder,
 };
@@ -53,19 +47,7 @@ use crate::{
 pub(super) struct StreamShared {
     pub(super) id: StreamId,
     pub(super) timeline: SyncArc<Timeline>,
-    decided: Mutex<Decided>,
-    cond: Condvar,
-}
-
-/// The decisions a stream's submit thread took, for the other streams of its device.
-#[derive(Default)]
-struct Decided {
-    /// Every sequence number up to this one is decided.
-    upto: u64,
-    /// The decided sequence numbers not yet completed.
-    open: BTreeMap<u64, Decision>,
-    /// The submit thread is gone: nothing more will be decided.
-    closed: bool,
+    decided: Decisions<Decision>,
 }
 
 /// What a stream decided for one of its sequence numbers.
@@ -90,42 +72,29 @@ impl StreamShared {
         StreamShared {
             id,
             timeline,
-            decided: Mutex::new(Decided::default()),
-            cond: Condvar::new(),
+            decided: Decisions::new(),
         }
     }
 
     /// Publishes the decision for `seq` (and everything before it).
     fn decide(&self, seq: u64, decision: Decision) {
-        let mut d = lock(&self.decided);
-        d.upto = d.upto.max(seq);
-        d.open.insert(seq, decision);
-        drop(d);
-        self.cond.notify_all();
+        self.decided.decide(seq, Some(decision));
     }
 
     /// Forgets the decisions up to `seq`: their timeline is complete.
     fn completed(&self, seq: u64) {
-        let mut d = lock(&self.decided);
-        d.open = d.open.split_off(&(seq + 1));
+        self.decided.forget_upto(seq);
     }
 
     fn close(&self) {
-        lock(&self.decided).closed = true;
-        self.cond.notify_all();
+        self.decided.close();
     }
 
     /// Waits until `seq` is decided.
     fn decision(&self, seq: u64) -> Decision {
-        let mut d = lock(&self.decided);
-        loop {
-            if d.upto >= seq {
-                return d.open.get(&seq).cloned().unwrap_or(Decision::Completed);
-            }
-            if d.closed {
-                return Decision::Gone;
-            }
-            d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
+        match self.decided.wait(seq) {
+            Decided::Yes(d) => d.unwrap_or(Decision::Completed),
+            Decided::Gone => Decision::Gone,
         }
     }
 }
@@ -133,40 +102,10 @@ impl StreamShared {
 // ---------------------------------------------------------------------------------------
 // The stream.
 
-/// A plan resolved to regions at submission.
-// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
-// allocation per schedule to save a memcpy of a value moved a few times.
-#[allow(clippy::large_enum_variant)]
-enum Job {
-    Run {
-        kernel: Kernel,
-        args: Vec<(ArgBinding, Region)>,
-        merge: Option<(ArgBinding, Region)>,
-        /// The index values snapshotted into the plan (launch arguments).
-        bindings: crate::kernels::Bindings,
-    },
-    Copy {
-        src: Region,
-        dst: Region,
-        route: CopyRoute,
-        bytes: u64,
-    },
-    FromHost {
-        host: Arc<AlignedBuffer>,
-        dst: Region,
-        bytes: u64,
-    },
-    ToHost {
-        src: Region,
-        host: Arc<AlignedBuffer>,
-        bytes: u64,
-    },
-    Memset {
-        dst: Region,
-        bytes: u64,
-    },
-    Marker,
-}
+/// A plan resolved to regions at submission (a copy with its route).
+type Job = gpu_stream::Job<Region, CopyRoute>;
+
+type Submitted = gpu_stream::Submitted<Job>;
 
 impl Job {
     /// Whether the submit thread touches host memory the dependencies may write, so that
@@ -181,14 +120,6 @@ impl Job {
                 }
         )
     }
-}
-
-struct Submitted {
-    label: String,
-    seq: u64,
-    bytes: u64,
-    deps: Vec<Dep>,
-    job: std::result::Result<Job, String>,
 }
 
 /// Things work uses, kept alive until its completion is observed.
@@ -231,9 +162,7 @@ struct Watch {
 /// One CUDA stream: the sending side of its submit thread, and both threads.
 pub(super) struct CudaStreamQueue {
     backend: Arc<Shared>,
-    shared: Arc<StreamShared>,
-    tx: Mutex<Option<Sender<Submitted>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    channel: SubmitChannel<Job>,
 }
 
 impl CudaStreamQueue {
@@ -249,7 +178,6 @@ impl CudaStreamQueue {
             .map_err(|e| DeviceError::Unexpected(format!("cuStreamCreate: {}", driver_error(e))))?;
         let capacity = usize::try_from(backend.config.staging_bytes.max(1)).unwrap_or(usize::MAX);
         let ring = Arc::new(StagingRing::new(gpu.ctx.clone(), capacity));
-        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
         let (watch_tx, watch_rx) = crossbeam_channel::unbounded::<Watch>();
         let trace = StreamTrace::new(recorder, shared.id);
         let submitter = Submitter {
@@ -262,13 +190,6 @@ impl CudaStreamQueue {
             last: 0,
             trace: trace.clone(),
         };
-        let id = shared.id;
-        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(f)
-                .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
-        };
         let watcher = Watcher {
             me: shared.clone(),
             gpu,
@@ -276,160 +197,34 @@ impl CudaStreamQueue {
             trace: trace.completions(),
             copy_failure: None,
         };
-        let watching = spawn(
-            format!("tributary-cuda-done-{id}"),
-            Box::new(move || watcher.run(watch_rx)),
+        // If the submit thread cannot start, the submitter (and its sender to the watcher)
+        // is dropped with its closure: the watcher ends by itself.
+        let channel = SubmitChannel::start(
+            shared.id,
+            shared.timeline.clone(),
+            "CUDA",
+            "cuda",
+            move |rx| submitter.run(rx),
+            move || watcher.run(watch_rx),
         )?;
-        let submit = match spawn(
-            format!("tributary-cuda-{id}"),
-            Box::new(move || submitter.run(rx)),
-        ) {
-            Ok(h) => h,
-            Err(e) => {
-                // The submitter (and its sender to the watcher) was dropped with the
-                // closure: the watcher ends by itself.
-                let _ = watching.join();
-                return Err(e);
-            }
-        };
-        Ok(CudaStreamQueue {
-            backend,
-            shared,
-            tx: Mutex::new(Some(tx)),
-            threads: Mutex::new(vec![submit, watching]),
-        })
+        Ok(CudaStreamQueue { backend, channel })
     }
 
     fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
         let b = &self.backend;
-        let arg = |a: &ArgBinding| -> std::result::Result<(ArgBinding, Region), String> {
-            Ok((a.clone(), b.resolve(a.loc, a.bytes)?))
-        };
-        // The same rule as every backend (a longer host array used to pass here and be
-        // truncated: found on the first GPU run).
-        let host_len =
-            |host: &AlignedBuffer, bytes: u64| crate::backend::check_host_array(host.len(), bytes);
-        Ok(match work {
-            Work::Run {
-                kernel,
-                args,
-                merge,
-                bindings,
-                ..
-            } => Job::Run {
-                bindings: bindings.clone(),
-                kernel: kernel.clone(),
-                args: args
-                    .iter()
-                    .map(arg)
-                    .collect::<std::result::Result<_, _>>()?,
-                merge: merge.as_ref().map(arg).transpose()?,
+        Job::lower(
+            work,
+            |loc, bytes| b.resolve(loc, bytes),
+            |src, dst| {
+                b.route(src, dst).ok_or_else(|| {
+                    format!("a copy between {src} and {dst}, not both CUDA devices of this backend")
+                })
             },
-            Work::Copy { src, dst, bytes } => Job::Copy {
-                route: b.route(src.device, dst.device).ok_or_else(|| {
-                    format!(
-                        "a copy between {} and {}, not both CUDA devices of this backend",
-                        src.device, dst.device
-                    )
-                })?,
-                src: b.resolve(*src, *bytes)?,
-                dst: b.resolve(*dst, *bytes)?,
-                bytes: *bytes,
-            },
-            Work::FromHost { host, dst, bytes } => {
-                host_len(host, *bytes)?;
-                Job::FromHost {
-                    host: host.clone(),
-                    dst: b.resolve(*dst, *bytes)?,
-                    bytes: *bytes,
-                }
-            }
-            Work::ToHost { src, host, bytes } => {
-                host_len(host, *bytes)?;
-                Job::ToHost {
-                    src: b.resolve(*src, *bytes)?,
-                    host: host.clone(),
-                    bytes: *bytes,
-                }
-            }
-            Work::Memset { dst, bytes } => Job::Memset {
-                dst: b.resolve(*dst, *bytes)?,
-                bytes: *bytes,
-            },
-            Work::Marker => Job::Marker,
-        })
-    }
-
-    fn stop(&self, deadline: Option<Instant>) -> bool {
-        drop(lock(&self.tx).take());
-        crate::backend::stream_threads::join_stream_threads(
-            &self.threads,
-            deadline,
-            &self.shared.timeline,
-            self.shared.id,
-            "CUDA",
         )
     }
 }
 
-impl StreamQueue for CudaStreamQueue {
-    fn submit(&self, plan: Plan) -> Result<()> {
-        plan.check_queue(self.shared.id, &self.shared.timeline)?;
-        let seq = plan.event.seq();
-        let label = plan.work.label();
-        let bytes = match &plan.work {
-            Work::Copy { bytes, .. }
-            | Work::FromHost { bytes, .. }
-            | Work::ToHost { bytes, .. }
-            | Work::Memset { bytes, .. } => *bytes,
-            Work::Run { args, .. } => args.iter().map(|a| a.bytes).sum(),
-            Work::Marker => 0,
-        };
-        let job = self.resolve(&plan.work);
-        let item = Submitted {
-            label: label.clone(),
-            seq,
-            bytes,
-            deps: plan.deps,
-            job,
-        };
-        let refused = match lock(&self.tx).as_ref() {
-            Some(tx) => tx.send(item).err().map(|e| e.0),
-            None => Some(item),
-        };
-        if let Some(item) = refused {
-            // Failed once its dependencies and the operations still draining before it are
-            // decided (`protocol/unsubmitted.rs`).
-            crate::protocol::fail_when_ready(
-                self.shared.timeline.clone(),
-                seq,
-                item.deps.into_iter().map(|dep| dep.event().clone()),
-                Arc::new(Failure {
-                    stream: self.shared.id,
-                    seq,
-                    operation: label,
-                    message: "stream is shut down".into(),
-                }),
-            );
-            return Err(Error::ShutDown(format!("stream {}", self.shared.id)));
-        }
-        Ok(())
-    }
-
-    fn shutdown(&self) {
-        self.stop(None);
-    }
-
-    fn shutdown_within(&self, timeout: Duration) -> bool {
-        self.stop(Some(Instant::now() + timeout))
-    }
-}
-
-impl Drop for CudaStreamQueue {
-    fn drop(&mut self) {
-        self.stop(None);
-    }
-}
+gpu_stream::stream_queue_over_channel!(CudaStreamQueue);
 
 /// The submit thread's state.
 struct Submitter {
@@ -444,14 +239,9 @@ struct Submitter {
     trace: StreamTrace,
 }
 
-/// How the dependencies of one plan are to be waited for.
-#[derive(Default)]
-struct Waits {
-    /// Events of other streams of this device to wait for on the GPU.
-    gpu: Vec<SharedEvent>,
-    /// The root cause of the first failed data dependency.
-    failed: Option<Arc<Failure>>,
-}
+/// How the dependencies of one plan are to be waited for (events of other streams of
+/// this device to wait for on the GPU).
+type Waits = gpu_stream::Waits<SharedEvent>;
 
 impl Submitter {
     fn run(mut self, rx: Receiver<Submitted>) {
@@ -464,12 +254,7 @@ impl Submitter {
     }
 
     fn failure(&self, item: &Submitted, message: String) -> Arc<Failure> {
-        Arc::new(Failure {
-            stream: self.me.id,
-            seq: item.seq,
-            operation: item.label.clone(),
-            message,
-        })
+        item.failure(self.me.id, message)
     }
 
     /// Waits on the host for `dep`, recording the wait; the failure it ended with, if any.
@@ -483,70 +268,34 @@ impl Submitter {
     /// Sorts the dependencies: those on other streams of this device become event waits
     /// (after their stream decided them) unless `on_host`; the others are waited for here.
     fn classify(&self, item: &Submitted, on_host: bool) -> Waits {
-        let mut w = Waits::default();
-        for dep in &item.deps {
-            let data = dep.kind == DepKind::Data;
-            let mut note = |f: Arc<Failure>| {
-                if data {
-                    w.failed.get_or_insert(f);
-                }
-            };
-            match dep.event.status() {
-                EventStatus::Done => continue,
-                EventStatus::Failed(f) => {
-                    note(f);
-                    continue;
-                }
-                EventStatus::Pending => {}
-            }
+        Waits::classify(&item.deps, |dep| {
             let local = if on_host {
                 None
             } else {
                 self.gpu.stream_of(dep.event.timeline())
             };
-            let decision = match &local {
+            // A failure the decision or the timeline tells of.
+            let failed = |d: Decision| match d {
+                Decision::Recorded { failure, .. } => failure,
+                Decision::Failed(f) => Some(f),
+                Decision::Completed | Decision::Gone => match dep.event.status() {
+                    EventStatus::Failed(f) => Some(f),
+                    _ => None,
+                },
+            };
+            match &local {
                 // This stream's own earlier work is before this plan already: nothing to
                 // wait for, but a failure of it is this plan's too (its event is recorded
                 // and pending, so only the decision says so).
-                Some(s) if Arc::ptr_eq(s, &self.me) => {
-                    match s.decision(dep.event.seq()) {
-                        Decision::Recorded {
-                            failure: Some(f), ..
-                        }
-                        | Decision::Failed(f) => note(f),
-                        Decision::Completed | Decision::Gone => {
-                            if let EventStatus::Failed(f) = dep.event.status() {
-                                note(f);
-                            }
-                        }
-                        Decision::Recorded { failure: None, .. } => {}
-                    }
-                    continue;
-                }
-                Some(s) => s.decision(dep.event.seq()),
-                None => Decision::Gone,
-            };
-            match decision {
-                Decision::Recorded { event, failure } => {
-                    if let Some(f) = failure {
-                        note(f);
-                    }
-                    w.gpu.push(event);
-                }
-                Decision::Failed(f) => note(f),
-                Decision::Completed => {
-                    if let EventStatus::Failed(f) = dep.event.status() {
-                        note(f);
-                    }
-                }
-                Decision::Gone => {
-                    if let Some(f) = self.host_wait(item, dep) {
-                        note(f);
-                    }
-                }
+                Some(s) if Arc::ptr_eq(s, &self.me) => (None, failed(s.decision(dep.event.seq()))),
+                Some(s) => match s.decision(dep.event.seq()) {
+                    Decision::Recorded { event, failure } => (Some(event), failure),
+                    Decision::Gone => (None, self.host_wait(item, dep)),
+                    d => (None, failed(d)),
+                },
+                None => (None, self.host_wait(item, dep)),
             }
-        }
-        w
+        })
     }
 
     fn send(&self, watch: Watch) {
@@ -732,27 +481,23 @@ impl Submitter {
                 merge,
                 bindings,
             } => {
-                for (i, (_, region)) in args.iter().enumerate() {
-                    if !self.local(region) {
-                        return Err(format!("argument {i} lives on another device"));
-                    }
-                }
-                if let Some((binding, region)) = merge {
-                    let addressable = self.local(region)
+                gpu_stream::check_local(args, |r| self.local(r))?;
+                if let Some(m) = merge {
+                    let addressable = self.local(&m.region)
                         || self
                             .backend
-                            .route_facts(binding.loc.device, self.gpu.id)
+                            .route_facts(m.binding.loc.device, self.gpu.id)
                             .is_some_and(super::memory::can_address);
                     if !addressable {
                         return Err(format!(
                             "the merge source lives on {}, which {} cannot address (no peer \
                              access)",
-                            binding.loc.device, self.gpu.id
+                            m.binding.loc.device, self.gpu.id
                         ));
                     }
                 }
-                for (_, region) in args.iter().chain(merge.iter()) {
-                    keep.push(Keep::Pool(region.pool.clone()));
+                for a in args.iter().chain(merge.iter()) {
+                    keep.push(Keep::Pool(a.region.pool.clone()));
                 }
                 for launch in lower(kernel, args, merge.as_ref(), bindings, &self.gpu)? {
                     self.launch(&launch, keep)?;
@@ -1015,14 +760,7 @@ struct CloseOnExit(Arc<StreamShared>);
 
 impl Drop for CloseOnExit {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.timeline.poison(Arc::new(Failure {
-                stream: self.0.id,
-                seq: self.0.timeline.completed() + 1,
-                operation: "worker".into(),
-                message: "CUDA submit thread died".into(),
-            }));
-        }
+        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, "CUDA");
         self.0.close();
     }
 }

@@ -17,15 +17,10 @@ use super::{
 use crate::{
     kernels::{Bindings, Builtin, IndexDecl, Kernel, ShaderKernel, ShaderSource},
     node::DType,
-    protocol::ArgBinding,
 };
 
 /// A kernel argument resolved to its buffer range.
-#[derive(Clone)]
-pub(super) struct Arg {
-    pub(super) region: Region,
-    pub(super) binding: ArgBinding,
-}
+pub(super) type Arg = crate::backend::gpu_stream::Arg<Region>;
 
 /// A compiled module, or why it does not compile.
 type Compiled = Result<Arc<[u32]>, String>;

@@ -14,12 +14,7 @@
 //! - *kept*: whatever a batch uses is held in its `Keep`s until the completion thread
 //!   observes the batch done, and leaked (never dropped) if it cannot observe that.
 
-use std::{
-    collections::{BTreeMap, VecDeque},
-    sync::{Arc, Condvar, Mutex},
-    thread::JoinHandle,
-    time::{Duration, Instant},
-};
+use std::{collections::VecDeque, sync::Arc, time::Instant};
 
 use ash::vk;
 use crossbeam_channel::{Receiver, Sender};
@@ -27,21 +22,20 @@ use crossbeam_channel::{Receiver, Sender};
 use super::{
     conv::map_oom_and_lost,
     device::{Gpu, Shared},
-    instance::{host_visibility_barrier, lock, LogicalDevice},
-    kernels::{Arg, Lowered, Lowering, Pipeline},
+    instance::{host_visibility_barrier, LogicalDevice},
+    kernels::{Lowered, Lowering, Pipeline},
     memory::{same_size, Buffer, Region},
 };
 use crate::{
     backend::{
+        gpu_stream::{self, Decided, Decisions, SubmitChannel},
         recording::{CompletionTrace, OpTrace, StreamTrace},
-        StreamQueue,
     },
-    error::{DeviceError, Error, Failure, Result},
-    event::{EventStatus, Timeline},
+    error::{DeviceError, Error, Failure},
+    event::Timeline,
     ids::StreamId,
-    kernels::Kernel,
     memory::AlignedBuffer,
-    protocol::{Dep, DepKind, Plan, Work},
+    protocol::Work,
     sync::Arc as SyncArc,
 };
 
@@ -51,19 +45,8 @@ pub(super) struct StreamShared {
     pub(super) timeline: SyncArc<Timeline>,
     pub(super) semaphore: vk::Semaphore,
     core: Arc<LogicalDevice>,
-    decided: Mutex<Decided>,
-    cond: Condvar,
-}
-
-/// The decisions a stream's submit thread took, for the other streams of its device.
-#[derive(Default)]
-struct Decided {
-    /// Every sequence number up to this one is decided (submitted, or failed).
-    upto: u64,
-    /// Root causes of the decided-failed sequence numbers not yet completed.
-    failures: BTreeMap<u64, Arc<Failure>>,
-    /// The submit thread is gone: nothing more will be decided.
-    closed: bool,
+    /// What the submit thread decided: the root causes of failed numbers not yet completed.
+    decided: Decisions<Arc<Failure>>,
 }
 
 /// What a stream decided for one of its sequence numbers.
@@ -95,44 +78,27 @@ impl StreamShared {
             timeline,
             semaphore,
             core,
-            decided: Mutex::new(Decided::default()),
-            cond: Condvar::new(),
+            decided: Decisions::new(),
         })
     }
 
     /// Publishes the decision for `seq` (and everything before it).
     fn decide(&self, seq: u64, failure: Option<Arc<Failure>>) {
-        let mut d = lock(&self.decided);
-        d.upto = d.upto.max(seq);
-        if let Some(f) = failure {
-            d.failures.insert(seq, f);
-        }
+        self.decided.decide(seq, failure);
         // Failures of completed operations are on the timeline now.
-        let done = self.timeline.completed();
-        d.failures = d.failures.split_off(&(done + 1));
-        drop(d);
-        self.cond.notify_all();
+        self.decided.forget_upto(self.timeline.completed());
     }
 
     fn close(&self) {
-        lock(&self.decided).closed = true;
-        self.cond.notify_all();
+        self.decided.close();
     }
 
     /// Waits until `seq` is decided.
     fn decision(&self, seq: u64) -> Decision {
-        let mut d = lock(&self.decided);
-        loop {
-            if d.upto >= seq {
-                return match d.failures.get(&seq) {
-                    Some(f) => Decision::Failed(f.clone()),
-                    None => Decision::Submitted,
-                };
-            }
-            if d.closed {
-                return Decision::Gone;
-            }
-            d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
+        match self.decided.wait(seq) {
+            Decided::Yes(Some(f)) => Decision::Failed(f),
+            Decided::Yes(None) => Decision::Submitted,
+            Decided::Gone => Decision::Gone,
         }
     }
 
@@ -170,59 +136,9 @@ fn host_wait(
 }
 
 /// A plan resolved to buffers at submission.
-// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
-// allocation per schedule to save a memcpy of a value moved a few times.
-#[allow(clippy::large_enum_variant)]
-enum Job {
-    Run {
-        kernel: Kernel,
-        args: Vec<Arg>,
-        merge: Option<Arg>,
-        /// The index values snapshotted into the plan (push constants of a shader).
-        bindings: crate::kernels::Bindings,
-    },
-    Copy {
-        src: Region,
-        dst: Region,
-        bytes: u64,
-    },
-    FromHost {
-        host: Arc<AlignedBuffer>,
-        dst: Region,
-        bytes: u64,
-    },
-    ToHost {
-        src: Region,
-        host: Arc<AlignedBuffer>,
-        bytes: u64,
-    },
-    Memset {
-        dst: Region,
-        bytes: u64,
-    },
-    Marker,
-}
+type Job = gpu_stream::Job<Region>;
 
-impl Job {
-    /// Bytes the job touches (for the timeline).
-    fn bytes(&self) -> u64 {
-        match self {
-            Job::Run { args, .. } => args.iter().map(|a| a.region.bytes).sum(),
-            Job::Copy { bytes, .. }
-            | Job::FromHost { bytes, .. }
-            | Job::ToHost { bytes, .. }
-            | Job::Memset { bytes, .. } => *bytes,
-            Job::Marker => 0,
-        }
-    }
-}
-
-struct Submitted {
-    label: String,
-    seq: u64,
-    deps: Vec<Dep>,
-    job: std::result::Result<Job, String>,
-}
+type Submitted = gpu_stream::Submitted<Job>;
 
 /// Things a batch uses, kept alive until its completion is observed.
 enum Keep {
@@ -246,9 +162,7 @@ struct Pending {
 /// One Vulkan stream: the sending side of its submit thread, and both threads.
 pub(super) struct VulkanStream {
     backend: Arc<Shared>,
-    shared: Arc<StreamShared>,
-    tx: Mutex<Option<Sender<Submitted>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    channel: SubmitChannel<Job>,
 }
 
 impl VulkanStream {
@@ -268,7 +182,6 @@ impl VulkanStream {
         // SAFETY: valid device and create info.
         let pool = unsafe { d.create_command_pool(&pool_info, None) }
             .map_err(|r| map_oom_and_lost("vkCreateCommandPool", 0, r))?;
-        let (tx, rx) = crossbeam_channel::unbounded::<Submitted>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Pending>();
         let submitter = Submitter {
             gpu,
@@ -282,154 +195,28 @@ impl VulkanStream {
             host_scratch: Vec::new(),
             trace: trace.clone(),
         };
-        let id = shared.id;
-        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(f)
-                .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
-        };
         let completer = shared.clone();
-        let completion = spawn(
-            format!("tributary-vk-done-{id}"),
-            Box::new(move || completion_loop(completer, done_rx, trace)),
+        // If the submit thread cannot start, the submitter (and its command pool and
+        // completion sender) is dropped with its closure: the completion thread ends by
+        // itself.
+        let channel = SubmitChannel::start(
+            shared.id,
+            shared.timeline.clone(),
+            "Vulkan",
+            "vk",
+            move |rx| submitter.run(rx),
+            move || completion_loop(completer, done_rx, trace),
         )?;
-        let submit = match spawn(
-            format!("tributary-vk-{id}"),
-            Box::new(move || submitter.run(rx)),
-        ) {
-            Ok(h) => h,
-            Err(e) => {
-                // The submitter (and its command pool and completion sender) was moved into
-                // the failed closure and dropped: the completion thread ends by itself.
-                let _ = completion.join();
-                return Err(e);
-            }
-        };
-        Ok(VulkanStream {
-            backend,
-            shared,
-            tx: Mutex::new(Some(tx)),
-            threads: Mutex::new(vec![submit, completion]),
-        })
+        Ok(VulkanStream { backend, channel })
     }
 
     fn resolve(&self, work: &Work) -> std::result::Result<Job, String> {
         let b = &self.backend;
-        let arg = |a: &crate::protocol::ArgBinding| -> std::result::Result<Arg, String> {
-            Ok(Arg {
-                region: b.resolve(a.loc, a.bytes)?,
-                binding: a.clone(),
-            })
-        };
-        let host_len =
-            |host: &AlignedBuffer, bytes: u64| crate::backend::check_host_array(host.len(), bytes);
-        Ok(match work {
-            Work::Run {
-                kernel,
-                args,
-                merge,
-                bindings,
-                ..
-            } => Job::Run {
-                bindings: bindings.clone(),
-                kernel: kernel.clone(),
-                args: args
-                    .iter()
-                    .map(arg)
-                    .collect::<std::result::Result<_, _>>()?,
-                merge: merge.as_ref().map(arg).transpose()?,
-            },
-            Work::Copy { src, dst, bytes } => Job::Copy {
-                src: b.resolve(*src, *bytes)?,
-                dst: b.resolve(*dst, *bytes)?,
-                bytes: *bytes,
-            },
-            Work::FromHost { host, dst, bytes } => {
-                host_len(host, *bytes)?;
-                Job::FromHost {
-                    host: host.clone(),
-                    dst: b.resolve(*dst, *bytes)?,
-                    bytes: *bytes,
-                }
-            }
-            Work::ToHost { src, host, bytes } => {
-                host_len(host, *bytes)?;
-                Job::ToHost {
-                    src: b.resolve(*src, *bytes)?,
-                    host: host.clone(),
-                    bytes: *bytes,
-                }
-            }
-            Work::Memset { dst, bytes } => Job::Memset {
-                dst: b.resolve(*dst, *bytes)?,
-                bytes: *bytes,
-            },
-            Work::Marker => Job::Marker,
-        })
-    }
-
-    fn stop(&self, deadline: Option<Instant>) -> bool {
-        drop(lock(&self.tx).take());
-        crate::backend::stream_threads::join_stream_threads(
-            &self.threads,
-            deadline,
-            &self.shared.timeline,
-            self.shared.id,
-            "Vulkan",
-        )
+        Job::lower(work, |loc, bytes| b.resolve(loc, bytes), |_, _| Ok(()))
     }
 }
 
-impl StreamQueue for VulkanStream {
-    fn submit(&self, plan: Plan) -> Result<()> {
-        plan.check_queue(self.shared.id, &self.shared.timeline)?;
-        let seq = plan.event.seq();
-        let label = plan.work.label();
-        let job = self.resolve(&plan.work);
-        let item = Submitted {
-            label: label.clone(),
-            seq,
-            deps: plan.deps,
-            job,
-        };
-        let refused = match lock(&self.tx).as_ref() {
-            Some(tx) => tx.send(item).err().map(|e| e.0),
-            None => Some(item),
-        };
-        if let Some(item) = refused {
-            // Failed once its dependencies and the operations still draining before it are
-            // decided (`protocol/unsubmitted.rs`).
-            crate::protocol::fail_when_ready(
-                self.shared.timeline.clone(),
-                seq,
-                item.deps.into_iter().map(|dep| dep.event().clone()),
-                Arc::new(Failure {
-                    stream: self.shared.id,
-                    seq,
-                    operation: label,
-                    message: "stream is shut down".into(),
-                }),
-            );
-            return Err(Error::ShutDown(format!("stream {}", self.shared.id)));
-        }
-        Ok(())
-    }
-
-    fn shutdown(&self) {
-        self.stop(None);
-    }
-
-    fn shutdown_within(&self, timeout: Duration) -> bool {
-        self.stop(Some(Instant::now() + timeout))
-    }
-}
-
-impl Drop for VulkanStream {
-    fn drop(&mut self) {
-        self.stop(None);
-    }
-}
+gpu_stream::stream_queue_over_channel!(VulkanStream);
 
 /// The submit thread's state.
 struct Submitter {
@@ -447,14 +234,9 @@ struct Submitter {
     trace: StreamTrace,
 }
 
-/// How the dependencies of one plan are to be waited for.
-#[derive(Default)]
-struct Waits {
-    /// Semaphore waits (other streams of this device).
-    gpu: Vec<(Arc<StreamShared>, u64)>,
-    /// The root cause of the first failed data dependency.
-    failed: Option<Arc<Failure>>,
-}
+/// How the dependencies of one plan are to be waited for (semaphore waits on other
+/// streams of this device).
+type Waits = gpu_stream::Waits<(Arc<StreamShared>, u64)>;
 
 impl Submitter {
     fn run(mut self, rx: Receiver<Submitted>) {
@@ -494,50 +276,26 @@ impl Submitter {
     }
 
     fn failure(&self, item: &Submitted, message: String) -> Arc<Failure> {
-        Arc::new(Failure {
-            stream: self.me.id,
-            seq: item.seq,
-            operation: item.label.clone(),
-            message,
-        })
+        item.failure(self.me.id, message)
     }
 
     /// Sorts the dependencies: same-device ones become semaphore waits (after their
     /// stream decided them), the others are waited for here, on the host.
     fn classify(&self, item: &Submitted) -> Waits {
-        let mut w = Waits::default();
-        for dep in &item.deps {
-            let data = dep.kind == DepKind::Data;
-            let mut note = |f: Arc<Failure>| {
-                if data {
-                    w.failed.get_or_insert(f);
-                }
-            };
-            match dep.event.status() {
-                EventStatus::Done => continue,
-                EventStatus::Failed(f) => {
-                    note(f);
-                    continue;
-                }
-                EventStatus::Pending => {}
-            }
+        Waits::classify(&item.deps, |dep| {
             let local = self.gpu.stream_of(dep.event.timeline());
             match local.as_ref().map(|s| (s, s.decision(dep.event.seq()))) {
-                Some((s, Decision::Submitted)) => w.gpu.push((s.clone(), dep.event.seq())),
-                Some((s, Decision::Failed(f))) => {
-                    note(f);
-                    w.gpu.push((s.clone(), dep.event.seq()));
-                }
+                Some((s, Decision::Submitted)) => (Some((s.clone(), dep.event.seq())), None),
+                Some((s, Decision::Failed(f))) => (Some((s.clone(), dep.event.seq())), Some(f)),
                 Some((_, Decision::Gone)) | None => {
                     // Another device or backend (or a dead stream): wait on the host.
-                    if let Err(Error::Failed(f)) = self.trace.host_wait(dep, &item.label, item.seq)
-                    {
-                        note(f);
+                    match self.trace.host_wait(dep, &item.label, item.seq) {
+                        Err(Error::Failed(f)) => (None, Some(f)),
+                        _ => (None, None),
                     }
                 }
             }
-        }
-        w
+        })
     }
 
     fn process(&mut self, item: Submitted) {
@@ -567,9 +325,9 @@ impl Submitter {
         let sem_waits: Vec<(vk::Semaphore, u64)> =
             waits.gpu.iter().map(|(s, v)| (s.semaphore, *v)).collect();
         let trace = match (&waits.failed, &item.job) {
-            (None, Ok(job)) => {
+            (None, Ok(_)) => {
                 self.trace
-                    .start(item.seq, &item.label, &item.deps, job.bytes(), arrived)
+                    .start(item.seq, &item.label, &item.deps, item.bytes, arrived)
             }
             _ => None,
         };
@@ -641,11 +399,7 @@ impl Submitter {
                 merge,
                 bindings,
             } => {
-                for (i, a) in args.iter().enumerate() {
-                    if !local(&a.region) {
-                        return Err(format!("argument {i} lives on another device"));
-                    }
-                }
+                gpu_stream::check_local(args, local)?;
                 if merge.as_ref().is_some_and(|m| !local(&m.region)) {
                     return Err(
                         "the merge source lives on another device (streaming across Vulkan \
@@ -686,7 +440,9 @@ impl Submitter {
                     }
                 })
             }
-            Job::Copy { src, dst, bytes } if local(src) && local(dst) => {
+            Job::Copy {
+                src, dst, bytes, ..
+            } if local(src) && local(dst) => {
                 keep.push(Keep::Buffer(src.buffer.clone()));
                 keep.push(Keep::Buffer(dst.buffer.clone()));
                 same_size(src.bytes, *bytes).map_err(|e| e.to_string())?;
@@ -766,7 +522,9 @@ impl Submitter {
                     .map_err(|e| DeviceError::Unexpected(e.to_string()))?;
                 src.read_to_host(out)
             }
-            Job::Copy { src, dst, bytes } => src.copy_across(dst, *bytes, &mut self.host_scratch),
+            Job::Copy {
+                src, dst, bytes, ..
+            } => src.copy_across(dst, *bytes, &mut self.host_scratch),
             _ => Ok(()),
         }
     }
@@ -917,14 +675,7 @@ struct CloseOnExit(Arc<StreamShared>);
 
 impl Drop for CloseOnExit {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.timeline.poison(Arc::new(Failure {
-                stream: self.0.id,
-                seq: self.0.timeline.completed() + 1,
-                operation: "worker".into(),
-                message: "Vulkan submit thread died".into(),
-            }));
-        }
+        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, "Vulkan");
         self.0.close();
     }
 }

@@ -1,0 +1,473 @@
+//! What the GPU backends' streams (Vulkan, CUDA) do alike, written once (as wgpu-hal's
+//! `auxil`): each runs a stream on threads of its own, a submit thread fed by a channel and
+//! a completion (or watcher) thread. Here: the work of a plan lowered into a [`Job`] over
+//! the backend's resolved regions, the sending side of the channel ([`SubmitChannel`]:
+//! checking a plan, failing it in order once the stream stopped), and stopping the threads.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Condvar, Mutex, MutexGuard},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::{
+    error::{DeviceError, Error, Failure, Result},
+    event::{EventStatus, Timeline},
+    ids::{DeviceId, StreamId},
+    kernels::{Bindings, Kernel},
+    memory::AlignedBuffer,
+    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
+    sync::Arc as SyncArc,
+};
+
+/// A kernel argument: its binding and the region it resolved to.
+#[derive(Clone)]
+pub(crate) struct Arg<R> {
+    pub(crate) binding: ArgBinding,
+    pub(crate) region: R,
+}
+
+/// `Err` naming the first argument whose region is not `local` (a kernel runs over its
+/// device's memory only).
+pub(crate) fn check_local<R>(
+    args: &[Arg<R>],
+    local: impl Fn(&R) -> bool,
+) -> std::result::Result<(), String> {
+    match args.iter().position(|a| !local(&a.region)) {
+        Some(i) => Err(format!("argument {i} lives on another device")),
+        None => Ok(()),
+    }
+}
+
+/// A plan's work with every location resolved to a checked region `R` of the backend, and
+/// a copy's route `C` between devices (`()` where the backend has one way only).
+// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
+// allocation per schedule to save a memcpy of a value moved a few times.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Job<R, C = ()> {
+    Run {
+        kernel: Kernel,
+        args: Vec<Arg<R>>,
+        merge: Option<Arg<R>>,
+        /// The index values snapshotted into the plan.
+        bindings: Bindings,
+    },
+    Copy {
+        src: R,
+        dst: R,
+        // Read by the backends with more than one route (CUDA).
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        route: C,
+        bytes: u64,
+    },
+    FromHost {
+        host: Arc<AlignedBuffer>,
+        dst: R,
+        bytes: u64,
+    },
+    ToHost {
+        src: R,
+        host: Arc<AlignedBuffer>,
+        bytes: u64,
+    },
+    Memset {
+        dst: R,
+        bytes: u64,
+    },
+    Marker,
+}
+
+impl<R, C> Job<R, C> {
+    /// Lowers `work`: `resolve` checks a location's range and gives its region, `route`
+    /// the way bytes go from one device to another; a host array must be exactly the
+    /// transfer's size ([`super::check_host_array`]). An error fails the plan (after its
+    /// dependencies, as every failure).
+    pub(crate) fn lower(
+        work: &Work,
+        resolve: impl Fn(GlobalLoc, u64) -> std::result::Result<R, String>,
+        route: impl FnOnce(DeviceId, DeviceId) -> std::result::Result<C, String>,
+    ) -> std::result::Result<Job<R, C>, String> {
+        let arg = |a: &ArgBinding| -> std::result::Result<Arg<R>, String> {
+            Ok(Arg {
+                region: resolve(a.loc, a.bytes)?,
+                binding: a.clone(),
+            })
+        };
+        Ok(match work {
+            Work::Run {
+                kernel,
+                args,
+                merge,
+                bindings,
+                ..
+            } => Job::Run {
+                bindings: bindings.clone(),
+                kernel: kernel.clone(),
+                args: args
+                    .iter()
+                    .map(arg)
+                    .collect::<std::result::Result<_, _>>()?,
+                merge: merge.as_ref().map(arg).transpose()?,
+            },
+            Work::Copy { src, dst, bytes } => Job::Copy {
+                route: route(src.device, dst.device)?,
+                src: resolve(*src, *bytes)?,
+                dst: resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::FromHost { host, dst, bytes } => {
+                super::check_host_array(host.len(), *bytes)?;
+                Job::FromHost {
+                    host: host.clone(),
+                    dst: resolve(*dst, *bytes)?,
+                    bytes: *bytes,
+                }
+            }
+            Work::ToHost { src, host, bytes } => {
+                super::check_host_array(host.len(), *bytes)?;
+                Job::ToHost {
+                    src: resolve(*src, *bytes)?,
+                    host: host.clone(),
+                    bytes: *bytes,
+                }
+            }
+            Work::Memset { dst, bytes } => Job::Memset {
+                dst: resolve(*dst, *bytes)?,
+                bytes: *bytes,
+            },
+            Work::Marker => Job::Marker,
+        })
+    }
+}
+
+/// A plan on its way to the submit thread.
+pub(crate) struct Submitted<J> {
+    pub(crate) label: String,
+    pub(crate) seq: u64,
+    /// Bytes the work touches (for the timeline).
+    pub(crate) bytes: u64,
+    pub(crate) deps: Vec<Dep>,
+    /// The lowered work, or why it could not be lowered (the plan fails).
+    pub(crate) job: std::result::Result<J, String>,
+}
+
+impl<J> Submitted<J> {
+    /// The plan's failure on `stream` with `message`.
+    pub(crate) fn failure(&self, stream: StreamId, message: String) -> Arc<Failure> {
+        Arc::new(Failure {
+            stream,
+            seq: self.seq,
+            operation: self.label.clone(),
+            message,
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Poisoned only by a panic while sending or joining, which leaves nothing half-done.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The sending side of a stream's submit thread, and the stream's threads.
+pub(crate) struct SubmitChannel<J> {
+    stream: StreamId,
+    timeline: SyncArc<Timeline>,
+    tx: Mutex<Option<Sender<Submitted<J>>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The backend's name (in a panicked thread's failure).
+    backend: &'static str,
+}
+
+impl<J: Send + 'static> SubmitChannel<J> {
+    /// Starts a stream's threads: `completion` (named `tributary-{prefix}-done-{stream}`)
+    /// first, then `submit` (`tributary-{prefix}-{stream}`) with the receiving side of the
+    /// channel. If the submit thread cannot start, its closure is dropped (closing whatever
+    /// it held for the completion thread, which then ends) and the completion thread is
+    /// joined before the error returns.
+    pub(crate) fn start(
+        stream: StreamId,
+        timeline: SyncArc<Timeline>,
+        backend: &'static str,
+        prefix: &str,
+        submit: impl FnOnce(Receiver<Submitted<J>>) + Send + 'static,
+        completion: impl FnOnce() + Send + 'static,
+    ) -> std::result::Result<SubmitChannel<J>, DeviceError> {
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
+        };
+        let (tx, rx) = crossbeam_channel::unbounded::<Submitted<J>>();
+        let done = spawn(
+            format!("tributary-{prefix}-done-{stream}"),
+            Box::new(completion),
+        )?;
+        let submitting = match spawn(
+            format!("tributary-{prefix}-{stream}"),
+            Box::new(move || submit(rx)),
+        ) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = done.join();
+                return Err(e);
+            }
+        };
+        Ok(SubmitChannel {
+            stream,
+            timeline,
+            tx: Mutex::new(Some(tx)),
+            threads: Mutex::new(vec![submitting, done]),
+            backend,
+        })
+    }
+
+    /// Checks that `plan` is this stream's ([`Plan::check_queue`]), lowers its work with
+    /// `lower` and sends it to the submit thread. Once the stream stopped the plan is
+    /// refused ([`Error::ShutDown`]) and its event fails, in order: once its dependencies
+    /// and the operations still draining before it are decided
+    /// (`protocol/unsubmitted.rs`).
+    pub(crate) fn submit(
+        &self,
+        plan: Plan,
+        lower: impl FnOnce(&Work) -> std::result::Result<J, String>,
+    ) -> Result<()> {
+        plan.check_queue(self.stream, &self.timeline)?;
+        let seq = plan.event.seq();
+        let label = plan.work.label();
+        let item = Submitted {
+            label: label.clone(),
+            seq,
+            bytes: plan.work.bytes(),
+            job: lower(&plan.work),
+            deps: plan.deps,
+        };
+        let refused = match lock(&self.tx).as_ref() {
+            Some(tx) => tx.send(item).err().map(|e| e.0),
+            None => Some(item),
+        };
+        if let Some(item) = refused {
+            crate::protocol::fail_when_ready(
+                self.timeline.clone(),
+                seq,
+                item.deps.into_iter().map(|dep| dep.event().clone()),
+                Arc::new(Failure {
+                    stream: self.stream,
+                    seq,
+                    operation: label,
+                    message: "stream is shut down".into(),
+                }),
+            );
+            return Err(Error::ShutDown(format!("stream {}", self.stream)));
+        }
+        Ok(())
+    }
+
+    /// Closes the channel and joins the threads ([`join_stream_threads`]); `false` when the
+    /// deadline passed first.
+    pub(crate) fn stop(&self, deadline: Option<Instant>) -> bool {
+        drop(lock(&self.tx).take());
+        join_stream_threads(
+            &self.threads,
+            deadline,
+            &self.timeline,
+            self.stream,
+            self.backend,
+        )
+    }
+}
+
+/// Joins a stream's `threads` (their channel must already be closed). With a `deadline`,
+/// gives up when it passes: the threads are detached (they own what they use and finish
+/// the queued work on their own) and `false` is returned. A thread that panicked poisons
+/// the stream's `timeline`, so no waiter hangs on work it would have completed.
+pub(crate) fn join_stream_threads(
+    threads: &Mutex<Vec<JoinHandle<()>>>,
+    deadline: Option<Instant>,
+    timeline: &SyncArc<Timeline>,
+    stream: StreamId,
+    backend: &str,
+) -> bool {
+    let mut threads = threads.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(deadline) = deadline {
+        while threads.iter().any(|h| !h.is_finished()) {
+            if Instant::now() >= deadline {
+                // Dropping the handles detaches the threads; it does not stop them.
+                threads.clear();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    for h in threads.drain(..) {
+        if h.join().is_err() {
+            timeline.poison(Arc::new(Failure {
+                stream,
+                seq: timeline.completed() + 1,
+                operation: "worker".into(),
+                message: format!("{backend} stream thread panicked"),
+            }));
+        }
+    }
+    true
+}
+
+/// What a stream's submit thread decided for its sequence numbers, published for the other
+/// streams of its device (which wait on the device only for what is decided): every number
+/// up to `upto` is decided; `open` holds what a decision left to say (a recorded event, a
+/// root cause) until the number completes.
+pub(crate) struct Decisions<D> {
+    state: Mutex<DecisionState<D>>,
+    cond: Condvar,
+}
+
+struct DecisionState<D> {
+    upto: u64,
+    open: BTreeMap<u64, D>,
+    /// The submit thread is gone: nothing more will be decided.
+    closed: bool,
+}
+
+/// A decision as a waiter sees it.
+pub(crate) enum Decided<D> {
+    /// Decided, with what it left (`None`: nothing, e.g. completed and forgotten).
+    Yes(Option<D>),
+    /// The stream stopped before deciding: only its timeline can say.
+    Gone,
+}
+
+impl<D: Clone> Decisions<D> {
+    pub(crate) fn new() -> Decisions<D> {
+        Decisions {
+            state: Mutex::new(DecisionState {
+                upto: 0,
+                open: BTreeMap::new(),
+                closed: false,
+            }),
+            cond: Condvar::new(),
+        }
+    }
+
+    /// Publishes the decision for `seq` (and everything before it), with what it leaves.
+    pub(crate) fn decide(&self, seq: u64, left: Option<D>) {
+        let mut d = lock(&self.state);
+        d.upto = d.upto.max(seq);
+        if let Some(x) = left {
+            d.open.insert(seq, x);
+        }
+        drop(d);
+        self.cond.notify_all();
+    }
+
+    /// Forgets what the decisions up to `seq` left: their timeline is complete.
+    pub(crate) fn forget_upto(&self, seq: u64) {
+        let mut d = lock(&self.state);
+        d.open = d.open.split_off(&(seq + 1));
+    }
+
+    /// Nothing more will be decided (the submit thread ends).
+    pub(crate) fn close(&self) {
+        lock(&self.state).closed = true;
+        self.cond.notify_all();
+    }
+
+    /// Waits until `seq` is decided, or the stream stopped.
+    pub(crate) fn wait(&self, seq: u64) -> Decided<D> {
+        let mut d = lock(&self.state);
+        loop {
+            if d.upto >= seq {
+                return Decided::Yes(d.open.get(&seq).cloned());
+            }
+            if d.closed {
+                return Decided::Gone;
+            }
+            d = self.cond.wait(d).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// For a stream thread's exit guard: when the thread is unwinding from a panic, fails the
+/// stream's next operation (`timeline` poisoned), so no waiter hangs on work it would have
+/// completed.
+pub(crate) fn poison_if_panicking(timeline: &Timeline, stream: StreamId, backend: &str) {
+    if std::thread::panicking() {
+        timeline.poison(Arc::new(Failure {
+            stream,
+            seq: timeline.completed() + 1,
+            operation: "worker".into(),
+            message: format!("{backend} submit thread died"),
+        }));
+    }
+}
+
+/// How the dependencies of one plan are to be waited for: `gpu`, on the device (the
+/// backend's wait for another stream of the device); `failed`, the root cause of the first
+/// failed data dependency (the plan fails without running).
+pub(crate) struct Waits<W> {
+    pub(crate) gpu: Vec<W>,
+    pub(crate) failed: Option<Arc<Failure>>,
+}
+
+impl<W> Waits<W> {
+    /// Sorts a plan's dependencies: a completed one needs nothing, a failed one is noted;
+    /// each pending one goes to `pending`, which gives the wait to enqueue on the device (if
+    /// any) and the failure it learned of (if any). Only data dependencies carry failures
+    /// to the plan (rule 6); order dependencies only order it.
+    pub(crate) fn classify(
+        deps: &[Dep],
+        mut pending: impl FnMut(&Dep) -> (Option<W>, Option<Arc<Failure>>),
+    ) -> Waits<W> {
+        let mut w = Waits {
+            gpu: Vec::new(),
+            failed: None,
+        };
+        for dep in deps {
+            let failure = match dep.event.status() {
+                EventStatus::Done => None,
+                EventStatus::Failed(f) => Some(f),
+                EventStatus::Pending => {
+                    let (wait, failure) = pending(dep);
+                    w.gpu.extend(wait);
+                    failure
+                }
+            };
+            if let Some(f) = failure {
+                if dep.kind == DepKind::Data {
+                    w.failed.get_or_insert(f);
+                }
+            }
+        }
+        w
+    }
+}
+
+/// `StreamQueue` (and `Drop`) for a GPU stream type with a `channel: SubmitChannel<Job>`
+/// field and a `resolve(&self, &Work) -> Result<Job, String>` method: submitting lowers and
+/// sends, shutting down (or dropping) stops the channel and joins the threads.
+macro_rules! stream_queue_over_channel {
+    ($stream:ty) => {
+        impl $crate::backend::StreamQueue for $stream {
+            fn submit(&self, plan: $crate::protocol::Plan) -> $crate::error::Result<()> {
+                self.channel.submit(plan, |work| self.resolve(work))
+            }
+
+            fn shutdown(&self) {
+                self.channel.stop(None);
+            }
+
+            fn shutdown_within(&self, timeout: std::time::Duration) -> bool {
+                self.channel.stop(Some(std::time::Instant::now() + timeout))
+            }
+        }
+
+        impl Drop for $stream {
+            fn drop(&mut self) {
+                self.channel.stop(None);
+            }
+        }
+    };
+}
+pub(crate) use stream_queue_over_channel;
