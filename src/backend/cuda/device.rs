@@ -308,6 +308,13 @@ impl CudaBackend {
     /// than CUDA [`MIN_DRIVER_VERSION`](super::MIN_DRIVER_VERSION), there is no GPU, or a
     /// GPU asked for in [`CudaConfig::gpus`] does not exist; never a panic.
     pub fn new(first: DeviceId, config: CudaConfig) -> Result<CudaBackend, DeviceError> {
+        if config.spin_us > crate::backend::cpu::MAX_SPIN_US {
+            return Err(DeviceError::Unexpected(format!(
+                "invalid CUDA configuration: spin_us = {} (at most {})",
+                config.spin_us,
+                crate::backend::cpu::MAX_SPIN_US
+            )));
+        }
         let (driver, count) = open_driver()?;
         let ordinals = match &config.gpus {
             None => (0..count).collect::<Vec<_>>(),

@@ -137,6 +137,9 @@ pub const MIN_DRIVER_VERSION: i32 = 12_000;
 /// Default size of each stream's pinned staging ring, in bytes.
 pub const DEFAULT_STAGING_BYTES: u64 = 16 << 20;
 
+/// Default spin window of a stream's threads, in microseconds ([`CudaConfig::spin_us`]).
+pub const DEFAULT_SPIN_US: u64 = 50;
+
 /// Configuration of the CUDA backend.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -152,6 +155,11 @@ pub struct CudaConfig {
     pub force_staging: bool,
     /// Size of each stream's pinned staging ring for host transfers, in bytes.
     pub staging_bytes: u64,
+    /// How long a stream's submit and watcher threads poll for their next item before
+    /// parking, in microseconds (0: park at once; at most
+    /// [`MAX_SPIN_US`](crate::backend::cpu::MAX_SPIN_US)). Spinning saves a thread wake-up
+    /// per operation while work keeps coming, at the cost of that much CPU after the last.
+    pub spin_us: u64,
 }
 
 impl Default for CudaConfig {
@@ -161,6 +169,7 @@ impl Default for CudaConfig {
             gpus: None,
             force_staging: false,
             staging_bytes: DEFAULT_STAGING_BYTES,
+            spin_us: DEFAULT_SPIN_US,
         }
     }
 }
@@ -208,9 +217,29 @@ mod tests {
         assert!(config.force_staging);
         assert_eq!(config.gpus, None);
         assert_eq!(config.staging_bytes, DEFAULT_STAGING_BYTES);
+        assert_eq!(config.spin_us, DEFAULT_SPIN_US);
         let err = serde_json::from_str::<BackendKind>(r#"{ "Cuda": { "device": 2 } }"#)
             .expect_err("a misspelt field");
         assert!(err.to_string().contains("device"), "{err}");
         assert_eq!(CudaConfig::with_devices(3).devices, Some(3));
+    }
+
+    /// A spin window above the limit is refused before any driver call, naming the value
+    /// (so this runs without a GPU).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn an_overlong_spin_window_is_refused() {
+        let too_long = crate::backend::cpu::MAX_SPIN_US + 1;
+        let config = CudaConfig {
+            spin_us: too_long,
+            ..CudaConfig::default()
+        };
+        match CudaBackend::new(crate::DeviceId(0), config) {
+            Err(DeviceError::Unexpected(why)) => {
+                assert!(why.contains(&format!("spin_us = {too_long}")), "{why}")
+            }
+            Err(other) => panic!("another error: {other}"),
+            Ok(_) => panic!("an overlong spin window was accepted"),
+        }
     }
 }

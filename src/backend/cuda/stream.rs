@@ -10,7 +10,11 @@
 //! [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller promises
 //! that nothing else completes that timeline.
 
-use std::{collections::HashMap, sync::Arc, time::Instant};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::{
@@ -197,6 +201,7 @@ impl CudaStreamQueue {
             trace: trace.completions(),
             copy_failure: None,
         };
+        let window = Duration::from_micros(backend.config.spin_us);
         // If the submit thread cannot start, the submitter (and its sender to the watcher)
         // is dropped with its closure: the watcher ends by itself.
         let channel = SubmitChannel::start(
@@ -205,7 +210,7 @@ impl CudaStreamQueue {
             "CUDA",
             "cuda",
             move |rx| submitter.run(rx),
-            move || watcher.run(watch_rx),
+            move || watcher.run(watch_rx, window),
         )?;
         Ok(CudaStreamQueue { backend, channel })
     }
@@ -246,7 +251,8 @@ type Waits = gpu_stream::Waits<SharedEvent>;
 impl Submitter {
     fn run(mut self, rx: Receiver<Submitted>) {
         let _close = CloseOnExit(self.me.clone());
-        while let Ok(item) = rx.recv() {
+        let window = Duration::from_micros(self.backend.config.spin_us);
+        while let Ok(item) = gpu_stream::recv_spinning(&rx, window) {
             let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = item.seq, op = %item.label);
             let _e = span.enter();
             self.process(item);
@@ -777,9 +783,9 @@ struct Watcher {
 }
 
 impl Watcher {
-    fn run(mut self, rx: Receiver<Watch>) {
+    fn run(mut self, rx: Receiver<Watch>, window: Duration) {
         let _close = CloseRingOnExit(self.ring.clone());
-        while let Ok(w) = rx.recv() {
+        while let Ok(w) = gpu_stream::recv_spinning(&rx, window) {
             self.handle(w);
         }
     }
