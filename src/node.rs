@@ -27,8 +27,19 @@ use crate::{
 };
 
 /// The shape of a tensor: its dimensions, outermost first.
+///
+/// Shared, not copied: cloning one (every scheduled argument carries its node's shape to
+/// the kernel) is a reference count, not an allocation. Serialised as a list of
+/// dimensions.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Shape(pub Vec<usize>);
+#[serde(from = "Vec<usize>", into = "Vec<usize>")]
+pub struct Shape(std::sync::Arc<[usize]>);
+
+impl From<Shape> for Vec<usize> {
+    fn from(s: Shape) -> Vec<usize> {
+        s.0.to_vec()
+    }
+}
 
 impl Shape {
     /// The dimensions.
@@ -50,19 +61,19 @@ impl fmt::Display for Shape {
 
 impl<const N: usize> From<[usize; N]> for Shape {
     fn from(d: [usize; N]) -> Shape {
-        Shape(d.to_vec())
+        Shape(d.as_slice().into())
     }
 }
 
 impl From<Vec<usize>> for Shape {
     fn from(d: Vec<usize>) -> Shape {
-        Shape(d)
+        Shape(d.into())
     }
 }
 
 impl From<&[usize]> for Shape {
     fn from(d: &[usize]) -> Shape {
-        Shape(d.to_vec())
+        Shape(d.into())
     }
 }
 

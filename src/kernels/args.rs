@@ -403,7 +403,7 @@ mod tests {
             ptr: buf.as_mut_ptr().cast(),
             bytes: n * dtype.size_in_bytes(),
             dtype,
-            shape: Shape(vec![n]),
+            shape: Shape::from([n]),
             access,
         }
     }
@@ -458,7 +458,7 @@ mod tests {
         assert!(matches!(args.merge::<f32>(), Err(ArgError::Missing { .. })));
         assert_eq!(args.len(), 3);
         assert_eq!(args.dtype(2), Some(DType::F32));
-        assert_eq!(args.shape(1), Some(&Shape(vec![4])));
+        assert_eq!(args.shape(1), Some(&Shape::from([4])));
         assert_eq!(args.access(0), Some(Access::ReadWrite));
         assert_eq!(args.dtype(7), None);
     }
@@ -492,7 +492,7 @@ mod tests {
             ptr: std::ptr::null_mut(),
             bytes: 0,
             dtype: DType::F64,
-            shape: Shape(vec![0, 3]),
+            shape: Shape::from([0, 3]),
             access: Access::Read,
         };
         // SAFETY: every non-empty view lies in `a` (read-only views may overlap), which

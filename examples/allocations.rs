@@ -1,0 +1,169 @@
+//! Heap allocations per scheduled routine in steady state, counted by a global allocator:
+//! `Engine` and `System`, issuing and replaying a captured step, on one CPU device with one
+//! stream (issue 30's target: none). A user-written loop over the same closures allocates
+//! nothing, which is the baseline.
+//!
+//! ```sh
+//! cargo run --release --example allocations            # 20,000 routines per row
+//! cargo run --release --example allocations -- 200000
+//! ```
+//!
+//! Each row warms up first (pools, caches, table growth), then counts `alloc`,
+//! `alloc_zeroed` and `realloc` calls on every thread of the process (the CPU workers and
+//! the actors' threads included) over `n` routines and their completion (`sync`), and
+//! divides by `n`. A routine is a CPU closure writing one `i32`.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System as SystemAlloc},
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use tributary::{
+    kernels::{Access, RoutineSpec},
+    protocol::Routine,
+    DType, Engine, EngineConfig, MemoryMode, TensorNode,
+};
+use tributary_actors::{StreamConfig, System};
+
+/// The system allocator, counting allocations.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every method forwards to the system allocator with the caller's arguments, so
+// the `GlobalAlloc` contract holds as it does for `System`; counting touches no memory.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: forwarded unchanged (this method's contract).
+        unsafe { SystemAlloc.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { SystemAlloc.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { SystemAlloc.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded unchanged.
+        unsafe { SystemAlloc.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations per routine of `run(n)` after `run(n / 4)` warmed up.
+fn per_routine(
+    n: u64,
+    mut run: impl FnMut(u64) -> tributary::Result<()>,
+) -> tributary::Result<f64> {
+    run((n / 4).max(1))?;
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    run(n)?;
+    Ok((ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / n as f64)
+}
+
+fn spec() -> tributary::Result<RoutineSpec> {
+    let y = TensorNode::new("y", DType::I32, [1]).with_mode(MemoryMode::on_device())?;
+    RoutineSpec::custom("write", vec![(y, Access::Write)], None, |a| {
+        a.output::<i32>(0).map_err(|e| e.to_string())?[0] = 1;
+        Ok(())
+    })
+}
+
+/// Routines a captured step holds (a replay issues them all).
+const STEP: u64 = 8;
+
+fn engine_rows(n: u64) -> tributary::Result<(f64, f64)> {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })?;
+    let ctx = e.context(0, 0)?;
+    let r: Routine = e.link(&ctx, spec()?)?;
+    let issuing = per_routine(n, |k| {
+        for _ in 0..k {
+            e.schedule(&r)?;
+        }
+        e.sync_all()
+    })?;
+    let step = e.capture(|c| {
+        for _ in 0..STEP {
+            c.schedule(&r)?;
+        }
+        Ok(())
+    })?;
+    let replaying = per_routine(n, |k| {
+        for _ in 0..k / STEP {
+            e.replay(&step)?;
+        }
+        e.sync_all()
+    })?;
+    Ok((issuing, replaying))
+}
+
+fn system_rows(n: u64) -> tributary::Result<(f64, f64)> {
+    let sys = System::builder()
+        .cpu_devices(1)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()?;
+    let ctx = sys.context(0, 0)?;
+    let r = ctx.link(spec()?)?;
+    let routine = r.routine().clone();
+    let issuing = per_routine(n, |k| {
+        for _ in 0..k {
+            sys.schedule(&routine)?;
+        }
+        sys.sync()
+    })?;
+    let step = sys.capture(|c| {
+        for _ in 0..STEP {
+            c.schedule(&routine)?;
+        }
+        Ok(())
+    })?;
+    let replaying = per_routine(n, |k| {
+        for _ in 0..k / STEP {
+            sys.replay(&step)?;
+        }
+        sys.sync()
+    })?;
+    sys.shutdown()?;
+    Ok((issuing, replaying))
+}
+
+fn main() -> tributary::Result<()> {
+    let n: u64 = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(20_000)
+        .max(STEP);
+    // The baseline: the same closure's work in a plain loop.
+    let mut y = [0i32; 1];
+    let baseline = per_routine(n, |k| {
+        for _ in 0..k {
+            y[0] = std::hint::black_box(1);
+        }
+        Ok(())
+    })?;
+    let (engine_issuing, engine_replaying) = engine_rows(n)?;
+    let (system_issuing, system_replaying) = system_rows(n)?;
+    println!(
+        "heap allocations per routine, steady state, {n} routines per row (1 CPU device, 1 stream)"
+    );
+    println!("| runner | issuing | replaying a captured step of {STEP} |");
+    println!("|---|---:|---:|");
+    println!("| plain loop (baseline) | {baseline:.2} | - |");
+    println!("| `Engine` | {engine_issuing:.2} | {engine_replaying:.2} |");
+    println!("| `System` | {system_issuing:.2} | {system_replaying:.2} |");
+    Ok(())
+}
