@@ -142,11 +142,20 @@ fn system_rows(n: u64) -> tributary::Result<(f64, f64)> {
 }
 
 fn main() -> tributary::Result<()> {
-    let n: u64 = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(20_000)
-        .max(STEP);
+    let arg = std::env::args().nth(1);
+    if matches!(arg.as_deref(), Some("--help" | "-h")) {
+        println!("usage: allocations [ROUTINES]  (default 20000: routines counted per row)");
+        return Ok(());
+    }
+    let n: u64 = match arg {
+        None => 20_000,
+        Some(a) => a.parse().map_err(|_| tributary::Error::InvalidConfig {
+            setting: "ROUTINES".into(),
+            value: a.clone(),
+            reason: "a count of routines".into(),
+        })?,
+    }
+    .max(STEP);
     // The baseline: the same closure's work in a plain loop.
     let mut y = [0i32; 1];
     let baseline = per_routine(n, |k| {
