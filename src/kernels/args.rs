@@ -51,13 +51,42 @@ enum Borrow {
     Mutable,
 }
 
+/// Arguments whose borrow flags live inline in [`KernelArgs`] (more go on the heap).
+const INLINE_FLAGS: usize = 16;
+
+/// One borrow flag per argument: inline for up to [`INLINE_FLAGS`] arguments, so a kernel
+/// call allocates nothing for them; on the heap beyond.
+enum BorrowFlags {
+    Inline([Cell<Borrow>; INLINE_FLAGS]),
+    Heap(Vec<Cell<Borrow>>),
+}
+
+impl BorrowFlags {
+    /// `n` free flags.
+    fn new(n: usize) -> BorrowFlags {
+        if n <= INLINE_FLAGS {
+            BorrowFlags::Inline(std::array::from_fn(|_| Cell::new(Borrow::Free)))
+        } else {
+            BorrowFlags::Heap((0..n).map(|_| Cell::new(Borrow::Free)).collect())
+        }
+    }
+
+    /// The flag of argument `i` (callers bound `i` by the argument count first).
+    fn get(&self, i: usize) -> Option<&Cell<Borrow>> {
+        match self {
+            BorrowFlags::Inline(flags) => flags.get(i),
+            BorrowFlags::Heap(flags) => flags.get(i),
+        }
+    }
+}
+
 /// The arguments of one kernel call: typed, borrow-checked views of its buffers.
 ///
 /// `'a` is the lifetime for which the constructor's caller guarantees the memory.
 pub struct KernelArgs<'a> {
     views: Vec<ArgView>,
     merge: Option<ArgView>,
-    borrows: Vec<Cell<Borrow>>,
+    borrows: BorrowFlags,
     bindings: Bindings,
     _memory: PhantomData<&'a mut [u8]>,
 }
@@ -161,7 +190,7 @@ impl<'a> KernelArgs<'a> {
     /// - nothing else writes to any view's bytes, and nothing else reads the bytes of a
     ///   `Write` or `ReadWrite` view, while this value exists.
     pub unsafe fn new(views: Vec<ArgView>, merge: Option<ArgView>) -> KernelArgs<'a> {
-        let borrows = views.iter().map(|_| Cell::new(Borrow::Free)).collect();
+        let borrows = BorrowFlags::new(views.len());
         KernelArgs {
             views,
             merge,
@@ -405,6 +434,35 @@ mod tests {
             dtype,
             shape: Shape::from([n]),
             access,
+        }
+    }
+
+    /// Past the inline flags (more arguments than `INLINE_FLAGS`) the flags live on the
+    /// heap and refuse aliasing the same way, for the first and the last argument.
+    #[test]
+    fn borrow_flags_of_many_arguments_refuse_aliasing() {
+        for n in [INLINE_FLAGS, INLINE_FLAGS + 4] {
+            let mut bufs: Vec<Vec<u64>> = (0..n).map(|_| vec![0u64; 1]).collect();
+            let views: Vec<ArgView> = bufs
+                .iter_mut()
+                .map(|b| view_of(b, DType::I32, 2, Access::Write))
+                .collect();
+            // SAFETY: `n` distinct live vectors, each large enough, outliving `args`.
+            let args = unsafe { KernelArgs::new(views, None) };
+            for i in [0, n - 1] {
+                args.output::<i32>(i).unwrap()[0] = 7;
+                assert!(
+                    matches!(
+                        args.output::<i32>(i),
+                        Err(ArgError::Borrowed { mutably: true, .. })
+                    ),
+                    "argument {i} of {n} borrowed mutably twice"
+                );
+            }
+            assert!(matches!(
+                args.output::<i32>(n),
+                Err(ArgError::Missing { len, .. }) if len == n
+            ));
         }
     }
 
