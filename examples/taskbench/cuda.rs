@@ -32,9 +32,9 @@ use tributary::{
     kernels::{Access, Bindings, CudaKernel, CudaScalar, RoutineSpec},
     DType, MemoryMode, Sharing, TensorNode,
 };
-use tributary_actors::{RoutineHandle, StreamConfig, System, SystemCapture};
+use tributary_actors::{RoutineHandle, StreamConfig, System};
 
-use super::graph::Graph;
+use super::{graph::Graph, runners::Calls};
 
 /// Threads of a task's block: Task Bench's 64 lanes, one each.
 const LANES: u32 = 64;
@@ -342,21 +342,21 @@ fn system_on(
         for column in columns.iter_mut() {
             let task = &mut column[slot(t)];
             task.bindings.set(T, t as i64)?;
-            calls.schedule(&task.routine, &task.bindings)?;
+            calls.schedule(task.routine.routine(), &task.bindings)?;
         }
         Ok(())
     };
     // Warm-up: compiles and loads the kernels.
-    timestep(0, &mut Direct(sys)).map_err(s)?;
+    timestep(0, &mut &*sys).map_err(s)?;
     sys.sync().map_err(s)?;
     let start = Instant::now();
     let mut t = 0;
     if replay && graph.steps > 2 * phases {
-        timestep(0, &mut Direct(sys)).map_err(s)?;
+        timestep(0, &mut &*sys).map_err(s)?;
         let step = sys
             .capture(|c| {
                 for t in 1..=phases {
-                    timestep(t, &mut Captured(c))?;
+                    timestep(t, c)?;
                 }
                 Ok(())
             })
@@ -370,7 +370,7 @@ fn system_on(
         }
     }
     while t < graph.steps {
-        timestep(t, &mut Direct(sys)).map_err(s)?;
+        timestep(t, &mut &*sys).map_err(s)?;
         t += 1;
     }
     sys.sync().map_err(s)?;
@@ -389,27 +389,6 @@ fn system_on(
         .collect::<Result<Vec<_>, _>>()?;
     check_last(&graph, &values)?;
     Ok(wall)
-}
-
-/// Where a timestep's schedules go: the system, or a step being captured on it.
-trait Calls {
-    fn schedule(&mut self, routine: &RoutineHandle, bindings: &Bindings) -> tributary::Result<()>;
-}
-
-struct Direct<'a>(&'a System);
-
-impl Calls for Direct<'_> {
-    fn schedule(&mut self, routine: &RoutineHandle, bindings: &Bindings) -> tributary::Result<()> {
-        self.0.schedule_with(routine.routine(), bindings).map(drop)
-    }
-}
-
-struct Captured<'a, 'b>(&'a mut SystemCapture<'b>);
-
-impl Calls for Captured<'_, '_> {
-    fn schedule(&mut self, routine: &RoutineHandle, bindings: &Bindings) -> tributary::Result<()> {
-        self.0.schedule_with(routine.routine(), bindings).map(drop)
-    }
 }
 
 #[cfg(test)]

@@ -353,7 +353,7 @@ pub fn system(
 
 /// Where a timestep's calls go: the `Engine` or the `System`, or a step being captured on
 /// either.
-trait Calls {
+pub(super) trait Calls {
     fn copy(&mut self, node: &TensorNode, src: &Context, dst: &Context) -> Result<()>;
     fn schedule(&mut self, routine: &Routine, bindings: &Bindings) -> Result<()>;
 }
