@@ -1,19 +1,22 @@
-//! Captured steps: a sequence of host calls recorded once, replayed many times
-//! (DESIGN.md §4, "Step capture and replay").
+//! Captured steps: host calls recorded once and replayed many times. See DESIGN.md §4,
+//! "Step capture and replay".
 //!
-//! A training step or a Task Bench timestep issues the same routines, copies and
-//! all-reduces every time, with at most some index values changing. Issuing them call by
-//! call makes every device resolve every routine's parameters and look up every buffer's
-//! uses again. A [`Step`] is those calls captured once, while they ran for real: per
-//! device, one template per operation with its dependencies resolved into edges to earlier
-//! templates and *entry* dependencies on the buffers' state when a replay starts. A replay
-//! then costs one table lookup per touched buffer and one plan per template, posted as one
-//! operation per device.
+//! A training step or a Task Bench timestep issues the same routines and copies every
+//! time. A [`Step`] holds them once, per device: one template per operation, its edges to
+//! earlier templates, and its *entry* dependencies on the buffers' state when a replay
+//! starts. A replay skips resolving routines and inferring dependencies.
 //!
-//! Made by [`Engine::capture`](crate::Engine::capture) (or by the actor system's
-//! `System::capture`); replayed by [`Engine::replay`](crate::Engine::replay) and
-//! [`Engine::replay_with`](crate::Engine::replay_with) (or `CapturedStep::replay`).
-//! [`StepBindings`] gives the captured schedules new index values.
+//! Capture and replay cross every layer. Each layer's part lives with the state it works
+//! on, so that no private field is opened to the crate and no import cycle appears:
+//!
+//! | layer | file | what it does |
+//! |---|---|---|
+//! | protocol | `protocol/device/record.rs` | the recorder and the [`DeviceStep`] it makes |
+//! | protocol | `protocol/device/replay.rs` | records a decided operation; checks and issues a step on a device's tables |
+//! | step | `replay.rs` | the [`Step`] across devices and its [`StepBindings`] |
+//! | engine | `engine/capture.rs` | [`Engine::capture`](crate::Engine::capture), [`Engine::replay`](crate::Engine::replay) |
+//! | actor layer | `dispatch/steps.rs`, `dispatch/replay.rs` | capture through the device cores; one operation per device per replay |
+//! | actors | `actors/src/steps.rs` | `System::capture`, `CapturedStep::replay` |
 //!
 //! A replay refuses, with [`Error::ReplayInvalidated`] and nothing planned, whatever would
 //! make the captured decisions wrong: see [`Invalidation`].

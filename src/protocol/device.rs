@@ -29,11 +29,13 @@ use std::sync::Arc;
 mod context;
 mod copy;
 mod host;
+mod record;
 mod replay;
 mod schedule;
 
 pub use copy::{check_streaming_placement, device_to_device, DeviceToDevicePlans, Source};
 pub(crate) use replay::invalidated;
+pub use record::{DeviceStep, StepRecorder};
 pub use replay::{ReplayLinks, ReplayProgress, ReplayRun};
 
 use crate::{

@@ -5,7 +5,6 @@
 //! The engine ([`crate::engine`]) or the actor layer executes plans on backends; loom
 //! models execute them on model threads. Nothing here waits or performs I/O.
 
-pub(crate) mod capture;
 mod context;
 mod device;
 mod host;
@@ -14,12 +13,11 @@ mod plan;
 mod tables;
 mod unsubmitted;
 
-pub use capture::{DeviceStep, StepRecorder};
 pub use context::{ArrayEntry, Context, Routine};
 pub(crate) use device::invalidated;
 pub use device::{
-    check_streaming_placement, device_to_device, DeviceState, DeviceToDevicePlans, ReplayLinks,
-    ReplayProgress, ReplayRun, Source, TableSizes,
+    check_streaming_placement, device_to_device, DeviceState, DeviceStep, DeviceToDevicePlans,
+    ReplayLinks, ReplayProgress, ReplayRun, Source, StepRecorder, TableSizes,
 };
 pub use host::{DeviceCopy, HostArrayObserver, HostRecord, HostTable};
 pub use merge::MergeBufferUse;

@@ -1,4 +1,4 @@
-//! Capture and replay on one device's state (DESIGN.md §4, "Step capture and replay").
+//! Capture and replay on one device's tables. See DESIGN.md §4, "Step capture and replay".
 //!
 //! Capture: after the protocol planned an operation of a captured step for real, the
 //! `record_*` functions describe it to the device's [`StepRecorder`] (which buffers it
@@ -23,12 +23,13 @@ use crate::{
     kernels::{Access, Bindings},
     node::TensorNode,
     protocol::{
-        capture::{AccessOf, Action, BufferKey, DepRef, DeviceStep, Reader, StepRecorder},
         context::{Context, Routine},
         host::{DeviceCopy, HostTable},
         plan::{ArgBinding, Dep, GlobalLoc, Plan, Work},
     },
 };
+
+use super::record::{AccessOf, Action, BufferKey, DepRef, DeviceStep, Reader, StepRecorder};
 
 /// What a replay on one device needs from outside the device: the replay's index values,
 /// and the other devices' halves of cross-device copies.

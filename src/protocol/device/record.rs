@@ -1,35 +1,18 @@
-//! Step capture: what one device records while a captured step runs for real, and the
-//! [`DeviceStep`] a replay issues again (DESIGN.md §4, "Step capture and replay").
+//! What one device records while a captured step runs for real, and the [`DeviceStep`] a
+//! replay issues again. See DESIGN.md §4, "Step capture and replay".
 //!
-//! # Why symbolic
+//! The captured plans cannot be kept: their dependencies were pruned of whatever had
+//! completed, and they name that run's events. So the recorder keeps the rule instead.
+//! Edges inside the step come from the protocol's rule 1 applied to a table of template
+//! numbers that is never pruned. Entry dependencies name a buffer; a replay looks them up
+//! in the live tables with [`BufferUses::read_deps`](crate::protocol::BufferUses::read_deps)
+//! and [`BufferUses::write_deps`](crate::protocol::BufferUses::write_deps).
 //!
-//! The plans of the captured run cannot simply be kept: their dependencies were computed
-//! from the tables as they were then, pruned of every event that had already completed (on
-//! a CPU a routine often completes before the next one is scheduled), and they name that
-//! run's events. A replay needs the *rule* that produced them, split in two:
-//!
-//! - edges between operations of the step itself, which are the same on every replay
-//!   (template `k` reads what template `j` wrote: `Local(j, Data)`), computed here with
-//!   the protocol's rule 1 on a table that holds template indices instead of events and
-//!   is never pruned;
-//! - *entry* dependencies on the state of a buffer when the step starts (`EntryRead`: its
-//!   last write; `EntryWrite`: its pending uses on other streams), which differ on every
-//!   replay and are looked up in the live tables, with the protocol's own
-//!   [`BufferUses::read_deps`](crate::protocol::BufferUses::read_deps) and
-//!   [`BufferUses::write_deps`](crate::protocol::BufferUses::write_deps), when the replay
-//!   issues the template.
-//!
-//! The table below mirrors [`BufferUses`](crate::protocol::BufferUses): one writer, the
-//! latest reader per stream since it, remote readers (another device's copy or streaming
-//! consumer reading a buffer of this device) kept apart. It may over-approximate (an extra
-//! edge costs a wait, never correctness) but never drops an ordering the protocol would
-//! make: the random programs compare replayed steps with the sequential reference and check
-//! their dependency graph.
-//!
-//! A copy between two devices is two halves: the source device records an *answer* (what a
-//! reader of its buffer waits for, at that point of the step) and a remote reader; the
-//! destination records a template depending on the *incoming* answer. Both halves of a copy
-//! within one device fold into one template.
+//! The table here mirrors [`BufferUses`](crate::protocol::BufferUses). It may add an edge,
+//! which costs a wait, but never drops one the protocol would make: the random programs
+//! compare replayed steps with the sequential reference and check their dependency graph.
+//! A copy between two devices records an answer on the source and an incoming edge on the
+//! destination; both halves of a copy within one device fold into one template.
 
 use std::collections::HashMap;
 
