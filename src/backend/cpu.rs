@@ -1,37 +1,26 @@
 //! The CPU backend: virtual devices whose streams share a pool of worker threads.
 //!
-//! Memory is one [`AlignedBuffer`] per pool, kept in a per-device map behind a mutex and
-//! handed to work as `Arc`s when a plan is submitted (bindings are resolved at schedule
-//! time; an in-flight job keeps its pools alive even if the pool is released meanwhile).
-//! Streams are tasks multiplexed on a pool of about one worker per core (`cpu/pool.rs`,
-//! [`CpuConfig`]); each stream is a FIFO that one worker at a time runs, and that parks on
-//! a cross-stream dependency instead of holding its worker (`cpu/stream.rs`). `submit`
-//! never blocks. Workers spin briefly for their next plan, and a stream for its
-//! dependency, before they park, so work that follows work costs no wake-up system call.
-//! Kernels run under `catch_unwind`: a panicking kernel fails its event and the pool keeps
-//! serving (rule 6). A stream may get a thread of its own
-//! ([`CpuConfig::dedicated_streams`]). All CPU devices share the host's memory, so any
-//! device can stream any other device's buffer in place.
+//! Each pool is one [`AlignedBuffer`] in a per-device map behind a mutex. A submitted plan
+//! resolves its bindings and holds their pools as `Arc`s, so releasing a pool never frees
+//! memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
+//! `cpu/stream.rs` describes; [`CpuConfig`] sets them up. All CPU devices share host memory,
+//! so any device can stream any other device's buffer in place. See DESIGN.md §5, "CPU" and
+//! "The CPU worker model".
 //!
-//! Soundness: the worker dereferences raw pointers into pools and host arrays. What makes
-//! that sound is stated once here and named by every `// SAFETY:` comment below:
+//! The `// SAFETY:` comments below name three facts that make the raw pointers sound:
 //!
 //! - *resolved*: a `Region` is bounds-checked against its allocation when the plan is
 //!   submitted and holds an `Arc` to it, so every pointer is in bounds of live memory;
-//! - *protocol-made*: a [`Plan`] is made only by the protocol or by the `unsafe`
-//!   [`Plan::from_parts`] whose contract is the protocol's promise, so its dependencies
-//!   order it after every conflicting use and its writable bindings do not alias;
-//! - *own timeline*: `submit` accepts only plans of this queue's timeline
-//!   ([`Plan::check_queue`]), and the queue exists only through the `unsafe`
-//!   [`Backend::start_stream`], whose caller promises that those plans come from the one
-//!   protocol instance that owns the pools they name and that nothing else completes the
-//!   timeline; so "a dependency completed" means "that operation finished".
+//! - *protocol-made*: a [`Plan`] comes from the protocol or from the `unsafe`
+//!   [`Plan::from_parts`], so its dependencies order it after every conflicting use and its
+//!   writable bindings do not alias;
+//! - *own timeline*: `submit` takes only plans of its own timeline, see
+//!   [`Plan::check_queue`]. The caller of the `unsafe` [`Backend::start_stream`] promises
+//!   that one protocol instance issues those plans and owns their pools, and that nothing
+//!   else completes the timeline. So a completed dependency is a finished operation.
 //!
-//! The pool's queue, locks and threads, and the streams' scheduling word, come from
-//! [`crate::sync`] (std normally, loom under `tributary_loom`), so the hand-offs between
-//! submitters, workers and event wakers are model-checked on this very code
-//! (`loom_tests/queue.rs`). Memory (pools and host arrays) is plain data shared through
-//! `std::sync::Arc`.
+//! The pool's queue, locks and threads and each stream's scheduling word come from
+//! [`crate::sync`], so the loom models of `loom_tests/queue.rs` check this very code.
 
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},

@@ -1,26 +1,13 @@
 //! Fault injection, as test support: a [`Backend`] wrapper that makes chosen operations fail.
 //!
-//! [`FaultBackend`] wraps any backend and consults a shared, thread-safe table of
-//! [`FaultRule`]s ([`FaultRules`]) on every pool creation and every plan submitted to a
-//! stream. A matching rule replaces what would have happened:
-//!
-//! - [`Fault::Panic`]: the operation runs a kernel that panics with the given message;
-//! - [`Fault::Error`]: the operation fails with the given message without touching memory,
-//!   as a driver error would (for a pool creation: [`DeviceError::OutOfMemory`]);
-//! - [`Fault::Delay`]: the operation runs normally, but not before the delay has passed
-//!   since its submission (a stall, to make an interleaving likely);
-//! - [`Fault::KillWorker`]: a panic escapes every `catch_unwind` of the worker running the
-//!   operation, as if its thread died; the operation and everything queued or submitted
-//!   later on that stream fail (the CPU pool's worker itself survives and serves the other
-//!   streams).
-//!
-//! Faults take effect where real failures happen: on the stream, after the operation's
-//! dependencies completed, through the wrapped backend's own failure path (its
-//! `catch_unwind`, its worker-death handling). `Panic`, `Error` and `KillWorker` replace the
-//! operation's work by a CPU kernel ([`Kernel::Cpu`]) that keeps the operation's label, so
-//! the failure names the original operation; wrap the CPU backend for them.
-//! `KillWorker` relies on the CPU backend treating a panic that escapes a kernel's
-//! `catch_unwind` as the death of the stream's worker.
+//! [`FaultBackend`] wraps any backend. On every pool creation and every submitted plan it
+//! consults a shared table of [`FaultRule`]s, the [`FaultRules`]. A matching rule's
+//! [`Fault`] replaces what would have happened. Faults take effect where real failures do:
+//! on the stream, after the operation's dependencies completed, through the wrapped
+//! backend's own failure path. `Panic`, `Error` and `KillWorker` replace the work with a
+//! [`Kernel::Cpu`] kernel that keeps the operation's label, so wrap the CPU backend for
+//! them. `KillWorker` relies on the CPU backend treating an escaped panic as the death of
+//! the stream's worker.
 //!
 //! ```
 //! use std::sync::Arc;

@@ -1,8 +1,9 @@
-//! What the GPU backends' streams (Vulkan, CUDA) do alike, written once (as wgpu-hal's
-//! `auxil`): each runs a stream on threads of its own, a submit thread fed by a channel and
-//! a completion (or watcher) thread. Here: the work of a plan lowered into a [`Job`] over
-//! the backend's resolved regions, the sending side of the channel ([`SubmitChannel`]:
-//! checking a plan, failing it in order once the stream stopped), and stopping the threads.
+//! What the GPU backends' streams do alike, written once, as wgpu-hal's `auxil` does. Vulkan
+//! and CUDA run each stream on a submit thread fed by a channel and a completion thread.
+//! This module holds a plan's work lowered into a [`Job`] over the backend's regions, the
+//! sending side of the channel, [`SubmitChannel`], the decisions that other streams of the
+//! device wait on, the sorting of dependencies into device and host waits, and stopping the
+//! threads. See DESIGN.md §5, "CUDA".
 
 use std::{
     collections::BTreeMap,

@@ -1,52 +1,22 @@
 //! Backends: what executes plans on real memory.
 //!
-//! A backend owns device memory (pools, addressed by [`crate::BufferLoc`] and resolved
-//! privately) and stream queues. The protocol never sees pointers; a backend never makes a
-//! scheduling decision: it waits for exactly the dependencies a [`Plan`] lists, runs the
-//! work, and completes the plan's event (or fails it, carrying the root cause).
+//! A backend owns device memory and stream queues. It runs the work of each [`Plan`] after
+//! the dependencies the plan lists, then completes or fails the plan's event. It makes no
+//! scheduling decision. The contract every backend keeps, and why its `unsafe` code is
+//! sound, are in DESIGN.md §5, "Backends" and "Soundness: the types carry the protocol's
+//! promise".
 //!
-//! Contract every backend keeps (checked by the engine tests on every backend):
-//! - work on one stream completes in submission order, and the timeline is signalled in
-//!   that order;
-//! - a plan completes (ok or failed) only after *all* its dependencies completed;
-//! - a failed [`crate::protocol::DepKind::Data`] dependency fails the plan with the same
-//!   root cause, without running its work;
-//! - `submit` never blocks on the work itself;
-//! - `submit` refuses, with [`Error::WrongStream`] and without touching it, a plan whose
-//!   event is not on the queue's own timeline ([`Plan::check_queue`]);
-//! - a copy whose two sides differ in size (a host array of another size than the
-//!   transfer, say) fails its plan with a message naming both sizes: it is never
-//!   truncated to the smaller one.
+//! A backend author implements [`Backend`] and [`StreamQueue`]. In `submit`, call
+//! [`Plan::check_queue`] first and read the plan through its accessors. Rely on its
+//! dependencies for ordering, and on its bindings not aliasing unless both are read-only.
+//! Name those facts in the `// SAFETY:` comments. [`Backend::start_stream`] is `unsafe`: the
+//! engine and the actor system are its only safe callers, and a user gets no queue.
 //!
-//! # Soundness
-//!
-//! Backends touch memory through raw pointers (CPU) or let the device do it (Vulkan), and
-//! rely on the protocol for the absence of races: a plan waits for every conflicting
-//! earlier use, and its bindings do not alias. The types make that reliance sound:
-//!
-//! - a [`Plan`] is made only by the protocol or by the `unsafe` [`Plan::from_parts`]
-//!   (see [`Plan`]);
-//! - [`Backend::start_stream`] is `unsafe`: its caller promises that the plans submitted
-//!   to the queue are those of the one protocol instance that issues the timeline's
-//!   events and owns the device's pools, and that nothing else completes the timeline.
-//!   The engine and the actor system are its only safe wrappers; a user gets no queue;
-//! - [`Backend::create_pool`] refuses a pool id that is live on the device, so two owners
-//!   (two engines on one backend) cannot share memory unknowingly;
-//! - a host array is written or read by the host only through the checked calls of
-//!   [`HostTable`](crate::protocol::HostTable), which refuse while a device use is
-//!   pending.
-//!
-//! For a backend author (the contract a [`StreamQueue`] implementation keeps): call
-//! [`Plan::check_queue`] first in `submit`; read the plan through its accessors (or, in
-//! this crate, its fields); rely on its dependencies for ordering and on its bindings not
-//! aliasing unless both are read-only; state those facts in the `// SAFETY:` comments.
-//!
-//! Backends: [`cpu`] (always built), [`vulkan`] and [`cuda`] (their types always exist;
-//! without the `vulkan` or `cuda` cargo feature, [`vulkan::VulkanBackend::new`] or
-//! [`cuda::CudaBackend::new`] reports [`DeviceError::Unavailable`]). [`BackendKind`] picks
-//! one from configuration. What the two GPU backends' streams do alike (lowering a plan's
-//! work, the channel to the submit thread, publishing decisions, sorting dependencies,
-//! stopping the threads) is written once, in `gpu_stream.rs`.
+//! The backends are [`cpu`], [`vulkan`] and [`cuda`]. The CPU backend is always built. The
+//! types of the other two always exist; without their cargo feature,
+//! [`vulkan::VulkanBackend::new`] and [`cuda::CudaBackend::new`] return
+//! [`DeviceError::Unavailable`]. [`BackendKind`] picks a backend from configuration. What the
+//! two GPU backends' streams do alike is written once, in `gpu_stream.rs`.
 
 pub mod cpu;
 pub mod cuda;

@@ -1,8 +1,8 @@
-//! Timeline recording of GPU streams, Vulkan's and CUDA's ([`crate::trace`]): the submit
-//! thread notes when it starts an operation and records the waits it does on the host; the
-//! completion thread records the operation's work, and the waits the GPU did on other
-//! streams of the device, when it sees the operation complete. See [`crate::trace`] for what
-//! the timestamps mean on a GPU.
+//! Timeline recording of the GPU streams of Vulkan and CUDA, for [`crate::trace`]. The submit
+//! thread notes when it starts an operation and records the waits it does on the host. The
+//! completion thread, when it sees the operation complete, records its work and the waits the
+//! GPU did on other streams of the device. [`crate::trace`] says what the timestamps mean on
+//! a GPU.
 
 use std::{
     sync::Arc,

@@ -1,5 +1,6 @@
-//! How the CPU backend runs its streams: the worker pool's size, the spin window, and the
-//! streams that get a thread of their own (DESIGN.md §5, "CPU").
+//! How the CPU backend runs its streams and kernels: the pool's size, the spin window, the
+//! streams that get a thread of their own, and the kernel mode. See DESIGN.md §5, "The CPU
+//! worker model" and "The CPU's two kernel modes".
 
 use std::time::Duration;
 

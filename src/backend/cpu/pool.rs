@@ -1,42 +1,19 @@
-//! The CPU backend's worker pool: streams multiplexed on about one thread per core.
+//! The CPU backend's worker pool: streams multiplexed on about one thread per core. It
+//! replaced a thread per stream, which woke a futex for every small plan (issue 18). The
+//! model is in DESIGN.md §5, "The CPU worker model". This file keeps these invariants:
 //!
-//! One thread per stream made W streams W threads: at width 8 on two cores, eight threads
-//! slept and woke on futexes for every small plan (issue 18). The pool has a fixed set of
-//! workers (one per available core by default, [`CpuConfig`](super::CpuConfig)) and a
-//! queue of *ready* streams; a stream is a task ([`StreamTask`]) that any worker may run,
-//! one worker at a time, and that leaves the worker as soon as its head plan waits for a
-//! dependency (it parks on the event instead, `stream.rs`).
-//!
-//! # Hot workers
-//!
-//! A worker that finds no ready stream **spins** for the configured window
-//! ([`SpinWait`]), polling a lock-free count of ready streams, before it parks on the
-//! condition variable. Work that arrives within the window is picked up without a wake-up
-//! system call on either side: [`WorkerPool::enqueue`] notifies the condition variable only
-//! when a worker is parked **and none is spinning** (a spinner re-checks the queue under
-//! the lock before it parks, so it cannot miss the stream it was counted on for). A worker
-//! that takes a stream while more are queued passes the wake-up on to a parked worker, so
-//! a burst spreads over the pool. An idle pool is parked: its workers stop using CPU one
-//! spin window after the last plan.
-//!
-//! # Lost wake-ups
-//!
-//! `ready` (the queue, the parked and spinning counts, the stop flag) lives under one
-//! mutex. A worker parks only after finding the queue empty under it, and counts itself
-//! parked under it; `enqueue` pushes and reads the counts under it. So either the worker's
-//! check comes after the push (it takes the stream), or it is counted parked before the
-//! push and `enqueue` notifies it (`loom_tests/queue.rs`, `idle_worker_is_woken`; mutant
-//! `pool_lost_notify`).
-//!
-//! # Lifecycle
-//!
-//! The backend starts its shared pool with its first stream and counts the streams
-//! attached to it; when the last one shuts down, the pool stops: its workers drain the
-//! ready queue and exit, and are joined (until a deadline, for `shutdown_within`: a
-//! worker stuck in a kernel is then detached, as a stream's own thread was). A backend
-//! that starts streams again gets a new pool. A stream with a thread of its own
-//! ([`CpuConfig::dedicated_streams`](super::CpuConfig::dedicated_streams)) is the only
-//! stream of a pool of one worker.
+//! - No lost wake-up. The ready queue, the parked and spinning counts and the stop flag live
+//!   under one mutex. A worker parks only after it found the queue empty under that lock,
+//!   and counts itself parked under it. [`WorkerPool::enqueue`] pushes and reads the counts
+//!   under it too. Checked by `idle_worker_is_woken` in `loom_tests/queue.rs`; mutant
+//!   `pool_lost_notify`.
+//! - `enqueue` skips the notify while a worker spins. That is safe because a spinner checks
+//!   the queue again under the lock before it parks.
+//! - A worker that takes a stream while more are queued wakes a parked worker, so a burst
+//!   spreads over the pool.
+//! - When the last stream shuts down, the workers drain the ready queue and are joined. For
+//!   `shutdown_within` the join has a deadline, and a worker stuck in a kernel is detached.
+//!   A backend that starts streams again gets a new pool.
 
 use std::{
     cell::Cell,

@@ -1,24 +1,6 @@
-//! One CPU stream as a task of the worker pool: a FIFO of submitted plans that any worker
-//! may run, one worker at a time, and that parks on a dependency instead of holding a
-//! worker.
-//!
-//! # The backend contract on a shared pool (DESIGN.md §5)
-//!
-//! - *In-order completion.* Only the worker that owns the stream (below) touches its head
-//!   plan, and it takes the next plan only after the head completed.
-//! - *After all dependencies.* The head's dependencies are decided one after another, each
-//!   polled, never skipped; a failed [`DepKind::Data`](crate::protocol::DepKind::Data)
-//!   dependency fails the plan without running it ([`Dep::failure`]), after the others
-//!   are decided too.
-//! - *`submit` never blocks.* It pushes under a short lock and, if the stream was idle,
-//!   hands it to the pool.
-//! - *No stream holds a worker while it waits.* A head whose dependency is pending spins
-//!   for the pool's window while no other stream is ready (a producer on another core
-//!   usually finishes within it), then registers a waker on the event
-//!   ([`Event::wait_async`]) and gives the worker back; the event's completion makes the
-//!   stream ready again. So one worker with two streams, B waiting for A, runs A and then
-//!   B (`loom_tests/queue.rs`, `blocked_stream_on_one_worker`; mutant
-//!   `pool_blocking_wait`).
+//! One CPU stream as a task of the worker pool: a FIFO of submitted plans that one worker at
+//! a time runs, and that parks on a dependency instead of holding a worker. How this keeps
+//! the backend contract on a shared pool is in DESIGN.md §5, "The CPU worker model".
 //!
 //! # Ownership: one worker at a time
 //!
@@ -32,22 +14,18 @@
 //!                                                                         NOTIFIED
 //! ```
 //!
-//! `schedule` (a submission, or the waker of the event the head waits for) moves an idle
-//! stream to the ready queue, or marks a running one NOTIFIED; the worker gives the stream
-//! up only with a compare-and-swap from RUNNING, so a wake-up that arrives while it runs
-//! (the event completing just after the waker was registered, a plan pushed just after the
-//! worker found the queue empty) makes it look again instead of being lost
-//! (`loom_tests/queue.rs`, `parked_stream_is_woken`; mutant `pool_lost_wake`). A worker
-//! that ran a plan while other streams wait yields: the stream goes to the back of the
-//! ready queue.
+//! `schedule` comes from a submission or from the waker of the head's event. It moves an
+//! idle stream to the ready queue, or marks a running one NOTIFIED. The worker gives the
+//! stream up only by a compare-and-swap from RUNNING. So a wake-up that arrives while the
+//! worker runs the stream makes it look again instead of being lost. Checked by
+//! `parked_stream_is_woken` in `loom_tests/queue.rs`; mutant `pool_lost_wake`.
 //!
-//! # A worker that dies
+//! A failed data dependency fails the head without running it, but only once the other
+//! dependencies are decided too; see [`Dep::failure`].
 //!
-//! Kernels run under `catch_unwind` (a panicking kernel fails its event, rule 6). A panic
-//! that escapes it anyway (fault injection's `KillWorker`, or a bug) kills the *stream* as
-//! if its thread had died: its timeline is poisoned ("stream worker died"), its queued
-//! plans are dropped (their events fail with the poison), later submissions are refused;
-//! the pool's worker survives and serves the other streams.
+//! A panic that escapes `catch_unwind` kills the stream, not the pool's worker. The
+//! timeline is poisoned with "stream worker died", the queued plans fail with it, and later
+//! submissions are refused.
 
 use std::{
     any::Any,

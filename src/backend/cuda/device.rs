@@ -1,5 +1,5 @@
-//! The backend object: its devices (one `CudaContext` each), their pools, the peer table,
-//! and the [`Backend`] implementation.
+//! The backend object: its devices, one `CudaContext` each, their pools, the peer table, and
+//! the [`Backend`] implementation.
 
 use std::{
     collections::HashMap,

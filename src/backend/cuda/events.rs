@@ -1,6 +1,6 @@
-//! The event pool: CUDA events of one context, made on demand (creating one is a driver
-//! call, recording a pooled one is not) and handed back only when every stream that
-//! recorded or waits on one has let go.
+//! The event pool: CUDA events of one context, made on demand because creating one is a
+//! driver call and recording a pooled one is not. An event goes back to the pool only when
+//! every stream that recorded it or waits on it has let go.
 
 use std::{
     ops::Deref,

@@ -1,10 +1,11 @@
-//! Finding the driver without letting cudarc panic: the library probe, the driver version,
-//! `cuInit` and the device count, each failure an [`DeviceError::Unavailable`] saying which.
+//! Finding the CUDA driver without letting cudarc panic. Each failure is a
+//! [`DeviceError::Unavailable`] that names the step: the library probe, the driver version,
+//! `cuInit` or the device count.
 //!
-//! cudarc (with `dynamic-loading`) opens `libcuda` on the first call and panics when it
-//! cannot, or when a symbol is missing. [`open_driver`] therefore asks whether the library
-//! loads before any call, and runs the calls under `catch_unwind` as a second guard. The
-//! decision itself ([`driver_verdict`]) is a pure function of what the driver answered, so
+//! cudarc opens `libcuda` on the first call and panics when it cannot, or when a symbol is
+//! missing. So [`open_driver`] asks whether the library loads before any call, and runs the
+//! calls under `catch_unwind` as a second guard. That guard does not help a binary built
+//! with `panic = "abort"`. [`driver_verdict`] is a pure function of the driver's answers, so
 //! its messages are tested without a driver.
 
 use std::{

@@ -1,54 +1,32 @@
 //! Kernels on CUDA: what a routine's kernel launches, and the CUDA C of the built-ins.
 //!
-//! This module needs no GPU and no driver: it turns a kernel and its bound arguments into
-//! [`Launch`]es, plain data that the CUDA runtime (the stream) executes. Keeping the two
-//! apart lets every launch be computed and checked on a machine without CUDA.
+//! This module needs no GPU and no driver. [`kernel_launches`] turns a kernel and its bound
+//! arguments into [`Launch`]es, plain data that the stream executes. So every launch can be
+//! computed and checked on a machine without CUDA. It checks what the CPU backend checks,
+//! and for user kernels the grid, block and shared memory against the device's
+//! [`LaunchLimits`]. Its error message fails the plan. The launch model is in DESIGN.md §5,
+//! "CUDA".
 //!
-//! # The contract with the runtime
+//! A [`Program`] is its own cache key, and its text is a pure function of the key. So the
+//! stream compiles each program once per device, with [`Program::nvrtc_options`]. A
+//! launch's parameters come in order: buffers, the merge buffer, scalars, then a user
+//! kernel's index values. [`LaunchParam::c_type`] gives their C types.
 //!
-//! [`kernel_launches`] takes the kernel of a [`Work::Run`](crate::protocol::Work::Run), its
-//! argument bindings (in the kernel's argument order), the merge binding if any, the values
-//! of the routine's indices, and the device's [`LaunchLimits`], and returns the launches to enqueue on the stream, in order
-//! (possibly none: a kernel over no elements launches nothing), or a message that fails the
-//! plan. It checks what the CPU backend checks: arity, declared accesses, the merge buffer,
-//! dtypes, each buffer's bytes against its shape, and the built-in's dimensions; and for
-//! user kernels the grid, block and shared memory against the limits.
+//! The built-ins' geometry:
 //!
-//! Each [`Launch`] names:
+//! - grids are 1-D, and kernels loop grid-stride over their elements;
+//! - a grid stops growing at 32 blocks per multiprocessor;
+//! - element-wise blocks have 256 threads, per-row and per-column blocks 64;
+//! - matmuls use 16 x 16 blocks striding over 16 x 16 output tiles; where a block cannot
+//!   hold 256 threads, they use 128-thread blocks of one thread per output;
+//! - `softmax_xent` is two launches: the gradient with a thread per row, then the loss in
+//!   one block;
+//! - no built-in uses dynamic shared memory, and a kernel over no elements launches
+//!   nothing.
 //!
-//! - its [`Program`]: the built-ins of one dtype, or a user's CUDA C or PTX. A program is
-//!   its own cache key (`Eq + Hash`) and its text ([`Program::cuda_c`]) is a pure function
-//!   of the key, so the runtime compiles each program once per device (NVRTC with
-//!   [`Program::nvrtc_options`], for the architecture `nvrtc::virtual_arch_for` (feature `cuda`) picks
-//!   from the device's compute capability; `nvrtc::compile_to_ptx` does it), loads the
-//!   module and keeps it (PTX programs are loaded as they are);
-//! - the entry point (an `extern "C" __global__` function of the program);
-//! - grid and block dimensions (they respect the limits given) and the dynamic shared
-//!   memory;
-//! - the ordered parameters: [`LaunchParam::Buffer`]`(i)` is argument `i`'s device pointer
-//!   (its pool's base plus the buffer's offset, resolved by the runtime),
-//!   [`LaunchParam::Merge`] the merge buffer's, the others scalars by value (a user
-//!   kernel's own scalars, then its index values). The runtime
-//!   pushes them in order with cudarc's launch builder; their C types are given by
-//!   [`LaunchParam::c_type`].
-//!
-//! Buffers must be aligned to their element size (pools are; the runtime refuses a
-//! misaligned pointer). Grids are 1-D. Built-ins loop grid-stride over their elements
-//! (blocks of 256 threads element-wise, 64 for the per-row and per-column kernels), so a
-//! launch never needs more blocks than `max_grid[0]`; grids are capped at 32 blocks per
-//! multiprocessor. The matmuls use 16 x 16 blocks whose blocks stride over 16 x 16 output
-//! tiles (a thread per output, 128-thread blocks, where a block cannot hold 256 threads).
-//! `softmax_xent` is two launches: the gradient (a thread per row), then the loss (one
-//! block). Built-ins use no dynamic shared memory.
-//!
-//! The CUDA C itself is generated in `source.rs` (see its doc for how results match the
-//! CPU backend); `nvrtc.rs` compiles it (feature `cuda`).
-//!
-//! # Kernels that cannot run here
-//!
-//! [`Kernel::Cpu`] closures and [`Kernel::Shader`] shaders do not run on CUDA devices:
-//! [`unsupported_on_cuda`] says why (the runtime's `check_routine` refuses them at link
-//! time with it, and [`kernel_launches`] fails such a plan if one arrives anyway).
+//! Buffers must be aligned to their element size; the stream refuses a misaligned pointer.
+//! `source.rs` generates the CUDA C and `nvrtc.rs` compiles it. [`unsupported_on_cuda`] says
+//! why [`Kernel::Cpu`] closures and [`Kernel::Shader`] shaders cannot run here.
 
 mod source;
 

@@ -1,9 +1,11 @@
-//! Device memory and host staging: pools as device allocations, locations resolved to
-//! device pointers, each stream's pinned staging ring, and the choice of route for a copy
-//! between two devices.
+//! Device memory and host staging: pools as device allocations, locations resolved to device
+//! pointers, each stream's pinned staging ring, and the route of a copy between two devices.
 //!
-//! The bookkeeping ([`RingBook`], [`copy_route`]) is plain data, tested without a driver;
-//! the allocations around it ([`DevicePool`], [`PinnedMemory`]) free themselves on drop.
+//! A ring is one pinned allocation of `CudaConfig::staging_bytes`, made on the first
+//! transfer. A transfer is cut into slots of at most a quarter of the ring, so copies
+//! overlap. A slot is reused only after its copy completed. The bookkeeping, [`RingBook`]
+//! and [`copy_route`], is plain data tested without a driver. The allocations,
+//! [`DevicePool`] and [`PinnedMemory`], free themselves on drop.
 
 use std::{
     collections::VecDeque,

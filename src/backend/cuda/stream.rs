@@ -1,14 +1,16 @@
-//! Streams: a submit thread that enqueues work on a non-blocking CUDA stream and records one
-//! pooled event per sequence number, and a watcher thread that completes the timeline as
-//! those events complete (see the [module documentation](super) for the scheme).
+//! CUDA streams: a submit thread enqueues work on a non-blocking CUDA stream and records one
+//! pooled event per sequence number. A watcher thread completes the timeline as those events
+//! complete. The scheme is in DESIGN.md §5, "CUDA".
 //!
-//! The `unsafe` code here rests on the contracts the types enforce (`src/backend/mod.rs`):
-//! a [`Plan`] is made by the protocol (or by an `unsafe` [`Plan::from_parts`] whose caller
-//! promises the same), so its dependencies order it after every conflicting use and its
-//! writable bindings do not alias; `submit` accepts only plans of this stream's timeline
-//! ([`Plan::check_queue`]), and the queue exists only through the `unsafe`
-//! [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller promises
-//! that nothing else completes that timeline.
+//! Host transfers through the staging ring follow three rules. A full ring makes the submit
+//! thread wait for its oldest slot. An upload fills its slot only after all its
+//! dependencies completed, because an earlier download may still write the host array. A
+//! download completes only after the watcher copied its slot into the host array.
+//!
+//! The `unsafe` code here rests on the promises of [`Plan`] and
+//! [`crate::backend::Backend::start_stream`]: each plan's dependencies order it after every
+//! conflicting use, its writable bindings do not alias, and nothing else completes this
+//! stream's timeline. See DESIGN.md §5, "Soundness: the types carry the protocol's promise".
 
 use std::{
     collections::HashMap,

@@ -1,22 +1,17 @@
 //! Instance and physical-device discovery, logical device creation, and the objects whose
-//! lifetimes everything else hangs on ([`InstanceCore`] ⊃ [`LogicalDevice`]).
+//! lifetimes everything else hangs on: [`InstanceCore`] and [`LogicalDevice`].
 //!
-//! Ownership: every object that holds a Vulkan handle of a device (pool buffers, pipelines,
-//! semaphores, command pools) holds an `Arc<LogicalDevice>` and destroys its handle in its own
-//! `Drop`; `LogicalDevice`'s `Drop` therefore runs after all of them, waits for the device to
-//! go idle, drops the allocator and destroys the device; `InstanceCore` outlives every
-//! device the same way.
+//! Every object that holds a Vulkan handle of a device holds an `Arc<LogicalDevice>` and
+//! destroys its handle in its own `Drop`. So the device's `Drop` runs after all of them: it
+//! waits for the device to go idle, drops the allocator and destroys the device.
+//! `InstanceCore` outlives every device the same way.
 //!
-//! Bounded waits: every wait for submitted device work ([`LogicalDevice::wait_semaphores`],
-//! [`LogicalDevice::wait_fence`]) gives up after [`VulkanConfig::device_timeout`]: the device
-//! is then marked lost ([`DeviceError::Lost`], "timed out ..."), and so is it after any
-//! other wait error (the state of the work is then unknown). Whatever such work might
-//! still use is *leaked* ([`LogicalDevice::leak`]): never freed, never reused, and the
-//! `LogicalDevice` itself is never destroyed (a leaked object keeps it alive), since
-//! destroying a device with pending work, or memory under it, is undefined behaviour.
-//! Tests inject a stuck or lost device through [`LogicalDevice::inject`].
-//!
-//! [`VulkanConfig::device_timeout`]: super::VulkanConfig::device_timeout
+//! Every wait for device work, such as [`LogicalDevice::wait_semaphores`], is bounded; see
+//! DESIGN.md §5, "Vulkan". A wait that times out or fails marks the device lost. What that
+//! work might still use is leaked by [`LogicalDevice::leak`]: never freed, never reused. A
+//! leaked object keeps its `LogicalDevice` alive, so a device with pending work is never
+//! destroyed, which would be undefined behaviour. Tests inject a stuck or lost device
+//! through [`LogicalDevice::inject`].
 
 use std::{
     ffi::CStr,

@@ -1,5 +1,5 @@
-//! Kernels on Vulkan: lowering a routine's kernel to dispatches or copies, compiling WGSL
-//! with naga (SPIR-V cached per process), and compute pipelines (cached per device).
+//! Kernels on Vulkan: lowering a routine's kernel to dispatches or copies, compiling WGSL to
+//! SPIR-V with naga once per process, and making compute pipelines once per device.
 
 use std::{
     collections::HashMap,

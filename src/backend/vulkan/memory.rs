@@ -1,6 +1,6 @@
-//! Pools and staging buffers: `VkBuffer`s with their own gpu-allocator allocations, and
-//! the host side of transfers (direct where the memory is mapped and coherent, staged
-//! otherwise).
+//! Pools and staging buffers: `VkBuffer`s with their own gpu-allocator allocations, and the
+//! host side of transfers. A transfer is direct where the memory is mapped and coherent, and
+//! staged otherwise.
 
 use std::{ptr::NonNull, sync::Arc};
 

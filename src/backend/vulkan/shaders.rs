@@ -1,12 +1,12 @@
 //! WGSL sources of the built-in kernels, instantiated per dtype.
 //!
-//! Every built-in shader has the same shape: bindings `b0..bN` in argument order (the merge
-//! buffer last), one push-constant block `p` (`n, m, k, c: u32`, then two scalars `a, b` of
-//! the computation type's width), a per-element `body(i)` in the computation type, and a
-//! grid-stride `main` that stores `body` into the output binding. Packed 16-bit dtypes are
-//! `array<u32>` of two elements per word; each invocation owns whole words and converts with
-//! the CPU backend's integer code (`h2f`/`f2h`, `b2f`/`f2b`), so the results round exactly
-//! as on the CPU.
+//! Every built-in shader has the same shape. Its bindings `b0..bN` follow the argument
+//! order, with the merge buffer last. One push-constant block `p` holds `n, m, k, c: u32`,
+//! then two scalars `a, b` of the computation type's width. A per-element `body(i)` computes
+//! in the computation type, and a grid-stride `main` stores it into the output binding.
+//! Packed 16-bit dtypes are `array<u32>`, two elements per word. Each invocation owns whole
+//! words, so packed halves never race, and converts with the CPU's integer code
+//! `h2f`/`f2h` and `b2f`/`f2b`. So results round exactly as on the CPU.
 
 use crate::node::DType;
 

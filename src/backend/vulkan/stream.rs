@@ -1,18 +1,18 @@
-//! Streams: a submit thread and a completion thread around one timeline semaphore (see the
-//! [module documentation](super) for the scheme).
+//! Vulkan streams: a submit thread and a completion thread around one timeline semaphore. The
+//! scheme is in DESIGN.md §5, "Vulkan".
 //!
-//! Soundness: the `// SAFETY:` comments below name these facts, which the types enforce:
+//! The `// SAFETY:` comments below name these facts, which the types enforce:
 //!
-//! - *protocol-made*: a [`Plan`] is made only by the protocol or the `unsafe`
-//!   [`Plan::from_parts`], so its dependencies order it after every conflicting use (of
-//!   pool buffers and host arrays) and its writable bindings do not alias;
-//! - *own timeline*: `submit` accepts only plans of this stream's timeline
-//!   ([`Plan::check_queue`]) and the queue exists only through the `unsafe`
-//!   [`Backend::start_stream`](crate::backend::Backend::start_stream), whose caller
-//!   promises that nothing else completes that timeline: an event completes only after
-//!   its work (host work included) is done, so a completed dependency is finished work;
-//! - *kept*: whatever a batch uses is held in its `Keep`s until the completion thread
-//!   observes the batch done, and leaked (never dropped) if it cannot observe that.
+//! - *protocol-made*: a [`Plan`] comes from the protocol or from the `unsafe`
+//!   [`Plan::from_parts`], so its dependencies order it after every conflicting use and its
+//!   writable bindings do not alias;
+//! - *own timeline*: `submit` takes only plans of this stream's timeline, see
+//!   [`Plan::check_queue`]. The caller of the `unsafe`
+//!   [`crate::backend::Backend::start_stream`] promises that nothing else completes it. An
+//!   event completes only after its work, host work included, so a completed dependency is
+//!   finished work;
+//! - *kept*: whatever a batch uses is held in its `Keep`s until the completion thread sees
+//!   the batch done, and leaked if it never can.
 
 use std::{collections::VecDeque, sync::Arc, time::Instant};
 

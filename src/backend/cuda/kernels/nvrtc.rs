@@ -1,11 +1,9 @@
-//! Compiling CUDA C to PTX with NVRTC (cudarc's `nvrtc` module), without ever panicking
-//! when the library is missing.
+//! Compiling CUDA C to PTX with NVRTC, without panicking when the library is missing.
 //!
-//! cudarc loads `libnvrtc` on first use and panics when it cannot (it looks for
-//! `libnvrtc.so`, `libnvrtc.so.12`, ... by name, so `LD_LIBRARY_PATH` decides where it is
-//! found). [`nvrtc_available`] probes for the library first, and [`compile_to_ptx`] calls
-//! NVRTC only after a successful probe, under `catch_unwind` as a second guard (a library
-//! lacking a symbol panics on first use of it). NVRTC needs no GPU and no driver.
+//! cudarc loads `libnvrtc` on first use and panics when it cannot. It looks the library up by
+//! name, so `LD_LIBRARY_PATH` decides where it is found. [`compile_to_ptx`] calls NVRTC only
+//! after [`nvrtc_available`] found it, and under `catch_unwind`, because a library that lacks
+//! a symbol panics on its first use. NVRTC needs no GPU and no driver.
 
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},

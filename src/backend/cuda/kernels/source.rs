@@ -1,29 +1,21 @@
 //! The CUDA C of the built-ins: one program per dtype, generated from the templates below.
 //!
-//! Every template is written once over placeholders that [`builtin_source`] replaces with
-//! concrete C: `{T}` the dtype's name (entry points are `<kernel>_{T}`), `{S}` the storage
-//! type, `{B}` the unsigned integer of the element's size (bitwise kernels), `{C}` the
-//! computation type (`float`, or `double` for `f64`), and the `LOAD`/`STORE`/`ADD`/`SUB`/
-//! `MUL`/`DIV`/`EXP`/`LOG` macros of the program's prelude. The generated text is a pure
-//! function of the dtype, so the runtime may cache the compiled module under its
-//! [`Program`](super::Program) key.
+//! [`builtin_source`] replaces each template's placeholders with concrete C. `{T}` is the
+//! dtype's name, as in the entry points `<kernel>_{T}`. `{S}` is the storage type, `{B}` the
+//! unsigned integer of the element's size, and `{C}` the computation type: `double` for
+//! `f64`, else `float`. The prelude's `LOAD`/`STORE`/`ADD`/`SUB`/`MUL`/`DIV`/`EXP`/`LOG`
+//! macros do the rest. The text is a pure function of the dtype, so the stream may cache the
+//! module under its [`super::Program`] key.
 //!
-//! **Matching the CPU backend.** Arithmetic goes through the round-to-nearest intrinsics
-//! (`__fadd_rn`, `__fmul_rn`, ...), which the compiler never contracts into fused
-//! multiply-adds, in the order the CPU backend uses (`src/kernels/cpu.rs`). `f16`/`bf16`
-//! widen to `float` and round back with the same integer code as [`crate::F16`] and
-//! [`crate::Bf16`] (no `cuda_fp16.h`: the programs include no header at all). So the
-//! element-wise kernels, `sum_rows` and the matmuls (each output summed by one thread in
-//! increasing `p`, tiled through shared memory or not) are bitwise equal to the CPU's; `softmax_xent` uses CUDA's `expf`/`logf`
-//! (`exp`/`log` for `f64`), within a few ulp of Rust's, and sums the rows' losses in
-//! another order than the CPU (per-thread partial sums, then in thread order). One
-//! exception to "bitwise": a NaN produced by arithmetic is the GPU's canonical NaN, where
-//! the CPU propagates an operand's sign and payload (NaN inputs to `relu`, copies and fills
-//! keep their bits on both).
+//! How results match the CPU's exact mode is in DESIGN.md §5, "CUDA". Arithmetic uses the
+//! `__f*_rn` intrinsics, which the compiler never contracts into fused multiply-adds.
+//! `f16`/`bf16` convert with the same integer code as [`crate::F16`] and [`crate::Bf16`], so
+//! the programs include no header. `softmax_xent` uses CUDA's `expf`/`logf`, within a few ulp
+//! of Rust's, and sums the rows' losses in another order than the CPU.
 //!
-//! `tests/cuda_kernels.rs` compiles these programs with NVRTC and `ptxas`, and also builds
-//! them for the host with a C++ compiler (the intrinsics shimmed as IEEE operations) to
-//! compare every built-in with the CPU backend, bit for bit, without a GPU.
+//! `tests/cuda_kernels.rs` also builds these programs for the host with a C++ compiler, the
+//! intrinsics shimmed as IEEE operations. It compares every built-in with the CPU backend
+//! without a GPU.
 
 use crate::node::DType;
 
