@@ -30,7 +30,7 @@ use tributary::{
     kernels::RoutineSpec,
     memory::{AlignedBuffer, PoolConfig},
     pending::PendingEvent,
-    protocol::{Context, DeviceState, HostArrayObserver, HostTable, Plan, Routine},
+    protocol::{Context, DeviceState, HostArrayObserver, HostTable, Plans, Routine},
     sync::{
         channel::{self, Sender},
         thread::{self, JoinHandle},
@@ -103,7 +103,7 @@ struct ModelSink {
 }
 
 impl PlanSink for ModelSink {
-    fn submit(&mut self, plans: Vec<Plan>) {
+    fn submit(&mut self, plans: Plans) {
         let mut memory = self.memory.lock().unwrap();
         memory.apply_pool_ops();
         for plan in plans {

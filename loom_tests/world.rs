@@ -477,7 +477,7 @@ impl World {
     /// As `Engine::submit`, each plan to its stream; the pool operations the devices asked
     /// for since the last submission are carried out first (the engine's backend carries
     /// them out when asked; here their memory words are made lazily, in the same order).
-    fn submit(&mut self, plans: Vec<Plan>) -> Option<Event> {
+    fn submit(&mut self, plans: impl IntoIterator<Item = Plan>) -> Option<Event> {
         self.memory.apply_pool_ops();
         let mut last = None;
         for plan in plans {
@@ -549,7 +549,7 @@ impl World {
         let plan = self.devices[i]
             .from_host(ctx, node, &mut self.host)
             .unwrap();
-        self.submit(vec![plan]).unwrap()
+        self.submit([plan]).unwrap()
     }
 
     /// `Engine::device_to_device` (every device can stream every other's memory, as on
@@ -575,7 +575,7 @@ impl World {
             &mut self.host,
         )?;
         if let Some(upload) = planned.upload {
-            self.submit(vec![upload]);
+            self.submit([upload]);
         }
         let plans = planned.destination?;
         if plans.is_empty() {
@@ -593,7 +593,7 @@ impl World {
             let i = copy.loc.device.0 as usize;
             let plan =
                 self.devices[i].plan_to_host(copy.stream, node, copy.loc.loc, &mut self.host)?;
-            self.submit(vec![plan]);
+            self.submit([plan]);
         }
         for e in self.host.pending_writes(node)? {
             e.wait()?;
@@ -628,7 +628,7 @@ impl World {
         let into = StdArc::new(AlignedBuffer::new(bytes as usize, 64)?);
         let i = ctx.device().0 as usize;
         let plan = self.devices[i].read_into(ctx, node, into.clone())?;
-        let event = self.submit(vec![plan]).unwrap();
+        let event = self.submit([plan]).unwrap();
         event.wait()?;
         Ok(self.memory.host_region(&into, bytes).read())
     }

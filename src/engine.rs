@@ -199,7 +199,7 @@ impl Engine {
     }
 
     /// Submits plans to their streams.
-    fn submit(&mut self, plans: Vec<Plan>) -> Result<Option<Event>> {
+    fn submit(&mut self, plans: impl IntoIterator<Item = Plan>) -> Result<Option<Event>> {
         let mut last = None;
         for plan in plans {
             let d = self.device_index(plan.stream().device)?;
@@ -414,7 +414,7 @@ impl Engine {
 
     fn submit_one(&mut self, plan: Plan) -> Result<Event> {
         let event = plan.event().clone();
-        self.submit(vec![plan])?;
+        self.submit([plan])?;
         Ok(event)
     }
 
@@ -463,7 +463,7 @@ impl Engine {
         // The upload of a lagging source is an operation of the source device, recorded in
         // its tables: it runs even if the destination step failed.
         if let Some(upload) = planned.upload {
-            self.submit(vec![upload])?;
+            self.submit([upload])?;
         }
         let plans = planned.destination?;
         if plans.is_empty() {
@@ -501,7 +501,7 @@ impl Engine {
             let i = self.device_index(copy.loc.device)?;
             let plan =
                 self.devices[i].plan_to_host(copy.stream, node, copy.loc.loc, &mut self.host)?;
-            self.submit(vec![plan])?;
+            self.submit([plan])?;
         }
         self.read_host_array(node)
     }

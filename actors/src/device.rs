@@ -28,7 +28,7 @@ use tributary::{
         DeviceTurn, Dispatcher, PlanSink, Progress,
     },
     pending::SeqPromise,
-    protocol::{Context, Plan, Routine, TableSizes},
+    protocol::{Context, Plans, Routine, TableSizes},
     DeviceId, Error, Event, Result,
 };
 
@@ -63,7 +63,7 @@ impl QueueSink {
 }
 
 impl PlanSink for QueueSink {
-    fn submit(&mut self, plans: Vec<Plan>) {
+    fn submit(&mut self, plans: Plans) {
         for plan in plans {
             let i = plan.stream().index as usize;
             match (self.queues.get(i), self.watches.get(i)) {

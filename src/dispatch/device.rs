@@ -26,7 +26,7 @@ use crate::{
     ids::StreamId,
     node::TensorNode,
     pending::{Planned, SeqPromise},
-    protocol::{Context, DeviceState, HostTable, Plan, Routine},
+    protocol::{Context, DeviceState, HostTable, Plans, Routine},
     sync::{Arc, Mutex},
 };
 
@@ -42,7 +42,7 @@ pub trait PlanSink: Send {
     /// device's decisions (`Event::seq` of a dependency on a copy's other half that is not
     /// planned yet): the thread submitting may be the one that decides that device next
     /// (a post decided in rounds, [`super::inbox`]).
-    fn submit(&mut self, plans: Vec<Plan>);
+    fn submit(&mut self, plans: Plans);
 
     /// Asks for a sweep of the device once the work submitted so far completes: called
     /// after a batch that leaves freed memory waiting for work in flight. Tables need no
@@ -238,7 +238,7 @@ impl DeviceCore {
         self.poisoned = Some(e.clone());
     }
 
-    fn submit(&mut self, plans: Vec<Plan>) {
+    fn submit(&mut self, plans: Plans) {
         if !plans.is_empty() {
             self.sink.submit(plans);
         }
@@ -246,7 +246,7 @@ impl DeviceCore {
 
     /// Answers `promise` with the last of `plans` (submitted), or refuses it with the
     /// error at `stream`'s last issued sequence number.
-    fn decide(&mut self, promise: SeqPromise, stream: StreamId, plans: Result<Vec<Plan>>) {
+    fn decide(&mut self, promise: SeqPromise, stream: StreamId, plans: Result<Plans>) {
         match plans {
             Ok(plans) => {
                 let planned = match plans.last() {
@@ -352,7 +352,7 @@ impl DeviceCore {
                         s.to_host(&ctx, &node, h)
                     }
                 });
-                self.decide(promise, ctx.stream(), plan.map(|p| vec![p]));
+                self.decide(promise, ctx.stream(), plan.map(|p| Plans::from_buf([p])));
             }
             DeviceOp::InitFromHost {
                 stamp,
@@ -385,7 +385,7 @@ impl DeviceCore {
                 });
                 reply.send(r.map(|plan| {
                     let e = plan.event().clone();
-                    self.submit(vec![plan]);
+                    self.submit(Plans::from_buf([plan]));
                     e
                 }));
             }
@@ -464,7 +464,7 @@ impl DeviceCore {
         &self,
         plans: &Result<(
             crate::ids::BufferLoc,
-            Vec<Plan>,
+            Plans,
             (crate::protocol::GlobalLoc, u64),
         )>,
         delivery: &Delivery,
@@ -535,7 +535,7 @@ impl DeviceCore {
                 s.replay(run, &mut links, h, &mut planned)
             })
         };
-        self.submit(planned);
+        self.submit(Plans::from_vec(planned));
         match progress {
             crate::protocol::ReplayProgress::Blocked => {
                 Handled::Blocked(DeviceOp::Replay { stamp, part })
@@ -634,7 +634,7 @@ impl DeviceCore {
         }
         let plan = self.state.read_into(ctx, node, into)?;
         let e = plan.event().clone();
-        self.submit(vec![plan]);
+        self.submit(Plans::from_buf([plan]));
         Ok(ReadValue::Device(e))
     }
 
@@ -725,7 +725,7 @@ impl DeviceCore {
                     dst, into_merge, ..
                 } => s
                     .copy_in(dst, &source, *into_merge, h)
-                    .map(|p| p.into_iter().collect::<Vec<_>>()),
+                    .map(|p| p.into_iter().collect::<Plans>()),
                 Delivery::Streaming(r) => s.schedule_streaming(r, &source, h),
             })?;
             Ok((source.loc().loc, plans, (source.loc(), source.bytes())))

@@ -34,8 +34,8 @@ mod replay;
 mod schedule;
 
 pub use copy::{check_streaming_placement, device_to_device, DeviceToDevicePlans, Source};
-pub(crate) use replay::invalidated;
 pub use record::{DeviceStep, StepRecorder};
+pub(crate) use replay::invalidated;
 pub use replay::{ReplayLinks, ReplayProgress, ReplayRun};
 
 use crate::{

@@ -285,6 +285,10 @@ impl fmt::Debug for Work {
     }
 }
 
+/// The plans of one operation, in issue order. Most operations make one plan, which is
+/// held inline, so issuing allocates no list.
+pub type Plans = smallvec::SmallVec<[Plan; 1]>;
+
 /// Everything a stream must do for one operation.
 ///
 /// Made by the protocol ([`DeviceState`](crate::protocol::DeviceState)) and consumed by

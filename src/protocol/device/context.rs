@@ -14,7 +14,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
         host::HostTable,
-        plan::{ArgBinding, Plan, Work},
+        plan::{ArgBinding, Plan, Plans, Work},
         tables::BufferUses,
     },
 };
@@ -103,7 +103,7 @@ impl DeviceState {
     /// context is a new child of `ctx`, plus plans that zero the new buffers.
     ///
     /// On error nothing changes (no allocation, no table or mode update).
-    pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<(Routine, Vec<Plan>)> {
+    pub fn link(&mut self, ctx: &Context, spec: RoutineSpec) -> Result<(Routine, Plans)> {
         self.check_context(ctx)?;
         let mut decisions = Vec::with_capacity(spec.params.len());
         let mut owners = Vec::new();
@@ -150,11 +150,7 @@ impl DeviceState {
     }
 
     /// Allocates and records the buffers decided for a link; rolls back on failure.
-    fn place(
-        &mut self,
-        ctx: &Context,
-        decisions: Vec<Decision>,
-    ) -> Result<(Vec<NewArray>, Vec<Plan>)> {
+    fn place(&mut self, ctx: &Context, decisions: Vec<Decision>) -> Result<(Vec<NewArray>, Plans)> {
         let stream = ctx.stream();
         // Allocate first, so that a failure leaves every table untouched.
         let mut fresh: Vec<Option<Allocation>> = Vec::with_capacity(decisions.len());
@@ -189,7 +185,7 @@ impl DeviceState {
         }
         // Commit.
         let mut arrays = Vec::new();
-        let mut plans = Vec::new();
+        let mut plans = Plans::new();
         for (d, alloc) in decisions.into_iter().zip(fresh) {
             // Cannot fail: `decide` checked that the mode materializes.
             let _ = d.node.materialize();
@@ -291,7 +287,7 @@ impl DeviceState {
     /// The node must not be in `ctx` yet. Sharing follows the node's mode: shared nodes
     /// (hosted constants and volatiles, nodes declared or decided shared) get the device-wide
     /// buffer, others a fresh per-stream buffer. Returns the child and the plans to run.
-    pub fn add_array(&mut self, ctx: &Context, node: &TensorNode) -> Result<(Context, Vec<Plan>)> {
+    pub fn add_array(&mut self, ctx: &Context, node: &TensorNode) -> Result<(Context, Plans)> {
         self.check_context(ctx)?;
         if ctx.contains(node) {
             return Err(Error::AlreadyInContext {
@@ -335,7 +331,7 @@ impl DeviceState {
     /// Finalizes `ctx`: frees the buffers it allocated once every pending use of them has
     /// completed. Hosted nodes whose newest value lives only in a freed buffer are first
     /// transferred to their host array (the returned plans).
-    pub fn finalize(&mut self, ctx: &Context, host: &mut HostTable) -> Result<Vec<Plan>> {
+    pub fn finalize(&mut self, ctx: &Context, host: &mut HostTable) -> Result<Plans> {
         self.check_context(ctx)?;
         let Some(record) = self.contexts.get(&ctx.id()) else {
             return Err(Error::ContextFinalized { context: ctx.id() });
@@ -352,7 +348,7 @@ impl DeviceState {
         if let Some(p) = record.parent.and_then(|p| self.contexts.get_mut(&p)) {
             p.children -= 1;
         }
-        let mut plans = Vec::new();
+        let mut plans = Plans::new();
         for loc in record.delta {
             let global = self.global(loc);
             let write_back = self.buffers.get(&loc).and_then(|rec| {

@@ -12,7 +12,7 @@ use crate::{
     protocol::{
         context::Context,
         host::{DeviceCopy, HostTable},
-        plan::{Dep, DepKind, GlobalLoc, Plan, Work},
+        plan::{Dep, DepKind, GlobalLoc, Plan, Plans, Work},
         tables::BufferUses,
     },
 };
@@ -275,7 +275,7 @@ pub struct DeviceToDevicePlans {
     /// The copy or the streaming consumer (with the consumer's own uploads first), empty
     /// when both contexts share the buffer; or why the destination step failed after the
     /// upload was planned (a merge buffer that could not be allocated).
-    pub destination: Result<Vec<Plan>>,
+    pub destination: Result<Plans>,
 }
 
 /// Plans a device-to-device operation of `node` from `src` (on `devices[si]`) to `dst` (on
@@ -325,7 +325,7 @@ pub fn device_to_device(
             if dst_state.global(loc) == source.loc {
                 return Ok(DeviceToDevicePlans {
                     upload: None,
-                    destination: Ok(Vec::new()),
+                    destination: Ok(Plans::new()),
                 });
             }
         }
@@ -339,7 +339,7 @@ pub fn device_to_device(
             let into_merge = matches!(mode, MergeBufferUse::Copy);
             dst_state
                 .copy_in(dst, &source, into_merge, host)
-                .map(|plan| plan.into_iter().collect::<Vec<_>>())
+                .map(|plan| plan.into_iter().collect::<Plans>())
         }
         MergeBufferUse::StreamingFor(routine) => {
             dst_state.schedule_streaming(&routine, &source, host)

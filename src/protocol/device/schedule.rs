@@ -10,14 +10,14 @@ use crate::{
     protocol::{
         context::Routine,
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Plan, Work},
+        plan::{ArgBinding, Plan, Plans, Work},
     },
 };
 
 impl DeviceState {
     /// Schedules a linked routine: auto-uploads of lagging hosted inputs, then the routine.
     /// A routine that declares indices needs their values: [`DeviceState::schedule_with`].
-    pub fn schedule(&mut self, routine: &Routine, host: &mut HostTable) -> Result<Vec<Plan>> {
+    pub fn schedule(&mut self, routine: &Routine, host: &mut HostTable) -> Result<Plans> {
         self.schedule_with(routine, &Bindings::none(), host)
     }
 
@@ -30,7 +30,7 @@ impl DeviceState {
         routine: &Routine,
         bindings: &Bindings,
         host: &mut HostTable,
-    ) -> Result<Vec<Plan>> {
+    ) -> Result<Plans> {
         let bindings = routine.bind(bindings)?;
         self.schedule_inner(routine, MergeFrom::Slot, bindings, host)
     }
@@ -44,7 +44,7 @@ impl DeviceState {
         routine: &Routine,
         source: &Source,
         host: &mut HostTable,
-    ) -> Result<Vec<Plan>> {
+    ) -> Result<Plans> {
         self.check_streaming(routine, source)?;
         source.check_written()?;
         let bindings = routine.bind(Bindings::none())?;
@@ -158,7 +158,7 @@ impl DeviceState {
         merge_from: MergeFrom<'_>,
         bindings: Bindings,
         host: &mut HostTable,
-    ) -> Result<Vec<Plan>> {
+    ) -> Result<Plans> {
         let ctx = routine.context().clone();
         self.check_context(&ctx)?;
         let stream = ctx.stream();
@@ -175,7 +175,7 @@ impl DeviceState {
         }
 
         // Automatic uploads of hosted inputs whose buffer lags the host array (rule 2).
-        let mut plans = Vec::new();
+        let mut plans = Plans::new();
         for (p, b) in spec.params.iter().zip(args.iter()) {
             if p.node.mode().is_hosted() && !matches!(p.access, Access::Write) {
                 let version = host.version(p.node.id());
