@@ -1,14 +1,12 @@
 //! All-reduce and bucketing on a running system.
 //!
-//! [`AllReducePlan`] links, once, the merge routine (`add_merge`) and, for a mean, the
-//! scaling routine of every chunk in every context, and checks the contexts; each
-//! [`AllReducePlan::run`] then posts the step list of `tributary::collective::plan` to the
-//! devices at once, in program order. A plan is meant to be reused
-//! every training step; [`AllReducePlan::finalize`] releases its routines' contexts.
+//! [`AllReducePlan`] links the merge and scaling routines once and checks the contexts. Each
+//! [`AllReducePlan::run`] posts the step list of `tributary::collective::plan` to all devices
+//! at once. A plan is meant to be reused every training step; [`AllReducePlan::finalize`]
+//! releases its routines' contexts.
 //!
-//! [`BucketedAllReduce`] packs many small gradients into a few bucket nodes (of a
-//! configurable size) with `copy_range` routines, all-reduces the buckets, and unpacks
-//! them, so the per-operation cost is paid per bucket instead of per gradient.
+//! [`BucketedAllReduce`] packs many small gradients into a few buckets, all-reduces the
+//! buckets, and unpacks them. The per-operation cost is then paid per bucket.
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},

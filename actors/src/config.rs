@@ -1,5 +1,5 @@
-//! Configuration of a [`System`](crate::System): how many devices and streams, pools, mailboxes, which
-//! backend; read from TOML or JSON, or built with [`SystemBuilder`].
+//! Configuration of a [`crate::System`]: devices, streams, pools, mailboxes and the backend.
+//! It is read from TOML or JSON, or built with [`SystemBuilder`].
 
 use std::{path::Path, sync::Arc};
 

@@ -1,18 +1,11 @@
 //! The coordinator: routes work that spans devices, for hosts that send messages.
 //!
-//! The routing itself is the engine's [`Dispatcher`]: a device-to-device call becomes a
-//! source half and a destination half posted to both device inboxes at one point of the
-//! program order (the source records the destination's operation as a reader of its
-//! buffer before anything later on the source is decided), and an all-reduce becomes one
-//! such pair per step, every step in one atomic post: one message per device for the
-//! whole step list, no round trip between steps. [`crate::System`] calls the dispatcher
-//! from the host thread directly; this actor does the same for the public
-//! [`DeviceToDevice`] and [`AllReduce`] messages and replies once every destination has
-//! planned its operation (so the reply carries events, as a message reply must).
-//!
-//! Validation is the dispatcher's: a device it does not know is [`Error::UnknownDevice`];
-//! an all-reduce is checked as a whole before anything is posted, so a malformed one is
-//! refused with nothing issued. Reply futures run under [`CatchPanics`] as the last line.
+//! The routing is the engine's [`Dispatcher`]. [`crate::System`] calls it from the host
+//! thread; this actor calls it for the public [`DeviceToDevice`] and [`AllReduce`] messages.
+//! It replies once every destination has planned its operation, so the reply carries events.
+//! A device the dispatcher does not know is [`Error::UnknownDevice`]. An all-reduce is
+//! checked as a whole before anything is posted. Reply futures run under [`CatchPanics`].
+//! See DESIGN.md §4, "Cross-device calls without round trips".
 
 use std::sync::Arc;
 

@@ -1,20 +1,14 @@
 //! The device actor: the single owner of one device's protocol state.
 //!
-//! [`DeviceActor`] owns the engine's [`DeviceCore`] (the decisions, as plain code) through
-//! its [`DeviceTurn`]. Operations reach it through its inbox (`tributary::dispatch::Inbox`),
-//! which host threads and the coordinator post to directly. The post that finds the actor
-//! idle takes the actor's turn and decides on its own thread when nobody holds it (the
-//! default, `SystemConfig::decide_on_posting_thread`: no wake-up before a decision), or
-//! sends the actor one `Drain` message; a drained actor decides everything queued, batch
-//! after batch, until the inbox is empty. Plans go straight to the stream queues (a
-//! [`PlanSink`] over them): no hop through another actor. The actor never waits for work:
-//! waits happen on stream workers and on the host; an operation that needs another
-//! device's half of its call first (a copy's destination) parks the rest of the batch,
-//! and the other device's answer kicks the inbox again.
+//! [`DeviceActor`] owns the engine's [`DeviceCore`] through its [`DeviceTurn`]. Host threads
+//! and the coordinator post operations to its inbox directly. By default, the post that finds
+//! the device idle decides on its own thread; otherwise it sends the actor one `Drain`
+//! message. A drained actor decides everything queued until the inbox is empty. Plans go
+//! straight to the stream queues through a [`PlanSink`]. The actor never waits for work. See
+//! DESIGN.md §4, "Who decides".
 //!
-//! Public messages ([`crate::messages`]) become the same operations: the handler posts them
-//! into the inbox (behind what is already queued) and replies when the core answers.
-//! Completions from the streams trigger pruning and deferred frees.
+//! Public messages from [`crate::messages`] become the same operations, posted behind what
+//! is queued. Completions from the streams trigger pruning and deferred frees.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,14 +1,11 @@
 //! The last line against panics in actors.
 //!
-//! Validation makes every message an actor accepts safe to handle; this is for the bugs
-//! validation missed. Without it a panicking handler ends the actor's task (the arbiter's
-//! tokio runtime catches the unwind, actix restarts nothing): the arbiter thread and its
-//! other actors live on, but the actor's mailbox closes, every later request to it fails
-//! with a misleading `ShutDown`, and operations it had issued but not yet handed to a stream
-//! never complete, so their waiters hang. Instead, handlers run under
-//! [`std::panic::catch_unwind`]: the panic becomes [`Error::ActorPanicked`] in the reply,
-//! and the actor decides what else fails (the device actor fails everything it issued and
-//! refuses every later message, since its tables may be half-updated).
+//! Validation makes every accepted message safe to handle; this guard is for the bugs it
+//! missed. A panicking actix handler ends the actor's task but not its arbiter. The actor's
+//! mailbox closes, later requests fail with a misleading `ShutDown`, and operations it issued
+//! but never handed to a stream leave their waiters hanging. So handlers run under
+//! [`std::panic::catch_unwind`], and the panic becomes [`Error::ActorPanicked`] in the reply.
+//! Each actor decides what else fails. See DESIGN.md §4, "Public and private messages".
 
 use std::{
     future::Future,

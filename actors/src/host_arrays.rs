@@ -1,12 +1,10 @@
 //! Host arrays from the host's side: reading and writing the host value of a hosted node,
 //! and reading what a context holds.
 //!
-//! The rules are the engine's (`tributary::dispatch::Dispatcher::host_read` and
-//! `host_write`, the same protocol `Engine` drives directly): a host write waits until
-//! every device decided its earlier operations and no transfer of the host array is
-//! pending, then makes every device copy lag; a host read transfers the newest device
-//! value first. Both hold the node's order lock while they wait, so they are atomic with
-//! respect to every other call on the node, from any thread.
+//! The rules are the engine's, in `tributary::dispatch::Dispatcher::host_read` and
+//! `host_write`. Both hold the node's order lock while they wait, so they are atomic with
+//! respect to every other call on the node. See DESIGN.md §3, rule 2, and §4, "Host arrays
+//! are shared by every device".
 
 use tributary::{protocol::Context, Element, Error, Result, TensorNode};
 

@@ -1,24 +1,21 @@
 //! # tributary-actors: the actor system
 //!
-//! The host-facing layer of tributary, on actix. The design, with its rules and message
-//! flows, is `DESIGN.md` at the repository root (§4 for this crate).
+//! The host-facing layer of tributary, on actix. `DESIGN.md` at the repository root holds the
+//! design, its rules and the message flows; §4 covers this crate.
 //!
 //! ## Concepts
 //!
-//! - **Node** ([`tributary::TensorNode`], made with [`System::node`]): a tensor's
-//!   description and memory mode; contexts hold its buffers.
-//! - **Context**: what one stream of one device holds. [`ContextHandle`] is a context of a
-//!   running system (it can link, read and finalize by itself); it wraps the protocol's
-//!   [`tributary::protocol::Context`] value ([`ContextHandle::protocol_context`]), which
-//!   the lower-level [`System`] methods take. Linking gives a child context.
-//! - **Routine** ([`RoutineHandle`]): a kernel linked into a context;
-//!   [`RoutineHandle::schedule`] issues it and returns a [`Ticket`] at once.
-//! - **Event** ([`tributary::Event`], behind a [`Ticket`]): the completion of one
-//!   operation on one stream. Operations wait for exactly the events they conflict with;
-//!   the caller never writes a barrier.
-//! - **Merge buffer**: one per stream, receiving another context's copy of a node
-//!   ([`System::device_to_device`]) for a merge routine (`kernels::add_merge`,
-//!   `kernels::copy_merge`); [`AllReducePlan`] builds all-reduces from these.
+//! - **Node**: a tensor's description and memory mode, a [`tributary::TensorNode`] made with
+//!   [`System::node`]. Contexts hold its buffers.
+//! - **Context**: what one stream of one device holds. A [`ContextHandle`] can link, read and
+//!   finalize by itself; linking gives a child context. Lower-level [`System`] methods take
+//!   the [`tributary::protocol::Context`] from [`ContextHandle::protocol_context`].
+//! - **Routine**: a kernel linked into a context, a [`RoutineHandle`]. Its
+//!   [`RoutineHandle::schedule`] returns a [`Ticket`] at once.
+//! - **Event**: the completion of one operation on one stream, a [`tributary::Event`] behind
+//!   a [`Ticket`]. Operations wait for the events they conflict with; nobody writes barriers.
+//! - **Merge buffer**: one per stream, filled by [`System::device_to_device`] for a merge
+//!   routine such as `kernels::add_merge`. [`AllReducePlan`] builds all-reduces from these.
 //!
 //! ```
 //! use tributary::{kernels, DType, MemoryMode, MergeBufferUse};
@@ -39,7 +36,6 @@
 //!
 //! ## Actors
 //!
-//!
 //! ```text
 //!                  ┌── device-local work ──▶ DeviceActor (pools, tables) ──▶ StreamActor ──▶ backend queue
 //! host (System) ───┤                                ▲                            │
@@ -48,19 +44,14 @@
 //!    └────────── tickets / events (wait, poll, future) ◀── completion events ────┘
 //! ```
 //!
-//! - [`DeviceActor`] owns one device's protocol state (the engine's sans-IO
-//!   `DeviceState`) and makes every scheduling decision in arrival order.
-//! - `StreamActor` owns one stream's backend queue and publishes completions (only the
-//!   device actor talks to it).
-//! - [`Coordinator`] routes device-to-device operations between device actors.
-//! - [`System`] spawns all of it from plain synchronous code and offers blocking and
-//!   async methods; the messages in [`messages`] that a host may send in any order are
-//!   public, for hosts already running actix (the module docs say which, and why the
-//!   others are not).
+//! - [`DeviceActor`] owns one device's protocol state; its decisions follow inbox order.
+//! - `StreamActor` owns one stream's backend queue and publishes completions.
+//! - [`Coordinator`] routes device-to-device messages between device actors.
+//! - [`System`] spawns all of it and offers blocking and async methods.
 //!
-//! Scheduling returns a [`Ticket`] at once (no round trip); the device actor fills in the
-//! event. Every failure reaches the caller as a typed error on the ticket, the event or the
-//! reply; a stopped actor resolves its pending tickets with `Error::ShutDown`.
+//! Hosts already running actix may send the public [`messages`] instead. Every failure
+//! reaches the caller as a typed error on the ticket, the event or the reply. A stopped actor
+//! resolves its pending tickets with `Error::ShutDown`.
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 

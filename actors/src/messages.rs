@@ -1,38 +1,26 @@
-//! The message-based scheduling API.
+//! The message-based scheduling API, for hosts that already run actix.
 //!
-//! A host that already runs actix sends these messages to the actors directly (the
-//! addresses come from [`crate::System::device_actor`] and [`crate::System::coordinator`]);
-//! [`crate::System`] does the same work without a message per call: it posts operations
-//! into the device actors' inboxes itself (`tributary::dispatch`). A message's operation
-//! enters its device's inbox when the actor handles the message, so messages sent from one
-//! thread keep their order; a host that mixes messages and `System` calls on one device
-//! awaits each message (`send(..).await`) before the next `System` call.
+//! Such a host sends these messages to the actors at the addresses from
+//! [`crate::System::device_actor`] and [`crate::System::coordinator`]. [`crate::System`] does
+//! the same work by posting into the inboxes itself. Messages from one thread keep their
+//! order. A host that mixes messages and `System` calls on one device must await each message
+//! before its next `System` call.
 //!
 //! # Which messages are public, and why the others are not
 //!
-//! A public message is one a host may send with any payload, in any order, without making
-//! an actor run work the protocol did not decide: every one is validated by the actor that
-//! receives it, and a bad one is answered with a typed error carrying the offending value
-//! (a stream index with the stream count, a context unknown to the device, lists of an
-//! all-reduce whose lengths disagree, ...), with nothing changed. None can crash an actor.
+//! A public message may carry any payload and arrive in any order. The receiving actor
+//! validates it and refuses a bad one with a typed error, changing nothing.
 //!
 //! - device actor: [`NewContext`], [`Link`], [`Schedule`], [`FromHost`], [`ToHost`],
 //!   [`InitFromHost`], [`Finalize`], [`Fence`], [`LastEvents`], [`StreamLastEvent`],
 //!   [`Sweep`], [`IsIdle`], [`GetMemoryStats`], [`GetTableSizes`], [`DebugInfo`];
 //! - coordinator: [`DeviceToDevice`], [`AllReduce`], [`CreateNode`], [`RefineNode`].
 //!
-//! Messages that produce an event ([`Schedule`], [`FromHost`], [`ToHost`]) are built with
-//! `new(&system, ...)`, which hands back the [`Ticket`](crate::Ticket) the device will
-//! decide; the others with `new(...)`. Host arrays (host reads and writes, reads into host
-//! memory) have no message: use the [`crate::System`] methods, which order them with the
-//! device work of every device.
-//!
-//! Crate-private, because their payload is a step the actors compose, and a forged one
-//! would run work the protocol did not decide or stop a device: the inbox wake-up
-//! (`Drain`), stream-to-device completion notices (`Completed`, `Subscribe`, `Watch`) and
-//! `StopStreams` (stops the stream actors, after which submitted work would never run;
-//! [`crate::System::shutdown`] sends it). The halves of a cross-device call are not
-//! messages at all: they are operations the dispatcher posts into both inboxes at once.
+//! [`Schedule`], [`FromHost`] and [`ToHost`] produce an event: their `new` takes the system
+//! and returns the [`crate::Ticket`] the device will decide. Host reads and writes have no
+//! message; the [`crate::System`] methods order them with every device's work. The other
+//! messages are crate-private, because a forged one could run work the protocol did not
+//! decide or stop a device. See DESIGN.md §4, "Public and private messages".
 
 use std::time::Instant;
 

@@ -1,5 +1,5 @@
-//! Starting a system: the backend, one arbiter per device (its device actor and stream
-//! actors), the coordinator, and the dispatcher the host posts through.
+//! Starting a system: the backend, one arbiter per device with its device and stream actors,
+//! the coordinator, and the dispatcher the host posts through.
 
 use std::{
     sync::{atomic::AtomicBool, Arc, Mutex},

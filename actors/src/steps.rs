@@ -1,10 +1,9 @@
-//! Step capture and replay on the actor system (DESIGN.md §4, "Step capture and replay").
+//! Step capture and replay on the actor system.
 //!
-//! [`System::capture`] runs a closure's schedules and copies for real, as the first step,
-//! while every device records what it decides for them; [`System::replay`] issues the
-//! captured [`Step`] again as one operation per device, posted at one point of the program
-//! order, with no per-routine dependency inference. Other host threads may use the system
-//! meanwhile: their calls are ordered before or after a replay as a whole.
+//! [`System::capture`] runs a closure's schedules and copies for real while every device
+//! records what it decides. [`System::replay`] issues the captured [`Step`] again as one
+//! operation per device, at one point of the program order. Other host threads' calls fall
+//! before or after a replay as a whole. See DESIGN.md §4, "Step capture and replay".
 
 use std::sync::Arc;
 

@@ -1,16 +1,12 @@
 //! The stream actor: owns one stream's backend queue and publishes its completions.
 //!
-//! The device actor hands plans straight to the backend queue (a CPU worker pool, a Vulkan
-//! submission chain, a CUDA stream), in the order it issued them; the stream actor owns the
-//! queue's life (it stops it at shutdown) and watches its timeline. It never runs or waits
-//! for work itself: one watcher future at a time waits, asynchronously, for the last
-//! submitted event; when it completes, the actor publishes [`Completed`] to its subscribers
-//! (the device actor prunes its tables and frees deferred memory) and re-arms if more work
-//! was submitted meanwhile, so completions are coalesced, not one message per plan. The
-//! device arms it (one `Watch` message) only when it needs a completion: after a batch
-//! that left freed memory waiting for work in flight ([`tributary::dispatch::PlanSink::watch`]).
-//! Tables are pruned as the device issues, so a device that frees nothing is not told of
-//! its completions at all: no message, and no wake-up of this arbiter, per operation.
+//! The device actor hands plans straight to the backend queue. The stream actor owns the
+//! queue's life, stops it at shutdown, and watches its timeline. It never runs or waits for
+//! work itself. One watcher future at a time waits for the last submitted event. When it
+//! completes, the actor publishes [`Completed`] and re-arms if more work came meanwhile, so
+//! completions are coalesced. The device arms it with one `Watch` message, and only when
+//! freed memory waits for work in flight. See DESIGN.md §4, "Completions are not messages
+//! unless needed".
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

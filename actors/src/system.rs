@@ -1,19 +1,13 @@
-//! The host-side handle: drive a running actor system from plain synchronous code or
-//! from async code.
+//! The host-side handle: drive a running actor system from synchronous or async code.
 //!
-//! [`System`] is a thin handle over the engine's [`Dispatcher`]: each call turns into
-//! operations posted straight into the inboxes of the device actors it concerns (one
-//! operation per device, all of a call's devices at one point of the program order), with
-//! no actor message per call and no round trip for work that returns a [`Ticket`]. Calls
-//! that return a value (a context, a routine, a read) wait for the device's answer.
+//! [`System`] is a thin handle over the engine's [`Dispatcher`]. Each call posts its
+//! operations straight into the inboxes of the devices it concerns. There is no actor message
+//! per call, and no round trip for work that returns a [`Ticket`]. Calls that return a value
+//! wait for the device's answer.
 //!
-//! **Concurrency.** `System` is `Send + Sync + Clone`; any number of host threads may use
-//! it at once. Every call takes effect atomically at one point between its start and its
-//! return (it is linearizable): a call posts all of its operations while holding the
-//! inbox locks of every device it touches (and, for hosted nodes, the node's order lock),
-//! so every device sees all calls in one order consistent with each thread's program
-//! order. Host reads and writes of a hosted node hold that node's lock while they wait for
-//! device work, so every operation on the node is ordered with them.
+//! `System` is `Send + Sync + Clone`, and any number of host threads may use it at once.
+//! Every call is linearizable. See DESIGN.md §4, "Inboxes: one order shared by every device,
+//! and batches".
 
 use std::{
     sync::{atomic::AtomicBool, Arc, Mutex},

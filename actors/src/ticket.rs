@@ -1,14 +1,11 @@
-//! Tickets: the handle `schedule` returns before the device actor has decided the
-//! operation.
+//! Tickets: the handle `schedule` returns before the device actor has decided the operation.
 //!
-//! Scheduling must not cost a round trip, so the host gets a [`Ticket`] at once and the
-//! device actor plans the operation when it reaches it in its inbox. A ticket is a handle
-//! on the engine's [`PendingEvent`]: the operation's stream is known from the start, its
-//! sequence number (or the typed error that refused it) arrives when the device decides.
-//! Creating one costs one small allocation; deciding it, one store and a wake-up only if
-//! somebody waits. Waiting on a ticket first waits for that decision, then for the event.
-//! If the device stops before deciding it, the ticket resolves to [`Error::ShutDown`], so
-//! no waiter can hang on a dead actor.
+//! Scheduling must not cost a round trip. So the host gets a [`Ticket`] at once, a handle on
+//! the engine's [`PendingEvent`]. Its stream is known from the start. Its sequence number, or
+//! the typed error that refused it, arrives when the device decides. Creating one costs one
+//! small allocation; deciding it costs one store, plus a wake-up if somebody waits. Waiting
+//! on a ticket waits for that decision, then for the event. If the device stops first, the
+//! ticket resolves to [`Error::ShutDown`], so no waiter hangs.
 
 use std::time::{Duration, Instant};
 

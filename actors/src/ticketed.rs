@@ -1,7 +1,7 @@
-//! Constructors of the messages whose operation produces an event ([`Schedule`],
-//! [`FromHost`], [`ToHost`]): each asks the system's dispatcher to promise the event, and
-//! returns the message with the [`Ticket`] the device will decide. Apart from
-//! `messages.rs`, because they need the [`System`] and the messages do not.
+//! Constructors of the messages whose operation produces an event: [`Schedule`], [`FromHost`]
+//! and [`ToHost`]. Each asks the system's dispatcher to promise the event and returns the
+//! message with the [`Ticket`] the device will decide. They live apart from `messages.rs`
+//! because they need the [`System`] and the messages do not.
 
 use tributary::{
     kernels::Bindings,

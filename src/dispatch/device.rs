@@ -1,19 +1,14 @@
-//! The device actor's decisions, as plain code over its state: [`DeviceCore`].
+//! The device actor's decisions as plain code over its state: [`DeviceCore`].
 //!
-//! A device actor (`tributary_actors::DeviceActor`, or a loom model thread) owns one
-//! `DeviceCore` and calls [`DeviceCore::run`] whenever its inbox kicks it. `run` drains the
-//! inbox and decides each operation in order: it asks the device's [`DeviceState`] for the
-//! plans, hands them to the streams (a [`PlanSink`]) and answers the caller (a reply, or
-//! the operation's [`SeqPromise`]). Nothing here waits for work to run.
+//! A device actor or a loom model thread owns one `DeviceCore` and calls
+//! [`DeviceCore::run`] when its inbox kicks it. `run` decides the queued operations in order.
+//! It asks the device's [`DeviceState`] for the plans, hands them to a [`PlanSink`], and
+//! answers the caller with a reply or a [`SeqPromise`]. Nothing here waits for work to run.
 //!
-//! The one thing an operation may wait for is another device's half of the same host call:
-//! the destination of a copy needs the source's [`Verdict`]. If it has not arrived, `run`
-//! stops with [`Progress::Blocked`], keeps the rest of the batch, and the verdict kicks the
-//! inbox when it is set. That wait cannot deadlock: a source half never waits, and both
-//! halves were posted at one point of the order every inbox shares (see
-//! [`crate::dispatch::inbox`]), so a destination blocked at position `k` waits for a
-//! source half at the same position `k` of another inbox, which is decided once that
-//! device has decided everything before `k`, and none of those waits for anything later.
+//! A copy's destination half needs the source's [`Verdict`] before it can plan. If the
+//! verdict is missing, `run` returns [`Progress::Blocked`] and keeps the rest of the batch;
+//! the verdict kicks the inbox when it is set. See DESIGN.md §4, "Cross-device calls without
+//! round trips", for why this wait cannot deadlock.
 
 use std::collections::VecDeque;
 use std::sync::Arc as StdArc;

@@ -1,41 +1,15 @@
-//! Program order for host arrays across devices, without round trips: gates.
+//! Program order for host arrays across devices, kept with gates instead of round trips.
 //!
-//! A hosted node has one host array shared by every device (DESIGN.md §3, rule 2), and
-//! each device actor updates its record in the shared [`HostTable`] when it decides an
-//! operation, in its own inbox order. Inbox order is program order per device, but two
-//! devices decide independently, so two operations on the same host array posted to two
-//! devices could reach the table in either order. Which pairs matter:
+//! Every device shares a hosted node's host array and updates its record in the shared
+//! [`HostTable`] in its own inbox order, so two devices may reach the table in either order.
+//! An operation that must follow device E is posted *gated* on a `Fence` of E, in the same
+//! atomic post, and decided once E has passed the fence. See DESIGN.md §4, "Host arrays are
+//! shared by every device", for which pairs must be ordered and why.
 //!
-//! - two operations that only *read* the host array (uploads: a routine reading a lagging
-//!   buffer, `from_host`, the source of a copy, a read that may answer with the host
-//!   value) commute: their records are per stream and their stamps order the rest;
-//! - device writes of the node's *buffers* are ordered among themselves by program-order
-//!   stamps in the table (`HostRecord::newer_on_device`), whatever order they arrive in;
-//! - an operation that *writes* the host array (a download: `to_host`, a finalize's
-//!   write-back, a host read's transfer) conflicts with every earlier use on other devices
-//!   (it must wait for earlier uploads), and every later upload on another device must see
-//!   it (it reads what the download wrote);
-//! - a device write and a download on two devices do not commute either, although the
-//!   write never touches the host array: a finalize writes its buffer back only if that
-//!   buffer holds the newest value *at the finalize's point of the program*, and the
-//!   newest value is decided by the writes. A write on E stamped before the download but
-//!   decided after it made the download write back a value that was no longer the newest;
-//!   a write stamped after it but decided before made it skip a write-back it owed. So
-//!   writes are ordered against downloads exactly as uploads are.
-//!
-//! So an operation that may download on device D, or that may upload on D after another
-//! device E may have downloaded, must not be decided before E decided its earlier
-//! operations. Instead of the host waiting for E (a round trip, as before), the call posts
-//! a `Fence` to E and the operation to D in one atomic post ([`super::inbox`]), the
-//! operation *gated* on the fence's answer: D decides it once E has passed that point. In
-//! steady state (every device reading its parameters, writing its own buffers) nothing is
-//! gated: zero fences per training step.
-//!
-//! The per-node state that decides this ([`NodeOrder`]) is read and updated while the
-//! call posts, under the node's [`NodeLock`]; host reads and writes hold that lock for
-//! their whole duration (they wait for device work while holding it), so every operation
-//! on the node is ordered with them. The lock is asynchronous (waiters register wakers),
-//! so `async` callers never block a thread on it.
+//! The per-node state behind this is [`NodeOrder`]. A call reads and updates it while it
+//! posts, under the node's [`NodeLock`]. Host reads and writes hold that lock while they wait
+//! for device work, so every operation on the node is ordered with them. The lock is
+//! asynchronous, so `async` callers never block a thread on it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;

@@ -1,47 +1,26 @@
-//! A device's mailbox: a FIFO of operations that host threads post and one consumer (the
-//! device actor) drains in batches.
+//! A device's mailbox: a FIFO of operations that host threads post and one consumer drains
+//! in batches.
 //!
-//! # Why not the actor framework's mailbox
+//! The actor framework's mailbox lacks two things. First, a call that touches several
+//! devices must enter all their inboxes at one point of one shared order, or two threads'
+//! copies can tear, as in issue 16. [`post_atomically`] gives this with strict two-phase
+//! locking in device order. Second, a post wakes the consumer only when it was idle, so one
+//! wake-up carries many operations. See DESIGN.md §4, "Inboxes: one order shared by every
+//! device, and batches".
 //!
-//! Two things are needed that a per-actor message queue does not give:
+//! The `scheduled` flag says a drain is owed. The post that finds it clear sets it, then
+//! kicks the consumer or, with a runner set by [`Inbox::set_runner`], decides in its place.
+//! Only the drainer clears it, in [`Inbox::finish`], under the lock, with the queue empty. So
+//! a post either sets the flag or is seen by the drainer before the flag clears: no operation
+//! is left behind. A consumer blocked on another device keeps the flag set, and whoever
+//! unblocks it kicks it again through [`Inbox::kick`].
 //!
-//! - **Atomic posts to several devices.** A call that touches devices A and B (a copy, an
-//!   all-reduce) must enter both mailboxes at one point of a single order shared by every
-//!   host thread, or another thread's operations could land between the two halves in
-//!   opposite orders on A and B, which no sequential execution explains (the torn copies of
-//!   issue 16). [`post_atomically`] locks every involved inbox, in device order, pushes,
-//!   then unlocks: strict two-phase locking, so the call takes effect at the moment it
-//!   holds all the locks, between its start and its return (linearizable).
-//! - **Batching.** A post wakes the consumer only when it was idle
-//!   (its `scheduled` flag); while it works, later posts just append, and it drains
-//!   everything queued in one go. One wake-up (one actor message) carries many operations.
+//! A post that finds several devices idle may decide them in rounds on its own thread.
+//! Meanwhile a kick to their inboxes is noted, not sent, and `undrive` passes it on when the
+//! thread stops. See DESIGN.md §4, "Who decides".
 //!
-//! # The hand-off
-//!
-//! `scheduled` is set by the post that finds the consumer idle, which then kicks it (calls
-//! the wake callback) or, where a runner is set ([`Inbox::set_runner`]), decides on its own
-//! thread in the consumer's place ([`crate::dispatch::DeviceTurn`]); it stays set while the
-//! consumer drains, and is cleared only by
-//! [`Inbox::finish`] under the lock when the queue is empty. A post either sees it set
-//! (the consumer will see the new operation before it may clear it) or sets it and drains
-//! or kicks:
-//! no operation is left behind by an idle consumer. A consumer that must wait for another
-//! device in the middle of a batch ([`crate::dispatch::DeviceCore`]) keeps `scheduled`
-//! set and is kicked again by whoever unblocks it ([`Inbox::kick`]).
-//!
-//! # Several idle devices in one post: rounds on the posting thread
-//!
-//! A post that finds several consumers idle and may decide for them ([`Inbox::set_runner`])
-//! decides them in rounds ([`post_atomically`]): a device whose batch blocks on another
-//! device's answer is decided again in the next round, once a device decided in this one
-//! gave it. Meanwhile its inbox is *driven*: a kick is noted instead of sent, and the
-//! posting thread either acts on it or, when it stops, passes it on ([`Inbox::kick`]
-//! and `undrive`). Without this, a copy against device order or an all-reduce woke a
-//! device actor for every blocked batch, though the answer came from the same thread a
-//! microsecond later.
-//!
-//! Capacity: a post to a full inbox waits for the consumer to make room, holding no other
-//! inbox's lock while it waits (a consumer may need another device to progress first).
+//! A post to a full inbox waits for room. It holds no other inbox's lock while it waits,
+//! because the consumer may need another device to progress first.
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -1,10 +1,9 @@
-//! The operations a device's inbox carries: one per host call and device (or one part of a
-//! call that spans devices), each decided by [`crate::dispatch::DeviceCore`] in inbox order.
+//! The operations a device's inbox carries: one per host call and device, each decided by
+//! [`crate::dispatch::DeviceCore`] in inbox order.
 //!
-//! Operations that return a value carry a [`Reply`]; those that only return an event
-//! carry a [`SeqPromise`] (the host already holds its [`crate::pending::PendingEvent`]).
-//! A call's program-order stamp (`stamp`) was taken when it was posted: the plans it makes
-//! carry it ([`crate::protocol::Plan::issue`]) and the host table orders its updates by it.
+//! An operation that returns a value carries a [`Reply`]; one that returns only an event
+//! carries a [`SeqPromise`]. Each carries the program-order `stamp` taken when it was posted.
+//! See DESIGN.md §4, "Inboxes: one order shared by every device, and batches".
 
 use std::fmt;
 use std::sync::Arc as StdArc;

@@ -2,25 +2,17 @@
 //!
 //! # Why it lives in the engine crate
 //!
-//! The actor system (`tributary-actors`) runs one device actor per device on actix, a
-//! coordinator, and a host-side `System` handle. Its correctness across actors (a copy
-//! racing a write of its source from another host thread, a host read racing device work
-//! on two devices, ...) is a property of *this* code: what each device decides for each
-//! operation, in which order operations reach each device, and what devices tell each
-//! other. Written here over the sync shim, it is the same code the actors run and the code
-//! the loom models (`loom_tests/actors.rs`) run on model threads, with the inboxes as
-//! shim-locked queues; actix only supplies threads and wake-ups.
+//! Correctness across actors is a property of this code: what each device decides, in which
+//! order operations reach each device, and what devices tell each other. Written over the
+//! sync shim, it runs unchanged in `tributary-actors`, where actix supplies only threads and
+//! wake-ups, and in the loom models of `loom_tests/actors.rs`. See DESIGN.md §4.
 //!
-//! - [`inbox`]: a device's mailbox, posted to atomically across devices, drained in
-//!   batches (one wake-up carries many operations);
-//! - [`messages`]: the operations an inbox carries;
-//! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state;
-//! - [`DeviceTurn`]: who runs them — the actor's thread when kicked, or the host thread
-//!   whose post found the inbox idle (no wake-up on the way to a decision);
-//! - [`Dispatcher`]: the host side and the coordinator's routing: each host call becomes
-//!   the operations of the devices it concerns, posted at one point of the program order;
-//! - `hosted`: host-array order across devices as gates instead of round trips (which
-//!   operations use host arrays, the node locks, the fences a post is gated on).
+//! - [`inbox`]: a device's mailbox, posted to atomically across devices, drained in batches.
+//! - [`messages`]: the operations an inbox carries.
+//! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state.
+//! - [`DeviceTurn`]: who runs them, the actor's thread or the host thread that posted.
+//! - [`Dispatcher`]: the host side and the coordinator's routing.
+//! - `hosted`: the order of host-array operations across devices, kept with gates.
 //!
 //! # The seam: each file and its actor
 //!
@@ -35,8 +27,6 @@
 //! | `hosted.rs` (gates) | `host_arrays.rs` (host reads and writes) |
 //! | `inbox.rs` | (the actor's mailbox is this inbox) |
 //! | `event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
-//!
-//! DESIGN.md §4 describes the message flows and their costs.
 
 mod device;
 mod hosted;

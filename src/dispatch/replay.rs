@@ -1,24 +1,11 @@
-//! Replaying a captured [`Step`] through the actor layer: one operation per device per
-//! replay (DESIGN.md §4, "Step capture and replay").
+//! Replaying a captured [`Step`] through the actor layer, one operation per device.
 //!
-//! The host ([`Dispatcher::replay`]) posts one [`DeviceOp::Replay`] to every device of the
-//! step in one atomic post, so the whole step takes one point of the program order every
-//! inbox agrees on, like any call spanning devices. Each part carries what its device
-//! needs from the others, made before posting:
-//!
-//! - per cross-device copy of the step, the destination operation's [`PendingEvent`] (the
-//!   source records it as a reader), its promise (the destination resolves it), and a
-//!   one-shot answer from the source (what the copy waits for);
-//! - per device, a one-shot *check*: a replay is all or nothing, so every part first checks
-//!   its device ([`crate::protocol::DeviceState::check_replay`]), answers, and issues
-//!   nothing until every part answered; one refusal refuses every part, with the same
-//!   [`crate::Error::ReplayInvalidated`] (the first device's, in device order);
-//! - per stream the step runs on, the promise of its last event (the caller's tickets).
-//!
-//! Waiting for another part (a check or a copy's answer) blocks the device's inbox as a
-//! copy's destination half does ([`super::DeviceCore`]), with the same argument against
-//! deadlock: every part sits at the same point of the common order, and the earliest
-//! undecided point of that order can always be decided.
+//! [`Dispatcher::replay`] posts one [`DeviceOp::Replay`] to every device of the step in one
+//! atomic post. Each part carries the one-shots it shares with the other parts: each copy's
+//! [`PendingEvent`] and answer, a check per device, and a promise per stream for its last
+//! event. A replay is all or nothing across devices, so no part issues anything until every
+//! part's check has answered. A part that waits blocks its inbox as a copy's destination half
+//! does. See DESIGN.md §4, "Step capture and replay".
 
 use std::sync::Arc as StdArc;
 use std::task::Waker;

@@ -1,17 +1,12 @@
-//! Capturing a step through the actor layer (DESIGN.md §4, "Step capture and replay").
+//! Capturing a step through the actor layer.
 //!
-//! A [`StepCapture`] issues its calls as the dispatcher always does (each one operation per
-//! device, posted at its point of the program order, decided by the device cores in inbox
-//! order), each wrapped in a [`DeviceOp::Recorded`] naming the capture's [`CaptureLog`]
-//! and the call's position in the step. A device core, after deciding a recorded
-//! operation, describes it to its recorder in the log, with the same `record_*` functions
-//! the engine's capture uses. Other host threads' calls interleave freely: they are not
-//! recorded, and the step's entry dependencies are looked up afresh on every replay.
-//!
-//! [`StepCapture::finish`] waits once for every device the step touched to have decided
-//! everything posted before it (a fence per device: the capture's one round trip), then
-//! builds the [`Step`] from the recorders; a recorded call that was refused fails the
-//! capture with its error.
+//! A [`StepCapture`] issues its calls as the dispatcher always does. Each operation is wrapped
+//! in a [`DeviceOp::Recorded`] that names the capture's [`CaptureLog`] and the call's
+//! position. A device core then describes it to its recorder with the engine's own
+//! `record_*` functions. Other threads' calls are not recorded.
+//! [`StepCapture::finish`] waits once for a fence on every device the step touched, then
+//! builds the [`Step`]. A recorded call that was refused fails the capture with its error.
+//! See DESIGN.md §4, "Step capture and replay".
 
 use std::sync::Arc as StdArc;
 

@@ -1,23 +1,16 @@
-//! The host side: each host call becomes operations posted, at once and in program order,
-//! to the inboxes of the devices it concerns ([`Dispatcher`]). This is the coordinator's
-//! routing: it decides *where* each part of a call goes and what the parts tell each
-//! other; the device cores decide *what* each part plans, in their own inbox order.
+//! The host side of the actor layer: [`Dispatcher`] turns each host call into operations for
+//! the devices it concerns.
 //!
-//! - A call on one device is one operation in that device's inbox.
-//! - A copy from device A to device B is a source half on A and a destination half on B,
-//!   posted together (one atomic post, [`super::inbox::post_atomically`]): A describes its
-//!   buffer, records B's operation (a [`PendingEvent`]) as a reader and answers B; B plans
-//!   the copy or the streaming consumer once A answered. Nothing can be decided between
-//!   A's read record and B's copy that the program order puts elsewhere (issue 16's torn
-//!   copies came from three sequential round trips with a window between them).
-//! - An all-reduce is one such pair per step, all posted in one atomic post: one message
-//!   per device for the whole step list, no round trip.
-//! - Host-array order (`hosted.rs`): an operation that must come after another device's
-//!   earlier operations on a host array is gated on a fence of that device, posted with
-//!   it. Host reads and writes hold the node's lock while they wait for device work.
+//! The dispatcher decides where each part of a call goes and what the parts tell each other.
+//! The device cores decide what each part plans, in their own inbox order. All of a call's
+//! operations go out in one atomic post, [`super::inbox::post_atomically`], and take their
+//! stamps inside it. So stamp order is the order every inbox agrees on.
 //!
-//! Every operation's stamp is taken inside the atomic post (`issue` stamps of the plans it
-//! makes), so stamp order is the order every inbox agrees on.
+//! A copy is a source half and a destination half. The source records the destination's
+//! [`PendingEvent`] as a reader and answers it. An all-reduce is one such pair per step, all
+//! in one post. An operation that must follow another device's use of a host array is gated
+//! on a fence of that device, posted with it. See DESIGN.md §4, "Cross-device calls without
+//! round trips" and "Host arrays are shared by every device".
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,48 +1,22 @@
-//! A device actor's turn: its [`DeviceCore`] behind a lock, run by the actor's thread when
-//! its inbox kicks it, or by the host thread whose post found the inbox idle.
+//! A device actor's turn: its [`DeviceCore`] behind a lock. The actor's thread runs it when
+//! kicked, and so does the host thread whose post found the inbox idle.
 //!
-//! # Why decide on the posting thread
+//! Deciding needs exclusive access to the device's state, not a particular thread. Waking a
+//! sleeping actor took about 20 µs of a 21 µs hot schedule-to-completion on the 2-core
+//! machine of `BENCHMARKS.md`; the engine alone takes under 2 µs. So whoever holds the
+//! [`DeviceTurn`] lock decides what is queued, in inbox order. The actor takes it when kicked,
+//! through [`DeviceTurn::run_kicked`]. A post that found the inbox idle takes it through
+//! [`DeviceTurn::run_here`], decides one batch, and kicks the actor for anything posted later.
+//! With [`BURST`] or more operations in flight, the post kicks the actor instead. See
+//! DESIGN.md §4, "Who decides".
 //!
-//! A device actor on actix sleeps between operations (its arbiter parks on a futex). A
-//! host call into an idle inbox used to pay that thread's wake-up before anything was
-//! decided: on the 2-core machine of `BENCHMARKS.md` about 20 µs of a 21 µs hot
-//! schedule-to-completion, where the engine alone, deciding on the calling thread, takes
-//! under 2 µs. Waking a thread to run code that needs nothing but exclusive access to the
-//! device's state buys nothing; what the actor model needs is that exclusivity — one
-//! decider at a time, in inbox order — not a particular thread.
-//!
-//! So the device's state lives in a [`DeviceTurn`]: whoever holds its lock decides, in
-//! inbox order, what is queued. The actor's thread takes it when kicked
-//! ([`DeviceTurn::run_kicked`]). A post that found the inbox idle takes it too
-//! ([`DeviceTurn::run_here`]), decides one batch — its own operation and whatever was
-//! queued with it — and hands anything posted after that to the actor with a kick, so a
-//! host thread is never kept deciding for others. If the device has [`BURST`] operations
-//! or more in flight the caller is in a burst (it posts without waiting): the post kicks
-//! the actor instead, which then decides in parallel with the caller's next posts, one
-//! wake-up for the whole batch (the throughput of a burst needs the pipeline; the latency
-//! of a call into an idle device needs no wake-up). Operations still enter the inbox first
-//! and are decided in its order: which thread decides changes nothing in what is decided
-//! (`loom_tests/actors.rs` runs the cross-actor models both ways).
-//!
-//! # Why nothing is left behind, and nobody waits long
-//!
-//! The inbox's `scheduled` flag says a drain is owed; it is cleared only under the inbox
-//! lock when the queue is empty ([`Inbox::finish`]), by whoever holds the turn, and set by
-//! the post that finds it clear. That post then takes the turn and drains, or (actor-thread
-//! mode) kicks the actor, which does. A batch ends with `finish`: if something was posted
-//! during the batch, the flag stays set and the posting thread kicks the actor for it (the
-//! mutant `inline_no_handoff`, which drops that kick, strands the operation of a second
-//! host thread that posted while the first decided: loom reports the deadlock,
-//! `actors::inline_posts_race_the_actor`). A blocked batch (a copy's destination waiting
-//! for the source's verdict) keeps the flag set and the verdict kicks the actor — unless
-//! the post that found it idle found other devices idle too and decides them all in rounds
-//! ([`crate::dispatch::inbox`]): then the verdict's kick is noted for that thread, which
-//! decides the batch again once the source's round gave it.
-//!
-//! A poster that set the flag finds the turn free except in the instant between another
-//! holder's `finish` and its unlock, during a sweep the actor had already started, or
-//! while the actor shuts down; the actor's sweeps ([`DeviceTurn::try_core`]) skip when the
-//! turn is held rather than make a poster wait.
+//! A batch ends with [`Inbox::finish`]. If something was posted meanwhile, the inbox's
+//! `scheduled` flag stays set and the actor is kicked for it. The mutant `inline_no_handoff`
+//! drops that kick; loom reports the stranded operation in
+//! `actors::inline_posts_race_the_actor`. A poster finds the turn held only between another
+//! holder's `finish` and its unlock, during a sweep the actor had started, or while the actor
+//! shuts down. The actor's sweeps, [`DeviceTurn::try_core`], skip when the turn is held
+//! rather than make a poster wait.
 
 use super::{
     device::{DeviceCore, Progress},

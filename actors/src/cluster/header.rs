@@ -1,13 +1,10 @@
 //! What a network operation is, and the header every rank sends before its data.
 //!
-//! The SPMD contract (every rank issues the same collectives on the same nodes, shapes and
-//! dtypes, in the same order) is what MPI and NCCL assume and never check: a rank that
-//! breaks it gets a hang or a wrong sum. Here each network operation starts with a small
-//! fixed-size header exchange; every rank compares every header with its own before any
-//! data moves, so a mismatch is [`Error::CollectiveMismatch`] on every rank that sees it.
-//! A rank whose input failed sends its header with [`Status::InputFailed`] instead of its
-//! data, so that the others fail that operation with [`Error::RankInputFailed`] and stay in
-//! step.
+//! MPI assumes the SPMD contract and never checks it. Here every rank compares the headers of
+//! each network operation before any data moves, so a mismatch is
+//! [`Error::CollectiveMismatch`] on every rank, not a hang. A failed input travels as
+//! [`Status::InputFailed`] and becomes [`Error::RankInputFailed`] on the other ranks. See
+//! DESIGN.md §9, "The SPMD contract and its check".
 
 use std::hash::{Hash, Hasher};
 

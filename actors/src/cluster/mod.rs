@@ -1,42 +1,24 @@
-//! A cluster of systems across processes on MPI (feature `mpi`).
+//! A cluster of systems across processes on MPI, behind the feature `mpi`.
 //!
-//! Data-parallel training outgrows one machine; this module lets a tributary program span
+//! Data-parallel training outgrows one machine. This module lets a tributary program span
 //! several processes, on one machine or many, with the same promise as one [`System`]:
 //! program order is the specification, and no barrier is written by hand.
 //!
-//! Each MPI rank runs a [`Cluster`]: a [`System`] over its local CPU devices plus a
-//! *network stream* (stream `compute_streams` of device 0). Network operations (the
-//! cross-rank part of an all-reduce, a transfer of a node between ranks) are routines on
-//! that stream, so the device actors' tables order them like any other stream's work: an
-//! all-reduce waits for the gradients it reads, the routine that reads the result waits
-//! for it, compute on the other streams overlaps the communication, and nobody waits on
-//! the host. The routine's kernel runs on the network stream's own worker thread, which is
-//! the one thread that calls MPI while the cluster runs: non-blocking requests polled
-//! against a deadline, so no actor thread ever blocks in MPI and a dead rank is an error,
-//! not a hang (DESIGN.md §9 explains the choice and what it costs).
+//! Each MPI rank runs a [`Cluster`]: a [`System`] over its local CPU devices plus a *network
+//! stream*, the last stream of device 0. Network operations are routines on that stream,
+//! ordered like any other work, so compute overlaps communication. Only that stream's worker
+//! calls MPI, and it polls against a deadline, so a dead rank is an error, not a hang.
 //!
-//! The SPMD contract: every rank issues the same cluster operations (all-reduces of the
-//! same node labels, shapes and dtypes; the same transfers) in the same order, from one
-//! host thread. Every network operation starts with a header exchange (`header.rs`), so a
-//! rank that breaks the contract gets [`Error::CollectiveMismatch`] on every rank, and a
-//! rank that exited, died or stopped issuing gets [`Error::RankUnreachable`] naming it on
-//! the others, within [`ClusterConfig::deadline`]. Either fault stops the cluster (every
-//! later network operation fails with it) while the local [`System`] keeps serving local
-//! work. A rank whose *input* failed (a failed gradient routine) still sends its header,
-//! so the others fail that one operation with [`Error::RankInputFailed`] and go on.
+//! Every rank must issue the same cluster operations in the same order, from one host
+//! thread. Otherwise every rank gets [`Error::CollectiveMismatch`]. A rank that exited, died
+//! or stopped issuing is [`Error::RankUnreachable`] on the others, within
+//! [`ClusterConfig::deadline`]. Either fault stops the cluster; the local [`System`] keeps
+//! serving local work. A failed input fails only its operation, on the other ranks with
+//! [`Error::RankInputFailed`].
 //!
-//! Memory: network operations hand MPI pointers into pool memory. A request abandoned at
-//! a fault is never waited for again, and MPI progresses requests only inside MPI calls,
-//! which the cluster stops making after a fault, until `MPI_Finalize`; the cluster keeps
-//! the backend (its pools) alive until after that call. A late message from a rank
-//! declared dead may therefore change a buffer the failed operation was writing, at
-//! shutdown at the latest; it never touches freed memory.
-//!
-//! Shutdown after a rank fault: `MPI_Finalize` waits for every rank, and Open MPI may wait
-//! for a dead one forever. [`Cluster::shutdown`] bounds it by the deadline: past it, the
-//! local system is shut down all the same and the fault ([`Error::RankUnreachable`]) is
-//! returned; the pools stay alive with the thread still inside `MPI_Finalize`. (Launching
-//! with `OMPI_MCA_async_mpi_finalize=1` skips Open MPI's fence, so finalisation returns.)
+//! After a rank fault, [`Cluster::shutdown`] waits for `MPI_Finalize` at most the deadline,
+//! then returns the fault. Launching with `OMPI_MCA_async_mpi_finalize=1` skips Open MPI's
+//! fence, so finalisation returns. DESIGN.md §9 explains the design and its costs.
 //!
 //! ```no_run
 //! use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};

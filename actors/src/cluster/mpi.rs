@@ -1,17 +1,14 @@
 //! The one place that calls MPI: initialisation, the cluster's communicator, non-blocking
 //! requests and the wait that gives up at a deadline.
 //!
-//! Why raw calls (`mpi::ffi`) instead of rsmpi's safe API: the cluster hands MPI pointers
-//! into pool memory that it reaches through kernel views, polls requests against deadlines
-//! and abandons those a dead rank will never complete; rsmpi's scoped requests borrow Rust
-//! buffers for a lexical scope and panic when a request is dropped unfinished. rsmpi still
-//! provides the bindings and the portable handles (`RSMPI_*`).
+//! It makes raw calls through `mpi::ffi`, not rsmpi's safe API. The cluster hands MPI
+//! pointers into pool memory, polls requests against deadlines, and abandons those a dead
+//! rank will never complete. rsmpi's scoped requests borrow Rust buffers for a lexical scope
+//! and panic when dropped unfinished. rsmpi still provides the bindings and the portable
+//! `RSMPI_*` handles.
 //!
-//! Threading: MPI is initialised with `MPI_THREAD_SERIALIZED`. Calls are made by one thread
-//! at a time: the thread that creates the cluster (initialisation, the exchange of device
-//! counts), then only the network stream's worker (every network operation runs there, in
-//! stream order), then the thread that shuts the cluster down, after the network stream
-//! drained. [`Mpi`] is `Send + Sync` on that contract.
+//! MPI runs with `MPI_THREAD_SERIALIZED`, and [`Mpi`] is `Send + Sync` on that contract.
+//! DESIGN.md §9, "Network transfers are stream work", says which thread calls MPI when.
 
 use std::{
     ffi::{c_int, c_void},

@@ -1,22 +1,13 @@
-//! The network stream's side: what runs, in stream order, when a network operation's
-//! routine runs, and the state that keeps the ranks in step.
+//! The network stream's side: what runs when a network operation's routine runs, and the
+//! state that keeps the ranks in step.
 //!
-//! Every network operation is a routine on one stream of the rank (the *network stream*),
-//! so the device actor's tables order it like any other work: it waits for the writes of
-//! what it reads, later writers wait for it. Its kernel runs [`Network::execute`] on that
-//! stream's worker thread, which is the only thread calling MPI while the cluster runs:
-//! the header exchange, then the data, polled against the deadline.
-//!
-//! Ranks stay in step through the *issue queue*: the host appends each network operation
-//! (with its sequence number) before scheduling it, and the kernel that runs takes its
-//! entry from the front. An operation whose input failed on this rank never runs its
-//! kernel (the stream fails it with the root cause): the next kernel finds its entry still
-//! queued with a failed event and first sends that operation's header with
-//! [`Status::InputFailed`], so the other ranks fail it with a typed error and stay in step
-//! ([`Network::flush`] does the same when the cluster shuts down).
-//!
-//! This file keeps the ranks in step (the issue queue, the header exchange, the deadline);
-//! `network/wire.rs` holds what each operation sends and receives once they agreed.
+//! Every network operation's kernel runs [`Network::execute`] on the network stream's worker.
+//! It takes its entry from the issue queue, exchanges headers, then moves the data, polled
+//! against the deadline. An entry still queued with a failed event had its kernel skipped.
+//! The next kernel first sends that entry's header with [`Status::InputFailed`], and
+//! [`Network::flush`] does the same at shutdown. `network/wire.rs` holds what each operation
+//! sends and receives once the ranks agreed. See DESIGN.md §9, "Issue order and failed
+//! inputs" and "Faults".
 
 use std::{
     collections::VecDeque,

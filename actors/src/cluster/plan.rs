@@ -1,18 +1,9 @@
 //! Hierarchical all-reduce across ranks, its bucketed form, and the network routines.
 //!
-//! An all-reduce of a node over this rank's contexts `c0..cD-1` and every other rank's:
-//!
-//! 1. *reduce inside the rank* through merge buffers: the reduce half of a `Star` or `Tree`
-//!    plan of `tributary::collective` (`ck += cj` steps), which leaves the rank's sum in
-//!    `c0`;
-//! 2. *across ranks*: the network routine reads `c0`'s buffer in place
-//!    (`MergeBufferUse::StreamingFor`, no copy) and writes the global sum (or mean) into
-//!    its own buffer on the network stream;
-//! 3. *broadcast inside the rank*: a device-to-device copy from the network routine's
-//!    buffer into every `ck`.
-//!
-//! Every step is issued in program order and waits exactly for what it reads and
-//! overwrites, so the next step's compute waits by itself and independent work overlaps.
+//! An all-reduce has three steps. It reduces inside the rank through merge buffers into
+//! context 0, combines across ranks in the network routine, then copies the result into every
+//! context of the rank. Each step waits only for what it reads and overwrites, so independent
+//! work overlaps. See DESIGN.md §9, "Collectives".
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
-//! Element arithmetic of cross-rank reductions: what travels (f32 or f64 partial sums),
-//! adding, scaling, and the f16/bf16 conversions (accumulated in f32, rounded once).
+//! Element arithmetic of cross-rank reductions: adding, scaling, and f16/bf16 conversions.
+//! Partial sums travel as f32 or f64; f16 and bf16 accumulate in f32 and are rounded once.
 
 use tributary::{half, DType, Error, Result};
 

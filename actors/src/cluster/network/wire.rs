@@ -1,6 +1,6 @@
 //! The wire algorithms of the network operations: what each sends and receives once the
-//! ranks agreed on it (the header exchange, `network.rs`): a barrier, the all-reduces
-//! (direct, ring), and point-to-point sends and receives.
+//! ranks agreed on it in `network.rs`. A barrier, the direct and ring all-reduces, and
+//! point-to-point sends and receives.
 
 use tributary::{collective::ReduceOp, DType, Error, Result};
 
