@@ -1,27 +1,19 @@
-//! Collectives: all-reduce plans built only from the protocol's primitives.
+//! Collectives: all-reduce plans built only from the protocol's primitives. See DESIGN.md §5,
+//! "Collectives", for the pairing of each strategy.
 //!
-//! An all-reduce over `n` contexts is a list of [`AllReduceStep`]s: *reduce* (`dst += src`, a
-//! device-to-device transfer into the destination's merge buffer, or a `StreamingFor`
-//! read in place, followed by a merge routine), *broadcast* (`dst = src`, a plain
-//! device-to-device copy) and *scale* (the mean). Correctness comes from the protocol: each
-//! step is issued in program order and waits exactly for what it reads and overwrites, so
-//! independent chunks and parameters overlap and no host barrier is needed.
+//! An all-reduce over `n` contexts is a list of [`AllReduceStep`]s. A reduce is `dst += src`:
+//! a copy into the merge buffer, or a `StreamingFor` read, then a merge routine. A broadcast
+//! is `dst = src`. A scale takes the mean. Each step waits for exactly what it reads and
+//! overwrites, so independent chunks overlap with no host barrier.
 //!
-//! Strategies (n contexts, data split into chunks):
-//! - [`Strategy::Star`]: everything into context 0, then broadcast from it (2(n-1)
-//!   transfers of the whole data, all through context 0).
-//! - [`Strategy::Tree`]: pairwise levels: with `m` contexts left and `h = ⌈m/2⌉`, context
-//!   `h + i` merges into context `i` for every `i < m - h`; when `m` is odd the middle
-//!   context `h - 1` has no partner and sits that level out (it is merged at a later
-//!   level). Repeat with `m = h` until context 0 holds the sum; then the same levels in
-//!   reverse broadcast it (2(n-1) transfers, ⌈log2 n⌉ levels deep each way).
-//! - [`Strategy::Ring`]: reduce-scatter then all-gather around the ring, `n-1` steps each;
-//!   in each step every context sends one chunk group to its successor, so every link
-//!   carries `2(n-1)/n` of the data: bandwidth-optimal when the chunk groups are balanced.
+//! - [`Strategy::Star`] reduces into context 0 and broadcasts from it.
+//! - [`Strategy::Tree`] reduces in pairwise levels, then broadcasts through the same levels in
+//!   reverse: `⌈log2 n⌉` levels each way.
+//! - [`Strategy::Ring`] runs a reduce-scatter, then an all-gather. Each link carries `2 - 2/n`
+//!   times the data, which is bandwidth-optimal for balanced chunks.
 //!
-//! The planner is pure ([`plan`]); executors (the actor system's `System::all_reduce`
-//! through its coordinator) carry the steps out. [`levels`] groups a plan's steps into
-//! levels of independent steps, to read (or print) what runs at the same time:
+//! The planner, [`plan`], is pure; executors such as `System::all_reduce` run the steps.
+//! [`levels`] groups a plan's steps into levels of independent steps:
 //!
 //! ```
 //! use tributary::collective::{levels, plan, ReduceOp, Strategy};

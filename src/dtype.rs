@@ -1,6 +1,6 @@
-//! Element types: the dtypes a tensor node can hold and the Rust types that are their
-//! elements. Below every other module (errors name dtypes); re-exported by `node` and the
-//! crate root.
+//! Element types: the dtypes a tensor node can hold and the Rust types of their elements.
+//! Errors name dtypes, so this module sits below every other. `node` and the crate root
+//! re-export it.
 
 use std::fmt;
 

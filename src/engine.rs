@@ -1,10 +1,9 @@
 //! The direct engine API: one owner thread drives the protocol and the backends.
 //!
-//! [`Engine`] is tributary without actors: it owns every [`DeviceState`], the host table
-//! and the stream queues, and each method turns one operation into plans and submits them.
-//! Scheduling returns an [`Event`] at once; host reads and writes block until the protocol
-//! says the host array may be touched. The actor layer does the same work split over
-//! device actors; this API is what engine tests, loom models and benchmarks use.
+//! [`Engine`] is tributary without actors. It owns every [`DeviceState`], the host table and
+//! the stream queues. Each method turns one operation into plans and submits them. Scheduling
+//! returns an [`Event`] at once. Host reads and writes block until the host array may be
+//! touched. Engine tests, loom models and benchmarks use this API. See DESIGN.md §4.
 
 use std::{sync::Arc, time::Duration};
 

@@ -1,9 +1,8 @@
-//! Errors as values.
+//! Errors as values. See DESIGN.md §2, "Errors".
 //!
-//! One enum, [`Error`], for everything the public API can refuse or report. Misuse gets a
-//! variant that names what was wrong; a failed operation on a stream is reported as
-//! [`Error::Failed`] carrying the [`Failure`] that caused it (the *root cause*), so that
-//! every dependent operation fails with the same explanation (DESIGN.md §3, rule 6).
+//! One enum, [`Error`], covers everything the public API can refuse or report. A failed
+//! operation is [`Error::Failed`] with the [`Failure`] that caused it. So every dependent fails
+//! with the same root cause.
 
 use std::{fmt, path::PathBuf, sync::Arc, time::Duration};
 

@@ -1,77 +1,47 @@
-//! Per-stream event timelines (DESIGN.md §2, "Event").
+//! Per-stream event timelines. See DESIGN.md §2, "Event".
 //!
-//! Every stream owns one [`Timeline`]: a monotonically increasing counter of completed
-//! operations. Operations on a stream are numbered from 1 in issue order (sequence number 0
-//! means "nothing" and is always done). An [`Event`] `(stream, n)` is done when the stream
-//! has completed every operation up to `n`. Operations complete in FIFO order, but each one
-//! may fail on its own: the backend reports [`Timeline::fail`] with the root cause, the
-//! timeline still advances and the stream keeps serving. A stream can also die
-//! ([`Timeline::poison`]): every operation it has not completed yet fails with the cause,
-//! now and in the future.
+//! Each stream owns one [`Timeline`], a counter of completed operations. A stream numbers its
+//! operations from 1 in issue order; 0 means "nothing" and is always done. An [`Event`] names
+//! a stream and a number `n`, and is done once the stream has completed every operation up to
+//! `n`. A failed operation is reported with [`Timeline::fail`], and the counter still
+//! advances. A dead stream's timeline is poisoned with [`Timeline::poison`]: every operation
+//! it has not completed fails with the cause.
 //!
-//! Waiting comes in three forms: polling ([`Timeline::is_done`], [`Timeline::status`]),
-//! blocking ([`Timeline::wait`] and its timed variants) and async ([`Event::wait_async`]).
-//! A successful wait is also a memory synchronisation point: everything the backend did
-//! before signalling an operation complete (writing its outputs) *happens before* the
-//! return of a wait that observes it.
+//! A wait that sees an operation done also sees its effects: [`Timeline::signal`] publishes
+//! with `Release`, and every load that may conclude "done" uses `Acquire`.
 //!
 //! # How lost wake-ups are excluded
 //!
-//! The state a waiter must never miss lives in **one atomic word**:
+//! Everything a waiter must not miss lives in one atomic word:
 //!
 //! ```text
 //!   bits 63..3: completed sequence number    bit 2: POISONED
 //!   bit 1: FAILED (some op ever failed)      bit 0: WAITERS (someone may be blocked or registered)
 //! ```
 //!
-//! Waiters (blocking threads and async wakers) register under the mutex and set `WAITERS`
-//! with an atomic read-modify-write *before* checking whether their event is done.
-//! [`Timeline::signal`] advances the counter with a compare-and-swap and takes the lock
-//! only if the word it replaced had `WAITERS` set. Read-modify-writes of one location are
-//! totally ordered (its modification order), whatever the memory orderings, so for a
-//! waiter `W` and a signal `S` either:
+//! A waiter registers under the mutex and sets `WAITERS` with a read-modify-write. Only then
+//! does it check its event. `signal` advances the counter with a compare-and-swap and takes
+//! the lock only if the word it replaced had `WAITERS`. All read-modify-writes of one word are
+//! totally ordered, whatever their memory orderings. If the signal comes after the waiter's
+//! `fetch_or`, it sees `WAITERS`, takes the lock and wakes the waiter, which by then sleeps or
+//! has stored its waker. If the signal comes first, the waiter's check sees the new counter.
 //!
-//! - `S` comes after `W`'s `fetch_or(WAITERS)`: `S` sees `WAITERS` (the bit is cleared only
-//!   under the lock when nobody is registered), takes the lock, and therefore runs after
-//!   `W`'s critical section, i.e. after `W` is asleep in the condition variable or has
-//!   stored its waker; `S` notifies it (a blocked thread registers the number it waits
-//!   for, and `S` notifies the condition variable only when the lowest registered number
-//!   is decided, so that a host waiting for the last operation of a long queue is not woken
-//!   for nothing by every operation before it; mutant `wake_past_only`); or
-//! - `S` comes before: `W`'s check, which reads the word after its own `fetch_or`, sees the
-//!   new counter and does not sleep.
+//! The handshake is on one location, so it needs no `SeqCst`, and loom checks it exactly.
+//! `WAITERS` is cleared only under the lock, when nobody is registered. A signal notifies the
+//! condition variable only once the lowest registered number is decided, so a host waiting for
+//! the end of a long queue is not woken by every operation; mutant `wake_past_only`.
 //!
-//! This is the classic "store flag, load counter / store counter, load flag" handshake, but
-//! on a single location, so it needs no `SeqCst` at all (and loom, which models `SeqCst`
-//! accesses only as `AcqRel`, checks it exactly). The `FAILED` and `POISONED` bits live in
-//! the same word for the same reason: a reader that sees the counter past `n` without
-//! `FAILED` knows, without the lock, that no operation up to `n` failed, because a failure
-//! sets the bit in the same compare-and-swap that advances the counter past it. Sequence
-//! numbers are therefore limited to [`MAX_SEQ`] (2^61 - 1).
+//! A failure sets `FAILED` in the compare-and-swap that advances the counter past it. So a
+//! reader that sees the counter past `n` without `FAILED` knows, without the lock, that
+//! nothing up to `n` failed. The three flag bits limit sequence numbers to [`MAX_SEQ`].
 //!
-//! The other orderings are about data, not wake-ups: `signal` publishes with `Release`,
-//! and every load that may conclude "done" uses `Acquire`, so the operation's effects are
-//! visible to whoever observes its completion.
+//! A blocking wait first polls the word for up to 50 µs with [`crate::sync::spin::SpinWait`],
+//! without setting `WAITERS`. A completion inside that window costs neither side a system
+//! call. No signal owes a wake-up to a waiter that is not registered, so this is safe. Async
+//! waiters never spin.
 //!
-//! # Spinning before parking
-//!
-//! A blocking wait first polls the word for a short window (50 µs, less for a shorter
-//! timeout; [`crate::sync::spin::SpinWait`]) **without** setting `WAITERS`, and parks only
-//! when the window has passed. An operation that completes within the window (a small
-//! kernel on another core) therefore costs neither side a system call: the waiter never
-//! slept, and `signal` saw no `WAITERS` bit, so it took no lock and woke nobody. This is
-//! safe for the same reason as the handshake above: a spinning waiter is not registered,
-//! so no signal owes it a wake-up; once it stops spinning it registers and re-checks like
-//! any waiter. Its polls are `Acquire` loads of the word, so a waiter that sees its
-//! operation complete while spinning sees its effects too. Async waiters never spin.
-//!
-//! # Failures
-//!
-//! Failures are kept in a map from sequence number to root cause that holds **only failed
-//! operations** (successful ones leave no trace), so it stays small: failures are rare and
-//! a failing stream is usually poisoned, which records one cause for all later operations.
-//! A poisoned timeline stores the cause and the boundary (the counter when it was
-//! poisoned); every sequence number past the boundary reports the poison cause.
+//! Only failed operations are kept in the map from sequence number to root cause. A poisoned
+//! timeline stores its cause and the counter at poisoning; every later number reports it.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -1,7 +1,5 @@
-//! Small copyable identifiers shared by every layer.
-//!
-//! Identifiers are plain integers so that tables, plans and traces stay deterministic and
-//! serialisable; nothing here refers to memory or to a backend.
+//! Small copyable identifiers shared by every layer. They are plain integers, so tables, plans
+//! and traces stay deterministic and serialisable.
 
 use std::{
     collections::HashMap,

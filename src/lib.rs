@@ -1,31 +1,27 @@
 //! # tributary: the engine
 //!
-//! tributary spreads tensor computations over several devices (CPU, Vulkan, CUDA) and keeps
-//! them correct without the caller writing a barrier. This crate is the engine: everything
-//! except the actor layer (which lives in `tributary-actors`). It has no actix dependency.
-//! The design, with its rules and message flows, is `DESIGN.md` at the repository root.
+//! tributary spreads tensor computations over several devices: CPU, Vulkan and CUDA. It keeps
+//! them correct without the caller writing a barrier. This crate is the engine; the actor
+//! layer is `tributary-actors`, so this crate has no actix dependency. `DESIGN.md` at the
+//! repository root holds the design: §2 defines each concept and §3 states the rules.
 //!
 //! ## Concepts
 //!
-//! - **Node** ([`TensorNode`]): a tensor's description (label, [`DType`], [`Shape`]) and
-//!   its [`MemoryMode`]: where it may live (host array, device buffer, nowhere) and who may
-//!   change it. A node has no data by itself; contexts hold its buffers.
-//! - **Context** ([`protocol::Context`]): what one stream of one device holds: which nodes
-//!   have a buffer there and where. Contexts form a tree: linking a routine into a context
-//!   gives a *child* that adds the routine's nodes; finalizing a context frees what it
-//!   added.
-//! - **Routine** ([`protocol::Routine`]): a kernel ([`kernels`]: a portable built-in, a
-//!   Rust closure for CPU devices, a shader for Vulkan) linked into a context, with the
-//!   access (read, write) of each node. Scheduling it issues it on the context's stream.
-//! - **Event** ([`Event`]): the completion of one operation on one stream, a sequence
-//!   number on that stream's [`Timeline`]. Every operation waits for exactly the events of
-//!   the earlier operations it conflicts with; a failed operation fails those that depend
-//!   on it with the root cause ([`Failure`]).
-//! - **Merge buffer**: one per stream, receiving another context's copy of a node
-//!   ([`MergeBufferUse::Copy`]) for a merge routine ([`kernels::add_merge`],
-//!   [`kernels::copy_merge`]) to combine with its own; or read in place
-//!   ([`MergeBufferUse::StreamingFor`]). Data parallelism and [`collective`] all-reduces
-//!   are made of these.
+//! - A [`TensorNode`] describes a tensor: its label, [`DType`], [`Shape`] and [`MemoryMode`].
+//!   The mode says where the node may live and who may change it. Contexts hold its buffers.
+//! - A [`protocol::Context`] is what one stream of one device holds: which nodes have a
+//!   buffer there, and where. Linking a routine into a context gives a child context with the
+//!   routine's nodes added. Finalizing a context frees what it added.
+//! - A [`protocol::Routine`] is a kernel linked into a context, with the access of each node.
+//!   The kernel is a built-in, a Rust closure, a Vulkan shader or a CUDA kernel; see
+//!   [`kernels`]. Scheduling a routine issues it on the context's stream.
+//! - An [`Event`] is the completion of one operation: a sequence number on its stream's
+//!   [`Timeline`]. Each operation waits for exactly the earlier operations it conflicts with.
+//!   A failed operation fails its dependents with the same root cause, a [`Failure`].
+//! - Each stream has one merge buffer. [`MergeBufferUse::Copy`] copies another context's node
+//!   into it, for a merge routine such as [`kernels::add_merge`] or [`kernels::copy_merge`].
+//!   With [`MergeBufferUse::StreamingFor`] the routine reads the source in place. Data
+//!   parallelism and the [`collective`] all-reduces are built from these.
 //!
 //! ```
 //! use tributary::{kernels, DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, TensorNode};
@@ -45,18 +41,15 @@
 //!
 //! ## Design choices
 //!
-//! - **Program order is the specification.** Any program behaves as if every operation ran
-//!   one after another in issue order. The [`protocol`] decides, when work is *scheduled*,
-//!   which events each piece of work must wait for; work runs later on streams.
-//! - **Sans-IO protocol.** [`protocol::DeviceState`] is a plain state machine: operations go
-//!   in, [`protocol::Plan`]s (waits, work, event to record) come out. Backends execute plans.
-//! - **Events are sequence numbers** on a per-stream [`event::Timeline`]; a failed operation
-//!   fails every operation that depends on it with the root cause.
-//! - **Memory is slab pools** addressed by [`BufferLoc`]; freed ranges return to use only
-//!   after every event touching them has completed ([`memory`]).
-//! - **All synchronisation primitives come from [`sync`]**, which swaps `std` for `loom`
-//!   under `--cfg tributary_loom`, so the real engine code is model-checked.
-//! - **Errors are values** ([`Error`]): each variant carries the offending value.
+//! - **Program order is the specification.** A program behaves as if its operations ran one
+//!   after another in issue order. The [`protocol`] decides what each operation waits for
+//!   when it is scheduled; the work runs later, on streams.
+//! - **The protocol is sans-IO.** [`protocol::DeviceState`] takes operations and gives
+//!   [`protocol::Plan`]s. Backends execute the plans.
+//! - **Memory is slab pools**, addressed by [`BufferLoc`]. A freed range returns to use only
+//!   after every event that touches it has completed; see [`memory`].
+//! - **Errors are values.** Each [`Error`] variant names the condition and carries the
+//!   offending value.
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 

@@ -1,14 +1,10 @@
-//! The tensor-node model: element types, shapes and the memory-mode lattice.
+//! The tensor-node model: shapes and the memory-mode lattice. See DESIGN.md §2, "Tensor node".
 //!
-//! A [`TensorNode`] is a cheap, clonable handle (an `Arc`) to an immutable description
-//! (id, label, dtype, shape) plus a memory mode that may only be *refined*: every update
-//! moves down the lattice of DESIGN.md §2, and a contradiction is an [`Error::ModeConflict`]
-//! that leaves the mode as it was.
-//!
-//! The lattice is represented by the set of *final* modes a node may still end up in
-//! (eight of them, see [`MemoryMode::possible`]); refinement is set intersection, and
-//! every set reachable by intersection is itself one of the named modes, so refinement is
-//! total and order-independent (refining by `a` then `b` equals `b` then `a`).
+//! A [`TensorNode`] is a cheap, clonable handle to an immutable description and a memory mode
+//! that may only be refined. A contradiction is an [`Error::ModeConflict`] and leaves the mode
+//! as it was. The mode is stored as the set of final modes the node may still take; see
+//! [`MemoryMode::possible`]. Every set reachable by intersection is a named mode, so
+//! refinement is total and order-independent.
 
 use std::{
     fmt,

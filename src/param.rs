@@ -1,7 +1,7 @@
-//! How a kernel's parameters are described, below the kernels and the errors that name
-//! these types: the access a routine has to each node ([`Access`]), which argument a
-//! failure is about ([`ArgSlot`]), why a view of one cannot be given ([`ArgError`]), and
-//! the types of a routine's indices ([`IndexType`]). Re-exported by `kernels`.
+//! How a kernel's parameters are described: a routine's [`Access`] to each node, the
+//! [`ArgSlot`] a failure is about, the [`ArgError`] that says why a view cannot be given, and
+//! the [`IndexType`] of an index. It sits below the kernels and the errors that name these
+//! types. `kernels` re-exports it.
 
 use std::fmt;
 

@@ -1,68 +1,33 @@
-//! Synchronisation shim: the one place where protocol and event code get their locks,
-//! atomics, condition variables, cells and threads.
+//! The synchronisation shim: the one source of locks, atomics, condition variables, cells and
+//! threads for protocol, event and queue code.
 //!
-//! # Why
-//!
-//! tributary's correctness rests on a handful of concurrent hand-offs (an event timeline
-//! advancing while hosts and streams wait on it, buffers handed from one stream to another).
-//! Those are checked with [loom](https://docs.rs/loom), which explores every interleaving
-//! (and every weak-memory outcome it models) of a small program. loom can only do that if
-//! the code under test uses loom's types instead of `std`'s. Rather than writing a separate
-//! model of the engine, the **real engine code** is compiled against loom: every module
-//! that synchronises imports its primitives from here, never from `std::sync` directly, and
-//! this module switches between `std` and `loom` at compile time.
-//!
-//! # The switch
-//!
-//! The switch is a crate-specific cfg, `--cfg tributary_loom` (declared in the workspace's
-//! `check-cfg`), set through `RUSTFLAGS`:
+//! loom explores every interleaving of a small program, but only of code that uses its types.
+//! So every module that synchronises imports from here, never from `std::sync`, and this
+//! module picks `std` or `loom` at compile time. The real engine code is then what loom
+//! checks; see DESIGN.md §7. The switch is `--cfg tributary_loom`, set through `RUSTFLAGS`:
 //!
 //! ```text
 //! RUSTFLAGS="--cfg tributary_loom" CARGO_TARGET_DIR=target-loom cargo test --release --test loom
 //! ```
 //!
-//! A crate-specific name leaves dependencies alone (the conventional `--cfg loom` would also
-//! change the internals of crates such as tokio), and unlike a cargo feature it can never be
-//! switched on by accident through `--all-features` or feature unification, which would make
-//! normal builds panic (loom types only work inside `loom::model`). Under `tributary_loom`,
-//! normal unit tests are compiled out (`#[cfg(all(test, not(tributary_loom)))]`).
+//! A crate-specific cfg leaves dependencies such as tokio alone. A cargo feature could be
+//! turned on by feature unification, and normal builds would then panic, since loom types work
+//! only inside `loom::model`. Under `tributary_loom` the normal unit tests are compiled out.
 //!
-//! # API
+//! Both modes expose the same API: [`Arc`], [`atomic`], [`Mutex`], [`Condvar`],
+//! [`UnsafeCell`], [`thread`], [`hint`], [`spin::SpinWait`] and [`channel`]. Points to know:
 //!
-//! Both modes expose exactly the same API:
-//!
-//! - [`Arc`] and [`atomic`]`::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence}`:
-//!   re-exports (of `std` or `loom`). loom treats `SeqCst` *accesses* like `AcqRel` (it
-//!   would report false alarms for protocols that need them) but models `fence(SeqCst)`
-//!   exactly: code that needs sequential consistency should use a fence.
-//! - [`Mutex`] and [`Condvar`]: thin wrappers that ignore poisoning. A panic while a lock
-//!   is held (a panicking CPU kernel, a failed assertion in a test) must not turn every
-//!   later `lock()` into a second panic; the data protected here is kept consistent by each
-//!   critical section on its own, so the inner guard is simply recovered.
-//! - [`UnsafeCell`]: tokio/loom style, with closure access ([`UnsafeCell::with`],
-//!   [`UnsafeCell::with_mut`]) so that loom can track each access and report a data race
-//!   (for example a missing wait before a buffer is reused). Like `std`'s cell it is not
-//!   `Sync`; types that share one across threads wrap it and justify their own
-//!   `unsafe impl Sync`.
-//! - [`thread`]`::{spawn, Builder, yield_now, panicking, JoinHandle}` and
-//!   [`hint`]`::spin_loop`. Under loom `spin_loop` yields to the model scheduler: a spin
-//!   loop that does not yield cannot be explored (loom would see one thread spinning
-//!   forever).
-//! - [`spin::SpinWait`]: a bounded spin window before parking (one round under loom,
-//!   where there is no clock).
-//! - [`channel`]: an unbounded multi-producer single-consumer queue with disconnection
-//!   (`crossbeam-channel` normally; a [`Mutex`] + [`Condvar`] queue under loom, whose own
-//!   `mpsc` does not model disconnection), so that stream workers can be model-checked.
-//!
-//! # Differences under loom
-//!
-//! - [`Condvar::wait_timeout`] has no real timeout under loom: it behaves like
-//!   [`Condvar::wait`] (it returns when notified, or spuriously as loom allows, and always
-//!   reports `timed_out == false`). Callers must loop on their condition and check their
-//!   deadline themselves, which is what correct users of a condition variable do anyway.
-//!   In a loom model, a timed wait that nobody ever satisfies is reported as a deadlock.
-//! - loom's [`thread::spawn`] does not require `Send` and its threads only exist inside
-//!   `loom::model`; loom's [`Arc`] does not support unsizing coercions (`Arc<dyn Trait>`).
+//! - loom treats `SeqCst` accesses as `AcqRel` but models a `SeqCst` fence exactly. Code that
+//!   needs sequential consistency uses a fence.
+//! - [`Mutex`] and [`Condvar`] ignore poisoning, so a panicking kernel under a lock does not
+//!   make every later lock panic. Each critical section keeps its data consistent.
+//! - [`UnsafeCell`] is used through closures, [`UnsafeCell::with`] and
+//!   [`UnsafeCell::with_mut`], so loom can report data races. A type that shares one across
+//!   threads justifies its own `unsafe impl Sync`.
+//! - Under loom, [`Condvar::wait_timeout`] never times out and acts like [`Condvar::wait`].
+//!   Callers check their own deadline. In a model, a timed wait nothing satisfies deadlocks.
+//! - loom's [`thread::spawn`] does not require `Send`, and its threads exist only inside
+//!   `loom::model`. loom's [`Arc`] has no unsizing coercion to `Arc<dyn Trait>`.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};

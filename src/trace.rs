@@ -1,35 +1,14 @@
-//! Stream timelines: an optional recorder of every operation and wait, exported in the
-//! Chrome trace / Perfetto JSON format, and summarised per stream.
+//! Stream timelines: an optional recorder of every operation and wait. It exports the Chrome
+//! trace / Perfetto JSON format and sums up each stream's time. DESIGN.md §6, "Timelines",
+//! says what each backend's spans mean.
 //!
-//! Backends record, per stream, when each operation's work ran, which operations of other
-//! streams it was ordered after (its cross-stream dependencies), and when the stream waited
-//! for an event of another stream (and which). Loaded in a trace viewer
-//! (`chrome://tracing`, <https://ui.perfetto.dev>), devices are processes and streams are
-//! threads, so parallel streams are visible at a glance; every cross-stream dependency is a
-//! flow arrow from the operation that produced it to the wait it released (or, when the
-//! producer had finished before the consumer needed it, to the consumer's operation), so
-//! the viewer shows *why* a stream idled. [`Recorder::summary`] condenses the same records
-//! into busy, waiting and idle time per stream. When no recorder is installed the cost is
-//! one branch per operation.
-//!
-//! # What the timestamps mean
-//!
-//! All times are host clock readings ([`Instant`]) in nanoseconds since the recorder was
-//! created, so records of every backend share one clock.
-//!
-//! - **CPU**: a work record spans the execution of the operation on its stream's worker
-//!   thread; a wait record spans the worker blocking on an event of another stream.
-//! - **Vulkan**: the GPU's own clock is not read (no timestamp queries). A work record
-//!   starts when the operation could start as far as the host knows — the latest of: the
-//!   stream's submit thread starting to record or run it, the stream's previous operation
-//!   being seen complete, and its dependencies being seen complete — and ends when the
-//!   stream's completion thread sees its semaphore value reached. So the span is an upper
-//!   bound on the GPU time, widened by the completion thread's reaction time. Waits on
-//!   streams of the same device (for their submit threads to submit, then on the GPU for a
-//!   semaphore) are recorded from the moment the stream was ready for the operation (its
-//!   submit thread had it and its previous operation was seen complete) to the moment the
-//!   awaited operation was seen complete; waits on other devices happen on the submit
-//!   thread and are recorded as they happen, like the CPU's.
+//! Backends record, per stream, when each operation ran, which operations of other streams it
+//! was ordered after, and when it waited for another stream. All times are host clock
+//! readings, taken with [`Instant`], in nanoseconds since the recorder was created. In a
+//! viewer such as `chrome://tracing` or <https://ui.perfetto.dev>, devices are processes and
+//! streams are threads. Each cross-stream dependency is a flow arrow from its producer to the
+//! wait it released. [`Recorder::summary`] splits each stream's time into busy, waiting and
+//! idle. Without a recorder the cost is one branch per operation.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},

@@ -1,35 +1,22 @@
-//! Events planned later, by another actor: [`PendingEvent`], and the one-shot cell behind
-//! it ([`Oneshot`]).
+//! Events that another actor plans later: [`PendingEvent`], and the one-shot cell behind it,
+//! [`Oneshot`]. See DESIGN.md §4, "Cross-device calls without round trips".
 //!
-//! # Why
+//! A copy from device A to device B is posted to both at once. A records the copy as a reader
+//! of its source before B has planned it. What A records is a [`PendingEvent`]: the operation
+//! B will plan on its stream. A later write of the source waits for it through
+//! [`PendingEvent::event`]: first for B to plan it, then for it to complete.
+//! `System::schedule` returns the same cell at once.
 //!
-//! A host call that touches two devices (a copy from device A to device B) is split into
-//! one part per device, posted to both mailboxes at once (see [`crate::dispatch`]). Each
-//! device plans its part when it reaches it in its own mailbox order, without waiting for
-//! the other: A records the copy as a reader of its source buffer *before* B has planned
-//! the copy and given it a sequence number. What A records is a [`PendingEvent`]: "the
-//! operation that B plans for this call, on B's stream `s`". A later write of the source on
-//! A waits for it like for any event ([`PendingEvent::event`]): first for B to plan it, then
-//! for its completion. The same cell is what `System::schedule` hands back at once (the
-//! device actor fills it in when it plans the routine).
+//! - Only the actor that owns the [`SeqPromise`] decides the sequence number, and only once.
+//!   The stream is known from the start.
+//! - A refused operation resolves to the last sequence number issued on its stream, with the
+//!   typed error. As a buffer use it is over once everything before it on that stream is.
+//!   This keeps the tables' rule that a later use by a stream supersedes an earlier one.
+//! - A promise dropped unresolved resolves to [`MAX_SEQ`]. Its actor stopped or panicked, so
+//!   the stream's timeline is poisoned and a wait ends with the poison cause. The ticket
+//!   reports [`Error::ShutDown`].
 //!
-//! # Rules
-//!
-//! - A pending event names its stream (its timeline) from the start; only the sequence
-//!   number is decided later, by the one actor that owns the [`SeqPromise`].
-//! - A promise resolves once. A refused operation (bad input the device found in its
-//!   tables) resolves to the *last sequence number issued on its stream* together with the
-//!   typed error: as a use of a buffer it is then over as soon as everything issued before
-//!   it on that stream is, which keeps the tables' "one use per stream, later supersedes
-//!   earlier" rule true (a refused operation never releases an earlier use of the same
-//!   stream it superseded).
-//! - A promise dropped unresolved (its actor stopped or panicked) resolves to
-//!   [`MAX_SEQ`]: that stream's timeline is poisoned in both cases, so a wait on it ends
-//!   with the poison cause instead of hanging, and the ticket reports
-//!   [`Error::ShutDown`].
-//!
-//! Everything synchronises through [`crate::sync`], so the loom models check these cells
-//! with the protocol.
+//! The cells use [`crate::sync`], so the loom models check them with the protocol.
 
 use std::fmt;
 use std::future::Future;

@@ -1,12 +1,10 @@
 //! Typed views of a kernel's arguments.
 //!
 //! A CPU kernel sees its buffers through [`KernelArgs`]: one [`ArgView`] per parameter, in
-//! argument order, plus the optional merge-buffer view. Views are handed out as typed
-//! slices after checking the parameter's access, its dtype, its size and its alignment,
-//! and a borrow flag per parameter refuses aliasing: a parameter lent mutably cannot be
-//! lent again, and a parameter lent shared cannot be lent mutably. Flags are never cleared
-//! during one kernel call (borrows are tied to `&self`, so a kernel that needs a parameter
-//! twice should keep the first slice).
+//! argument order, and the merge-buffer view if any. A view is a typed slice, given after its
+//! access, dtype, size and alignment are checked. A borrow flag per parameter refuses
+//! aliasing. Flags are never cleared during one kernel call, so a kernel that needs a
+//! parameter twice should keep the first slice.
 
 use std::{cell::Cell, fmt, marker::PhantomData, mem, ptr::NonNull, slice};
 

@@ -1,29 +1,16 @@
-//! Per-schedule bindings: named integer indices a routine declares, given values each time
-//! it is scheduled.
+//! Per-schedule bindings: values of a routine's named integer indices, given at each schedule.
+//! See DESIGN.md §2, "Bindings".
 //!
-//! A routine linked once and scheduled every step often needs one number that changes per
-//! step: a training step's index, a batch offset, Task Bench's timestep. OCANNL's routines
-//! carried such *static indices* (`bindings`) and read them at execution time on the CPU
-//! but at launch time on CUDA (DESIGN.md §1): a value set for one schedule could leak into
-//! another. Here a routine declares its indices ([`RoutineSpec::with_index`]), each
-//! schedule gives their values ([`Engine::schedule_with`]), and the values are
-//! **snapshotted into the plan** ([`Work::Run`] carries a [`Bindings`]) when the routine is
-//! scheduled, never read when it runs: two schedules of one routine queued behind a slow
-//! kernel each run with their own values.
+//! A routine declares its indices with [`RoutineSpec::with_index`]. Each schedule gives their
+//! values, as [`Engine::schedule_with`] does. The values are snapshotted into the plan, since
+//! [`Work::Run`] carries a [`Bindings`]. Nothing reads them when the routine runs.
 //!
-//! What a kernel sees: a CPU closure reads them from its arguments
-//! ([`KernelArgs::index`]); a Vulkan shader as push constants after the kernel's own
-//! immediates ([`ShaderKernel`]); a CUDA kernel as launch arguments after its scalars
-//! ([`CudaKernel`]). Built-ins declare none.
+//! A CPU closure reads the values with [`KernelArgs::index`]. A [`ShaderKernel`] gets them as
+//! push constants after its own immediates, and a [`CudaKernel`] as launch arguments after its
+//! scalars. Values are `i64`, and each must fit its index's [`IndexType`].
 //!
-//! Values are `i64`; each index has a declared [`IndexType`] whose range the value must fit.
-//! Every misuse is a typed error naming the routine and the index, with the value:
-//! [`Error::MissingBinding`], [`Error::UnknownBinding`], [`Error::DuplicateBinding`],
-//! [`Error::BindingOutOfRange`]; a refused schedule changes nothing.
-//!
-//! Cost: a [`Bindings`] holds its values inline (at most [`MAX_INDICES`]) and shares the
-//! routine's declarations by reference count, so building, reusing and snapshotting one
-//! allocates nothing.
+//! A [`Bindings`] holds at most [`MAX_INDICES`] values inline and shares the routine's
+//! declarations by reference count. Building, reusing and snapshotting one allocates nothing.
 //!
 //! [`RoutineSpec::with_index`]: super::RoutineSpec::with_index
 //! [`Engine::schedule_with`]: crate::Engine::schedule_with

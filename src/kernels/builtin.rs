@@ -1,5 +1,5 @@
-//! The portable built-in kernels (DESIGN.md §5): the [`Builtin`] table (dtypes, parameters)
-//! and the constructor functions that check dtypes and shapes and build their specs.
+//! The portable built-in kernels: the [`Builtin`] table of dtypes and parameters, and the
+//! constructors that check dtypes and shapes and build specs. See DESIGN.md §5.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,6 +1,6 @@
-//! The kinds of kernel a routine can run: a Rust closure ([`CpuKernel`]), a compute shader
-//! ([`ShaderKernel`], Vulkan), a CUDA kernel ([`CudaKernel`]), or a portable built-in
-//! ([`Builtin`](super::Builtin)); [`Kernel`] is the choice.
+//! The kinds of kernel a routine can run. [`Kernel`] is the choice: a Rust closure
+//! [`CpuKernel`], a Vulkan compute shader [`ShaderKernel`], a CUDA kernel [`CudaKernel`], or a
+//! portable `Builtin`.
 
 use std::{fmt, sync::Arc};
 

@@ -1,11 +1,9 @@
 //! [`AlignedBuffer`]: zero-initialised host memory with a chosen alignment.
 //!
-//! The CPU backend backs each slab pool and each host array with one of these. The buffer is
-//! shared between the device actor and the stream workers (`Arc<AlignedBuffer>`), and the
-//! protocol (DESIGN.md §3) decides who may touch which bytes when: two pieces of work that
-//! touch overlapping bytes, at least one of them writing, are always ordered by an event.
-//! That ordering is what makes the `unsafe` accessors sound; the buffer itself does no
-//! locking. Code that holds the buffer exclusively (`&mut self`) gets safe accessors.
+//! The CPU backend backs each slab pool and each host array with one. The device actor and the
+//! stream workers share it. The buffer does no locking. The protocol orders any two uses of
+//! overlapping bytes where one writes, and that makes the `unsafe` accessors sound; see
+//! DESIGN.md §3. A holder of `&mut self` gets safe accessors.
 
 use std::{
     alloc::{self, Layout},

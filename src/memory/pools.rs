@@ -1,8 +1,7 @@
 //! [`DevicePools`]: one device's slab pools, deferred frees and merge buffers.
 //!
-//! Bookkeeping only: methods ask a [`PoolMemory`] (the backend) to create and release slabs,
-//! and hand out [`Allocation`]s (a [`BufferLoc`] and a size). See the module docs of
-//! [`crate::memory`] for the policy and why.
+//! Bookkeeping only. It asks a [`PoolMemory`], the backend, to create and release slabs, and
+//! hands out [`Allocation`]s: a [`BufferLoc`] and a size. [`crate::memory`] says why.
 
 use std::collections::{btree_map::Entry, BTreeMap};
 

@@ -1,10 +1,9 @@
 //! [`RangeAllocator`]: byte-range bookkeeping inside one pool of fixed capacity.
 //!
-//! Pure bookkeeping: it hands out offsets and never touches memory. Free space is kept twice,
-//! by offset (to coalesce neighbours on free) and by size (for best-fit), so every operation
-//! is `O(log n)` in the number of ranges; a request with an alignment larger than the
-//! offsets' natural alignment may look at the few free blocks smaller than `size + align - 1`
-//! before finding one that fits.
+//! It hands out offsets and never touches memory. Free space is indexed by offset, to coalesce
+//! neighbours, and by size, for best fit. Each operation is logarithmic in the number of
+//! ranges. A request aligned beyond the offsets' natural alignment may look at the few free
+//! blocks smaller than `size + align - 1` before one fits.
 
 use std::collections::{BTreeMap, BTreeSet};
 

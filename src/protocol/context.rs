@@ -1,10 +1,8 @@
-//! Contexts and linked routines: immutable values handed to the caller.
+//! Contexts and linked routines: immutable values handed to the caller. See DESIGN.md §2,
+//! "Context".
 //!
-//! A [`Context`] is a stream plus the map node → buffer of every array it or an ancestor
-//! uses. Linking returns a child context with the new arrays added; the parent stays valid.
-//! The device state keeps a record of every context (children count, finalized flag) and
-//! checks it on every use, so a stale or finalized context is an error, never a dangling
-//! buffer.
+//! The device state keeps a record of every context and checks it on every use. So a stale,
+//! finalized or foreign context is an error, never a dangling buffer.
 
 use std::{fmt, sync::Arc};
 

@@ -1,28 +1,22 @@
-//! The per-device protocol state machine (DESIGN.md §3).
+//! The per-device protocol state machine. See DESIGN.md §3.
 //!
-//! [`DeviceState`] owns one device's tables and pools and turns every operation into
-//! [`Plan`]s. It does no I/O: it neither waits nor runs anything. The one thing it asks of
-//! the outside world while deciding is pool memory ([`PoolMemory`]): a slab the backend
-//! cannot create fails the operation before any table changes. All table lookups and
-//! updates happen here, at schedule time, in the order operations arrive; since a plan only
-//! ever waits for events issued before it, the wait graph is acyclic and cannot deadlock.
+//! [`DeviceState`] owns one device's tables and pools and turns each operation into [`Plan`]s.
+//! It neither waits nor runs anything. While deciding it asks only for pool memory, through
+//! [`PoolMemory`]; a slab the backend cannot create fails the operation before any table
+//! changes. Where the rules of §3 are enforced:
 //!
-//! Rules, with where they are enforced:
-//! 1. routine waits for RAW/WAR/WAW and host transfers: [`DeviceState::schedule`] through
-//!    [`BufferUses::read_deps`] / [`BufferUses::write_deps`];
-//! 2. host transfers: [`DeviceState::from_host`], [`DeviceState::to_host`] and the
-//!    [`HostTable`] (host writes and reads are driven by the engine);
-//! 3. device-to-device ([`device_to_device`]): [`DeviceState::source`] +
-//!    [`DeviceState::upload_lagging_source`] (a copy never reads a stale value) +
-//!    [`DeviceState::copy_in`] or [`DeviceState::schedule_streaming`] +
-//!    [`DeviceState::record_remote_read`];
-//! 4. merge buffer: the per-stream slot checked in `schedule`, its uses in `copy_in`;
-//! 5. deferred reuse: [`DeviceState::finalize`] hands every pending use to the pools;
-//! 6. failure: [`DepKind::Data`] dependencies carry failures to dependents (executors).
+//! 1. [`DeviceState::schedule`], through [`BufferUses::read_deps`] and [`BufferUses::write_deps`].
+//! 2. [`DeviceState::from_host`], [`DeviceState::to_host`] and the [`HostTable`]. The engine
+//!    drives host reads and writes.
+//! 3. [`device_to_device`] composes [`DeviceState::source`],
+//!    [`DeviceState::upload_lagging_source`], [`DeviceState::copy_in`] or
+//!    [`DeviceState::schedule_streaming`], and [`DeviceState::record_remote_read`].
+//! 4. `schedule` checks the merge-buffer slot, and `copy_in` records its uses.
+//! 5. [`DeviceState::finalize`] hands every pending use to the pools.
+//! 6. [`DepKind::Data`] dependencies carry failures, which executors apply.
 //!
-//! This file holds the state, its tables and the issue order; each job on them has a file:
-//! `context.rs` (linking, adding arrays, finalizing), `schedule.rs` (rules 1 and 4),
-//! `host.rs` (rule 2), `copy.rs` (rule 3) and `replay.rs` (replaying a captured step).
+//! This file holds the state, its tables and the issue order. Each job on them has a file:
+//! `context.rs`, `schedule.rs`, `host.rs`, `copy.rs` and `replay.rs`.
 
 use std::sync::Arc;
 

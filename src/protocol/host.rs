@@ -1,19 +1,12 @@
-//! Host arrays of hosted nodes and the lazy host-transfer protocol (DESIGN.md §3, rule 2).
+//! Host arrays of hosted nodes and the lazy host-transfer protocol. See DESIGN.md §3, rule 2.
 //!
-//! Every hosted node has one host array, shared by all devices, with the same use record
-//! as a device buffer: pending device operations that read it (`from_host`) and write it
-//! (`to_host`). A host *write* bumps the node's version; a device buffer whose recorded
-//! version is older is lagging and is re-uploaded before a routine reads it. A device write
-//! makes the node's latest value live on that device: a host *read* first transfers it.
-//!
-//! The host array is plain memory that backends read (`from_host`) and write (`to_host`)
-//! on their own threads. The host side touches it only through [`HostTable::commit_write`]
-//! and [`HostTable::read_bytes`], which *check* (under `&mut self`, so no new device use
-//! can be planned meanwhile) that every conflicting device use has completed and refuse
-//! with [`Error::HostArrayBusy`] otherwise; the use records themselves can only be changed
-//! inside the crate. That makes both safe to call in any order: waiting first
-//! ([`HostTable::begin_write`], [`HostTable::pending_writes`]) is how to succeed, not what
-//! soundness rests on.
+//! Each hosted node has one host array, shared by all devices, with the same use record as a
+//! device buffer. Backends read and write it on their own threads. The host side touches it
+//! only through [`HostTable::commit_write`] and [`HostTable::read_bytes`]. Both check, under
+//! `&mut self`, that every conflicting device use has completed, and refuse with
+//! [`Error::HostArrayBusy`] otherwise. Only the crate can change the use records, so both are
+//! safe to call in any order. Waiting first, with [`HostTable::begin_write`] and
+//! [`HostTable::pending_writes`], is how to succeed, not what soundness rests on.
 
 use std::{collections::HashMap, sync::Arc};
 

@@ -1,5 +1,5 @@
-//! How a device-to-device copy delivers its node: the protocol plans each kind differently
-//! (DESIGN.md §2, "Merge buffer"; §3).
+//! How a device-to-device copy delivers its node. The protocol plans each kind differently;
+//! see DESIGN.md §2, "Merge buffer", and §3.
 
 use super::Routine;
 

@@ -1,9 +1,9 @@
-//! The synchronisation protocol as a sans-IO state machine (DESIGN.md §3).
+//! The synchronisation protocol as a sans-IO state machine. See DESIGN.md §3.
 //!
-//! [`DeviceState`] owns one device's tables and pools; every operation becomes one or more
-//! [`Plan`]s that say which events to wait for, what to run and which event to complete.
-//! The engine ([`crate::engine`]) or the actor layer executes plans on backends; loom
-//! models execute them on model threads. Nothing here waits or performs I/O.
+//! [`DeviceState`] owns one device's tables and pools. Each operation becomes one or more
+//! [`Plan`]s: which events to wait for, what to run and which event to complete. The engine in
+//! [`crate::engine`] or the actor layer runs plans on backends, and loom models run them on
+//! model threads. Nothing here waits or performs I/O.
 
 mod context;
 mod device;

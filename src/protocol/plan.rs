@@ -1,13 +1,9 @@
-//! Plans: what the protocol asks a backend to do for one operation.
+//! Plans: what the protocol asks a backend to do for one operation. See DESIGN.md §2, "Plan",
+//! and §5, "Soundness".
 //!
-//! A [`Plan`] is the whole outcome of scheduling one operation: the stream it runs on,
-//! the events it must wait for ([`Dep`]), the work, and the event it completes. Bindings
-//! (buffer locations, the merge-buffer source, host arrays, the values of a routine's
-//! declared indices) are resolved when the plan is made, i.e. at schedule time, never at
-//! execution time (OCANNL read some of them at execution time on the CPU and at launch
-//! time on CUDA; DESIGN.md §1).
-//!
-//! Plans are made by the protocol only: see [`Plan`] for why and how the types ensure it.
+//! A [`Plan`] holds its stream, the events it waits for as [`Dep`]s, its work and the event it
+//! completes. Every binding is resolved when the plan is made, at schedule time. Only the
+//! protocol makes plans; [`Plan`] says how the types ensure it.
 
 use std::{fmt, sync::Arc};
 

@@ -1,16 +1,11 @@
-//! The bookkeeping tables of the protocol (DESIGN.md §3).
+//! The bookkeeping tables of the protocol. See DESIGN.md §3.
 //!
-//! The design lists per-node tables (`shared_writers`, `updating_for`, `reader_streams`,
-//! ...). tributary keys them by **buffer location** instead: every buffer has one
-//! [`BufferUses`] record with its pending writer and its pending readers. A per-stream
-//! buffer and a cross-stream-shared buffer are then the same case, the merge buffer is just
-//! another buffer, and rule 5 (free only after every use) reads the same record. Host arrays
-//! have the same record per node ([`crate::protocol::HostTable`]).
-//!
-//! Bounds: a write waits for every pending use of the buffer, so after it is recorded it
-//! supersedes them (the writer list has at most one entry and the reader list is emptied);
-//! readers keep the latest read per stream. A record therefore holds at most one event per
-//! stream of the system plus one, whatever the length of the program.
+//! The tables are keyed by buffer location, not by node as in the frozen design. Each buffer
+//! has one [`BufferUses`] record: its pending writer and its pending readers. Host arrays have
+//! the same record per node, in [`crate::protocol::HostTable`]. A write supersedes every
+//! pending use, so after it the writer list has one entry and the reader list is empty.
+//! Readers keep the latest read per stream. So a record holds at most one event per stream,
+//! plus one.
 
 use crate::{
     event::{Event, EventStatus},

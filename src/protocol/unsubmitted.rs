@@ -1,22 +1,15 @@
-//! Failing a plan that will never run, without breaking the order of its event.
+//! Failing a plan that will never run, without breaking the order of its event. See
+//! DESIGN.md §5.
 //!
-//! The protocol's tables are transitively reduced: once a plan is issued, later operations
-//! depend on it instead of on its dependencies, and once its event completes the tables
-//! forget everything before it (DESIGN.md §3). That is sound only if an event completes
-//! after its dependencies and after the previous operation of its stream. A plan refused
-//! by a dead queue (or with no stream actor to take it) never runs, but its event must
-//! still be decided — failed — so that nobody waits forever; deciding it at once would let
-//! a waiter, or a buffer's release, go on while a dependency is still running on another
-//! stream, or make the stream's earlier operations look complete before they finished.
+//! Once an event completes, the tables forget everything ordered before it. So a plan refused
+//! by a dead queue must fail its event only after its dependencies and its stream's previous
+//! operation. Failing it at once could let a waiter, or a buffer's release, go on while a
+//! dependency still runs.
 //!
-//! [`fail_when_ready`] therefore fails the event only when its dependencies and its
-//! predecessor on the stream are decided. It never blocks the caller (a refused plan is
-//! found on an actor's thread or during shutdown): the wait is a waker registered on the
-//! first pending event, re-armed on the next one when it fires, and the failure is recorded
-//! by whichever thread completes the last of them. Refused plans of one stream form a
-//! chain (each waits for its predecessor), so recording one failure wakes the next: those
-//! wake-ups are run one after another by the outermost one on the thread (a trampoline),
-//! not nested, so a long chain cannot overflow the stack.
+//! [`fail_when_ready`] never blocks the caller: a waker sits on the first pending event and
+//! moves on to the next when it fires. Refused plans of one stream form a chain, so one
+//! failure wakes the next. The outermost wake-up on the thread runs the chain as a
+//! trampoline, not nested, so a long chain cannot overflow the stack.
 
 use std::{
     cell::{Cell, RefCell},

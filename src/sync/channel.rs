@@ -1,20 +1,16 @@
 //! An unbounded multi-producer, single-consumer channel with disconnection.
 //!
-//! Normally a thin wrapper over `crossbeam-channel`'s unbounded channel (fast, spins
-//! briefly before parking). Under `tributary_loom` it is a [`VecDeque`](std::collections::VecDeque)
-//! behind the shim's [`Mutex`](super::Mutex) with a [`Condvar`](super::Condvar), so that
-//! loom sees every hand-off: crossbeam's internals are invisible to loom, and
-//! `loom::sync::mpsc` does not model disconnection (a `recv` on a channel whose senders
-//! are gone blocks forever there instead of returning an error).
+//! Normally it wraps `crossbeam-channel`'s unbounded channel. Under `tributary_loom` it is a
+//! `VecDeque` behind the shim's `Mutex` and `Condvar`, so loom sees every hand-off. loom
+//! cannot see into crossbeam, and `loom::sync::mpsc` does not model disconnection.
 //!
-//! Semantics (both implementations):
+//! Both implementations behave alike:
 //!
-//! - [`Sender::send`] never blocks; it fails, giving the message back, only when the
-//!   [`Receiver`] has been dropped.
-//! - [`Receiver::recv`] blocks until a message is available and returns messages in the
-//!   order they were sent (per sender); once **every** sender is dropped it still returns
-//!   whatever is queued, and only then [`RecvError`]. A worker loop `while let Ok(m) =
-//!   rx.recv()` therefore drains the queue before it exits.
+//! - [`Sender::send`] never blocks. It fails, giving the message back, only once the
+//!   [`Receiver`] is dropped.
+//! - [`Receiver::recv`] blocks until a message arrives and keeps each sender's order. Once
+//!   every sender is dropped it still returns what is queued, and only then [`RecvError`]. So
+//!   a worker's receive loop drains the queue before it exits.
 //! - Dropping the receiver drops the queued messages.
 
 use std::fmt;

@@ -1,26 +1,18 @@
 //! Bounded busy-waiting: spin for a short window before parking a thread.
 //!
-//! Parking a thread on a futex and waking it costs about 20 µs on this kind of machine
-//! (`stack-notes.md`), far more than a small operation. A waiter that expects its condition
-//! soon (a worker that just finished a plan and expects the next one, a host thread waiting
-//! for an operation another core is running) therefore polls the condition for a short,
-//! **bounded** window first, so that a completion in that window costs neither side a
-//! system call, and parks only when the window has passed, so that an idle system uses no
-//! CPU a few hundred microseconds after its last operation.
+//! Parking a thread and waking it costs 10-20 µs, far more than a small operation; see
+//! DESIGN.md §4, "Who decides". So a waiter that expects its condition soon polls it for a
+//! short, bounded window first. A completion in that window costs neither side a system call.
+//! After the window the waiter parks, so an idle system uses no CPU.
 //!
-//! [`SpinWait::spin`] waits a little between polls: a few `pause` instructions
-//! ([`super::hint::spin_loop`]), doubling up to 64, then `yield_now`, so that on a machine
-//! with more runnable threads than cores (two cores, a host thread, an actor thread and
-//! the workers) a spinner hands its core to the thread that will make the progress it
-//! waits for.
+//! [`SpinWait::spin`] waits a little between polls: a few `pause` instructions through
+//! [`super::hint::spin_loop`], doubling up to 64, then `yield_now`. On a machine with more
+//! runnable threads than cores, the yield hands the core to the thread the spinner waits for.
 //!
-//! Under `tributary_loom` there is no clock: a non-zero window is exactly one round, and
-//! every execution of a model takes the same steps (loom replays executions, so they must
-//! not depend on real time). The round does not yield: loom runs a yielding thread only
-//! once the others are blocked, so a yield would let every signaller finish first and
-//! hide the waiter that gives up spinning and parks; the caller's second poll of its
-//! condition is a point where loom may switch threads, which explores both a waiter that
-//! sees the condition while spinning and one that goes on to park.
+//! Under `tributary_loom` there is no clock, and a replayed execution must not depend on time.
+//! A non-zero window is one round, and the round does not yield. loom runs a yielding thread
+//! only once the others are blocked, which would hide the waiter that gives up and parks. The
+//! caller's second poll is a point where loom may switch threads, so a model explores both.
 
 use std::time::Duration;
 #[cfg(not(tributary_loom))]

@@ -1,10 +1,7 @@
-//! The CPU matmuls in their two modes ([`KernelMode`]).
-//!
-//! `Exact` keeps the summation order every backend reproduces: each output summed from
-//! zero in increasing `p`, one multiply and one add per step. `Fast` hands the product to
-//! `matrixmultiply`'s packed, cache-blocked kernels, single-threaded: the same inputs give
-//! the same bits on every run, but not the exact mode's bits (blocked sums, fused
-//! multiply-adds where the processor has them). DESIGN.md §5 says why fast is the default.
+//! The CPU matmuls in their two modes, [`KernelMode`]. See DESIGN.md §5, "The CPU's two kernel
+//! modes". `Exact` keeps the summation order every backend reproduces. `Fast` calls
+//! `matrixmultiply`'s blocked kernels on one thread. The same inputs always give the same bits,
+//! but not the exact mode's bits.
 
 use super::{check_len, product, KResult, Num, Real};
 use crate::kernels::{args::KernelArgs, KernelMode};

@@ -1,6 +1,6 @@
-//! A context's life on its device: linking a routine (the allocation decisions of
-//! DESIGN.md §3), adding arrays, and finalizing (rule 5: buffers freed once their pending
-//! uses complete).
+//! A context's life on its device: linking a routine, which decides allocations, adding
+//! arrays, and finalizing. Finalizing frees buffers once their pending uses complete, as
+//! DESIGN.md §3 rule 5 says.
 
 use std::sync::Arc;
 

@@ -1,7 +1,6 @@
-//! Device-to-device operations (rule 3), each device's half: the source's description of
-//! its buffer ([`Source`]), the destination's copy or streaming consumer, the source's
-//! record of the remote read; and [`device_to_device`], the single-owner composition of the
-//! halves.
+//! Device-to-device operations, DESIGN.md §3 rule 3, one device's half at a time. The source
+//! describes its buffer as a [`Source`] and records the remote read. The destination plans the
+//! copy or the streaming consumer. [`device_to_device`] composes the halves for one owner.
 
 use super::DeviceState;
 use crate::{

@@ -1,5 +1,5 @@
-//! Host transfers (rule 2): uploads and downloads of hosted nodes, ordered against the
-//! device's work by the buffer tables and against the host by the [`HostTable`].
+//! Host transfers of hosted nodes, DESIGN.md §3 rule 2. The buffer tables order them against
+//! the device's work, and the [`HostTable`] orders them against the host.
 
 use std::sync::Arc;
 

@@ -1,5 +1,5 @@
-//! Scheduling a routine (rule 1: RAW/WAR/WAW waits from the buffer tables; rule 4: the
-//! stream's merge-buffer slot), with the uploads of lagging hosted inputs first.
+//! Scheduling a routine: uploads of lagging hosted inputs first, then the waits of DESIGN.md
+//! §3 rule 1 and the stream's merge-buffer slot of rule 4.
 
 use std::sync::Arc;
 
