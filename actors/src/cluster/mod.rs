@@ -17,8 +17,7 @@
 //! [`Error::RankInputFailed`].
 //!
 //! After a rank fault, [`Cluster::shutdown`] waits for `MPI_Finalize` at most the deadline,
-//! then returns the fault. Launching with `OMPI_MCA_async_mpi_finalize=1` skips Open MPI's
-//! fence, so finalisation returns. DESIGN.md §9 explains the design and its costs.
+//! then returns the fault. DESIGN.md §9 explains the design and its costs.
 //!
 //! ```no_run
 //! use tributary::{collective::{ReduceOp, Strategy}, kernels, DType, MemoryMode};
