@@ -26,7 +26,7 @@
 //! | `steps.rs` (`StepCapture`), `replay.rs` (`ReplayPart`) | `steps.rs` (`SystemCapture`, replays) |
 //! | `hosted.rs` (gates) | `host_arrays.rs` (host reads and writes) |
 //! | `inbox.rs` | (the actor's mailbox is this inbox) |
-//! | `event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
+//! | `src/event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
 
 mod device;
 mod hosted;
