@@ -59,6 +59,8 @@ pub struct Engine {
     devices: Vec<DeviceState>,
     queues: Vec<Vec<Box<dyn StreamQueue>>>,
     host: HostTable,
+    /// Lists a replay fills and empties, kept so that a replay allocates none of them.
+    replay_scratch: capture::ReplayScratch,
 }
 
 impl Engine {
@@ -123,6 +125,7 @@ impl Engine {
             devices,
             queues,
             host: HostTable::default(),
+            replay_scratch: Default::default(),
         })
     }
 

@@ -46,6 +46,7 @@ mod stream;
 
 pub use config::{CpuConfig, MAX_SPIN_US, MAX_WORKERS};
 use pool::WorkerPool;
+use smallvec::SmallVec;
 use stream::StreamTask;
 
 /// The pools of one device. Looked up for every binding of every plan submitted (on the
@@ -142,7 +143,8 @@ impl Job {
 enum Job {
     Run {
         kernel: crate::kernels::Kernel,
-        args: Vec<ResolvedArg>,
+        /// Held inline up to four: resolving a plan allocates no list.
+        args: SmallVec<[ResolvedArg; 4]>,
         merge: Option<ResolvedArg>,
         /// The index values snapshotted into the plan.
         bindings: crate::kernels::Bindings,
@@ -163,7 +165,7 @@ struct Submitted {
     /// The plan's label (for a routine, its name, shared: no allocation per plan).
     plan_label: Arc<str>,
     seq: u64,
-    deps: Vec<crate::protocol::Dep>,
+    deps: crate::protocol::Deps,
     job: std::result::Result<Job, String>,
 }
 
@@ -572,7 +574,7 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             bindings,
             mode,
         } => {
-            let views = args.iter().map(view).collect();
+            let views = args.iter().map(view);
             let merge = merge.as_ref().map(view);
             // SAFETY: resolved: every view points into a live pool (`args` holds the
             // `Arc`s for the duration of the call) within bounds, and pools are aligned to

@@ -20,7 +20,7 @@ use crate::{
     ids::{DeviceId, StreamId},
     kernels::{Bindings, Kernel},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
+    protocol::{ArgBinding, Dep, DepKind, Deps, GlobalLoc, Plan, Work},
     sync::Arc as SyncArc,
 };
 
@@ -150,7 +150,7 @@ pub(crate) struct Submitted<J> {
     pub(crate) seq: u64,
     /// Bytes the work touches (for the timeline).
     pub(crate) bytes: u64,
-    pub(crate) deps: Vec<Dep>,
+    pub(crate) deps: Deps,
     /// The lowered work, or why it could not be lowered (the plan fails).
     pub(crate) job: std::result::Result<J, String>,
 }

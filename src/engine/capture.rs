@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::{Engine, MergeBufferUse};
 use crate::{
     error::{Error, Invalidation, Result},
@@ -14,8 +16,8 @@ use crate::{
     node::TensorNode,
     pending::{PendingEvent, Planned, SeqPromise},
     protocol::{
-        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, ReplayLinks, ReplayProgress,
-        ReplayRun, Routine, StepRecorder, OP_STAMPS,
+        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, ReplayLinks,
+        ReplayProgress, ReplayRun, Routine, StepRecorder, OP_STAMPS,
     },
     replay::{Edge, Step, StepBindings},
 };
@@ -136,6 +138,15 @@ impl Capture<'_> {
     }
 }
 
+/// The lists a replay fills and empties, kept between replays.
+#[derive(Default)]
+pub(super) struct ReplayScratch {
+    /// The plans of the replay in progress.
+    planned: Vec<Plan>,
+    /// Event lists of finished [`ReplayRun`]s, for the next ones.
+    events: Vec<Vec<Event>>,
+}
+
 /// The links of one replay on the engine: every edge's deferred event and answer.
 struct EngineLinks<'v> {
     values: Option<&'v [Bindings]>,
@@ -254,7 +265,7 @@ impl Engine {
 
     fn replay_values(&mut self, step: &Step, values: Option<&[Bindings]>) -> Result<Vec<Event>> {
         let inner = &step.inner;
-        let mut index = Vec::with_capacity(inner.devices.len());
+        let mut index: SmallVec<[usize; 4]> = SmallVec::new();
         for d in &inner.devices {
             let i = self
                 .device_index(d.device())
@@ -288,17 +299,21 @@ impl Engine {
             answers: vec![None; pending.len()],
             pending,
         };
-        let mut runs: Vec<Option<ReplayRun>> = inner
+        let scratch = &mut self.replay_scratch;
+        let mut runs: SmallVec<[Option<ReplayRun>; 4]> = inner
             .devices
             .iter()
-            .map(|d| Some(ReplayRun::new(d.clone(), base, host_base)))
+            .map(|d| {
+                let events = scratch.events.pop().unwrap_or_default();
+                Some(ReplayRun::with_events(d.clone(), base, host_base, events))
+            })
             .collect();
         let mut events = Vec::new();
         // Every plan is submitted once the whole step is planned, in issue order: a
         // device's template may wait for a copy another device plans later in this loop
         // (`DepRef::Remote`), and a backend (or a recorder) may need its dependencies
         // planned when it is submitted.
-        let mut planned = Vec::new();
+        let mut planned = std::mem::take(&mut self.replay_scratch.planned);
         let result = loop {
             let mut waiting = false;
             let mut progressed = false;
@@ -316,7 +331,9 @@ impl Engine {
                 match progress {
                     ReplayProgress::Done => {
                         events.extend(run.last_events());
-                        *slot = None;
+                        if let Some(run) = slot.take() {
+                            self.replay_scratch.events.push(run.into_events());
+                        }
                         progressed = true;
                     }
                     ReplayProgress::Blocked => waiting = true,
@@ -338,7 +355,9 @@ impl Engine {
         // submitted plan waits for an operation nobody will plan.
         drop(links);
         planned.sort_by_key(|p| p.issue());
-        self.submit(planned)?;
+        let submitted = self.submit(planned.drain(..));
+        self.replay_scratch.planned = planned;
+        submitted?;
         result
     }
 }

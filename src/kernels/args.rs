@@ -10,6 +10,7 @@ use std::{cell::Cell, fmt, marker::PhantomData, mem, ptr::NonNull, slice};
 
 use super::{bindings::Bindings, spec::Access};
 use crate::node::{DType, Element, Shape};
+use smallvec::SmallVec;
 
 pub use crate::param::{ArgError, ArgSlot};
 
@@ -78,11 +79,15 @@ impl BorrowFlags {
     }
 }
 
+/// Views held inline by [`KernelArgs`]: a call with up to this many arguments allocates no
+/// list for them.
+const INLINE_VIEWS: usize = 8;
+
 /// The arguments of one kernel call: typed, borrow-checked views of its buffers.
 ///
 /// `'a` is the lifetime for which the constructor's caller guarantees the memory.
 pub struct KernelArgs<'a> {
-    views: Vec<ArgView>,
+    views: SmallVec<[ArgView; INLINE_VIEWS]>,
     merge: Option<ArgView>,
     borrows: BorrowFlags,
     bindings: Bindings,
@@ -171,7 +176,8 @@ fn byte_start(ptr: Option<NonNull<u8>>) -> NonNull<u8> {
 
 impl<'a> KernelArgs<'a> {
     /// Wraps the views of one kernel call: `views` in argument order, `merge` the stream's
-    /// merge buffer when the routine reads it.
+    /// merge buffer when the routine reads it. Up to eight views are held without
+    /// allocating.
     ///
     /// Sizes, alignment, dtypes and accesses are checked again when a view is borrowed
     /// (errors, not undefined behaviour), so a malformed view is refused safely; what
@@ -187,7 +193,11 @@ impl<'a> KernelArgs<'a> {
     ///   is `Write` or `ReadWrite` (it may alias a `Read` view);
     /// - nothing else writes to any view's bytes, and nothing else reads the bytes of a
     ///   `Write` or `ReadWrite` view, while this value exists.
-    pub unsafe fn new(views: Vec<ArgView>, merge: Option<ArgView>) -> KernelArgs<'a> {
+    pub unsafe fn new(
+        views: impl IntoIterator<Item = ArgView>,
+        merge: Option<ArgView>,
+    ) -> KernelArgs<'a> {
+        let views: SmallVec<[ArgView; INLINE_VIEWS]> = views.into_iter().collect();
         let borrows = BorrowFlags::new(views.len());
         KernelArgs {
             views,

@@ -23,7 +23,7 @@ pub use host::{DeviceCopy, HostArrayObserver, HostRecord, HostTable};
 pub use merge::MergeBufferUse;
 pub use plan::OP_STAMPS;
 pub use plan::{
-    await_deps, await_deps_observed, current_issue, issue_clock, ArgBinding, Dep, DepKind,
+    await_deps, await_deps_observed, current_issue, issue_clock, ArgBinding, Dep, DepKind, Deps,
     GlobalLoc, Plan, Plans, Work,
 };
 pub(crate) use plan::{reserve_issue_stamps, set_current_issue};

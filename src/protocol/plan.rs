@@ -281,6 +281,10 @@ impl fmt::Debug for Work {
     }
 }
 
+/// The dependencies of one plan. Up to four are held inline, so most plans allocate no
+/// list for them.
+pub type Deps = smallvec::SmallVec<[Dep; 4]>;
+
 /// The plans of one operation, in issue order. Most operations make one plan, which is
 /// held inline, so issuing allocates no list.
 pub type Plans = smallvec::SmallVec<[Plan; 1]>;
@@ -325,7 +329,7 @@ pub struct Plan {
     /// What it waits for first. Every dependency is waited for, even after one failed, so
     /// that an operation completes only after all its dependencies completed: this is what
     /// makes pruning the tables sound (a completed write implies completed earlier uses).
-    pub(crate) deps: Vec<Dep>,
+    pub(crate) deps: Deps,
     /// The work.
     pub(crate) work: Work,
 }
@@ -348,12 +352,17 @@ impl Plan {
     /// - no two bindings of `work` overlap unless both only read, and every location names
     ///   a live pool of the queue's backend with the stated size in bounds;
     /// - a host array in `work` is not accessed by the caller until `event` completes.
-    pub unsafe fn from_parts(stream: StreamId, event: Event, deps: Vec<Dep>, work: Work) -> Plan {
+    pub unsafe fn from_parts(
+        stream: StreamId,
+        event: Event,
+        deps: impl IntoIterator<Item = Dep>,
+        work: Work,
+    ) -> Plan {
         Plan {
             issue: next_issue(),
             stream,
             event,
-            deps,
+            deps: deps.into_iter().collect(),
             work,
         }
     }

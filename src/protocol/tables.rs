@@ -103,7 +103,7 @@ impl Uses {
     }
 
     /// Pending uses as dependencies of the given kind, after pruning.
-    pub fn deps(&mut self, kind: DepKind, out: &mut Vec<Dep>) {
+    pub fn deps(&mut self, kind: DepKind, out: &mut impl Extend<Dep>) {
         self.prune();
         out.extend(self.events.iter().map(|e| Dep {
             event: e.clone(),
@@ -115,7 +115,7 @@ impl Uses {
     /// on `stream`, after pruning: a use on `stream` itself is ordered before it by the
     /// stream's FIFO order (a use recorded in the tables was issued earlier), and an order
     /// dependency carries no failure, so it would only cost a wait.
-    pub fn order_deps(&mut self, stream: StreamId, out: &mut Vec<Dep>) {
+    pub fn order_deps(&mut self, stream: StreamId, out: &mut impl Extend<Dep>) {
         self.prune();
         out.extend(
             self.events
@@ -146,7 +146,7 @@ pub struct BufferUses {
 
 impl BufferUses {
     /// Dependencies of an operation that reads the buffer (RAW on the last write).
-    pub fn read_deps(&mut self, out: &mut Vec<Dep>) {
+    pub fn read_deps(&mut self, out: &mut impl Extend<Dep>) {
         if mutant!("raw") {
             return;
         }
@@ -155,7 +155,7 @@ impl BufferUses {
 
     /// Dependencies of an operation on `stream` that overwrites the buffer (WAR and WAW,
     /// on other streams: see [`Uses::order_deps`]).
-    pub fn write_deps(&mut self, stream: StreamId, out: &mut Vec<Dep>) {
+    pub fn write_deps(&mut self, stream: StreamId, out: &mut impl Extend<Dep>) {
         if !mutant!("war") {
             self.readers.order_deps(stream, out);
         }

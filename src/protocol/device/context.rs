@@ -14,7 +14,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context, ContextInner, Routine, RoutineInner},
         host::HostTable,
-        plan::{ArgBinding, Plan, Plans, Work},
+        plan::{ArgBinding, Deps, Plan, Plans, Work},
         tables::BufferUses,
     },
 };
@@ -205,7 +205,7 @@ impl DeviceState {
                     issue: self.next_issue(),
                     stream,
                     event,
-                    deps: Vec::new(),
+                    deps: Deps::new(),
                     work: Work::Memset {
                         dst: self.global(alloc.loc),
                         bytes: alloc.bytes,

@@ -11,7 +11,7 @@ use crate::{
     protocol::{
         context::Context,
         host::{DeviceCopy, HostTable},
-        plan::{Dep, DepKind, GlobalLoc, Plan, Plans, Work},
+        plan::{Dep, DepKind, Deps, GlobalLoc, Plan, Plans, Work},
         tables::BufferUses,
     },
 };
@@ -29,7 +29,7 @@ pub struct Source {
     /// Its size in bytes.
     pub(crate) bytes: u64,
     /// What a reader of it must wait for (its last write).
-    pub(crate) deps: Vec<Dep>,
+    pub(crate) deps: Deps,
     /// The host version its content corresponds to (see [`HostTable`]).
     pub(crate) host_version: Option<u64>,
     /// `UninitialisedRead` when nothing has written the buffer: raised by the destination
@@ -89,7 +89,7 @@ impl DeviceState {
                 loc,
             });
         };
-        let mut deps = Vec::new();
+        let mut deps = Deps::new();
         rec.uses.read_deps(&mut deps);
         Ok(Source {
             node: node.clone(),
@@ -136,10 +136,11 @@ impl DeviceState {
             return Ok(None);
         }
         let plan = self.plan_from_host(ctx.stream(), &source.node, source.loc.loc, host)?;
-        source.deps = vec![Dep {
+        source.deps = std::iter::once(Dep {
             event: plan.event.clone(),
             kind: DepKind::Data,
-        }];
+        })
+        .collect();
         source.host_version = Some(host.version(source.node.id()));
         Ok(Some(plan))
     }

@@ -11,7 +11,7 @@ use crate::{
     protocol::{
         context::{ArrayEntry, Context},
         host::HostTable,
-        plan::{Plan, Work},
+        plan::{Deps, Plan, Work},
     },
 };
 
@@ -63,7 +63,7 @@ impl DeviceState {
         host: &mut HostTable,
     ) -> Result<Plan> {
         let hrec = host.record(node)?;
-        let mut deps = Vec::new();
+        let mut deps = Deps::new();
         // RAW on the host array (a pending to_host writes it).
         hrec.uses.read_deps(&mut deps);
         let Some(rec) = self.buffers.get_mut(&loc) else {
@@ -145,7 +145,7 @@ impl DeviceState {
                 loc,
             });
         };
-        let mut deps = Vec::new();
+        let mut deps = Deps::new();
         rec.uses.read_deps(&mut deps);
         let bytes = rec.bytes;
         let hrec = host.record(node)?;
@@ -188,7 +188,7 @@ impl DeviceState {
                 loc,
             });
         };
-        let mut deps = Vec::new();
+        let mut deps = Deps::new();
         rec.uses.read_deps(&mut deps);
         let bytes = rec.bytes;
         let event = self.issue(ctx.stream());

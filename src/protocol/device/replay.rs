@@ -25,7 +25,7 @@ use crate::{
     protocol::{
         context::{Context, Routine},
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Dep, GlobalLoc, Plan, Work},
+        plan::{ArgBinding, Dep, Deps, GlobalLoc, Plan, Work},
     },
 };
 
@@ -75,7 +75,20 @@ impl ReplayRun {
     /// A replay of `step` whose template at position `p` gets issue stamp `base + p` and
     /// host-table order `host_base + p`.
     pub fn new(step: Arc<DeviceStep>, base: u64, host_base: u64) -> ReplayRun {
-        let events = Vec::with_capacity(step.templates.len());
+        ReplayRun::with_events(step, base, host_base, Vec::new())
+    }
+
+    /// [`ReplayRun::new`] keeping this replay's events in `events` (emptied first): a list
+    /// an earlier run gave back with [`ReplayRun::into_events`], so that a replay allocates
+    /// none once the lists are as long as the step.
+    pub fn with_events(
+        step: Arc<DeviceStep>,
+        base: u64,
+        host_base: u64,
+        mut events: Vec<Event>,
+    ) -> ReplayRun {
+        events.clear();
+        events.reserve(step.templates.len());
         ReplayRun {
             step,
             base,
@@ -92,6 +105,13 @@ impl ReplayRun {
             self.base = base;
             self.host_base = host_base;
         }
+    }
+
+    /// The list of this replay's events, emptied, for [`ReplayRun::with_events`].
+    pub fn into_events(self) -> Vec<Event> {
+        let mut events = self.events;
+        events.clear();
+        events
     }
 
     /// How many of the step's actions on this device are done.
@@ -366,11 +386,11 @@ impl DeviceState {
         while let Some(&action) = step.actions.get(run.next) {
             match action {
                 Action::Answer(e, (a, b)) => {
-                    let mut deps = Vec::new();
+                    let mut deps = Deps::new();
                     for d in &step.deps[a as usize..b as usize] {
                         self.replay_dep(d, 0, run, links, &mut None, &mut deps);
                     }
-                    links.answer(e, deps);
+                    links.answer(e, deps.into_vec());
                 }
                 Action::Issue(t) => {
                     let tpl = &step.templates[t as usize];
@@ -381,7 +401,7 @@ impl DeviceState {
                             Some(answer) => Some(answer),
                         },
                     };
-                    let mut deps = Vec::with_capacity((tpl.deps.1 - tpl.deps.0) as usize);
+                    let mut deps = Deps::new();
                     for d in &step.deps[tpl.deps.0 as usize..tpl.deps.1 as usize] {
                         self.replay_dep(d, tpl.stream, run, links, &mut answered, &mut deps);
                     }
@@ -431,7 +451,7 @@ impl DeviceState {
         run: &ReplayRun,
         links: &mut dyn ReplayLinks,
         answered: &mut Option<Result<Vec<Dep>>>,
-        out: &mut Vec<Dep>,
+        out: &mut Deps,
     ) {
         match *d {
             DepRef::Local(t, kind) => {

@@ -10,7 +10,7 @@ use crate::{
     protocol::{
         context::Routine,
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Plan, Plans, Work},
+        plan::{ArgBinding, Deps, Plan, Plans, Work},
     },
 };
 
@@ -191,7 +191,7 @@ impl DeviceState {
         }
 
         // Rule 1: RAW on inputs, WAR and WAW on outputs (any stream, any device).
-        let mut deps = Vec::new();
+        let mut deps = Deps::new();
         for (p, b) in spec.params.iter().zip(args.iter()) {
             if let Some(rec) = self.buffers.get_mut(&b.loc.loc) {
                 if !matches!(p.access, Access::Write) {
