@@ -11,6 +11,7 @@ use std::{
 
 use tributary::{
     event::{Event, Timeline},
+    pending::{CellPool, PendingEvent, Planned},
     sync::{thread, Arc, UnsafeCell},
     DeviceId, Error, Failure, StreamId,
 };
@@ -273,4 +274,29 @@ fn async_vs_poison() {
         let r = h.join().unwrap();
         assert!(is_failed_with(&r, &c), "{r:?}");
     });
+}
+
+/// A pending event's cell comes back to its pool only from its last holder: the ticket
+/// waiting for its operation while the deciding thread resolves it always sees the
+/// decision, and the next operation gets an empty cell (mutant `cell_reuse`: a cell
+/// emptied while its ticket still reads it leaves the ticket waiting forever).
+#[test]
+fn pooled_cell_is_reused_only_by_its_last_holder() {
+    run_model(
+        "event::pooled_cell_is_reused_only_by_its_last_holder",
+        builder(None),
+        || {
+            let pool = CellPool::new();
+            let t = Timeline::new(sid());
+            let (ticket, promise) = PendingEvent::pooled(t.clone(), &pool);
+            let h = thread::spawn(move || promise.resolve(Planned::At(1)));
+            assert_eq!(ticket.wait_planned(None), Some(Planned::At(1)));
+            drop(ticket);
+            h.join().unwrap();
+            let (next, promise) = PendingEvent::pooled(t, &pool);
+            assert_eq!(next.planned(), None, "a reused cell starts empty");
+            promise.resolve(Planned::At(2));
+            assert_eq!(next.planned(), Some(Planned::At(2)));
+        },
+    );
 }

@@ -26,7 +26,7 @@ use crate::{
     kernels::{Bindings, RoutineSpec},
     memory::AlignedBuffer,
     node::TensorNode,
-    pending::{Oneshot, PendingEvent, SeqPromise},
+    pending::{CellPool, Oneshot, PendingEvent, SeqPromise},
     protocol::{check_streaming_placement, reserve_issue_stamps, Context, HostTable, Routine},
     replay::Edge,
     sync::{Arc, Mutex},
@@ -98,6 +98,8 @@ pub struct Dispatcher {
     nodes: NodeLocks,
     /// Statistics: fences posted as gates, and fences waited for by the host.
     fences: FenceCounts,
+    /// The cells of the pending events this dispatcher hands out, reused.
+    cells: Arc<CellPool>,
 }
 
 /// How often host-array order cost a fence (statistics, [`Dispatcher::fence_counts`]).
@@ -133,6 +135,7 @@ impl Dispatcher {
             host,
             nodes: NodeLocks::default(),
             fences: FenceCounts::default(),
+            cells: CellPool::new(),
         }
     }
 
@@ -193,7 +196,7 @@ impl Dispatcher {
     }
 
     fn pending(&self, stream: StreamId) -> Result<(PendingEvent, SeqPromise)> {
-        Ok(PendingEvent::new(self.timeline(stream)?))
+        Ok(PendingEvent::pooled(self.timeline(stream)?, &self.cells))
     }
 
     /// A pending operation on `stream` and the promise that decides it (for messages that

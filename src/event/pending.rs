@@ -20,6 +20,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
@@ -178,12 +179,64 @@ impl Planned {
     }
 }
 
+/// Cells of [`PendingEvent`]s given back for reuse, so that issuing through the actor layer
+/// allocates no cell per operation in steady state.
+///
+/// A cell comes back only from its last holder, which [`Arc::get_mut`] proves: no ticket,
+/// promise or deferred event can still read it when it is emptied for its next operation
+/// (loom model `event::pooled_cell_is_reused_only_by_its_last_holder`, mutant
+/// `cell_reuse`).
+#[derive(Debug, Default)]
+pub struct CellPool {
+    free: Mutex<Vec<Arc<Oneshot<Planned>>>>,
+}
+
+/// Cells a [`CellPool`] keeps at most; more are freed.
+const POOLED_CELLS: usize = 1024;
+
+impl CellPool {
+    /// An empty pool.
+    pub fn new() -> Arc<CellPool> {
+        Arc::new(CellPool::default())
+    }
+
+    fn take(&self) -> Arc<Oneshot<Planned>> {
+        self.free.lock().pop().unwrap_or_else(Oneshot::new)
+    }
+
+    /// Takes `cell` back if the caller holds its last reference; otherwise drops the
+    /// caller's reference.
+    fn give_back(&self, mut cell: Arc<Oneshot<Planned>>) {
+        let unique = Arc::get_mut(&mut cell).is_some() || mutant!("cell_reuse");
+        if !unique {
+            return;
+        }
+        cell.clear();
+        let mut free = self.free.lock();
+        if free.len() < POOLED_CELLS {
+            free.push(cell);
+        }
+    }
+}
+
+impl<T> Oneshot<T> {
+    /// Empties the cell for its next use (its last holder only: see [`CellPool`]).
+    fn clear(&self) {
+        let mut s = self.state.lock();
+        s.value = None;
+        s.wakers.clear();
+        s.blocked = 0;
+        self.ready.store(false, Ordering::Relaxed);
+    }
+}
+
 /// An operation that an actor will plan on a known stream; see the module documentation.
 /// Cheap to clone.
-#[derive(Clone)]
 pub struct PendingEvent {
     timeline: Arc<Timeline>,
-    cell: Arc<Oneshot<Planned>>,
+    /// Taken only by `drop`.
+    cell: ManuallyDrop<Arc<Oneshot<Planned>>>,
+    pool: Option<Arc<CellPool>>,
 }
 
 /// The deciding side of a [`PendingEvent`]: only the actor that plans the operation holds
@@ -191,18 +244,55 @@ pub struct PendingEvent {
 /// [`Error::ShutDown`].
 pub struct SeqPromise {
     cell: Option<Arc<Oneshot<Planned>>>,
+    pool: Option<Arc<CellPool>>,
+}
+
+impl Clone for PendingEvent {
+    fn clone(&self) -> PendingEvent {
+        PendingEvent {
+            timeline: self.timeline.clone(),
+            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl Drop for PendingEvent {
+    fn drop(&mut self) {
+        // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
+        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
+        if let Some(pool) = &self.pool {
+            pool.give_back(cell);
+        }
+    }
 }
 
 impl PendingEvent {
     /// A pending operation on `timeline`'s stream and the promise that decides it.
     pub(crate) fn new(timeline: Arc<Timeline>) -> (PendingEvent, SeqPromise) {
-        let cell = Oneshot::new();
+        PendingEvent::with_cell(timeline, Oneshot::new(), None)
+    }
+
+    /// [`PendingEvent::new`] with a cell from `pool`, given back to it by the last holder.
+    pub fn pooled(timeline: Arc<Timeline>, pool: &Arc<CellPool>) -> (PendingEvent, SeqPromise) {
+        PendingEvent::with_cell(timeline, pool.take(), Some(pool.clone()))
+    }
+
+    fn with_cell(
+        timeline: Arc<Timeline>,
+        cell: Arc<Oneshot<Planned>>,
+        pool: Option<Arc<CellPool>>,
+    ) -> (PendingEvent, SeqPromise) {
         (
             PendingEvent {
                 timeline,
-                cell: cell.clone(),
+                cell: ManuallyDrop::new(cell.clone()),
+                pool: pool.clone(),
             },
-            SeqPromise { cell: Some(cell) },
+            SeqPromise {
+                cell: Some(cell),
+                pool,
+            },
         )
     }
 
@@ -245,7 +335,7 @@ impl PendingEvent {
     /// is planned and complete (or refused, and everything issued before it on its stream
     /// complete).
     pub fn event(&self) -> Event {
-        Event::deferred(self.timeline.clone(), self.cell.clone())
+        Event::deferred(self.timeline.clone(), Arc::clone(&self.cell))
     }
 }
 
@@ -264,6 +354,9 @@ impl SeqPromise {
     pub fn resolve(mut self, planned: Planned) {
         if let Some(cell) = self.cell.take() {
             cell.set(planned);
+            if let Some(pool) = &self.pool {
+                pool.give_back(cell);
+            }
         }
     }
 }
@@ -275,6 +368,9 @@ impl Drop for SeqPromise {
                 MAX_SEQ,
                 Error::ShutDown("the actor stopped before planning the operation".into()),
             ));
+            if let Some(pool) = &self.pool {
+                pool.give_back(cell);
+            }
         }
     }
 }
