@@ -14,8 +14,7 @@
 #![cfg(not(tributary_loom))]
 #![allow(clippy::unwrap_used)]
 
-#[macro_use]
-mod support;
+use tributary_testkit::{for_each_backend, support};
 
 use support::{all, backend, failing, slow_copy_on, slow_fill_on, slow_fill_wgsl, Kind, N};
 use tributary::{

@@ -10,8 +10,7 @@
 
 #![cfg(not(tributary_loom))]
 
-#[macro_use]
-mod support;
+use tributary_testkit::{for_each_backend, support};
 
 use support::{backend, backend_kind, node, slow_fill_on, Kind, N};
 use tributary::{

@@ -7,10 +7,7 @@
 //! Each test launches itself under `mpirun` (`tests/cluster/mod.rs`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
 
-#[path = "../examples/data_parallel/model.rs"]
-mod model;
-
-mod cluster;
+use tributary_testkit::{cluster, cluster_test};
 
 use cluster::Launch;
 
@@ -30,7 +27,7 @@ mod bodies {
         ContextHandle, System,
     };
 
-    use super::model;
+    use tributary_testkit::model;
 
     /// A child of `ctx` in which `node` (on the device) holds `values`, written by a CPU
     /// routine.

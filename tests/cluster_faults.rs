@@ -5,7 +5,7 @@
 //! Each test launches itself under `mpirun` (`tests/cluster/mod.rs`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
 
-mod cluster;
+use tributary_testkit::{cluster, cluster_test};
 
 use cluster::Launch;
 

@@ -5,7 +5,7 @@
 //! failure under `TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK=1`, which `.ci/run` sets).
 #![cfg(not(tributary_loom))]
 
-mod support;
+use tributary_testkit::support;
 
 use support::{failing, node, shared, slow_copy_on, slow_fill_times, Kind};
 use tributary::{

@@ -1,11 +1,7 @@
 //! Multi-device merging: all-reduce strategies, bucketing, and the data-parallel training
 //! example's core (`examples/data_parallel/model.rs`).
 
-#[path = "../examples/data_parallel/model.rs"]
-mod model;
-
-#[macro_use]
-mod support;
+use tributary_testkit::{for_each_backend, model, support};
 
 use support::{backend_kind, fill_index, Kind};
 use tributary::{

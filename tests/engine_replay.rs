@@ -4,7 +4,7 @@
 //! decisions stale. (The random programs of `reliability_programs.rs` compare thousands of
 //! replayed steps with the sequential reference and check their dependency graphs.)
 
-mod support;
+use tributary_testkit::support;
 
 use support::{add_index, node, N};
 use tributary::{

@@ -2,8 +2,7 @@
 //! microseconds after their last operation, then park. Alone in its test binary, because
 //! it measures the CPU time of the whole process.
 
-#[path = "../examples/common/cpu_time.rs"]
-mod cpu_time;
+use tributary_testkit::cpu_time;
 
 use std::time::{Duration, Instant};
 

@@ -18,11 +18,8 @@
 //! whose worker died (in `reliability_faults.rs`: work scheduled there fails with the
 //! death as root cause).
 
-mod bad_input;
-mod common;
-mod support;
-
 use std::time::Duration;
+use tributary_testkit::{bad_input, common};
 
 use bad_input::{Api, Data, EngineApi, Given, MessagesApi, SystemApi};
 use common::{program::describe, watchdog::Watchdog};

@@ -8,10 +8,8 @@
 //! buffer and by streaming), updates, host reads in the middle. Devices finish in a
 //! different order every run; only program order may decide the result.
 
-mod common;
-mod support;
-
 use std::time::Duration;
+use tributary_testkit::common;
 
 use common::{
     engine_runner::EngineRunner, program::*, reference::ReferenceRunner, watchdog::Watchdog,

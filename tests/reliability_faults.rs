@@ -12,10 +12,8 @@
 //! other devices with that root cause, what it may still use is leaked, and the other
 //! device and other backends keep serving.
 
-mod common;
-mod support;
-
 use std::{sync::Arc, time::Duration};
+use tributary_testkit::{common, support};
 
 use common::watchdog::Watchdog;
 use support::{all, shared, slow_fill};

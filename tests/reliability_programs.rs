@@ -12,9 +12,6 @@
 //! with the first operation whose result differs; `TRIBUTARY_TRACE_OPS=1` prints each
 //! operation's index as the engine runner starts it (to find the one a hang is in).
 
-mod common;
-mod support;
-
 use std::{
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -22,6 +19,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tributary_testkit::{common, support};
 
 use common::{
     engine_runner::{EngineRunner, REPLAYED, REPLAYS_INVALIDATED},

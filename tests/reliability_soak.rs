@@ -6,13 +6,11 @@
 //! `TRIBUTARY_SOAK_SECS` (default 30) and `TRIBUTARY_SOAK_OPS` (default 1,000,000) bound
 //! the run, whichever comes first; `TRIBUTARY_SOAK_SEED` replays one.
 
-mod common;
-mod support;
-
 use std::{
     collections::VecDeque,
     time::{Duration, Instant},
 };
+use tributary_testkit::common;
 
 use common::{
     engine_runner::EngineRunner, env_count, program::*, reference::ReferenceRunner,

@@ -3,8 +3,7 @@
 
 #![cfg(not(tributary_loom))]
 
-#[macro_use]
-mod support;
+use tributary_testkit::{for_each_backend, support};
 
 use std::time::{Duration, Instant};
 

@@ -5,7 +5,7 @@
 //! captured steps on the system: `reliability_programs.rs`,
 //! `system_captured_steps_match_the_reference`.)
 
-mod support;
+use tributary_testkit::support;
 
 use support::{add_index, node, N};
 use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode};

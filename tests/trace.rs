@@ -9,11 +9,7 @@
 //! particular arrows holds its producer on a gate until the consumers are planned; the
 //! other checks hold for whatever the run recorded.
 
-#[path = "../examples/data_parallel/model.rs"]
-mod model;
-
-#[macro_use]
-mod support;
+use tributary_testkit::{for_each_backend, model, support};
 
 use std::{
     collections::{BTreeSet, HashMap},

@@ -1,5 +1,5 @@
 //! The CPU time this process has used, for measurements of idle CPU (the `idle_cpu`
-//! example and `tests/idle_cpu.rs` include this file with `#[path]`).
+//! example and `tests/idle_cpu.rs`).
 //!
 //! Linux only: the sum over the process's threads of the first field of
 //! `/proc/self/task/<tid>/schedstat` (nanoseconds on a CPU; sched-stats in the kernel's

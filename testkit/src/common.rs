@@ -1,8 +1,5 @@
 //! Shared code of the reliability tests (DESIGN.md §1: "randomized programs compared
 //! against a sequential reference"): programs, the reference, the generator, runners.
-//!
-//! Each test crate uses a different part of it.
-#![allow(dead_code)]
 
 pub mod engine_runner;
 pub mod generator;

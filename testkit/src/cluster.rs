@@ -1,7 +1,8 @@
-//! Runs a test body on every rank of an MPI job launched from `cargo test`.
+//! Runs a test body on every rank of an MPI job launched from `cargo test` (the cluster
+//! suite, `tests/cluster/`).
 //!
 //! A cluster test is an ordinary `#[test]`: run by the harness, it launches
-//! `mpirun -np N <this test binary> --exact <test>` for each rank count it asks for (one at
+//! `mpirun -np N <this test binary> --exact <test path>` for each rank count it asks for (one at
 //! a time, whatever the harness's threads), with `TRIBUTARY_CLUSTER_RANK_TEST=<test>` set;
 //! in those processes the same test finds the variable, starts a [`Cluster`] and runs its
 //! body as one rank. The launch passes when `mpirun` exits successfully and every rank
@@ -11,8 +12,6 @@
 //! Without the `mpi` feature or without `mpirun` the test prints
 //! `skipping MPI (<test>): <reason>` and passes, unless `TRIBUTARY_REQUIRE_MPI=1` (set by
 //! `.ci/run`), which makes that a failure.
-
-#![allow(dead_code)]
 
 use std::{
     io::Read,
@@ -201,20 +200,29 @@ pub fn run_rank(config: ClusterConfig, body: impl FnOnce(&std::sync::Arc<Cluster
     println!("rank {rank} of {size}: ok");
 }
 
+/// The test harness's name of the test `path` (a `module_path!()` and the function's name):
+/// the path without its first component, the test crate (`cluster::cluster_faults::t` is
+/// the test `cluster_faults::t`, what `--exact` selects).
+pub fn test_name(path: &str) -> &str {
+    path.split_once("::").map_or(path, |(_, rest)| rest)
+}
+
 /// A cluster test: `#[test] fn name()` that launches itself under `mpirun` with the given
-/// launches and, in each rank, runs `body(&Cluster)` on a cluster of `config`.
+/// launches and, in each rank, runs `body(&Cluster)` on a cluster of `config`. The rank
+/// processes run the test by its full path in the test binary (`module::name`).
 #[macro_export]
 macro_rules! cluster_test {
     ($name:ident, [$($launch:expr),* $(,)?], $config:expr, $body:expr) => {
         #[test]
         fn $name() {
-            let test = stringify!($name);
-            if cluster::is_rank_of(test) {
+            let test =
+                $crate::cluster::test_name(concat!(module_path!(), "::", stringify!($name)));
+            if $crate::cluster::is_rank_of(test) {
                 #[cfg(feature = "mpi")]
-                cluster::run_rank($config, $body);
+                $crate::cluster::run_rank($config, $body);
                 return;
             }
-            cluster::launch(test, &[$($launch),*]);
+            $crate::cluster::launch(test, &[$($launch),*]);
         }
     };
 }

@@ -1,12 +1,12 @@
-//! The core of the data-parallel training example, shared with its tests.
+//! The core of the data-parallel training example (`examples/data_parallel`), shared with
+//! its tests (the system suite's `data_parallel` and `trace`, the cluster suite's
+//! `cluster_collectives`).
 //!
 //! A two-layer MLP (`x W1 + b1 -> relu -> W2 + b2 -> softmax cross-entropy`) trained on a
 //! synthetic data set of Gaussian blobs. The batch is split into one shard per device;
 //! each device computes the gradients of its shard (scaled by 1/batch, so their *sum* is
 //! the full-batch gradient), the gradients are all-reduced with op `Sum`, and every device
 //! applies the same SGD step. Nothing here waits for work except reading the loss.
-
-#![allow(dead_code)]
 
 use tributary::{
     collective::{ReduceOp, Strategy, Transfer},
@@ -139,10 +139,9 @@ pub fn init_params(cfg: &ModelConfig) -> Params {
     }
 }
 
-/// The parameter and gradient nodes, shared by every device.
+/// The parameter nodes, shared by every device.
 struct Nodes {
     params: [TensorNode; 4],
-    grads: [TensorNode; 4],
 }
 
 fn f32_node(label: &str, shape: &[usize], mode: MemoryMode) -> Result<TensorNode> {
@@ -337,7 +336,7 @@ impl DataParallel {
         Ok(DataParallel {
             sys: sys.clone(),
             cfg: cfg.clone(),
-            nodes: Nodes { params, grads },
+            nodes: Nodes { params },
             replicas,
             reduce,
         })

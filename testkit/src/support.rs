@@ -12,8 +12,6 @@
 //! `scripts/gpu-check.sh`). Every GPU test that runs prints one line saying so; all these
 //! lines go straight to the process's stderr, past the test harness's output capture, so
 //! the run log shows what ran where.
-#![allow(dead_code)] // each test binary uses its own part of this module
-#![allow(unused_macros)]
 
 use std::{
     io::Write,
@@ -313,9 +311,10 @@ pub fn backend_kind(kind: Kind, devices: usize, test: &str) -> Option<BackendKin
 /// One `#[test]` per backend kind for every listed test body `fn name(kind: Kind)`:
 /// `for_each_backend!(a, b)` makes `cpu::a`, `vulkan::a`, `cuda::a`; `for_each_backend!(staging:
 /// a)` also makes `vulkan_staging::a`.
+#[macro_export]
 macro_rules! for_each_backend {
     (staging: $($name:ident),* $(,)?) => {
-        for_each_backend!($($name),*);
+        $crate::for_each_backend!($($name),*);
         mod vulkan_staging {
             $( #[test] fn $name() { super::$name($crate::support::Kind::VulkanStaging) } )*
         }
