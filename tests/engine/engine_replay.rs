@@ -1,16 +1,16 @@
 //! Step capture and replay on the engine (issue 18): a replay computes what issuing the
 //! captured calls again computes, takes new index values, and refuses — with a typed
 //! error naming what changed, and nothing planned — whatever would make the captured
-//! decisions stale. (The random programs of `reliability_programs.rs` compare thousands of
+//! decisions stale. (The random programs of `tests/reliability/reliability_programs.rs`
+//! compare thousands of
 //! replayed steps with the sequential reference and check their dependency graphs.)
-
-use tributary_testkit::support;
 
 use support::{add_index, node, N};
 use tributary::{
     kernels, protocol::Routine, Engine, EngineConfig, Error, Invalidation, MemoryMode,
     MergeBufferUse, Step,
 };
+use tributary_testkit::support;
 
 fn engine() -> Engine {
     Engine::cpu(EngineConfig::default()).expect("CPU engine")

@@ -1,13 +1,12 @@
 //! Engine tests: every rule of DESIGN.md §3 with 2 devices x 2 streams, on every backend
-//! present (`cpu::*` always, `vulkan::*` where a driver loads; see `support/mod.rs`).
+//! present (`cpu::*` always, `vulkan::*` where a driver loads; see
+//! `tributary_testkit::support`).
 //!
 //! Each race test makes the "wrong" interleaving likely by delaying one side with a slow
 //! kernel, so removing the rule under test makes the test fail (the mutation check in
 //! `loom_tests/` proves the same on the loom models, exhaustively).
 
 #![cfg(not(tributary_loom))]
-
-use tributary_testkit::{for_each_backend, support};
 
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use tributary::{
     kernels, memory::PoolConfig, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse,
     Sharing, TensorNode,
 };
+use tributary_testkit::{for_each_backend, support};
 
 /// 2 devices x 2 streams on `kind` with `pools`, or `None` when it is not available here.
 fn engine_with(kind: Kind, test: &str, pools: PoolConfig) -> Option<Engine> {
