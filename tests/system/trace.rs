@@ -9,8 +9,6 @@
 //! particular arrows holds its producer on a gate until the consumers are planned; the
 //! other checks hold for whatever the run recorded.
 
-use tributary_testkit::{for_each_backend, model, support};
-
 use std::{
     collections::{BTreeSet, HashMap},
     sync::{mpsc, Mutex},
@@ -26,6 +24,7 @@ use tributary::{
     MemoryMode, MergeBufferUse,
 };
 use tributary_actors::{StreamConfig, System};
+use tributary_testkit::{for_each_backend, model, support};
 
 for_each_backend!(
     data_parallel_training_writes_a_valid_consistent_trace,

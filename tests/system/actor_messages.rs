@@ -1,10 +1,10 @@
 //! A host that runs its own actix drives the system with the public messages alone.
 //!
-//! The bad-input table (`reliability_bad_input.rs`) shows every public message refuses
-//! misuse; this shows the public messages are enough for real work: contexts, linking,
-//! scheduling, a device-to-device merge, an all-reduce, finalizing, awaiting a stream, all
-//! sent from the host's own actix runtime to the addresses `System` hands out. (Host
-//! arrays and reads have no message: `System`'s async methods do them.)
+//! The bad-input table (`tests/reliability/reliability_bad_input.rs`) shows every public
+//! message refuses misuse; this shows the public messages are enough for real work:
+//! contexts, linking, scheduling, a device-to-device merge, an all-reduce, finalizing,
+//! awaiting a stream, all sent from the host's own actix runtime to the addresses `System`
+//! hands out. (Host arrays and reads have no message: `System`'s async methods do them.)
 
 use std::time::Duration;
 

@@ -3,8 +3,6 @@
 
 #![cfg(not(tributary_loom))]
 
-use tributary_testkit::{for_each_backend, support};
-
 use std::time::{Duration, Instant};
 
 use support::{
@@ -16,6 +14,7 @@ use tributary::{
     kernels, DType, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing,
 };
 use tributary_actors::{block_on, StreamConfig, System, SystemConfig};
+use tributary_testkit::{for_each_backend, support};
 
 const T: Duration = Duration::from_secs(20);
 

@@ -1,7 +1,5 @@
 //! Multi-device merging: all-reduce strategies, bucketing, and the data-parallel training
-//! example's core (`examples/data_parallel/model.rs`).
-
-use tributary_testkit::{for_each_backend, model, support};
+//! example's core (`tributary_testkit::model`, `testkit/src/model.rs`).
 
 use support::{backend_kind, fill_index, Kind};
 use tributary::{
@@ -11,6 +9,7 @@ use tributary::{
     DType, Error, Invalidation, MemoryMode, TensorNode,
 };
 use tributary_actors::{AllReducePlan, BucketedAllReduce, StreamConfig, System};
+use tributary_testkit::{for_each_backend, model, support};
 
 /// `devices` devices x 2 streams on `kind`, or `None` when that backend is not available.
 fn system(kind: Kind, devices: usize, test: &str) -> Option<System> {

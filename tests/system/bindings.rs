@@ -1,7 +1,7 @@
 //! Per-schedule bindings on every backend present (`cpu::*`, `vulkan::*`, `cuda::*`; see
-//! `support/mod.rs`): a routine declaring integer indices is scheduled several times with
-//! different values while its stream is held up by a slow kernel, so every plan is made
-//! before any runs; each run must see the values of its own schedule (DESIGN.md §2,
+//! `tributary_testkit::support`): a routine declaring integer indices is scheduled several
+//! times with different values while its stream is held up by a slow kernel, so every plan
+//! is made before any runs; each run must see the values of its own schedule (DESIGN.md §2,
 //! "Bindings": values are snapshotted at schedule time, never read when the kernel runs).
 //!
 //! The routine writes one element per run, chosen and computed from its values, into an
@@ -10,8 +10,6 @@
 
 #![cfg(not(tributary_loom))]
 
-use tributary_testkit::{for_each_backend, support};
-
 use support::{backend, backend_kind, node, slow_fill_on, Kind, N};
 use tributary::{
     kernels::{Access, CudaKernel, CudaScalar, IndexType, RoutineSpec, ShaderKernel},
@@ -19,6 +17,7 @@ use tributary::{
     DType, Engine, Error, MemoryMode, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
+use tributary_testkit::{for_each_backend, support};
 
 for_each_backend!(
     engine_runs_see_the_values_of_their_own_schedule,

@@ -2,14 +2,13 @@
 //! device, computes what issuing the captured calls computes, takes new index values, and
 //! is refused as a whole — every ticket failing with `ReplayInvalidated`, nothing issued on
 //! any device — when something invalidated the captured decisions. (Random programs with
-//! captured steps on the system: `reliability_programs.rs`,
+//! captured steps on the system: `tests/reliability/reliability_programs.rs`,
 //! `system_captured_steps_match_the_reference`.)
-
-use tributary_testkit::support;
 
 use support::{add_index, node, N};
 use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode};
 use tributary_actors::{RoutineHandle, System, Ticket};
+use tributary_testkit::support;
 
 fn system(devices: usize) -> System {
     System::builder()
