@@ -12,10 +12,8 @@
 //! other devices with that root cause, what it may still use is leaked, and the other
 //! device and other backends keep serving.
 
-use std::{sync::Arc, time::Duration};
-use tributary_testkit::{common, support};
-
 use common::watchdog::Watchdog;
+use std::{sync::Arc, time::Duration};
 use support::{all, shared, slow_fill};
 use tributary::{
     backend::{
@@ -28,6 +26,7 @@ use tributary::{
     DType, DeviceId, Engine, Error, Event, Failure, MemoryMode, MergeBufferUse, StreamId,
     TensorNode,
 };
+use tributary_testkit::{common, support};
 
 const N: usize = 100; // 400 bytes: not a multiple of the pool alignment
 const BOUND: Duration = Duration::from_secs(20);

@@ -9,6 +9,7 @@
 //! different order every run; only program order may decide the result.
 
 use std::time::Duration;
+
 use tributary_testkit::common;
 
 use common::{

@@ -12,15 +12,6 @@
 //! with the first operation whose result differs; `TRIBUTARY_TRACE_OPS=1` prints each
 //! operation's index as the engine runner starts it (to find the one a hang is in).
 
-use std::{
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
-    time::{Duration, Instant},
-};
-use tributary_testkit::{common, support};
-
 use common::{
     engine_runner::{EngineRunner, REPLAYED, REPLAYS_INVALIDATED},
     env_count,
@@ -33,6 +24,13 @@ use common::{
     watchdog::Watchdog,
 };
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
 use tributary::{
     backend::{
         cpu::{CpuBackend, CpuConfig},
@@ -42,6 +40,7 @@ use tributary::{
     },
     DeviceId, Engine, StreamId,
 };
+use tributary_testkit::{common, support};
 
 /// CPU programs per CI run, in total (about 30 s in a debug build on 2 cores; the 2,200
 /// Vulkan programs this adds take about 90 s on lavapipe).

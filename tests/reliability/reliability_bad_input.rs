@@ -1,10 +1,10 @@
 //! Bad input: every misuse of the public API, with the error variant it must get, against
 //! the engine, the actor system's blocking methods and the raw actor messages.
 //!
-//! The table is written once against the [`Api`] of `bad_input/` and run by three tests,
-//! one per runner. Each row runs on a fresh, quiescent [`World`]: optional set-up, then
-//! the misuse, which must fail with exactly the expected variant (one per row, or a
-//! runner's own where its API differs, e.g. a raw host writes the host value itself);
+//! The table is written once against the [`Api`] of `tributary_testkit::bad_input` and run
+//! by three tests, one per runner. Each row runs on a fresh, quiescent [`World`]: optional
+//! set-up, then the misuse, which must fail with exactly the expected variant (one per row,
+//! or a runner's own where its API differs, e.g. a raw host writes the host value itself);
 //! then nothing may have changed (memory statistics, protocol table sizes), and a probe of
 //! later operations must still work and give the right values, down to every context
 //! finalizing and memory returning to the device-wide buffers only. For the actors, that
@@ -15,14 +15,12 @@
 //!
 //! Not reachable through the engine API, so not in the table: scheduling on a shut-down
 //! system (the engine has no shutdown; dropping it leaves no handle to call), and a stream
-//! whose worker died (in `reliability_faults.rs`: work scheduled there fails with the
+//! whose worker died (in `reliability_faults`: work scheduled there fails with the
 //! death as root cause).
-
-use std::time::Duration;
-use tributary_testkit::{bad_input, common};
 
 use bad_input::{Api, Data, EngineApi, Given, MessagesApi, SystemApi};
 use common::{program::describe, watchdog::Watchdog};
+use std::time::Duration;
 use tributary::{
     collective::{AllReduceStep, Transfer},
     kernels::{self, Access, RoutineSpec},
@@ -34,6 +32,7 @@ use tributary_actors::messages::{
     AllReduce, CreateNode, Finalize, FromHost, InitFromHost, Link, RefineNode, Schedule,
     StreamLastEvent, ToHost,
 };
+use tributary_testkit::{bad_input, common};
 
 const N: usize = 100;
 

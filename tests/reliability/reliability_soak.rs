@@ -10,6 +10,7 @@ use std::{
     collections::VecDeque,
     time::{Duration, Instant},
 };
+
 use tributary_testkit::common;
 
 use common::{
