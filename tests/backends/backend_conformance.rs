@@ -3,9 +3,10 @@
 //! Mesa's lavapipe), and Vulkan again with host access to pool memory switched off (the
 //! staging path of discrete GPUs).
 //!
-//! Every test body is written once over a `Kind`; `for_each_backend!` (in `support/`) makes
-//! one `#[test]` per backend kind (`cpu::name`, `vulkan::name`, `vulkan_staging::name`);
-//! see `support/mod.rs` for skipping and `TRIBUTARY_REQUIRE_VULKAN`.
+//! Every test body is written once over a `Kind`; `for_each_backend!` (in
+//! `tributary_testkit`) makes one `#[test]` per backend kind (`cpu::name`, `vulkan::name`,
+//! `vulkan_staging::name`); see `tributary_testkit::support` for skipping and
+//! `TRIBUTARY_REQUIRE_VULKAN`.
 //!
 //! Results are compared with the CPU built-ins (`kernels::run_on_host`): bitwise for
 //! everything but `softmax_xent`, whose `exp`/`log` come from the driver (tolerances in
@@ -13,8 +14,6 @@
 
 #![cfg(not(tributary_loom))]
 #![allow(clippy::unwrap_used)]
-
-use tributary_testkit::{for_each_backend, support};
 
 use support::{all, backend, failing, slow_copy_on, slow_fill_on, slow_fill_wgsl, Kind, N};
 use tributary::{
@@ -25,6 +24,7 @@ use tributary::{
     protocol::Context,
     Bf16, DType, Engine, Error, HostedKind, MemoryMode, MergeBufferUse, Sharing, TensorNode, F16,
 };
+use tributary_testkit::{for_each_backend, support};
 
 /// An engine of 2 devices x 2 streams on `kind`.
 fn engine(kind: Kind, test: &str) -> Option<Engine> {

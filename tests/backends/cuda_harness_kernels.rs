@@ -1,17 +1,17 @@
-//! The CUDA kernels the end-to-end tests use on CUDA (`tests/support`: the slow writers and
-//! readers, the failing kernel) checked with NVRTC on any machine, so that a GPU run does not
-//! find them broken: the spinning ones compile for `compute_80`, the failing one does not,
-//! and NVRTC's log carries its message. Skips with a reason where NVRTC is missing (a
-//! failure under `TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK=1`, which `.ci/run` sets).
+//! The CUDA kernels the end-to-end tests use on CUDA (`tributary_testkit::support`: the
+//! slow writers and readers, the failing kernel) checked with NVRTC on any machine, so that
+//! a GPU run does not find them broken: the spinning ones compile for `compute_80`, the
+//! failing one does not, and NVRTC's log carries its message. Skips with a reason where
+//! NVRTC is missing (a failure under `TRIBUTARY_REQUIRE_CUDA_KERNEL_CHECK=1`, which
+//! `.ci/run` sets).
 #![cfg(not(tributary_loom))]
-
-use tributary_testkit::support;
 
 use support::{failing, node, shared, slow_copy_on, slow_fill_times, Kind};
 use tributary::{
     backend::cuda::kernels::nvrtc::{compile_to_ptx, nvrtc_available},
     kernels::{CudaSource, Kernel, RoutineSpec},
 };
+use tributary_testkit::support;
 
 fn cuda_c(spec: &RoutineSpec) -> (String, String) {
     match &spec.kernel {
