@@ -4,7 +4,7 @@
 //! across ranks; transfers between ranks; one data-parallel step on 2 ranks x 2 devices
 //! equal to one full-batch step on one device.
 //!
-//! Each test launches itself under `mpirun` (`tests/cluster/mod.rs`); without the `mpi`
+//! Each test launches itself under `mpirun` (`tributary_testkit::cluster`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
 
 use tributary_testkit::{cluster, cluster_test};

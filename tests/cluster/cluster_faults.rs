@@ -2,7 +2,7 @@
 //! dies, a rank whose input failed. Each ends in typed errors on the other ranks within
 //! the deadline, never a hang or a wrong sum, and the local system keeps serving.
 //!
-//! Each test launches itself under `mpirun` (`tests/cluster/mod.rs`); without the `mpi`
+//! Each test launches itself under `mpirun` (`tributary_testkit::cluster`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
 
 use tributary_testkit::{cluster, cluster_test};
