@@ -1,5 +1,5 @@
 //! The three ways a host reaches the protocol, behind one interface, so that the table of
-//! misuses in `reliability_bad_input.rs` is written once and run against each:
+//! misuses in `tests/reliability/reliability_bad_input.rs` is written once and run against each:
 //!
 //! - [`EngineApi`]: the single-owner `Engine`;
 //! - [`SystemApi`]: the actor system's blocking methods (`System`);
