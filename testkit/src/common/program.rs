@@ -466,6 +466,11 @@ impl Values {
         }
     }
 
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Element `i` as text.
     pub fn show(&self, i: usize) -> String {
         match self {
