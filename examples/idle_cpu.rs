@@ -7,16 +7,15 @@
 //! cargo run --release --example idle_cpu -- --seconds 5
 //! ```
 //!
-//! Process CPU time is the sum of the threads' `/proc/self/task/*/schedstat` (Linux).
-
-#[path = "common/cpu_time.rs"]
-mod cpu_time;
+//! Process CPU time is the sum of the threads' `/proc/self/task/*/schedstat` (Linux;
+//! `tributary_testkit::cpu_time`).
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tributary::{kernels, DType, MemoryMode, TensorNode};
 use tributary_actors::{StreamConfig, System};
+use tributary_testkit::cpu_time;
 
 #[derive(Parser, Debug)]
 #[command(about = "CPU used by an idle System (4 devices x 2 streams)")]

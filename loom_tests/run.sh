@@ -78,20 +78,20 @@ MUTANTS=(
 
 # Rules of the actor crate's cluster (actors/src/cluster, feature `mpi`): rule -> cargo test
 # arguments of the randomized tests that must fail against it (run with the `mpi` feature;
-# the `cluster_*` tests launch mpirun themselves). Checked only where MPI builds: without
+# the cluster suite's tests launch mpirun themselves). Checked only where MPI builds: without
 # `mpirun` the mutants of this table are reported as skipped. They build in the normal
 # target directory (only the two tributary crates rebuild for a mutant).
 CLUSTER_MUTANTS=(
   "cluster_header_check:-p tributary-actors --features mpi --lib cluster::header::tests::every_difference_is_a_mismatch_on_every_rank"
-  "cluster_catch_up:--features mpi --test cluster_faults a_failed_input_fails_that_operation_on_every_rank_and_no_more"
+  "cluster_catch_up:--features mpi --test cluster cluster_faults::a_failed_input_fails_that_operation_on_every_rank_and_no_more"
 )
 
 # Rules checked by randomized tests (no loom model reaches them: the engine's single-owner
 # paths): rule -> cargo test arguments of the tests that must fail against it. Built in the
 # normal target directory (only the engine crate and the test rebuild for a mutant).
 RANDOM_MUTANTS=(
-  "replay_entry:--test reliability_programs captured_steps_match_the_reference"
-  "replay_barrier:--test system_replay a_replay_invalidated_on_one_device_issues_nothing_on_the_others"
+  "replay_entry:--test reliability captured_steps_match_the_reference"
+  "replay_barrier:--test system system_replay::a_replay_invalidated_on_one_device_issues_nothing_on_the_others"
 )
 
 MODE="${1:-all}"

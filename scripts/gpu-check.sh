@@ -70,13 +70,16 @@ fi
 export TRIBUTARY_REQUIRE_CUDA=1
 export TRIBUTARY_PROPTEST_CASES="${TRIBUTARY_PROPTEST_CASES:-400}"
 check "library's CUDA unit tests" tests lib backend::cuda
-for suite in cuda_unavailable cuda_harness_kernels cuda_kernels; do
-  check "suite $suite" tests "$suite"
+# Each suite is one test binary (tests/<suite>/main.rs); a test's path is module::name.
+for module in cuda_unavailable cuda_harness_kernels cuda_kernels; do
+  check "backends suite: $module" tests backends "$module::"
 done
-for suite in backend_conformance engine_protocol system_e2e data_parallel trace bindings; do
+# The tests for_each_backend! makes for CUDA: <module>::cuda::<name>.
+for suite in backends engine system; do
   check "suite $suite (CUDA tests)" tests "$suite" cuda::
 done
-check "suite reliability_programs (CUDA runs)" tests reliability_programs cuda_
+check "suite reliability (reliability_programs' CUDA runs)" tests reliability \
+  reliability_programs::cuda_
 
 check "benchmark beside raw cudarc (release)" release_example cuda_bench $quick
 cuda_runners=cuda-streams,system-cuda,system-cuda-replay

@@ -13,8 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:?usage: scripts/gpu-prebuild.sh DIR}"
 target=target-gpu
-suites=(cuda_unavailable cuda_harness_kernels cuda_kernels backend_conformance engine_protocol
-  system_e2e data_parallel trace reliability_programs bindings)
+# The test binaries with CUDA tests: one per suite (tests/<suite>/main.rs).
+suites=(backends engine system reliability)
 tests=(--lib)
 for s in "${suites[@]}"; do tests+=(--test "$s"); done
 export CARGO_TERM_COLOR=never

@@ -1,14 +1,15 @@
 //! An idle `System` uses (almost) no CPU: its workers and waiters spin for a few tens of
-//! microseconds after their last operation, then park. Alone in its test binary, because
-//! it measures the CPU time of the whole process.
-
-#[path = "../examples/common/cpu_time.rs"]
-mod cpu_time;
+//! microseconds after their last operation, then park.
+//!
+//! Not in a suite (`tests/<suite>/main.rs`): alone in its own test binary, because it
+//! measures the CPU time of the whole process (`tributary_testkit::cpu_time`), which any
+//! other test running in the same process would add to.
 
 use std::time::{Duration, Instant};
 
 use tributary::{kernels, DType, MemoryMode, TensorNode};
 use tributary_actors::{StreamConfig, System};
+use tributary_testkit::cpu_time;
 
 /// CPU used by the process while this thread sleeps for `wall`.
 fn cpu_while_sleeping(wall: Duration) -> Option<Duration> {

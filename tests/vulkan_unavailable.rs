@@ -1,6 +1,10 @@
 //! Without a usable Vulkan driver the backend is unavailable as a value, never a panic: at
-//! the backend, through `BackendKind`, and through `System`. (Its own test binary: it points
-//! the Vulkan loader at a driver manifest that does not exist, for this process only.)
+//! the backend, through `BackendKind`, and through `System`.
+//!
+//! Not in the backends suite (`tests/backends/`): alone in its own test binary, because it
+//! points the Vulkan loader at a driver manifest that does not exist (`VK_ICD_FILENAMES`,
+//! set for the whole process), which would make every Vulkan test of a shared binary
+//! unavailable, or fail under `TRIBUTARY_REQUIRE_VULKAN=1`.
 #![cfg(not(tributary_loom))]
 
 use tributary::{

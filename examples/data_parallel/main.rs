@@ -20,7 +20,6 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-mod model;
 
 use std::{error::Error, process::ExitCode, time::Instant};
 
@@ -28,6 +27,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tributary::{backend::cpu::CpuConfig, collective::Strategy, kernels::KernelMode};
 use tributary_actors::{StreamConfig, System};
+use tributary_testkit::model;
 
 use common::BackendArg;
 

@@ -1,0 +1,470 @@
+//! Collectives across MPI ranks (`tributary_actors::cluster`, feature `mpi`): hierarchical
+//! all-reduces of random sizes (1 element to 16 MiB), dtypes, strategies and cross-rank
+//! algorithms against a sequential reference on every rank; replicas bitwise identical
+//! across ranks; transfers between ranks; one data-parallel step on 2 ranks x 2 devices
+//! equal to one full-batch step on one device.
+//!
+//! Each test launches itself under `mpirun` (`tributary_testkit::cluster`); without the `mpi`
+//! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
+
+use tributary_testkit::{cluster, cluster_test};
+
+use cluster::Launch;
+
+#[cfg(feature = "mpi")]
+mod bodies {
+    use std::{sync::Arc, time::Duration};
+
+    use tributary::{
+        backend::cpu::CpuConfig,
+        collective::{ReduceOp, Strategy},
+        half::{bf16, f16},
+        kernels::{self, KernelMode},
+        DType, Element, MemoryMode, TensorNode,
+    };
+    use tributary_actors::{
+        cluster::{Cluster, ClusterConfig, CrossRankAlgorithm},
+        ContextHandle, System,
+    };
+
+    use tributary_testkit::model;
+
+    /// A child of `ctx` in which `node` (on the device) holds `values`, written by a CPU
+    /// routine.
+    pub fn init<T: Element + Copy + Send + Sync + 'static>(
+        ctx: ContextHandle,
+        node: &TensorNode,
+        values: &[T],
+    ) -> tributary::Result<ContextHandle> {
+        let values = values.to_vec();
+        let r = ctx.link(tributary::kernels::RoutineSpec::custom(
+            format!("init({})", node.label()),
+            vec![(node.clone(), tributary::kernels::Access::Write)],
+            None,
+            move |args| {
+                args.output::<T>(0)?.copy_from_slice(&values);
+                Ok(())
+            },
+        )?)?;
+        r.schedule()?;
+        Ok(r.context())
+    }
+
+    pub fn config(devices: usize, algorithm: CrossRankAlgorithm) -> ClusterConfig {
+        let mut c = ClusterConfig::default();
+        c.cpu_devices = devices;
+        c.algorithm = algorithm;
+        c.deadline = Duration::from_secs(60);
+        // The exact kernel mode: `data_parallel_step` compares the replicas with a
+        // full-batch step on one device, whose sums differ from the sharded ones only by
+        // their order there (the fast mode's blocked matmuls add their own rounding).
+        c.kernel_mode = KernelMode::Exact;
+        c
+    }
+
+    /// The value every (rank, device) holds at element `i`: small integers, so that sums
+    /// (and means over a power of two) are exact in every dtype whatever the order.
+    fn value(case: usize, rank: usize, device: usize, i: usize) -> f64 {
+        ((case * 3 + rank * 5 + device * 7 + i) % 5) as f64
+    }
+
+    fn check<T>(got: &[T], want: &[f64], to: impl Fn(f64) -> T, what: &str)
+    where
+        T: Element + Copy + PartialEq + std::fmt::Debug,
+    {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(*g, to(*w), "{what}: element {i}");
+        }
+    }
+
+    /// A SplitMix64 stream: the same on every rank (the cases must be the same).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+    }
+
+    /// Random cases: sizes log-uniform from 1 element to 16 MiB (the first case 1
+    /// element, the last 16 MiB), every dtype, strategy, op; each checked on every context
+    /// of every rank against the sequential sum of every (rank, device) contribution.
+    pub fn random_all_reduces(cluster: &Arc<Cluster>) {
+        let seed = std::env::var("TRIBUTARY_CLUSTER_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0x5eed);
+        let mut rng = Rng(seed);
+        let (rank, ranks) = (cluster.rank(), cluster.size());
+        let devices = cluster.devices_per_rank()[rank];
+        let total: usize = cluster.devices_per_rank().iter().sum();
+        let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16];
+        let cases = 14;
+        for case in 0..cases {
+            let dtype = dtypes[(rng.next() % 4) as usize];
+            let bytes: usize = match case {
+                0 => dtype.size_in_bytes(),
+                c if c == cases - 1 => 16 << 20,
+                _ => {
+                    let log = (rng.next() % 2400) as f64 / 100.0; // 2^0 .. 2^24 bytes
+                    (2f64.powf(log) as usize).max(dtype.size_in_bytes())
+                }
+            };
+            let n = (bytes / dtype.size_in_bytes()).max(1);
+            let strategy = Strategy::ALL[(rng.next() % 3) as usize];
+            // The mean divides by the number of contexts: exact when it is a power of two.
+            let op = if total.is_power_of_two() && rng.next() % 2 == 0 {
+                ReduceOp::Mean
+            } else {
+                ReduceOp::Sum
+            };
+            let node = TensorNode::new(format!("g{case}"), dtype, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node");
+            let mut contexts: Vec<ContextHandle> = Vec::new();
+            for d in 0..devices {
+                let values: Vec<f64> = (0..n).map(|i| value(case, rank, d, i)).collect();
+                let ctx = cluster.context(d, 0).expect("context");
+                let ctx = match dtype {
+                    DType::F32 => init(
+                        ctx,
+                        &node,
+                        &values.iter().map(|v| *v as f32).collect::<Vec<_>>(),
+                    ),
+                    DType::F64 => init(ctx, &node, &values),
+                    DType::F16 => init(
+                        ctx,
+                        &node,
+                        &values.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>(),
+                    ),
+                    _ => init(
+                        ctx,
+                        &node,
+                        &values
+                            .iter()
+                            .map(|v| bf16::from_f64(*v))
+                            .collect::<Vec<_>>(),
+                    ),
+                }
+                .expect("init");
+                contexts.push(ctx);
+            }
+            let plan = cluster
+                .all_reduce_plan(std::slice::from_ref(&node), &contexts, op, strategy)
+                .expect("plan");
+            plan.run().expect("run").wait().expect("all-reduce");
+            let want: Vec<f64> = (0..n)
+                .map(|i| {
+                    let mut sum = 0.0;
+                    for r in 0..ranks {
+                        for d in 0..cluster.devices_per_rank()[r] {
+                            sum += value(case, r, d, i);
+                        }
+                    }
+                    if op == ReduceOp::Mean {
+                        sum / total as f64
+                    } else {
+                        sum
+                    }
+                })
+                .collect();
+            let what = format!("case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank}");
+            for ctx in &contexts {
+                match dtype {
+                    DType::F32 => check(
+                        &ctx.read::<f32>(&node).expect("read"),
+                        &want,
+                        |v| v as f32,
+                        &what,
+                    ),
+                    DType::F64 => {
+                        check(&ctx.read::<f64>(&node).expect("read"), &want, |v| v, &what)
+                    }
+                    DType::F16 => check(
+                        &ctx.read::<f16>(&node).expect("read"),
+                        &want,
+                        f16::from_f64,
+                        &what,
+                    ),
+                    _ => check(
+                        &ctx.read::<bf16>(&node).expect("read"),
+                        &want,
+                        bf16::from_f64,
+                        &what,
+                    ),
+                }
+            }
+            plan.finalize().expect("finalize");
+            for ctx in contexts {
+                ctx.finalize().expect("finalize");
+            }
+            println!("rank {rank}: {what} ok");
+        }
+    }
+
+    /// Random floats (sums not exact): every context of every rank holds the same bits
+    /// (rank 0 sends its result to every rank, which compares).
+    pub fn replicas_bitwise_identical(cluster: &Arc<Cluster>) {
+        let rank = cluster.rank();
+        let devices = cluster.devices_per_rank()[rank];
+        for (case, n) in [(0u64, 3usize), (1, 5000), (2, 300_000)] {
+            let node = TensorNode::new(format!("w{case}"), DType::F32, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node");
+            let mut contexts = Vec::new();
+            for d in 0..devices {
+                let mut rng = Rng((rank * 100 + d) as u64 + case);
+                let values: Vec<f32> = (0..n).map(|_| (rng.next() >> 40) as f32 / 7.0e5).collect();
+                let ctx = cluster.context(d, 0).expect("ctx");
+                contexts.push(init(ctx, &node, &values).expect("init"));
+            }
+            cluster
+                .all_reduce(
+                    std::slice::from_ref(&node),
+                    &contexts,
+                    ReduceOp::Mean,
+                    Strategy::Tree,
+                )
+                .expect("all-reduce");
+            let mine: Vec<f32> = contexts[0].read(&node).expect("read");
+            for ctx in &contexts[1..] {
+                assert_eq!(
+                    ctx.read::<f32>(&node).expect("read"),
+                    mine,
+                    "devices differ"
+                );
+            }
+            if rank == 0 {
+                for to in 1..cluster.size() {
+                    cluster
+                        .send(&node, &contexts[0], to)
+                        .expect("send")
+                        .wait()
+                        .expect("sent");
+                }
+                continue;
+            }
+            // Another node object with the same label, shape and dtype (what transfers
+            // compare), to receive rank 0's bits into.
+            let theirs_node = TensorNode::new(format!("w{case}"), DType::F32, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node");
+            let holder = init(
+                cluster.context(0, 0).expect("ctx"),
+                &theirs_node,
+                &vec![0f32; n],
+            )
+            .expect("init");
+            cluster
+                .recv(&theirs_node, &holder, 0)
+                .expect("recv")
+                .wait()
+                .expect("received");
+            let theirs: Vec<f32> = holder.read(&theirs_node).expect("read");
+            assert!(
+                theirs
+                    .iter()
+                    .zip(&mine)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}'s result differs from rank 0's (case {case})"
+            );
+        }
+    }
+
+    /// Rank r sends a node to r + 1 and receives one from r - 1 (a ring of transfers; the
+    /// even ranks send first, so blocking transfers cannot wait on each other in a cycle).
+    pub fn ring_of_transfers(cluster: &Arc<Cluster>) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let node = TensorNode::new("msg", DType::F64, [1000])
+            .with_mode(MemoryMode::on_device())
+            .expect("node");
+        let mine: Vec<f64> = (0..1000).map(|i| (rank * 1000 + i) as f64).collect();
+        let src = init(
+            cluster
+                .context(1 % cluster.devices_per_rank()[rank], 0)
+                .expect("ctx"),
+            &node,
+            &mine,
+        )
+        .expect("init");
+        let dst = init(
+            cluster.context(0, 0).expect("ctx"),
+            &node,
+            &vec![0f64; 1000],
+        )
+        .expect("init");
+        let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
+        let (a, b) = if rank % 2 == 0 {
+            (
+                cluster.send(&node, &src, to).expect("send"),
+                cluster.recv(&node, &dst, from).expect("recv"),
+            )
+        } else {
+            let b = cluster.recv(&node, &dst, from).expect("recv");
+            (cluster.send(&node, &src, to).expect("send"), b)
+        };
+        a.wait().expect("sent");
+        b.wait().expect("received");
+        let want: Vec<f64> = (0..1000).map(|i| (from * 1000 + i) as f64).collect();
+        assert_eq!(dst.read::<f64>(&node).expect("read"), want);
+        // A compute routine reading the received node waits for the transfer by itself.
+        let doubled = TensorNode::new("msg2", DType::F64, [1000])
+            .with_mode(MemoryMode::on_device())
+            .expect("node");
+        let r = dst
+            .link(kernels::scale(&doubled, &node, 2.0).expect("spec"))
+            .expect("link");
+        r.schedule().expect("schedule");
+        let want2: Vec<f64> = want.iter().map(|v| v * 2.0).collect();
+        assert_eq!(r.context().read::<f64>(&doubled).expect("read"), want2);
+    }
+
+    /// A bucketed all-reduce of ten small gradients (several per bucket) sums every
+    /// replica of every rank into every gradient of every context.
+    pub fn bucketed_all_reduce(cluster: &Arc<Cluster>) {
+        let (rank, devices) = (cluster.rank(), cluster.devices_per_rank()[cluster.rank()]);
+        let grads: Vec<TensorNode> = (0..10)
+            .map(|c| {
+                TensorNode::new(format!("g{c}"), DType::F32, [3 + c % 4])
+                    .with_mode(MemoryMode::on_device())
+                    .expect("node")
+            })
+            .collect();
+        // Replica (rank, d) holds (rank * devices + d + 1) * 10 + c in gradient c.
+        let value = |r: usize, d: usize, c: usize| ((r * devices + d + 1) * 10 + c) as f32;
+        let contexts: Vec<ContextHandle> = (0..devices)
+            .map(|d| {
+                let mut ctx = cluster.context(d, 0).expect("ctx");
+                for (c, g) in grads.iter().enumerate() {
+                    ctx = init(ctx, g, &vec![value(rank, d, c); g.numel()]).expect("init");
+                }
+                ctx
+            })
+            .collect();
+        let plan = cluster
+            .bucketed_all_reduce(&grads, &contexts, ReduceOp::Sum, Strategy::Tree, 64)
+            .expect("plan");
+        assert!(plan.bucket_count() > 1 && plan.bucket_count() < grads.len());
+        plan.run().expect("issued").wait().expect("all-reduced");
+        for (c, g) in grads.iter().enumerate() {
+            let want: f32 = (0..cluster.size())
+                .flat_map(|r| (0..devices).map(move |d| (r, d)))
+                .map(|(r, d)| value(r, d, c))
+                .sum();
+            for ctx in plan.contexts() {
+                assert_eq!(
+                    cluster.system().read::<f32>(ctx, g).expect("read"),
+                    vec![want; g.numel()],
+                    "rank {rank}, gradient {c}"
+                );
+            }
+        }
+        plan.finalize().expect("finalize");
+    }
+
+    /// One data-parallel step on every device of every rank equals one full-batch step on
+    /// one device (within 1e-5 relative); the replicas are bitwise identical everywhere.
+    pub fn data_parallel_step(cluster: &Arc<Cluster>) {
+        let cfg = model::ModelConfig {
+            samples: 90,
+            ..Default::default()
+        };
+        let data = model::make_data(&cfg);
+        let init = model::init_params(&cfg);
+        let single_sys = System::builder()
+            .cpu_devices(1)
+            .cpu(CpuConfig::default().with_kernel_mode(KernelMode::Exact))
+            .spawn()
+            .expect("system");
+        let single = model::DataParallel::new(&single_sys, &cfg, 1, &data, &init, Strategy::Star)
+            .expect("single");
+        single.step().expect("step");
+        let reference = single.params(0).expect("params");
+        single_sys.shutdown().expect("shutdown");
+        assert_ne!(reference, init, "the step changed nothing");
+        let dp =
+            model::DataParallel::on_cluster(cluster.clone(), &cfg, &data, &init, Strategy::Tree)
+                .expect("on the cluster");
+        dp.step().expect("step");
+        let params = dp.params(0).expect("params");
+        for i in 1..dp.replicas() {
+            assert_eq!(dp.params(i).expect("params"), params, "replica {i} differs");
+        }
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                let scale = x.abs().max(y.abs()).max(1e-3);
+                assert!(
+                    (x - y).abs() <= 1e-5 * scale,
+                    "{what}[{i}]: {x} vs {y} (full batch)"
+                );
+            }
+        };
+        close(&params.w1, &reference.w1, "w1");
+        close(&params.b1, &reference.b1, "b1");
+        close(&params.w2, &reference.w2, "w2");
+        close(&params.b2, &reference.b2, "b2");
+        // Bitwise the same on every rank: a digest of the bits, summed across ranks, is the
+        // number of ranks times this rank's.
+        let digest = params
+            .w1
+            .iter()
+            .chain(&params.b1)
+            .chain(&params.w2)
+            .chain(&params.b2)
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+                (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
+            });
+        let parts = [
+            (digest >> 40) as f64,
+            ((digest >> 20) & 0xfffff) as f64,
+            (digest & 0xfffff) as f64,
+        ];
+        let sums = cluster.sum_host(&parts).expect("sum");
+        let n = cluster.size() as f64;
+        assert_eq!(
+            sums,
+            parts.iter().map(|p| p * n).collect::<Vec<_>>(),
+            "ranks hold different parameters"
+        );
+        assert!(dp.loss().expect("loss").is_finite());
+    }
+}
+
+cluster_test!(
+    random_all_reduces_match_the_sequential_sum,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::random_all_reduces
+);
+
+cluster_test!(
+    replicas_are_bitwise_identical_across_ranks,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::replicas_bitwise_identical
+);
+
+cluster_test!(
+    transfers_between_ranks,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::ring_of_transfers
+);
+
+cluster_test!(
+    one_data_parallel_step_on_two_ranks_equals_one_full_batch_step,
+    [Launch::ranks(2)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::data_parallel_step
+);
+
+cluster_test!(
+    bucketed_all_reduce_sums_every_gradient_of_every_rank,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::bucketed_all_reduce
+);
