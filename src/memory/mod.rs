@@ -23,7 +23,7 @@
 //! A merge buffer is a pool of its own, with one tenant at offset 0. It grows into a new pool
 //! at least twice the size, and the old pool is released after its `retire` events.
 //!
-//! Invariants, checked by `tests/pool_props.rs`: live allocations never overlap, respect their
+//! Invariants, checked by `tests/engine/pool_props.rs`: live allocations never overlap, respect their
 //! alignment and lie inside their pool. `reserved_bytes` is the sum of pool capacities and
 //! equals `live + free + pending`. Nothing pending goes to a stream while an unfinished event
 //! of another stream touches it.

@@ -13,7 +13,7 @@
 //! the programs include no header. `softmax_xent` uses CUDA's `expf`/`logf`, within a few ulp
 //! of Rust's, and sums the rows' losses in another order than the CPU.
 //!
-//! `tests/cuda_kernels.rs` also builds these programs for the host with a C++ compiler, the
+//! `tests/backends/cuda_kernels.rs` also builds these programs for the host with a C++ compiler, the
 //! intrinsics shimmed as IEEE operations. It compares every built-in with the CPU backend
 //! without a GPU.
 
