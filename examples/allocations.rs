@@ -13,62 +13,27 @@
 //! the actors' threads included) over `n` routines and their completion (`sync`), and
 //! divides by `n`. A routine is a CPU closure writing one `i32`.
 
-use std::{
-    alloc::{GlobalAlloc, Layout, System as SystemAlloc},
-    sync::atomic::{AtomicU64, Ordering},
-};
-
 use tributary::{
     kernels::{Access, RoutineSpec},
     protocol::Routine,
     DType, Engine, EngineConfig, MemoryMode, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
-
-/// The system allocator, counting allocations.
-struct Counting;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: every method forwards to the system allocator with the caller's arguments, so
-// the `GlobalAlloc` contract holds as it does for `System`; counting touches no memory.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: forwarded unchanged (this method's contract).
-        unsafe { SystemAlloc.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { SystemAlloc.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { SystemAlloc.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded unchanged.
-        unsafe { SystemAlloc.dealloc(ptr, layout) }
-    }
-}
+use tributary_testkit::alloc_count::{allocations, Counting};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Allocations per routine of `run(n)` after `run(n / 4)` warmed up.
+/// Allocations per routine of `run(n)` after a first `run(n)` warmed up (the same burst,
+/// so that queues and pools have grown to what it needs).
 fn per_routine(
     n: u64,
     mut run: impl FnMut(u64) -> tributary::Result<()>,
 ) -> tributary::Result<f64> {
-    run((n / 4).max(1))?;
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
     run(n)?;
-    Ok((ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / n as f64)
+    let before = allocations();
+    run(n)?;
+    Ok((allocations() - before) as f64 / n as f64)
 }
 
 fn spec() -> tributary::Result<RoutineSpec> {

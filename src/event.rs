@@ -122,6 +122,60 @@ impl EventStatus {
 }
 
 /// State behind the timeline's mutex.
+/// A map kept as a vector sorted by key. A timeline has few waiters at a time, and a
+/// vector keeps its capacity: registering and waking them allocates nothing once it has
+/// grown (a `BTreeMap` allocates a node whenever it goes from empty to one entry).
+#[derive(Debug)]
+struct SortedMap<K, V>(Vec<(K, V)>);
+
+impl<K, V> Default for SortedMap<K, V> {
+    fn default() -> Self {
+        SortedMap(Vec::new())
+    }
+}
+
+impl<K: Ord + Copy, V> SortedMap<K, V> {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn first_key(&self) -> Option<K> {
+        self.0.first().map(|(k, _)| *k)
+    }
+
+    fn position(&self, key: &K) -> Result<usize, usize> {
+        self.0.binary_search_by(|(k, _)| k.cmp(key))
+    }
+
+    fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        let i = self.position(key).ok()?;
+        Some(&mut self.0[i].1)
+    }
+
+    /// The value of `key`, inserted from `make` when absent.
+    fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> V) -> &mut V {
+        let i = match self.position(&key) {
+            Ok(i) => i,
+            Err(i) => {
+                self.0.insert(i, (key, make()));
+                i
+            }
+        };
+        &mut self.0[i].1
+    }
+
+    fn remove(&mut self, key: &K) -> Option<V> {
+        let i = self.position(key).ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    /// Moves the values of every key below `bound` (all of them for `None`) into `out`.
+    fn take_below(&mut self, bound: Option<&K>, out: &mut impl Extend<V>) {
+        let end = bound.map_or(self.0.len(), |b| self.0.partition_point(|(k, _)| k < b));
+        out.extend(self.0.drain(..end).map(|(_, v)| v));
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     /// Root causes of failed operations, by sequence number. Holds only failed operations.
@@ -130,9 +184,9 @@ struct Inner {
     poison: Option<(u64, StdArc<Failure>)>,
     /// Threads blocked in a wait, counted by the sequence number each waits for: a signal
     /// that decides none of them wakes nobody (no system call).
-    blocked: BTreeMap<u64, usize>,
+    blocked: SortedMap<u64, usize>,
     /// Registered async waiters, by (sequence number, registration id).
-    wakers: BTreeMap<(u64, u64), Waker>,
+    wakers: SortedMap<(u64, u64), Waker>,
     /// Next registration id for `wakers`.
     next_waker_id: u64,
 }
@@ -451,17 +505,19 @@ impl Timeline {
 
     /// Wakes the blocked threads and takes out the wakers whose event is decided, to be
     /// woken once the lock is released. Called with the lock held.
-    fn wake_locked(&self, inner: &mut Inner) -> Vec<Waker> {
+    fn wake_locked(&self, inner: &mut Inner) -> ReadyWakers {
         // Relaxed: only decides which wakers to take out; a woken future re-checks with an
         // Acquire load. Reads at least the value this thread just wrote (coherence).
         let word = self.word.load(Ordering::Relaxed);
-        let ready = if inner.poison.is_some() {
+        let mut ready = ReadyWakers::new();
+        if inner.poison.is_some() {
             // Every pending sequence number is decided now (failed).
-            std::mem::take(&mut inner.wakers)
+            inner.wakers.take_below(None, &mut ready);
         } else {
-            let pending = inner.wakers.split_off(&(counter(word) + 1, 0));
-            std::mem::replace(&mut inner.wakers, pending)
-        };
+            inner
+                .wakers
+                .take_below(Some(&(counter(word) + 1, 0)), &mut ready);
+        }
         // Wake the blocked threads only if the lowest number one of them waits for is
         // decided now (all of them when poisoned): a thread woken for nothing would cost
         // a system call here and a context switch there, for every operation completed
@@ -474,11 +530,11 @@ impl Timeline {
                     counter(word) >= lowest
                 }
         };
-        if inner.blocked.keys().next().is_some_and(decided) {
+        if inner.blocked.first_key().as_ref().is_some_and(decided) {
             self.cond.notify_all();
         }
         self.clear_waiters_if_idle(inner);
-        ready.into_values().collect()
+        ready
     }
 
     fn wait_until(&self, seq: u64, deadline: Option<Instant>, after: Duration) -> Result<()> {
@@ -489,7 +545,7 @@ impl Timeline {
             return result;
         }
         let mut inner = self.inner.lock();
-        *inner.blocked.entry(seq).or_insert(0) += 1;
+        *inner.blocked.get_or_insert_with(seq, || 0) += 1;
         self.announce_waiter();
         let result = loop {
             if let Some(result) = self.status_locked(seq, &inner).into_result() {
@@ -509,11 +565,10 @@ impl Timeline {
                 }
             };
         };
-        if let std::collections::btree_map::Entry::Occupied(mut waiting) = inner.blocked.entry(seq)
-        {
-            *waiting.get_mut() -= 1;
-            if *waiting.get() == 0 {
-                waiting.remove();
+        if let Some(waiting) = inner.blocked.get_mut(&seq) {
+            *waiting -= 1;
+            if *waiting == 0 {
+                inner.blocked.remove(&seq);
             }
         }
         self.clear_waiters_if_idle(&inner);
@@ -527,9 +582,12 @@ fn clamp(seq: u64) -> u64 {
     seq.min(MAX_SEQ)
 }
 
+/// Wakers taken out under the lock to be woken after it: a few inline.
+type ReadyWakers = smallvec::SmallVec<[Waker; 4]>;
+
 /// Wakes wakers taken out under the lock, after it was released (a waker may run code that
 /// takes the lock again).
-fn wake_all(wakers: Vec<Waker>) {
+fn wake_all(wakers: ReadyWakers) {
     for waker in wakers {
         waker.wake();
     }
@@ -793,15 +851,11 @@ impl Future for EventFuture {
             }
         };
         // Store (or refresh) the waker; it may have been taken out by a wake-up already.
-        match inner.wakers.entry((seq, id)) {
-            std::collections::btree_map::Entry::Occupied(mut entry) => {
-                if !entry.get().will_wake(cx.waker()) {
-                    entry.insert(cx.waker().clone());
-                }
-            }
-            std::collections::btree_map::Entry::Vacant(entry) => {
-                entry.insert(cx.waker().clone());
-            }
+        let stored = inner
+            .wakers
+            .get_or_insert_with((seq, id), || cx.waker().clone());
+        if !stored.will_wake(cx.waker()) {
+            *stored = cx.waker().clone();
         }
         Poll::Pending
     }

@@ -192,7 +192,7 @@ pub struct CellPool {
 }
 
 /// Cells a [`CellPool`] keeps at most; more are freed.
-const POOLED_CELLS: usize = 1024;
+const POOLED_CELLS: usize = 8192;
 
 impl CellPool {
     /// An empty pool.

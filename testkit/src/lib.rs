@@ -8,12 +8,15 @@
 //! - [`cluster`]: the MPI launch harness of the cluster suite and [`cluster_test!`];
 //! - [`model`]: the data-parallel MLP of `examples/data_parallel` and its tests;
 //! - [`cpu_time`]: the CPU time of this process (`examples/idle_cpu.rs`,
-//!   `tests/idle_cpu.rs`).
+//!   `tests/idle_cpu.rs`);
+//! - [`alloc_count`]: a global allocator counting heap allocations (`examples/allocations.rs`,
+//!   `tests/allocations.rs`).
 
 // Test support, not an API: items carry docs where their names do not say it all (many of
 // the reliability programs' fields and variants do not).
 #![allow(missing_docs)]
 
+pub mod alloc_count;
 pub mod bad_input;
 pub mod cluster;
 pub mod common;
