@@ -7,5 +7,5 @@ use tributary::{
 fn main() {
     let stream = StreamId { device: DeviceId(0), index: 0 };
     let event = Event::new(Timeline::new(stream), 1);
-    let _plan = Plan { stream, event, deps: Vec::new(), work: Work::Marker };
+    let _plan = Plan { stream, event, deps: Default::default(), work: Work::Marker };
 }
