@@ -172,6 +172,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A GPU backend's names: in its failures, and in its stream threads' names.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BackendNames {
+    /// The backend's name (in a panicked thread's failure), e.g. "Vulkan".
+    pub(crate) backend: &'static str,
+    /// The prefix of its threads' names, e.g. "vk": `tributary-vk-{stream}`.
+    pub(crate) threads: &'static str,
+}
+
 /// The sending side of a stream's submit thread, and the stream's threads.
 pub(crate) struct SubmitChannel<J> {
     stream: StreamId,
@@ -183,19 +192,20 @@ pub(crate) struct SubmitChannel<J> {
 }
 
 impl<J: Send + 'static> SubmitChannel<J> {
-    /// Starts a stream's threads: `completion` (named `tributary-{prefix}-done-{stream}`)
-    /// first, then `submit` (`tributary-{prefix}-{stream}`) with the receiving side of the
-    /// channel. If the submit thread cannot start, its closure is dropped (closing whatever
-    /// it held for the completion thread, which then ends) and the completion thread is
-    /// joined before the error returns.
+    /// Starts the threads of the stream `timeline` completes: `completion` (named
+    /// `tributary-{threads}-done-{stream}`) first, then `submit`
+    /// (`tributary-{threads}-{stream}`) with the receiving side of the channel. If the
+    /// submit thread cannot start, its closure is dropped (closing whatever it held for the
+    /// completion thread, which then ends) and the completion thread is joined before the
+    /// error returns.
     pub(crate) fn start(
-        stream: StreamId,
         timeline: SyncArc<Timeline>,
-        backend: &'static str,
-        prefix: &str,
+        names: BackendNames,
         submit: impl FnOnce(Receiver<Submitted<J>>) + Send + 'static,
         completion: impl FnOnce() + Send + 'static,
     ) -> std::result::Result<SubmitChannel<J>, DeviceError> {
+        let stream = timeline.stream();
+        let prefix = names.threads;
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name)
@@ -222,7 +232,7 @@ impl<J: Send + 'static> SubmitChannel<J> {
             timeline,
             tx: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![submitting, done]),
-            backend,
+            backend: names.backend,
         })
     }
 
@@ -393,7 +403,8 @@ impl<D: Clone> Decisions<D> {
 /// Receives the next item, polling for `window` before parking: a stream thread that just
 /// handled an operation is likely to get the next one soon, and a futex wake-up costs
 /// several microseconds (the CPU backend's workers spin for the same reason). `Err` once
-/// the channel is closed and empty.
+/// the channel is closed and empty. Only the CUDA stream's threads use it so far.
+#[cfg(feature = "cuda")]
 pub(crate) fn recv_spinning<T>(
     rx: &Receiver<T>,
     window: Duration,

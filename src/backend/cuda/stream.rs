@@ -34,7 +34,7 @@ use super::{
 };
 use crate::{
     backend::{
-        gpu_stream::{self, Decided, Decisions, SubmitChannel},
+        gpu_stream::{self, BackendNames, Decided, Decisions, SubmitChannel},
         recording::{CompletionTrace, OpTrace, StreamTrace},
     },
     error::{DeviceError, Error, Failure},
@@ -112,6 +112,12 @@ impl StreamShared {
 type Job = gpu_stream::Job<Region, CopyRoute>;
 
 type Submitted = gpu_stream::Submitted<Job>;
+
+/// This backend's name in failures, and its stream threads' prefix.
+const CUDA_NAMES: BackendNames = BackendNames {
+    backend: "CUDA",
+    threads: "cuda",
+};
 
 impl Job {
     /// Whether the submit thread touches host memory the dependencies may write, so that
@@ -207,10 +213,8 @@ impl CudaStreamQueue {
         // If the submit thread cannot start, the submitter (and its sender to the watcher)
         // is dropped with its closure: the watcher ends by itself.
         let channel = SubmitChannel::start(
-            shared.id,
             shared.timeline.clone(),
-            "CUDA",
-            "cuda",
+            CUDA_NAMES,
             move |rx| submitter.run(rx),
             move || watcher.run(watch_rx, window),
         )?;
@@ -768,7 +772,7 @@ struct CloseOnExit(Arc<StreamShared>);
 
 impl Drop for CloseOnExit {
     fn drop(&mut self) {
-        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, "CUDA");
+        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, CUDA_NAMES.backend);
         self.0.close();
     }
 }

@@ -28,7 +28,7 @@ use super::{
 };
 use crate::{
     backend::{
-        gpu_stream::{self, Decided, Decisions, SubmitChannel},
+        gpu_stream::{self, BackendNames, Decided, Decisions, SubmitChannel},
         recording::{CompletionTrace, OpTrace, StreamTrace},
     },
     error::{DeviceError, Error, Failure},
@@ -140,6 +140,12 @@ type Job = gpu_stream::Job<Region>;
 
 type Submitted = gpu_stream::Submitted<Job>;
 
+/// This backend's name in failures, and its stream threads' prefix.
+const VULKAN_NAMES: BackendNames = BackendNames {
+    backend: "Vulkan",
+    threads: "vk",
+};
+
 /// Things a batch uses, kept alive until its completion is observed.
 enum Keep {
     Buffer(#[allow(dead_code)] Arc<Buffer>),
@@ -200,10 +206,8 @@ impl VulkanStream {
         // completion sender) is dropped with its closure: the completion thread ends by
         // itself.
         let channel = SubmitChannel::start(
-            shared.id,
             shared.timeline.clone(),
-            "Vulkan",
-            "vk",
+            VULKAN_NAMES,
             move |rx| submitter.run(rx),
             move || completion_loop(completer, done_rx, trace),
         )?;
@@ -675,7 +679,7 @@ struct CloseOnExit(Arc<StreamShared>);
 
 impl Drop for CloseOnExit {
     fn drop(&mut self) {
-        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, "Vulkan");
+        gpu_stream::poison_if_panicking(&self.0.timeline, self.0.id, VULKAN_NAMES.backend);
         self.0.close();
     }
 }
