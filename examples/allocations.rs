@@ -19,7 +19,7 @@ use tributary::{
     DType, Engine, EngineConfig, MemoryMode, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
-use tributary_testkit::alloc_count::{allocations, Counting};
+use tributary_testkit::alloc_count::{allocations_of_second_run, Counting};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -30,10 +30,7 @@ fn per_routine(
     n: u64,
     mut run: impl FnMut(u64) -> tributary::Result<()>,
 ) -> tributary::Result<f64> {
-    run(n)?;
-    let before = allocations();
-    run(n)?;
-    Ok((allocations() - before) as f64 / n as f64)
+    Ok(allocations_of_second_run(|| run(n))? as f64 / n as f64)
 }
 
 fn spec() -> tributary::Result<RoutineSpec> {

@@ -18,7 +18,7 @@ use tributary::{
     DType, Engine, EngineConfig, MemoryMode, Sharing, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
-use tributary_testkit::alloc_count::{allocations, Counting};
+use tributary_testkit::alloc_count::{allocations_of_second_run, Counting};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -41,11 +41,8 @@ fn issuing_allocates_nothing_in_steady_state() {
 }
 
 /// Allocations made by `run` the second time it runs.
-fn second_run(mut run: impl FnMut() -> tributary::Result<()>) -> u64 {
-    run().unwrap();
-    let before = allocations();
-    run().unwrap();
-    let used = allocations() - before;
+fn second_run(run: impl FnMut() -> tributary::Result<()>) -> u64 {
+    let used = allocations_of_second_run(run).unwrap();
     println!("{used} allocations");
     used
 }

@@ -17,6 +17,15 @@ pub fn allocations() -> u64 {
     ALLOCATIONS.load(Ordering::Relaxed)
 }
 
+/// Allocations made by the second of two runs of `run`: the first warms up what a run grows
+/// (queues, pools, tables), so the second shows what a run allocates in steady state.
+pub fn allocations_of_second_run<E>(mut run: impl FnMut() -> Result<(), E>) -> Result<u64, E> {
+    run()?;
+    let before = allocations();
+    run()?;
+    Ok(allocations() - before)
+}
+
 // SAFETY: every method forwards to the system allocator with the caller's arguments, so
 // the `GlobalAlloc` contract holds as it does for `System`; counting touches no memory.
 unsafe impl GlobalAlloc for Counting {
