@@ -22,7 +22,7 @@ use tributary::{
         DeviceTurn, Dispatcher, PlanSink, Progress,
     },
     pending::SeqPromise,
-    protocol::{Context, Plans, Routine, TableSizes},
+    protocol::{Context, Plans, Program, Routine, TableSizes},
     DeviceId, Error, Event, Result,
 };
 
@@ -68,6 +68,27 @@ impl PlanSink for QueueSink {
                 }
                 _ => plan.fail_unsubmitted("no such stream queue"),
             }
+        }
+    }
+
+    fn submit_programs(&mut self, programs: &mut Vec<Program>) {
+        // A queue that runs programs takes its stream's part whole; the others' operations
+        // go as plans, in issue order.
+        let mut plans = Plans::new();
+        for program in programs.drain(..) {
+            let i = program.stream().index as usize;
+            match (self.queues.get(i), self.watches.get(i)) {
+                (Some(q), Some(w)) if q.runs_programs() => {
+                    w.submitted(program.last_seq());
+                    // A dead queue fails the program's events itself.
+                    let _ = q.submit_program(program);
+                }
+                _ => program.into_plans(|plan| plans.push(plan)),
+            }
+        }
+        if !plans.is_empty() {
+            plans.sort_by_key(|p| p.issue());
+            self.submit(plans);
         }
     }
 

@@ -35,7 +35,7 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, Kernel, KernelArgs, KernelMode},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, GlobalLoc, Plan, Work},
+    protocol::{ArgBinding, GlobalLoc, Plan, Program, Work},
     sync::{Arc as SyncArc, Mutex},
     trace::{Recorder, TraceKind, TraceRecord},
 };
@@ -47,7 +47,7 @@ mod stream;
 pub use config::{CpuConfig, MAX_SPIN_US, MAX_WORKERS};
 use pool::WorkerPool;
 use smallvec::SmallVec;
-use stream::StreamTask;
+use stream::{Item, StreamTask};
 
 /// The pools of one device. Looked up for every binding of every plan submitted (on the
 /// submitting thread: an actor's, or the engine's owner), so hashed cheaply.
@@ -91,6 +91,55 @@ impl Shared {
             buf,
             offset: g.loc.offset as usize,
             bytes: bytes as usize,
+        })
+    }
+
+    fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
+        Ok(ResolvedArg {
+            region: self.resolve(b.loc, b.bytes)?,
+            binding: b.clone(),
+        })
+    }
+
+    /// Resolves `work` to a job (`bindings`: its index values, if it runs a kernel).
+    fn resolve_work(
+        &self,
+        work: &Work,
+        bindings: Option<&crate::kernels::Bindings>,
+    ) -> std::result::Result<Job, String> {
+        Ok(match work {
+            Work::Run {
+                kernel,
+                args,
+                merge,
+                bindings: own,
+                ..
+            } => Job::Run {
+                bindings: bindings.unwrap_or(own).clone(),
+                kernel: kernel.clone(),
+                mode: self.config.kernel_mode,
+                args: args
+                    .iter()
+                    .map(|b| self.resolve_arg(b))
+                    .collect::<std::result::Result<_, _>>()?,
+                merge: merge.as_ref().map(|b| self.resolve_arg(b)).transpose()?,
+            },
+            Work::Copy { src, dst, bytes } => Job::Copy {
+                src: self.resolve(*src, *bytes)?,
+                dst: self.resolve(*dst, *bytes)?,
+            },
+            Work::FromHost { host, dst, bytes } => Job::Copy {
+                src: Region::host(host.clone(), *bytes)?,
+                dst: self.resolve(*dst, *bytes)?,
+            },
+            Work::ToHost { src, host, bytes } => Job::Copy {
+                src: self.resolve(*src, *bytes)?,
+                dst: Region::host(host.clone(), *bytes)?,
+            },
+            Work::Memset { dst, bytes } => Job::Memset {
+                dst: self.resolve(*dst, *bytes)?,
+            },
+            Work::Marker => Job::Marker,
         })
     }
 }
@@ -244,53 +293,6 @@ impl CpuBackend {
         self.recorder = Some(recorder);
         self
     }
-
-    fn resolve_arg(&self, b: ArgBinding) -> std::result::Result<ResolvedArg, String> {
-        Ok(ResolvedArg {
-            region: self.shared.resolve(b.loc, b.bytes)?,
-            binding: b,
-        })
-    }
-
-    /// Resolves the plan's work (taking it: its kernel and index values move into the job).
-    fn resolve(&self, work: Work) -> std::result::Result<Job, String> {
-        let s = &self.shared;
-        Ok(match work {
-            Work::Run {
-                kernel,
-                args,
-                merge,
-                bindings,
-                ..
-            } => Job::Run {
-                bindings,
-                kernel,
-                mode: s.config.kernel_mode,
-                // Shared with the routine (resolved once at link): each is cloned.
-                args: args
-                    .iter()
-                    .map(|b| self.resolve_arg(b.clone()))
-                    .collect::<std::result::Result<_, _>>()?,
-                merge: merge.map(|b| self.resolve_arg(b)).transpose()?,
-            },
-            Work::Copy { src, dst, bytes } => Job::Copy {
-                src: s.resolve(src, bytes)?,
-                dst: s.resolve(dst, bytes)?,
-            },
-            Work::FromHost { host, dst, bytes } => Job::Copy {
-                src: Region::host(host, bytes)?,
-                dst: s.resolve(dst, bytes)?,
-            },
-            Work::ToHost { src, host, bytes } => Job::Copy {
-                src: s.resolve(src, bytes)?,
-                dst: Region::host(host, bytes)?,
-            },
-            Work::Memset { dst, bytes } => Job::Memset {
-                dst: s.resolve(dst, bytes)?,
-            },
-            Work::Marker => Job::Marker,
-        })
-    }
 }
 
 impl Backend for CpuBackend {
@@ -345,6 +347,7 @@ impl Backend for CpuBackend {
             stream,
             timeline.clone(),
             pool.clone(),
+            self.shared.clone(),
             self.recorder.clone(),
         );
         Ok(Box::new(CpuStream {
@@ -418,10 +421,10 @@ impl StreamQueue for CpuStream {
         let item = Submitted {
             plan_label,
             seq,
+            job: self.backend.shared.resolve_work(&plan.work, None),
             deps: plan.deps,
-            job: self.backend.resolve(plan.work),
         };
-        let Some(item) = self.task.push(item) else {
+        let Some(Item::Plan(item)) = self.task.push(Item::Plan(item)) else {
             return Ok(());
         };
         let failure = Arc::new(Failure {
@@ -442,6 +445,26 @@ impl StreamQueue for CpuStream {
                 item.deps.into_iter().map(|dep| dep.event().clone()),
                 failure,
             );
+        }
+        Err(Error::ShutDown(format!("stream {}", self.stream)))
+    }
+
+    fn runs_programs(&self) -> bool {
+        true
+    }
+
+    fn submit_program(&self, program: Program) -> Result<()> {
+        program.check_queue(self.stream, &self.timeline)?;
+        if program.is_empty() {
+            return Ok(());
+        }
+        let Some(Item::Program(program)) = self.task.push(Item::Program(program)) else {
+            return Ok(());
+        };
+        // Nobody will run it: its events fail once their dependencies and the stream's
+        // earlier operations are decided, as an unsubmitted plan's (see `submit`).
+        if !mutant!("dead_submit") {
+            program.fail_unsubmitted("stream is shut down");
         }
         Err(Error::ShutDown(format!("stream {}", self.stream)))
     }
@@ -490,49 +513,58 @@ impl Drop for CpuStream {
     }
 }
 
-/// Runs one plan whose dependencies are all decided: fails it with `failed` (the root
-/// cause of a failed data dependency) without running it, or runs its work under
-/// `catch_unwind` and completes its event (rule 6).
+/// One operation whose dependencies are all decided, as [`complete`] runs it: a submitted
+/// plan, or an operation of a program.
+struct Ready<'a> {
+    label: &'a str,
+    seq: u64,
+    deps: &'a [crate::protocol::Dep],
+}
+
+/// Runs one operation whose dependencies are all decided: fails it with `failed` (the root
+/// cause of a failed data dependency) without running it, or runs its work (`job`, resolved
+/// only then) under `catch_unwind` and completes its event (rule 6).
 fn complete(
     stream: StreamId,
     timeline: &Timeline,
-    item: Submitted,
+    op: Ready<'_>,
+    job: impl FnOnce() -> std::result::Result<Job, String>,
     failed: Option<Arc<Failure>>,
     recorder: Option<&Recorder>,
 ) {
-    let span = tracing::debug_span!("run", stream = %stream, seq = item.seq, op = %item.plan_label);
+    let span = tracing::debug_span!("run", stream = %stream, seq = op.seq, op = %op.label);
     let _enter = span.enter();
     if let Some(root) = failed {
-        tracing::debug!(stream = %stream, seq = item.seq, cause = %root, "dependency failed");
-        timeline.fail(item.seq, root);
+        tracing::debug!(stream = %stream, seq = op.seq, cause = %root, "dependency failed");
+        timeline.fail(op.seq, root);
         return;
     }
     let fail = |message: String| {
         Arc::new(Failure {
             stream,
-            seq: item.seq,
-            operation: item.plan_label.to_string(),
+            seq: op.seq,
+            operation: op.label.to_string(),
             message,
         })
     };
-    let job = match item.job {
+    let job = match job() {
         Ok(job) => job,
         Err(message) => {
-            timeline.fail(item.seq, fail(message));
+            timeline.fail(op.seq, fail(message));
             return;
         }
     };
     // Timed and sized only for the trace.
     let start = recorder.map(|_| (Instant::now(), job.bytes()));
-    let after = recorder.map(|_| crate::trace::cross_stream(stream, &item.deps));
+    let after = recorder.map(|_| crate::trace::cross_stream(stream, op.deps));
     let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
     if let (Some(rec), Some((start, bytes))) = (recorder, start) {
         // Recorded before the event completes, so waiters always end after it.
         rec.record(TraceRecord {
             kind: TraceKind::Work,
-            name: item.plan_label.to_string(),
+            name: op.label.to_string(),
             stream,
-            seq: item.seq,
+            seq: op.seq,
             start_ns: rec.ns(start),
             end_ns: rec.ns(Instant::now()),
             bytes,
@@ -542,15 +574,15 @@ fn complete(
         });
     }
     match outcome {
-        Ok(Ok(())) => timeline.signal(item.seq),
-        Ok(Err(message)) => timeline.fail(item.seq, fail(message)),
+        Ok(Ok(())) => timeline.signal(op.seq),
+        Ok(Err(message)) => timeline.fail(op.seq, fail(message)),
         Err(panic) => {
             let message = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic payload".into());
-            timeline.fail(item.seq, fail(format!("kernel panicked: {message}")));
+            timeline.fail(op.seq, fail(format!("kernel panicked: {message}")));
         }
     }
 }

@@ -21,7 +21,7 @@ use crate::{
     ids::StreamId,
     node::TensorNode,
     pending::{Planned, SeqPromise},
-    protocol::{Context, DeviceState, HostTable, Plans, Routine},
+    protocol::{Context, DeviceState, HostTable, Plans, Program, Routine},
     sync::{Arc, Mutex},
 };
 
@@ -38,6 +38,20 @@ pub trait PlanSink: Send {
     /// planned yet): the thread submitting may be the one that decides that device next
     /// (a post decided in rounds, [`super::inbox`]).
     fn submit(&mut self, plans: Plans);
+
+    /// Hands a replay's per-stream programs to their streams, emptying `programs`. Default:
+    /// their operations as plans, in issue order ([`Program::into_plans`]); a sink whose
+    /// queues run programs ([`StreamQueue::runs_programs`]) hands them over whole.
+    ///
+    /// [`StreamQueue::runs_programs`]: crate::backend::StreamQueue::runs_programs
+    fn submit_programs(&mut self, programs: &mut Vec<Program>) {
+        let mut plans = Plans::new();
+        for program in programs.drain(..) {
+            program.into_plans(|plan| plans.push(plan));
+        }
+        plans.sort_by_key(|p| p.issue());
+        self.submit(plans);
+    }
 
     /// Asks for a sweep of the device once the work submitted so far completes: called
     /// after a batch that leaves freed memory waiting for work in flight. Tables need no
@@ -523,14 +537,16 @@ impl DeviceCore {
                 Some(Ok(())) => part.go = true,
             }
         }
-        let mut planned = Vec::new();
+        let mut programs = Vec::new();
         let progress = {
             let (run, mut links) = part.links(&waker);
             self.with_host(hosted, stamp, |s, h| {
-                s.replay(run, &mut links, h, &mut planned)
+                s.replay(run, &mut links, h, &mut programs)
             })
         };
-        self.submit(Plans::from_vec(planned));
+        if !programs.is_empty() {
+            self.sink.submit_programs(&mut programs);
+        }
         match progress {
             crate::protocol::ReplayProgress::Blocked => {
                 Handled::Blocked(DeviceOp::Replay { stamp, part })

@@ -16,7 +16,7 @@ use crate::{
     node::TensorNode,
     pending::{PendingEvent, Planned, SeqPromise},
     protocol::{
-        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, ReplayLinks,
+        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, Program, ReplayLinks,
         ReplayProgress, ReplayRun, Routine, StepRecorder, OP_STAMPS,
     },
     replay::{Edge, Step, StepBindings},
@@ -141,7 +141,9 @@ impl Capture<'_> {
 /// The lists a replay fills and empties, kept between replays.
 #[derive(Default)]
 pub(super) struct ReplayScratch {
-    /// The plans of the replay in progress.
+    /// The programs of the replay in progress.
+    programs: Vec<Program>,
+    /// Its plans, for queues that run no programs.
     planned: Vec<Plan>,
     /// Event lists of finished [`ReplayRun`]s, for the next ones.
     events: Vec<Vec<Event>>,
@@ -313,7 +315,7 @@ impl Engine {
         // device's template may wait for a copy another device plans later in this loop
         // (`DepRef::Remote`), and a backend (or a recorder) may need its dependencies
         // planned when it is submitted.
-        let mut planned = std::mem::take(&mut self.replay_scratch.planned);
+        let mut programs = std::mem::take(&mut self.replay_scratch.programs);
         let result = loop {
             let mut waiting = false;
             let mut progressed = false;
@@ -325,7 +327,7 @@ impl Engine {
                     links: &mut links,
                     step: &inner.devices[k],
                 };
-                let progress = state.replay(run, &mut view, &mut self.host, &mut planned);
+                let progress = state.replay(run, &mut view, &mut self.host, &mut programs);
                 state.set_issue_stamp(None);
                 progressed |= run.progress() > before;
                 match progress {
@@ -354,6 +356,24 @@ impl Engine {
         // Promises still unresolved (only on the error path) are refused now, so that no
         // submitted plan waits for an operation nobody will plan.
         drop(links);
+        // A queue that runs programs takes its stream's part whole; the others' operations
+        // go as plans, in issue order.
+        let mut planned = std::mem::take(&mut self.replay_scratch.planned);
+        for program in programs.drain(..) {
+            let stream = program.stream();
+            let queue = self
+                .device_index(stream.device)
+                .ok()
+                .and_then(|d| self.queues[d].get(stream.index as usize));
+            match queue {
+                Some(q) if q.runs_programs() => {
+                    // A dead queue fails the program's events itself.
+                    let _ = q.submit_program(program);
+                }
+                _ => program.into_plans(|plan| planned.push(plan)),
+            }
+        }
+        self.replay_scratch.programs = programs;
         planned.sort_by_key(|p| p.issue());
         let submitted = self.submit(planned.drain(..));
         self.replay_scratch.planned = planned;

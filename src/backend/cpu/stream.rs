@@ -42,7 +42,7 @@ use crate::{
     error::{Error, Failure, Result},
     event::{EventFuture, EventStatus, Timeline},
     ids::StreamId,
-    protocol::Dep,
+    protocol::{Dep, Program, Work},
     sync::{
         atomic::{AtomicUsize, Ordering},
         spin::SpinWait,
@@ -51,7 +51,7 @@ use crate::{
     trace::{Recorder, TraceKind, TraceRecord},
 };
 
-use super::{pool::WorkerPool, Submitted};
+use super::{pool::WorkerPool, Ready, Shared, Submitted};
 
 /// Not ready, not running: nothing to do, or the head waits with a waker registered.
 const IDLE: usize = 0;
@@ -70,18 +70,41 @@ enum Outcome {
     Yield,
 }
 
-/// Plans accepted and not yet taken by a worker.
+/// What a stream accepts: a plan, or a replayed stream's program (run in place, one
+/// operation after the other, as its plans would be).
+// A plan is held inline (its resolved arguments and index values, ~780 bytes): boxing it
+// would cost an allocation per schedule to save moving a program's ~150.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Item {
+    Plan(Submitted),
+    Program(Program),
+}
+
+impl Item {
+    /// The sequence number of its last operation.
+    fn last_seq(&self) -> u64 {
+        match self {
+            Item::Plan(p) => p.seq,
+            Item::Program(p) => p.last_seq(),
+        }
+    }
+}
+
+/// Plans and programs accepted and not yet taken by a worker.
 struct Incoming {
-    items: VecDeque<Submitted>,
+    items: VecDeque<Item>,
     /// No more plans are accepted (shut down, or the stream died).
     closed: bool,
     /// Highest sequence number accepted.
     last_accepted: u64,
 }
 
-/// The plan at the head of the stream, while its dependencies are decided.
+/// The plan or program at the head of the stream, while the dependencies of its current
+/// operation are decided.
 struct Head {
-    item: Submitted,
+    item: Item,
+    /// The operation of a program that runs next (0 for a plan).
+    op: usize,
     /// Dependencies before this index are decided.
     next_dep: usize,
     /// Root cause of the first failed data dependency.
@@ -97,6 +120,9 @@ pub(super) struct StreamTask {
     stream: StreamId,
     timeline: SyncArc<Timeline>,
     pool: StdArc<WorkerPool>,
+    /// The backend's pools, against which a program's operations are resolved when they
+    /// run.
+    shared: StdArc<Shared>,
     recorder: Option<StdArc<Recorder>>,
     incoming: Mutex<Incoming>,
     /// `IDLE`, `SCHEDULED`, `RUNNING` or `NOTIFIED` (module documentation).
@@ -110,12 +136,14 @@ impl StreamTask {
         stream: StreamId,
         timeline: SyncArc<Timeline>,
         pool: StdArc<WorkerPool>,
+        shared: StdArc<Shared>,
         recorder: Option<StdArc<Recorder>>,
     ) -> StdArc<StreamTask> {
         StdArc::new(StreamTask {
             stream,
             timeline,
             pool,
+            shared,
             recorder,
             incoming: Mutex::new(Incoming {
                 items: VecDeque::new(),
@@ -129,12 +157,12 @@ impl StreamTask {
 
     /// Accepts `item` (the stream will run it; `None`), or gives it back if the stream no
     /// longer accepts work. Never waits for work.
-    pub(super) fn push(self: &StdArc<Self>, item: Submitted) -> Option<Submitted> {
+    pub(super) fn push(self: &StdArc<Self>, item: Item) -> Option<Item> {
         let mut incoming = self.incoming.lock();
         if incoming.closed {
             return Some(item);
         }
-        incoming.last_accepted = incoming.last_accepted.max(item.seq);
+        incoming.last_accepted = incoming.last_accepted.max(item.last_seq());
         incoming.items.push_back(item);
         drop(incoming);
         self.schedule();
@@ -254,16 +282,60 @@ impl StreamTask {
                 }
                 return Outcome::Idle;
             }
-            let Some(ready) = head.take() else {
-                return Outcome::Idle;
-            };
-            super::complete(
-                self.stream,
-                &self.timeline,
-                ready.item,
-                ready.failed,
-                self.recorder.as_deref(),
-            );
+            if let Item::Program(program) = &current.item {
+                let finished = match program.op(current.op) {
+                    Some(op) => {
+                        // An operation that could not be planned (its copy's source did not
+                        // answer) fails with its own reason, after its dependencies.
+                        let unplanned = op.failed();
+                        let failed = current.failed.take().filter(|_| unplanned.is_none());
+                        let label = work_label(op.work());
+                        let ready = Ready {
+                            label: &label,
+                            seq: op.seq(),
+                            deps: op.deps(),
+                        };
+                        let job = || match unplanned {
+                            Some(why) => Err(why.to_string()),
+                            None => self.shared.resolve_work(op.work(), op.bindings()),
+                        };
+                        super::complete(
+                            self.stream,
+                            &self.timeline,
+                            ready,
+                            job,
+                            failed,
+                            self.recorder.as_deref(),
+                        );
+                        current.op += 1;
+                        current.next_dep = 0;
+                        current.op >= program.len()
+                    }
+                    None => true,
+                };
+                if finished {
+                    *head = None;
+                }
+            } else if let Some(Head {
+                item: Item::Plan(item),
+                failed,
+                ..
+            }) = head.take()
+            {
+                let ready = Ready {
+                    label: &item.plan_label,
+                    seq: item.seq,
+                    deps: &item.deps,
+                };
+                super::complete(
+                    self.stream,
+                    &self.timeline,
+                    ready,
+                    || item.job,
+                    failed,
+                    self.recorder.as_deref(),
+                );
+            }
             if self.pool.others_ready() {
                 return Outcome::Yield;
             }
@@ -273,7 +345,17 @@ impl StreamTask {
     /// Decides the head's dependencies in order; `false` when one is still pending after
     /// the spin window (a waker is then registered on it).
     fn deps_decided(self: &StdArc<Self>, head: &mut Head) -> bool {
-        while let Some(dep) = head.item.deps.get(head.next_dep) {
+        loop {
+            let (deps, seq) = match &head.item {
+                Item::Plan(p) => (&p.deps[..], p.seq),
+                Item::Program(p) => match p.op(head.op) {
+                    Some(op) => (op.deps(), op.seq()),
+                    None => return true,
+                },
+            };
+            let Some(dep) = deps.get(head.next_dep) else {
+                return true;
+            };
             let outcome = match head.waiting.as_mut() {
                 Some(waiting) => match self.poll(waiting) {
                     Poll::Ready(outcome) => outcome,
@@ -296,11 +378,17 @@ impl StreamTask {
             };
             head.waiting = None;
             if let (Some(since), Some(rec)) = (head.blocked_since.take(), &self.recorder) {
+                let name = match &head.item {
+                    Item::Plan(p) => p.plan_label.to_string(),
+                    Item::Program(p) => p
+                        .op(head.op)
+                        .map_or_else(String::new, |op| work_label(op.work()).into_owned()),
+                };
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
-                    name: head.item.plan_label.to_string(),
+                    name,
                     stream: self.stream,
-                    seq: head.item.seq,
+                    seq,
                     start_ns: rec.ns(since),
                     end_ns: rec.ns(Instant::now()),
                     bytes: 0,
@@ -314,7 +402,6 @@ impl StreamTask {
             }
             head.next_dep += 1;
         }
-        true
     }
 
     /// The outcome of `dep` if it is decided now, or within the spin window while no
@@ -369,9 +456,10 @@ impl StreamTask {
 }
 
 impl Head {
-    fn new(item: Submitted) -> Head {
+    fn new(item: Item) -> Head {
         Head {
             item,
+            op: 0,
             next_dep: 0,
             failed: None,
             waiting: None,
@@ -388,6 +476,14 @@ impl Wake for StreamTask {
 
     fn wake_by_ref(self: &StdArc<Self>) {
         self.schedule();
+    }
+}
+
+/// What the trace and a failure call an operation: a routine's name, or its work's label.
+fn work_label(work: &Work) -> std::borrow::Cow<'_, str> {
+    match work {
+        Work::Run { name, .. } => std::borrow::Cow::Borrowed(name),
+        other => std::borrow::Cow::Owned(other.label()),
     }
 }
 

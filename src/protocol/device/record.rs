@@ -94,6 +94,10 @@ pub struct Template {
     pub(crate) incoming: Option<u32>,
     /// Whether its work names its stream's merge buffer.
     pub(crate) merge: bool,
+    /// Its stream's place in [`DeviceStep::lanes`] (set when the recorder finishes).
+    pub(crate) lane: u32,
+    /// Its place in that lane: the templates of one stream run in this order.
+    pub(crate) ordinal: u32,
 }
 
 /// What a replay does, in the step's order on this device.
@@ -135,13 +139,23 @@ pub struct DeviceStep {
     pub(crate) hosted: Vec<TensorNode>,
     /// Per stream used: `(stream index, last template on it)`.
     pub(crate) streams: Vec<(u32, u32)>,
+    /// Per stream used, in the order of `streams`: its templates in order (what one
+    /// [`Program`](crate::protocol::Program) of a replay runs a range of).
+    pub(crate) lanes: Vec<Vec<u32>>,
     /// Global edge numbers of this device's outgoing and incoming edges (local order).
     pub(crate) outgoing: Vec<u32>,
     pub(crate) incoming: Vec<u32>,
     /// `(live contexts, contexts ever made)` of the device state when every context of the
     /// step was last found live: while both are unchanged, none was finalized since.
     pub(crate) checked: std::sync::Mutex<Option<(usize, u64)>>,
+    /// Lists of finished programs of this step, emptied, for the next replays'
+    /// ([`Program`](crate::protocol::Program)): a replay allocates none once there are as
+    /// many as it has programs in flight.
+    pub(crate) spare: crate::sync::Mutex<Vec<ProgramLists>>,
 }
+
+/// A program's dependency list and its per-operation ends into it.
+pub(crate) type ProgramLists = (Vec<crate::protocol::Dep>, Vec<u32>);
 
 impl DeviceStep {
     /// The device.
@@ -385,6 +399,8 @@ impl StepRecorder {
             slot,
             incoming,
             merge,
+            lane: 0,
+            ordinal: 0,
         });
         self.actions.push(Action::Issue(t));
         for &(b, access) in &keys {
@@ -482,6 +498,16 @@ impl StepRecorder {
             }
         }
         streams.sort_unstable();
+        let mut lanes: Vec<Vec<u32>> = vec![Vec::new(); streams.len()];
+        for (i, t) in self.templates.iter_mut().enumerate() {
+            let lane = streams
+                .iter()
+                .position(|&(s, _)| s == t.stream)
+                .unwrap_or(0);
+            t.lane = lane as u32;
+            t.ordinal = lanes[lane].len() as u32;
+            lanes[lane].push(i as u32);
+        }
         let mut hosted: Vec<TensorNode> = Vec::new();
         for b in &self.buffers {
             if let Some(n) = &b.node {
@@ -501,9 +527,11 @@ impl StepRecorder {
             merges: self.merges,
             hosted,
             streams,
+            lanes,
             outgoing: self.outgoing,
             incoming: self.incoming,
             checked: std::sync::Mutex::new(None),
+            spare: crate::sync::Mutex::new(Vec::new()),
         })
     }
 }

@@ -25,9 +25,11 @@ use crate::{
     protocol::{
         context::{Context, Routine},
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Dep, Deps, GlobalLoc, Plan, Work},
+        plan::{ArgBinding, Dep, GlobalLoc, Work},
+        program::Program,
     },
 };
+use smallvec::SmallVec;
 
 use super::record::{AccessOf, Action, BufferKey, DepRef, DeviceStep, Reader, StepRecorder};
 
@@ -367,8 +369,9 @@ impl DeviceState {
         Ok(())
     }
 
-    /// Issues `run`'s templates, from where it stopped, into `out`: until every template
-    /// is issued ([`ReplayProgress::Done`], the tables then hold the step's exit state) or
+    /// Issues `run`'s templates, from where it stopped, into `out` as one [`Program`] per
+    /// stream (per run of consecutive templates of a stream this call issued): until every
+    /// template is issued ([`ReplayProgress::Done`], the tables then hold the step's exit state) or
     /// one waits for another device's answer ([`ReplayProgress::Blocked`]).
     ///
     /// The caller checked the step first ([`DeviceState::check_replay`], with no decision
@@ -380,65 +383,90 @@ impl DeviceState {
         run: &mut ReplayRun,
         links: &mut dyn ReplayLinks,
         host: &mut HostTable,
-        out: &mut Vec<Plan>,
+        out: &mut Vec<Program>,
     ) -> ReplayProgress {
         let step = run.step.clone();
+        // Per lane of the step: the program this call is filling for its stream.
+        let mut open: SmallVec<[Option<Program>; 4]> =
+            (0..step.lanes.len()).map(|_| None).collect();
         while let Some(&action) = step.actions.get(run.next) {
             match action {
                 Action::Answer(e, (a, b)) => {
-                    let mut deps = Deps::new();
+                    let mut deps = Vec::new();
                     for d in &step.deps[a as usize..b as usize] {
                         self.replay_dep(d, 0, run, links, &mut None, &mut deps);
                     }
-                    links.answer(e, deps.into_vec());
+                    links.answer(e, deps);
                 }
                 Action::Issue(t) => {
                     let tpl = &step.templates[t as usize];
                     let mut answered = match tpl.incoming {
                         None => None,
                         Some(e) => match links.incoming(e) {
-                            None => return ReplayProgress::Blocked,
+                            None => {
+                                out.extend(open.into_iter().flatten());
+                                return ReplayProgress::Blocked;
+                            }
                             Some(answer) => Some(answer),
                         },
                     };
-                    let mut deps = Deps::new();
-                    for d in &step.deps[tpl.deps.0 as usize..tpl.deps.1 as usize] {
-                        self.replay_dep(d, tpl.stream, run, links, &mut answered, &mut deps);
-                    }
-                    let mut work = tpl.work.clone();
-                    if let (Some(slot), Work::Run { bindings, .. }) = (tpl.slot, &mut work) {
-                        if let Some(values) = links.values(slot) {
-                            *bindings = values.clone();
-                        }
-                    }
                     let stream = StreamId {
                         device: self.device,
                         index: tpl.stream,
                     };
                     self.set_issue_stamp(Some(run.base + u64::from(tpl.position)));
                     let event = self.issue(stream);
-                    let plan = Plan {
-                        issue: self.next_issue(),
-                        stream,
-                        event: event.clone(),
-                        deps,
-                        work,
+                    let _ = self.next_issue();
+                    let slot = &mut open[tpl.lane as usize];
+                    if !slot
+                        .as_ref()
+                        .is_some_and(|p| p.continues(tpl.ordinal, event.seq()))
+                    {
+                        let program = Program::open(
+                            step.clone(),
+                            stream,
+                            event.timeline().clone(),
+                            tpl.lane,
+                            tpl.ordinal,
+                            event.seq(),
+                            run.base,
+                        );
+                        out.extend(slot.replace(program));
+                    }
+                    let Some(program) = slot.as_mut() else {
+                        continue;
                     };
+                    for d in &step.deps[tpl.deps.0 as usize..tpl.deps.1 as usize] {
+                        self.replay_dep(
+                            d,
+                            tpl.stream,
+                            run,
+                            links,
+                            &mut answered,
+                            program.deps_mut(),
+                        );
+                    }
+                    let values = match (tpl.slot, &tpl.work) {
+                        (Some(slot), Work::Run { .. }) => links.values(slot).cloned(),
+                        _ => None,
+                    };
+                    // The source device could not answer (it stopped or failed while
+                    // deciding): the copy fails like an operation whose device died, after
+                    // its other dependencies.
+                    let failed = match answered {
+                        Some(Err(error)) => Some(error.to_string()),
+                        _ => None,
+                    };
+                    program.push(values, failed);
                     if let Some(e) = tpl.incoming {
                         links.planned(e, &event);
-                    }
-                    match answered {
-                        // The source device could not answer (it stopped or failed while
-                        // deciding): the copy fails like an operation whose device died,
-                        // after its other dependencies.
-                        Some(Err(error)) => plan.fail_unsubmitted(error.to_string()),
-                        _ => out.push(plan),
                     }
                     run.events.push(event);
                 }
             }
             run.next += 1;
         }
+        out.extend(open.into_iter().flatten());
         self.exit_state(run, links, host);
         ReplayProgress::Done
     }
@@ -451,7 +479,7 @@ impl DeviceState {
         run: &ReplayRun,
         links: &mut dyn ReplayLinks,
         answered: &mut Option<Result<Vec<Dep>>>,
-        out: &mut Deps,
+        out: &mut Vec<Dep>,
     ) {
         match *d {
             DepRef::Local(t, kind) => {

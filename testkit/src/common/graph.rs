@@ -48,7 +48,9 @@ use tributary::{
     backend::{Backend, DeviceInfo, StreamQueue},
     kernels::{Access, RoutineSpec},
     memory::AlignedBuffer,
-    protocol::{current_issue, issue_clock, ArgBinding, DepKind, GlobalLoc, Plan, Work},
+    protocol::{
+        current_issue, issue_clock, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Program, Work,
+    },
     DeviceError, DeviceId, Event, PoolId, StreamId, Timeline,
 };
 
@@ -144,30 +146,16 @@ pub struct GraphRecorder {
 /// The stream, sequence number, dependencies (those already planned, and those not yet)
 /// and work of a plan.
 #[allow(clippy::type_complexity)]
-fn plan_parts(
-    plan: &Plan,
-) -> (
-    StreamId,
-    u64,
-    Vec<(StreamId, u64, DepKind)>,
-    Vec<(Event, DepKind)>,
-    &Work,
-) {
-    let mut deps = Vec::new();
+fn dep_parts(deps: &[Dep]) -> (Vec<(StreamId, u64, DepKind)>, Vec<(Event, DepKind)>) {
+    let mut planned = Vec::new();
     let mut deferred = Vec::new();
-    for d in plan.deps() {
+    for d in deps {
         match d.event().planned_seq() {
-            Some(seq) => deps.push((d.event().stream(), seq, d.kind())),
+            Some(seq) => planned.push((d.event().stream(), seq, d.kind())),
             None => deferred.push((d.event().clone(), d.kind())),
         }
     }
-    (
-        plan.stream(),
-        plan.event().seq(),
-        deps,
-        deferred,
-        plan.work(),
-    )
+    (planned, deferred)
 }
 
 /// Where a kernel argument is, its size, and how the kernel uses it.
@@ -271,12 +259,29 @@ impl GraphRecorder {
     }
 
     fn record(&self, plan: &Plan) {
-        let (stream, seq, deps, deferred, work) = plan_parts(plan);
+        self.record_op(
+            plan.issue(),
+            plan.stream(),
+            plan.event().seq(),
+            plan.deps(),
+            plan.work(),
+        );
+    }
+
+    /// Records every operation of a replayed stream's program, as the plans it stands for.
+    fn record_program(&self, program: &Program) {
+        for op in program.ops() {
+            let work = op.to_work();
+            self.record_op(op.issue(), program.stream(), op.seq(), op.deps(), &work);
+        }
+    }
+
+    fn record_op(&self, issue: u64, stream: StreamId, seq: u64, deps: &[Dep], work: &Work) {
+        let (deps, deferred) = dep_parts(deps);
         let (touches, hosts) = touches(work);
         let label = work.label();
         let mut state = self.lock();
         let completed = Self::completed(&state);
-        let issue = plan.issue();
         let op = Self::op_of(&state, issue);
         state.keep.extend(hosts);
         state.plans.push(Recorded {
@@ -685,6 +690,15 @@ impl StreamQueue for RecordingQueue {
     fn submit(&self, plan: Plan) -> tributary::Result<()> {
         self.recorder.record(&plan);
         self.inner.submit(plan)
+    }
+
+    fn runs_programs(&self) -> bool {
+        self.inner.runs_programs()
+    }
+
+    fn submit_program(&self, program: Program) -> tributary::Result<()> {
+        self.recorder.record_program(&program);
+        self.inner.submit_program(program)
     }
 
     fn shutdown(&self) {

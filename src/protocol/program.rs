@@ -1,0 +1,283 @@
+//! One stream's part of one replay of a captured step, handed to its queue whole. See
+//! DESIGN.md §4, "Compiled replays".
+//!
+//! A replay decides a step once per device: it checks the step, resolves the entry
+//! dependencies against the live tables and publishes the step's exit state. What each
+//! stream then runs is fixed at capture: the step's templates on that stream, in order
+//! ([`DeviceStep`]'s lanes). A [`Program`] is that list with this replay's numbers: the
+//! sequence number of its first operation (the others follow one by one), the issue stamp
+//! of the step, each operation's dependencies as events, and the index values of the
+//! schedules that take new ones. No [`Plan`] is made per operation.
+//!
+//! A backend that runs programs ([`StreamQueue::runs_programs`]) walks the list in place:
+//! the CPU backend's worker waits for each operation's dependencies, runs its template's
+//! work and completes its sequence number. Any other queue gets the same operations as
+//! plans ([`Program::into_plans`]), one for one: a program waits for exactly what those
+//! plans would wait for, which is what the graph checks of the random programs check.
+//!
+//! [`StreamQueue::runs_programs`]: crate::backend::StreamQueue::runs_programs
+
+use std::sync::Arc;
+
+use super::{
+    device::DeviceStep,
+    plan::{Dep, Deps, Plan, Work},
+};
+use crate::{
+    error::{Error, Result},
+    event::{Event, Timeline},
+    ids::StreamId,
+    kernels::Bindings,
+    sync::Arc as SyncArc,
+};
+
+/// A run of consecutive operations of one stream in one replay of a captured step (see
+/// the module documentation). Made by the protocol only: like a [`Plan`], it carries the
+/// protocol's promise that its dependencies order it after every conflicting use.
+#[derive(Debug)]
+pub struct Program {
+    step: Arc<DeviceStep>,
+    stream: StreamId,
+    timeline: SyncArc<Timeline>,
+    /// The stream's lane in the step.
+    lane: u32,
+    /// The lane's templates from `start` on: op `i` is template `lanes[lane][start + i]`.
+    start: u32,
+    /// Sequence number of op 0; op `i` completes `first_seq + i`.
+    first_seq: u64,
+    /// Issue stamp of the step's position 0.
+    base: u64,
+    /// Every op's dependencies, one after the other.
+    deps: Vec<Dep>,
+    /// Per op, the end of its dependencies in `deps`.
+    ends: Vec<u32>,
+    /// `(op, values)`: ops whose schedule takes this replay's index values.
+    values: Vec<(u32, Bindings)>,
+    /// `(op, why)`: ops that fail without running once their dependencies are decided (a
+    /// copy whose source device could not answer).
+    failed: Vec<(u32, String)>,
+}
+
+/// One operation of a [`Program`], as its queue runs it.
+#[derive(Clone, Copy, Debug)]
+pub struct ProgramOp<'a> {
+    seq: u64,
+    issue: u64,
+    deps: &'a [Dep],
+    work: &'a Work,
+    bindings: Option<&'a Bindings>,
+    failed: Option<&'a str>,
+}
+
+impl<'a> ProgramOp<'a> {
+    /// The sequence number it completes on the program's stream.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Its issue stamp ([`Plan::issue`]).
+    pub fn issue(&self) -> u64 {
+        self.issue
+    }
+
+    /// What it waits for first, every one of them (as [`Plan::deps`]).
+    pub fn deps(&self) -> &'a [Dep] {
+        self.deps
+    }
+
+    /// The work, as captured. A routine's index values are [`ProgramOp::bindings`].
+    pub fn work(&self) -> &'a Work {
+        self.work
+    }
+
+    /// The index values of this replay: new ones given to the replay, else the work's.
+    pub fn bindings(&self) -> Option<&'a Bindings> {
+        match self.work {
+            Work::Run { bindings, .. } => Some(self.bindings.unwrap_or(bindings)),
+            _ => None,
+        }
+    }
+
+    /// Why it fails without running (its dependencies still awaited first), if it does.
+    pub fn failed(&self) -> Option<&'a str> {
+        self.failed
+    }
+
+    /// The work with this replay's index values: what a plan of this operation would carry.
+    pub fn to_work(&self) -> Work {
+        let mut work = self.work.clone();
+        if let (Some(values), Work::Run { bindings, .. }) = (self.bindings, &mut work) {
+            *bindings = values.clone();
+        }
+        work
+    }
+}
+
+impl Program {
+    /// An empty program of `lane` of `step` on `stream`, from the lane's template `start`,
+    /// whose first operation completes `first_seq` of `timeline`; the step's position 0
+    /// has issue stamp `base`.
+    pub(crate) fn open(
+        step: Arc<DeviceStep>,
+        stream: StreamId,
+        timeline: SyncArc<Timeline>,
+        lane: u32,
+        start: u32,
+        first_seq: u64,
+        base: u64,
+    ) -> Program {
+        let (deps, ends) = step.spare.lock().pop().unwrap_or_default();
+        Program {
+            step,
+            stream,
+            timeline,
+            lane,
+            start,
+            first_seq,
+            base,
+            deps,
+            ends,
+            values: Vec::new(),
+            failed: Vec::new(),
+        }
+    }
+
+    /// Whether the next op of the lane is template `ordinal` completing `seq`: what the
+    /// protocol appends with [`Program::push`].
+    pub(crate) fn continues(&self, ordinal: u32, seq: u64) -> bool {
+        let n = self.ends.len() as u64;
+        u64::from(ordinal) == u64::from(self.start) + n && seq == self.first_seq + n
+    }
+
+    /// The dependency list of the op being appended ([`Program::push`] closes it).
+    pub(crate) fn deps_mut(&mut self) -> &mut Vec<Dep> {
+        &mut self.deps
+    }
+
+    /// Closes the next op: its dependencies are those added since the last push; `values`
+    /// replace its work's index values; `failed` makes it fail without running.
+    pub(crate) fn push(&mut self, values: Option<Bindings>, failed: Option<String>) {
+        let op = self.ends.len() as u32;
+        self.ends.push(self.deps.len() as u32);
+        if let Some(v) = values {
+            self.values.push((op, v));
+        }
+        if let Some(why) = failed {
+            self.failed.push((op, why));
+        }
+    }
+
+    /// The stream that runs it.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// Number of operations.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether it has no operation.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The sequence number of its first operation (the others follow one by one).
+    pub fn first_seq(&self) -> u64 {
+        self.first_seq
+    }
+
+    /// The sequence number of its last operation (`first_seq - 1` if it has none).
+    pub fn last_seq(&self) -> u64 {
+        self.first_seq + self.ends.len() as u64 - 1
+    }
+
+    /// Operation `i`, or `None` past the end.
+    pub fn op(&self, i: usize) -> Option<ProgramOp<'_>> {
+        let end = *self.ends.get(i)? as usize;
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        let t = *self
+            .step
+            .lanes
+            .get(self.lane as usize)?
+            .get(self.start as usize + i)?;
+        let tpl = self.step.templates.get(t as usize)?;
+        Some(ProgramOp {
+            seq: self.first_seq + i as u64,
+            issue: self.base + u64::from(tpl.position),
+            deps: self.deps.get(start..end)?,
+            work: &tpl.work,
+            bindings: of_op(&self.values, i),
+            failed: of_op(&self.failed, i).map(String::as_str),
+        })
+    }
+
+    /// Its operations in order.
+    pub fn ops(&self) -> impl Iterator<Item = ProgramOp<'_>> + '_ {
+        (0..self.len()).filter_map(|i| self.op(i))
+    }
+
+    /// [`Error::WrongStream`] unless this program's events are on `timeline`, the timeline
+    /// of the queue it is submitted to (whose stream is `queue`): what
+    /// [`Plan::check_queue`] checks of a plan.
+    pub fn check_queue(&self, queue: StreamId, timeline: &SyncArc<Timeline>) -> Result<(), Error> {
+        if self.stream == queue && SyncArc::ptr_eq(&self.timeline, timeline) {
+            Ok(())
+        } else {
+            Err(Error::WrongStream {
+                plan: self.stream,
+                queue,
+                operation: format!("a replayed program of {} operations", self.len()),
+            })
+        }
+    }
+
+    /// The operations as the plans a queue that runs no programs takes, in order: each
+    /// handed to `submit`, but an operation that fails without running is failed here
+    /// ([`Plan::fail_unsubmitted`]).
+    pub fn into_plans(self, mut submit: impl FnMut(Plan)) {
+        for op in self.ops() {
+            let plan = Plan {
+                issue: op.issue,
+                stream: self.stream,
+                event: Event::new(self.timeline.clone(), op.seq),
+                deps: op.deps.iter().cloned().collect::<Deps>(),
+                work: op.to_work(),
+            };
+            match op.failed {
+                Some(why) => plan.fail_unsubmitted(why),
+                None => submit(plan),
+            }
+        }
+    }
+
+    /// Fails every operation with `message` once its dependencies and its stream's earlier
+    /// operations are decided: the program reached no queue that will run it.
+    pub fn fail_unsubmitted(self, message: &str) {
+        self.into_plans(|plan| plan.fail_unsubmitted(message));
+    }
+}
+
+/// Lists kept per step for the programs of its next replays (more are freed).
+const SPARE_LISTS: usize = 512;
+
+impl Drop for Program {
+    /// Gives the program's lists, emptied, to its step for the next replay.
+    fn drop(&mut self) {
+        let mut deps = std::mem::take(&mut self.deps);
+        let mut ends = std::mem::take(&mut self.ends);
+        deps.clear();
+        ends.clear();
+        let mut spare = self.step.spare.lock();
+        if spare.len() < SPARE_LISTS {
+            spare.push((deps, ends));
+        }
+    }
+}
+
+/// The entry of op `i` in a list of `(op, value)` in op order.
+fn of_op<T>(list: &[(u32, T)], i: usize) -> Option<&T> {
+    list.iter()
+        .find(|(op, _)| *op as usize == i)
+        .map(|(_, v)| v)
+}
