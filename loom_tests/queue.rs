@@ -24,7 +24,7 @@ use tributary::{
     },
     event::{Event, EventStatus},
     kernels::{Access, CpuKernel, Kernel},
-    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Work},
+    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Program, Work},
     sync::{thread, Arc, UnsafeCell},
     BufferLoc, DType, DeviceId, Error, Failure, PoolId, StreamId, Timeline,
 };
@@ -398,6 +398,41 @@ fn failed_dependency_fails_the_plan_without_running_it() {
             check(Ok(()), e2.wait(), &r2);
             finisher.join().unwrap();
             queue.shutdown();
+        },
+    );
+}
+
+/// A replayed stream's program (DESIGN.md §4, "Compiled replays") on one worker: its first
+/// operation waits for a plan of another stream submitted after it, its second for a
+/// producer that a thread completes at any moment. The worker parks the program on each
+/// wait (giving its worker to the other stream), resumes it at the operation it stopped
+/// at, and runs every operation after its dependencies and its predecessor.
+#[test]
+fn program_runs_each_operation_after_its_dependencies() {
+    run_model(
+        "queue::program_runs_each_operation_after_its_dependencies",
+        builder(Some(3)),
+        || {
+            let mut both = streams(2);
+            let (b, queue_b) = both.pop().unwrap();
+            let (a, queue_a) = both.pop().unwrap();
+            let (pa, ra) = counted(&a, 1);
+            let (other, late) = producer();
+            let first = Dep::new(pa.event().clone(), DepKind::Data);
+            let (pb1, rb1) = counted_reading(&b, 1, vec![first], Some(ra.clone()));
+            let (pb2, rb2) = counted_reading(&b, 2, vec![late], Some(rb1.clone()));
+            let (ea, eb1, eb2) = (pa.event().clone(), pb1.event().clone(), pb2.event().clone());
+            let program = Program::from_plans([pb1, pb2]).unwrap();
+            assert_eq!((program.first_seq(), program.len()), (1, 2));
+            queue_b.submit_program(program).unwrap();
+            queue_a.submit(pa).unwrap();
+            let finisher = thread::spawn(move || other.signal(1));
+            check(Ok(()), eb2.wait(), &rb2);
+            check(Ok(()), eb1.wait(), &rb1);
+            check(Ok(()), ea.wait(), &ra);
+            finisher.join().unwrap();
+            queue_a.shutdown();
+            queue_b.shutdown();
         },
     );
 }

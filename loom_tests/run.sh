@@ -71,6 +71,7 @@ MUTANTS=(
   "pool_lost_wake:queue::parked_stream_is_woken"
   "pool_blocking_wait:queue::blocked_stream_on_one_worker"
   "pool_out_of_order:queue::next_plan_waits_for_its_head"
+  "program_skips_deps:queue::program_runs_each_operation_after_its_dependencies"
   # refused plans (src/protocol/unsubmitted.rs)
   "unsubmitted_before_deps:queue::refused_work_fails_after_its_dependencies"
   "unsubmitted_out_of_order:queue::refused_work_keeps_stream_order queue::submit_vs_shutdown"

@@ -205,6 +205,14 @@ pub enum Error {
         /// Why the size is invalid.
         reason: String,
     },
+    /// Plans given to [`Program::from_plans`](crate::protocol::Program::from_plans) do not
+    /// make one stream's program (none, several streams, or sequence numbers that do not
+    /// follow one another).
+    #[error("invalid program: {reason}")]
+    InvalidProgram {
+        /// Which plan does not fit, and why.
+        reason: String,
+    },
     /// A routine definition is malformed (same node twice, missing arguments, ...).
     #[error("invalid routine {routine}: {reason}")]
     InvalidRoutine {
@@ -554,6 +562,7 @@ impl Error {
             Error::PoolExhausted { .. } => "PoolExhausted",
             Error::InvalidSize { .. } => "InvalidSize",
             Error::InvalidRoutine { .. } => "InvalidRoutine",
+            Error::InvalidProgram { .. } => "InvalidProgram",
             Error::MissingBinding { .. } => "MissingBinding",
             Error::UnknownBinding { .. } => "UnknownBinding",
             Error::DuplicateBinding { .. } => "DuplicateBinding",

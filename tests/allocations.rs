@@ -1,6 +1,8 @@
 //! Issuing allocates nothing in steady state (DESIGN.md §4, "Issuing without allocation"):
 //! an `Engine` schedule, its dependencies and its run on the CPU backend, and a `System`
-//! schedule whose call finds its device idle.
+//! schedule whose call finds its device idle. A replay allocates a constant, whatever the
+//! step's length: an `Engine` replay the list of events it returns (with new index values
+//! too), a `System` replay its part and one-shots.
 //!
 //! Not in a suite (`tests/<suite>/main.rs`): alone in its own test binary, because its
 //! global allocator counts the allocations of every thread of the process, which any other
@@ -37,7 +39,9 @@ fn issuing_allocates_nothing_in_steady_state() {
     the_counter_counts_what_a_burst_allocates();
     engine_schedules_with_dependencies_allocate_nothing();
     engine_replays_allocate_only_the_events_they_return();
+    engine_replays_with_new_index_values_allocate_only_the_events_they_return();
     system_schedules_that_find_their_device_idle_allocate_nothing();
+    system_replays_allocate_a_constant_per_replay();
 }
 
 /// Allocations made by `run` the second time it runs.
@@ -170,5 +174,97 @@ fn system_schedules_that_find_their_device_idle_allocate_nothing() {
     assert!(
         used <= ALLOWANCE,
         "{used} allocations for {BURST} schedules through System (at most {ALLOWANCE})"
+    );
+}
+
+/// `Engine::replay_with`: the new index values travel in each stream's program, whose list
+/// of them its step keeps for the next replay.
+fn engine_replays_with_new_index_values_allocate_only_the_events_they_return() {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let root = e.context(0, 0).unwrap();
+    let spec = RoutineSpec::custom(
+        "indexed",
+        vec![(node("y", MemoryMode::on_device()), Access::Write)],
+        None,
+        |a| {
+            let t = a.index("t")?;
+            a.output::<i32>(0).map_err(|e| e.to_string())?[0] = t as i32;
+            Ok(())
+        },
+    )
+    .unwrap()
+    .with_index("t")
+    .unwrap();
+    let r = e.link(&root, spec).unwrap();
+    const STEP: u64 = 8;
+    let step = e
+        .capture(|c| {
+            for _ in 0..STEP {
+                c.schedule_with(&r, &[("t", 0)])?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let mut values = step.bindings();
+    let replays = BURST / STEP;
+    let used = second_run(|| {
+        for _ in 0..replays {
+            values.shift("t", 1)?;
+            e.replay_with(&step, &values)?;
+        }
+        e.sync_all()
+    });
+    assert!(
+        used <= replays + ALLOWANCE,
+        "{used} allocations for {replays} replays of {STEP} routines with new index values (at \
+         most one per replay, the list of events it returns, and {ALLOWANCE})"
+    );
+}
+
+/// A `System` replay still allocates its per-device part and one-shots (DESIGN.md §4,
+/// "Issuing without allocation"): a constant per replay, whatever the step's length.
+fn system_replays_allocate_a_constant_per_replay() {
+    /// Allocations one replay may make: its part, its check cell and list, the tickets
+    /// and their list, the event list when its step kept none free.
+    const PER_REPLAY: u64 = 10;
+    let sys = System::builder()
+        .cpu_devices(1)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()
+        .unwrap();
+    let ctx = sys.context(0, 0).unwrap();
+    let r = ctx
+        .link(spec(vec![(
+            node("y", MemoryMode::on_device()),
+            Access::Write,
+        )]))
+        .unwrap();
+    let routine = r.routine().clone();
+    const STEP: u64 = 32;
+    let step = sys
+        .capture(|c| {
+            for _ in 0..STEP {
+                c.schedule(&routine)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let replays = BURST / STEP;
+    let used = second_run(|| {
+        for _ in 0..replays {
+            sys.replay(&step)?;
+        }
+        sys.sync()
+    });
+    sys.shutdown().unwrap();
+    assert!(
+        used <= replays * PER_REPLAY + ALLOWANCE,
+        "{used} allocations for {replays} replays of {STEP} routines through System (at most \
+         {PER_REPLAY} per replay and {ALLOWANCE})"
     );
 }

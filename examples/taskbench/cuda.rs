@@ -351,22 +351,23 @@ fn system_on(
     sys.sync().map_err(s)?;
     let start = Instant::now();
     let mut t = 0;
-    if replay && graph.steps > 2 * phases {
+    let period = graph.capture_period();
+    if replay && graph.steps > 2 * period {
         timestep(0, &mut &*sys).map_err(s)?;
         let step = sys
             .capture(|c| {
-                for t in 1..=phases {
+                for t in 1..=period {
                     timestep(t, c)?;
                 }
                 Ok(())
             })
             .map_err(s)?;
-        t = 1 + phases;
+        t = 1 + period;
         let mut values = step.bindings();
-        while t + phases <= graph.steps {
-            values.shift(T, phases as i64).map_err(s)?;
+        while t + period <= graph.steps {
+            values.shift(T, period as i64).map_err(s)?;
             sys.replay_with(&step, &values).map_err(s)?;
-            t += phases;
+            t += period;
         }
     }
     while t < graph.steps {

@@ -126,7 +126,19 @@ impl Graph {
     pub fn phases(&self) -> usize {
         2 * self.dependence_sets()
     }
+
+    /// Timesteps a replaying runner captures as its step: the smallest multiple of the
+    /// phases that is at least [`CAPTURED_TIMESTEPS`], so that a replay's fixed cost (its
+    /// check, its one program per stream) is shared by several timesteps, as a user
+    /// capturing a training loop's period would.
+    pub fn capture_period(&self) -> usize {
+        let phases = self.phases().max(1);
+        phases * CAPTURED_TIMESTEPS.div_ceil(phases)
+    }
 }
+
+/// Timesteps a replaying runner captures at least (issue 30: "say 8").
+pub const CAPTURED_TIMESTEPS: usize = 8;
 
 #[cfg(test)]
 mod tests {

@@ -220,7 +220,7 @@ pub fn engine_replay(
     checks: &Arc<Checks>,
 ) -> Result<Duration> {
     let (mut e, mut routines) = engine_columns(graph, iterations, cpu, checks)?;
-    let period = graph.phases();
+    let period = graph.capture_period();
     let start = Instant::now();
     let mut t = 0;
     if graph.steps > 0 {
@@ -322,7 +322,7 @@ pub fn system(
         }
         Ok(())
     };
-    let period = graph.phases();
+    let period = graph.capture_period();
     let start = Instant::now();
     let mut t = 0;
     if replay && graph.steps > 2 * period {

@@ -92,6 +92,8 @@ pub struct DeviceCore {
     /// The record of the operation being decided, if it is recorded into a step being
     /// captured (`super::capture`).
     recording: Option<Record>,
+    /// The programs of the replay part being decided (kept: a replay allocates no list).
+    programs: Vec<Program>,
 }
 
 /// A waker that kicks an inbox.
@@ -133,6 +135,7 @@ impl DeviceCore {
             poisoned: None,
             kick: None,
             recording: None,
+            programs: Vec::new(),
         }
     }
 
@@ -537,7 +540,7 @@ impl DeviceCore {
                 Some(Ok(())) => part.go = true,
             }
         }
-        let mut programs = Vec::new();
+        let mut programs = std::mem::take(&mut self.programs);
         let progress = {
             let (run, mut links) = part.links(&waker);
             self.with_host(hosted, stamp, |s, h| {
@@ -547,15 +550,21 @@ impl DeviceCore {
         if !programs.is_empty() {
             self.sink.submit_programs(&mut programs);
         }
+        programs.clear();
+        self.programs = programs;
         match progress {
             crate::protocol::ReplayProgress::Blocked => {
                 Handled::Blocked(DeviceOp::Replay { stamp, part })
             }
             crate::protocol::ReplayProgress::Done => {
-                let last: Vec<Event> = part.run.last_events().collect();
-                for (promise, event) in std::mem::take(&mut part.last).into_iter().zip(last) {
+                for (promise, event) in std::mem::take(&mut part.last)
+                    .into_iter()
+                    .zip(part.run.last_events())
+                {
                     promise.resolve(Planned::At(event.seq()));
                 }
+                let ReplayPart { step, run, .. } = *part;
+                step.give_back_events(run.into_events());
                 Handled::Done
             }
         }

@@ -8,6 +8,8 @@
 //! does. See DESIGN.md §4, "Step capture and replay".
 
 use std::sync::Arc as StdArc;
+
+use smallvec::SmallVec;
 use std::task::Waker;
 
 use crate::{
@@ -50,7 +52,7 @@ pub struct ReplayPart {
     /// of this device's buffer).
     pub(crate) outgoing: Vec<(Option<Reply<Vec<Dep>>>, Event)>,
     /// Per stream the step runs on here (the step's order): its last event's promise.
-    pub(crate) last: Vec<SeqPromise>,
+    pub(crate) last: SmallVec<[SeqPromise; 2]>,
     /// The run (based at the stamp the post gave the part when it starts).
     pub(crate) run: ReplayRun,
     /// Checked and based: the run started.
@@ -62,7 +64,7 @@ impl ReplayPart {
     /// number, the copies' answers and promises dropped (their other halves fail with
     /// [`Error::ShutDown`], or are refused themselves).
     pub(crate) fn refuse(self, error: &Error, issued: impl Fn(usize) -> u64) {
-        let streams: Vec<usize> = self.step.streams().collect();
+        let streams: SmallVec<[usize; 4]> = self.step.streams().collect();
         if let Some(check) = self.check {
             check.send(Err(error.clone()));
         }
@@ -176,7 +178,7 @@ impl Dispatcher {
         values: Option<StdArc<[Bindings]>>,
     ) -> Result<Vec<PendingEvent>> {
         let inner = &step.inner;
-        let index: Vec<usize> = inner
+        let index: SmallVec<[usize; 4]> = inner
             .devices
             .iter()
             .map(|d| {
@@ -205,11 +207,11 @@ impl Dispatcher {
             replies.push(Some(r));
             answers.push(Some(a));
         }
-        let (check_replies, checks): (Vec<_>, Vec<_>) =
+        let (check_replies, checks): (SmallVec<[_; 4]>, SmallVec<[_; 4]>) =
             inner.devices.iter().map(|_| reply::<()>()).unzip();
-        let checks: StdArc<[Answer<()>]> = checks.into();
+        let checks: StdArc<[Answer<()>]> = checks.into_iter().collect();
         let mut last = Vec::new();
-        let mut parts = Vec::with_capacity(inner.devices.len());
+        let mut parts: SmallVec<[Part; 2]> = SmallVec::new();
         let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
         for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
             let incoming = d
@@ -232,7 +234,7 @@ impl Dispatcher {
                 .iter()
                 .map(|&g| (replies[g as usize].take(), readers[g as usize].clone()))
                 .collect();
-            let mut stream_promises = Vec::new();
+            let mut stream_promises = SmallVec::new();
             for s in d.streams() {
                 let (pending, promise) = self.pending_event(crate::ids::StreamId {
                     device: d.device(),
@@ -252,7 +254,7 @@ impl Dispatcher {
                 incoming,
                 outgoing,
                 last: stream_promises,
-                run: ReplayRun::new(d.clone(), 0, 0),
+                run: ReplayRun::with_events(d.clone(), 0, 0, d.events_list()),
                 started: false,
             };
             let op = DeviceOp::Replay {
@@ -261,8 +263,12 @@ impl Dispatcher {
             };
             parts.push(Part::new(index[k], 0, 0, op).with_span(span));
         }
-        if !parts.is_empty() {
-            self.post(parts)?;
+        if parts.len() == 1 {
+            if let Some(p) = parts.pop() {
+                self.post_one(p)?;
+            }
+        } else if !parts.is_empty() {
+            self.post(parts.into_vec())?;
         }
         Ok(last)
     }

@@ -223,7 +223,7 @@ impl Dispatcher {
 
     /// One operation to one device: no allocation unless it touches a hosted node (then
     /// the general path takes its node locks and gates).
-    fn post_one(&self, p: Part) -> Result<()> {
+    pub(super) fn post_one(&self, p: Part) -> Result<()> {
         let mut hosted = false;
         hosted_uses(&p.op, |_, _| hosted = true);
         if hosted {

@@ -19,6 +19,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::{
     device::DeviceStep,
     plan::{Dep, Deps, Plan, Work},
@@ -48,9 +50,9 @@ pub struct Program {
     /// Issue stamp of the step's position 0.
     base: u64,
     /// Every op's dependencies, one after the other.
-    deps: Vec<Dep>,
+    deps: SmallVec<[Dep; 8]>,
     /// Per op, the end of its dependencies in `deps`.
-    ends: Vec<u32>,
+    ends: SmallVec<[u32; 8]>,
     /// `(op, values)`: ops whose schedule takes this replay's index values.
     values: Vec<(u32, Bindings)>,
     /// `(op, why)`: ops that fail without running once their dependencies are decided (a
@@ -126,7 +128,7 @@ impl Program {
         first_seq: u64,
         base: u64,
     ) -> Program {
-        let (deps, ends) = step.spare.lock().pop().unwrap_or_default();
+        let (deps, ends, values) = step.spare.lock().pop().unwrap_or_default();
         Program {
             step,
             stream,
@@ -137,9 +139,60 @@ impl Program {
             base,
             deps,
             ends,
-            values: Vec::new(),
+            values,
             failed: Vec::new(),
         }
+    }
+
+    /// The program of `plans`, in order: consecutive sequence numbers of one stream's
+    /// timeline, as a replay would hand that stream (for model checkers and backend tests
+    /// that drive a queue directly). Safe: each plan already carries the protocol's promise
+    /// ([`Plan::from_parts`]). Plans of several streams or timelines, or whose sequence
+    /// numbers do not follow one another, are [`Error::InvalidProgram`] naming the first
+    /// that does not fit; so is no plan at all.
+    pub fn from_plans(plans: impl IntoIterator<Item = Plan>) -> Result<Program, Error> {
+        let plans: Vec<Plan> = plans.into_iter().collect();
+        let Some(first) = plans.first() else {
+            return Err(Error::InvalidProgram {
+                reason: "a program needs at least one plan".into(),
+            });
+        };
+        let (stream, timeline, first_seq) = (
+            first.stream,
+            first.event.timeline().clone(),
+            first.event.seq(),
+        );
+        let base = first.issue;
+        for (i, p) in plans.iter().enumerate() {
+            let seq = first_seq + i as u64;
+            if p.stream != stream
+                || !SyncArc::ptr_eq(p.event.timeline(), &timeline)
+                || p.event.is_deferred()
+                || p.event.seq() != seq
+            {
+                return Err(Error::InvalidProgram {
+                    reason: format!(
+                        "plan {i} ({}) completes {} #{}, the program needs {stream} #{seq}",
+                        p.work.label(),
+                        p.stream,
+                        p.event.seq()
+                    ),
+                });
+            }
+        }
+        let mut deps = Vec::with_capacity(plans.len());
+        let mut works = Vec::with_capacity(plans.len());
+        for p in plans {
+            deps.push(p.deps);
+            works.push(p.work);
+        }
+        let step = Arc::new(DeviceStep::of_lane(stream, works));
+        let mut program = Program::open(step, stream, timeline, 0, 0, first_seq, base);
+        for d in deps {
+            program.deps.extend(d);
+            program.push(None, None);
+        }
+        Ok(program)
     }
 
     /// Whether the next op of the lane is template `ordinal` completing `seq`: what the
@@ -150,7 +203,7 @@ impl Program {
     }
 
     /// The dependency list of the op being appended ([`Program::push`] closes it).
-    pub(crate) fn deps_mut(&mut self) -> &mut Vec<Dep> {
+    pub(crate) fn deps_mut(&mut self) -> &mut SmallVec<[Dep; 8]> {
         &mut self.deps
     }
 
@@ -258,19 +311,26 @@ impl Program {
     }
 }
 
-/// Lists kept per step for the programs of its next replays (more are freed).
+/// Spilled lists kept per step for the programs of its next replays (more are freed).
 const SPARE_LISTS: usize = 512;
 
 impl Drop for Program {
     /// Gives the program's lists, emptied, to its step for the next replay.
     fn drop(&mut self) {
-        let mut deps = std::mem::take(&mut self.deps);
-        let mut ends = std::mem::take(&mut self.ends);
-        deps.clear();
-        ends.clear();
+        if !self.deps.spilled() && !self.ends.spilled() && self.values.capacity() == 0 {
+            return;
+        }
+        let mut lists = (
+            std::mem::take(&mut self.deps),
+            std::mem::take(&mut self.ends),
+            std::mem::take(&mut self.values),
+        );
+        lists.0.clear();
+        lists.1.clear();
+        lists.2.clear();
         let mut spare = self.step.spare.lock();
         if spare.len() < SPARE_LISTS {
-            spare.push((deps, ends));
+            spare.push(lists);
         }
     }
 }

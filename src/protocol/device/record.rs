@@ -148,19 +148,83 @@ pub struct DeviceStep {
     /// `(live contexts, contexts ever made)` of the device state when every context of the
     /// step was last found live: while both are unchanged, none was finalized since.
     pub(crate) checked: std::sync::Mutex<Option<(usize, u64)>>,
-    /// Lists of finished programs of this step, emptied, for the next replays'
-    /// ([`Program`](crate::protocol::Program)): a replay allocates none once there are as
-    /// many as it has programs in flight.
+    /// Lists of finished programs of this step that hold memory of their own, emptied, for
+    /// the next replays' ([`Program`](crate::protocol::Program)).
     pub(crate) spare: crate::sync::Mutex<Vec<ProgramLists>>,
+    /// Event lists of finished replays, for the next ones.
+    pub(crate) spare_events: crate::sync::Mutex<Vec<Vec<crate::event::Event>>>,
 }
 
-/// A program's dependency list and its per-operation ends into it.
-pub(crate) type ProgramLists = (Vec<crate::protocol::Dep>, Vec<u32>);
+/// Event lists a step keeps for its next replays (more are freed).
+const SPARE_EVENT_LISTS: usize = 64;
+
+/// A program's dependency list, its per-operation ends into it (both inline for a lane of
+/// up to eight operations with a dependency each) and its new index values: kept for reuse
+/// once they hold memory of their own.
+pub(crate) type ProgramLists = (
+    smallvec::SmallVec<[crate::protocol::Dep; 8]>,
+    smallvec::SmallVec<[u32; 8]>,
+    Vec<(u32, crate::kernels::Bindings)>,
+);
 
 impl DeviceStep {
+    /// A step of one lane on `stream`: the works in order, with no dependencies of its own
+    /// (for [`Program::from_plans`](crate::protocol::Program::from_plans)).
+    pub(crate) fn of_lane(stream: crate::ids::StreamId, works: Vec<Work>) -> DeviceStep {
+        let n = works.len() as u32;
+        let templates = works
+            .into_iter()
+            .enumerate()
+            .map(|(i, work)| Template {
+                stream: stream.index,
+                position: i as u32,
+                work,
+                deps: (0, 0),
+                slot: None,
+                incoming: None,
+                merge: false,
+                lane: 0,
+                ordinal: i as u32,
+            })
+            .collect();
+        DeviceStep {
+            device: stream.device,
+            instance: 0,
+            templates,
+            actions: (0..n).map(Action::Issue).collect(),
+            deps: Vec::new(),
+            buffers: Vec::new(),
+            contexts: Vec::new(),
+            merges: Vec::new(),
+            hosted: Vec::new(),
+            streams: vec![(stream.index, n.saturating_sub(1))],
+            lanes: vec![(0..n).collect()],
+            outgoing: Vec::new(),
+            incoming: Vec::new(),
+            checked: std::sync::Mutex::new(None),
+            spare: crate::sync::Mutex::new(Vec::new()),
+            spare_events: crate::sync::Mutex::new(Vec::new()),
+        }
+    }
+
     /// The device.
     pub fn device(&self) -> DeviceId {
         self.device
+    }
+
+    /// An empty list for a replay's events, one an earlier replay gave back if any
+    /// ([`DeviceStep::give_back_events`]).
+    pub fn events_list(&self) -> Vec<crate::event::Event> {
+        self.spare_events.lock().pop().unwrap_or_default()
+    }
+
+    /// Keeps `events` (emptied) for a later replay's [`DeviceStep::events_list`].
+    pub fn give_back_events(&self, mut events: Vec<crate::event::Event>) {
+        events.clear();
+        let mut spare = self.spare_events.lock();
+        if spare.len() < SPARE_EVENT_LISTS && events.capacity() > 0 {
+            spare.push(events);
+        }
     }
 
     /// Number of operations a replay issues on this device.
@@ -532,6 +596,7 @@ impl StepRecorder {
             incoming: self.incoming,
             checked: std::sync::Mutex::new(None),
             spare: crate::sync::Mutex::new(Vec::new()),
+            spare_events: crate::sync::Mutex::new(Vec::new()),
         })
     }
 }

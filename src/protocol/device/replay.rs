@@ -479,21 +479,21 @@ impl DeviceState {
         run: &ReplayRun,
         links: &mut dyn ReplayLinks,
         answered: &mut Option<Result<Vec<Dep>>>,
-        out: &mut Vec<Dep>,
+        out: &mut impl Extend<Dep>,
     ) {
         match *d {
             DepRef::Local(t, kind) => {
                 if let Some(event) = run.events.get(t as usize) {
-                    out.push(Dep {
+                    out.extend([Dep {
                         event: event.clone(),
                         kind,
-                    });
+                    }]);
                 }
             }
-            DepRef::Remote(e) => out.push(Dep {
+            DepRef::Remote(e) => out.extend([Dep {
                 event: links.reader(e),
                 kind: crate::protocol::DepKind::Order,
-            }),
+            }]),
             DepRef::Incoming(_) => {
                 if let Some(Ok(deps)) = answered.take() {
                     out.extend(deps);
