@@ -24,7 +24,7 @@ use tributary::{
     },
     event::{Event, EventStatus},
     kernels::{Access, CpuKernel, Kernel},
-    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, Program, Work},
+    protocol::{ArgBinding, Dep, DepKind, GlobalLoc, Plan, StreamProgram, Work},
     sync::{thread, Arc, UnsafeCell},
     BufferLoc, DType, DeviceId, Error, Failure, PoolId, StreamId, Timeline,
 };
@@ -422,7 +422,7 @@ fn program_runs_each_operation_after_its_dependencies() {
             let (pb1, rb1) = counted_reading(&b, 1, vec![first], Some(ra.clone()));
             let (pb2, rb2) = counted_reading(&b, 2, vec![late], Some(rb1.clone()));
             let (ea, eb1, eb2) = (pa.event().clone(), pb1.event().clone(), pb2.event().clone());
-            let program = Program::from_plans([pb1, pb2]).unwrap();
+            let program = StreamProgram::from_plans([pb1, pb2]).unwrap();
             assert_eq!((program.first_seq(), program.len()), (1, 2));
             queue_b.submit_program(program).unwrap();
             queue_a.submit(pa).unwrap();

@@ -205,7 +205,7 @@ pub enum Error {
         /// Why the size is invalid.
         reason: String,
     },
-    /// Plans given to [`Program::from_plans`](crate::protocol::Program::from_plans) do not
+    /// Plans given to [`StreamProgram::from_plans`](crate::protocol::StreamProgram::from_plans) do not
     /// make one stream's program (none, several streams, or sequence numbers that do not
     /// follow one another).
     #[error("invalid program: {reason}")]

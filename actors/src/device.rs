@@ -22,7 +22,7 @@ use tributary::{
         DeviceTurn, Dispatcher, PlanSink, Progress,
     },
     pending::SeqPromise,
-    protocol::{Context, Plans, Program, Routine, TableSizes},
+    protocol::{Context, Plans, Routine, StreamProgram, TableSizes},
     DeviceId, Error, Event, Result,
 };
 
@@ -71,7 +71,7 @@ impl PlanSink for QueueSink {
         }
     }
 
-    fn submit_programs(&mut self, programs: &mut Vec<Program>) {
+    fn submit_programs(&mut self, programs: &mut Vec<StreamProgram>) {
         // A queue that runs programs takes its stream's part whole; the others' operations
         // go as plans, in issue order.
         let mut plans = Plans::new();

@@ -35,7 +35,7 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, Kernel, KernelArgs, KernelMode},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, GlobalLoc, Plan, Program, Work},
+    protocol::{ArgBinding, GlobalLoc, Plan, StreamProgram, Work},
     sync::{Arc as SyncArc, Mutex},
     trace::{Recorder, TraceKind, TraceRecord},
 };
@@ -453,12 +453,13 @@ impl StreamQueue for CpuStream {
         true
     }
 
-    fn submit_program(&self, program: Program) -> Result<()> {
+    fn submit_program(&self, program: StreamProgram) -> Result<()> {
         program.check_queue(self.stream, &self.timeline)?;
         if program.is_empty() {
             return Ok(());
         }
-        let Some(Item::Program(program)) = self.task.push(Item::Program(program)) else {
+        let Some(Item::StreamProgram(program)) = self.task.push(Item::StreamProgram(program))
+        else {
             return Ok(());
         };
         // Nobody will run it: its events fail once their dependencies and the stream's

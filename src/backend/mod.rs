@@ -34,7 +34,7 @@ use crate::{
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
     kernels::RoutineSpec,
-    protocol::{Plan, Program},
+    protocol::{Plan, StreamProgram},
     sync::Arc,
 };
 
@@ -46,19 +46,19 @@ pub trait StreamQueue: Send + Sync {
     /// its event left alone (it belongs to another queue).
     fn submit(&self, plan: Plan) -> Result<()>;
 
-    /// Whether the queue runs a [`Program`] in place ([`StreamQueue::submit_program`]).
+    /// Whether the queue runs a [`StreamProgram`] in place ([`StreamQueue::submit_program`]).
     /// Default `false`: a replay hands such a queue its operations as plans
-    /// ([`Program::into_plans`]), submitted with every other device's in issue order.
+    /// ([`StreamProgram::into_plans`]), submitted with every other device's in issue order.
     fn runs_programs(&self) -> bool {
         false
     }
 
     /// Enqueues a replayed stream's program (DESIGN.md §4, "Compiled replays"): its
     /// operations run in order, each after its dependencies, as the plans of
-    /// [`Program::into_plans`] would. Never waits for the work. A program of another
-    /// stream's timeline is refused with [`Error::WrongStream`] ([`Program::check_queue`]).
+    /// [`StreamProgram::into_plans`] would. Never waits for the work. A program of another
+    /// stream's timeline is refused with [`Error::WrongStream`] ([`StreamProgram::check_queue`]).
     /// Default: the operations submitted as plans, one by one.
-    fn submit_program(&self, program: Program) -> Result<()> {
+    fn submit_program(&self, program: StreamProgram) -> Result<()> {
         let mut result = Ok(());
         program.into_plans(|plan| {
             let submitted = self.submit(plan);

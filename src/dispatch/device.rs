@@ -21,7 +21,7 @@ use crate::{
     ids::StreamId,
     node::TensorNode,
     pending::{Planned, SeqPromise},
-    protocol::{Context, DeviceState, HostTable, Plans, Program, Routine},
+    protocol::{Context, DeviceState, HostTable, Plans, Routine, StreamProgram},
     sync::{Arc, Mutex},
 };
 
@@ -40,11 +40,11 @@ pub trait PlanSink: Send {
     fn submit(&mut self, plans: Plans);
 
     /// Hands a replay's per-stream programs to their streams, emptying `programs`. Default:
-    /// their operations as plans, in issue order ([`Program::into_plans`]); a sink whose
+    /// their operations as plans, in issue order ([`StreamProgram::into_plans`]); a sink whose
     /// queues run programs ([`StreamQueue::runs_programs`]) hands them over whole.
     ///
     /// [`StreamQueue::runs_programs`]: crate::backend::StreamQueue::runs_programs
-    fn submit_programs(&mut self, programs: &mut Vec<Program>) {
+    fn submit_programs(&mut self, programs: &mut Vec<StreamProgram>) {
         let mut plans = Plans::new();
         for program in programs.drain(..) {
             program.into_plans(|plan| plans.push(plan));
@@ -93,7 +93,7 @@ pub struct DeviceCore {
     /// captured (`super::capture`).
     recording: Option<Record>,
     /// The programs of the replay part being decided (kept: a replay allocates no list).
-    programs: Vec<Program>,
+    programs: Vec<StreamProgram>,
 }
 
 /// A waker that kicks an inbox.

@@ -16,8 +16,8 @@ use crate::{
     node::TensorNode,
     pending::{PendingEvent, Planned, SeqPromise},
     protocol::{
-        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, Program, ReplayLinks,
-        ReplayProgress, ReplayRun, Routine, StepRecorder, OP_STAMPS,
+        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, ReplayLinks,
+        ReplayProgress, ReplayRun, Routine, StepRecorder, StreamProgram, OP_STAMPS,
     },
     replay::{Edge, Step, StepBindings},
 };
@@ -142,7 +142,7 @@ impl Capture<'_> {
 #[derive(Default)]
 pub(super) struct ReplayScratch {
     /// The programs of the replay in progress.
-    programs: Vec<Program>,
+    programs: Vec<StreamProgram>,
     /// Its plans, for queues that run no programs.
     planned: Vec<Plan>,
     /// Event lists of finished [`ReplayRun`]s, for the next ones.

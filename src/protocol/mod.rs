@@ -28,6 +28,6 @@ pub use plan::{
     GlobalLoc, Plan, Plans, Work,
 };
 pub(crate) use plan::{reserve_issue_stamps, set_current_issue};
-pub use program::{Program, ProgramOp};
+pub use program::{StreamProgram, StreamProgramOp};
 pub use tables::{BufferUses, Uses};
 pub(crate) use unsubmitted::fail_when_ready;

@@ -4,7 +4,7 @@
 //! A replay decides a step once per device: it checks the step, resolves the entry
 //! dependencies against the live tables and publishes the step's exit state. What each
 //! stream then runs is fixed at capture: the step's templates on that stream, in order
-//! ([`DeviceStep`]'s lanes). A [`Program`] is that list with this replay's numbers: the
+//! ([`DeviceStep`]'s lanes). A [`StreamProgram`] is that list with this replay's numbers: the
 //! sequence number of its first operation (the others follow one by one), the issue stamp
 //! of the step, each operation's dependencies as events, and the index values of the
 //! schedules that take new ones. No [`Plan`] is made per operation.
@@ -12,7 +12,7 @@
 //! A backend that runs programs ([`StreamQueue::runs_programs`]) walks the list in place:
 //! the CPU backend's worker waits for each operation's dependencies, runs its template's
 //! work and completes its sequence number. Any other queue gets the same operations as
-//! plans ([`Program::into_plans`]), one for one: a program waits for exactly what those
+//! plans ([`StreamProgram::into_plans`]), one for one: a program waits for exactly what those
 //! plans would wait for, which is what the graph checks of the random programs check.
 //!
 //! [`StreamQueue::runs_programs`]: crate::backend::StreamQueue::runs_programs
@@ -37,7 +37,7 @@ use crate::{
 /// the module documentation). Made by the protocol only: like a [`Plan`], it carries the
 /// protocol's promise that its dependencies order it after every conflicting use.
 #[derive(Debug)]
-pub struct Program {
+pub struct StreamProgram {
     step: Arc<DeviceStep>,
     stream: StreamId,
     timeline: SyncArc<Timeline>,
@@ -60,9 +60,9 @@ pub struct Program {
     failed: Vec<(u32, String)>,
 }
 
-/// One operation of a [`Program`], as its queue runs it.
+/// One operation of a [`StreamProgram`], as its queue runs it.
 #[derive(Clone, Copy, Debug)]
-pub struct ProgramOp<'a> {
+pub struct StreamProgramOp<'a> {
     seq: u64,
     issue: u64,
     deps: &'a [Dep],
@@ -71,7 +71,7 @@ pub struct ProgramOp<'a> {
     failed: Option<&'a str>,
 }
 
-impl<'a> ProgramOp<'a> {
+impl<'a> StreamProgramOp<'a> {
     /// The sequence number it completes on the program's stream.
     pub fn seq(&self) -> u64 {
         self.seq
@@ -87,7 +87,7 @@ impl<'a> ProgramOp<'a> {
         self.deps
     }
 
-    /// The work, as captured. A routine's index values are [`ProgramOp::bindings`].
+    /// The work, as captured. A routine's index values are [`StreamProgramOp::bindings`].
     pub fn work(&self) -> &'a Work {
         self.work
     }
@@ -115,7 +115,7 @@ impl<'a> ProgramOp<'a> {
     }
 }
 
-impl Program {
+impl StreamProgram {
     /// An empty program of `lane` of `step` on `stream`, from the lane's template `start`,
     /// whose first operation completes `first_seq` of `timeline`; the step's position 0
     /// has issue stamp `base`.
@@ -127,9 +127,9 @@ impl Program {
         start: u32,
         first_seq: u64,
         base: u64,
-    ) -> Program {
+    ) -> StreamProgram {
         let (deps, ends, values) = step.spare.lock().pop().unwrap_or_default();
-        Program {
+        StreamProgram {
             step,
             stream,
             timeline,
@@ -150,7 +150,7 @@ impl Program {
     /// ([`Plan::from_parts`]). Plans of several streams or timelines, or whose sequence
     /// numbers do not follow one another, are [`Error::InvalidProgram`] naming the first
     /// that does not fit; so is no plan at all.
-    pub fn from_plans(plans: impl IntoIterator<Item = Plan>) -> Result<Program, Error> {
+    pub fn from_plans(plans: impl IntoIterator<Item = Plan>) -> Result<StreamProgram, Error> {
         let plans: Vec<Plan> = plans.into_iter().collect();
         let Some(first) = plans.first() else {
             return Err(Error::InvalidProgram {
@@ -187,7 +187,7 @@ impl Program {
             works.push(p.work);
         }
         let step = Arc::new(DeviceStep::of_lane(stream, works));
-        let mut program = Program::open(step, stream, timeline, 0, 0, first_seq, base);
+        let mut program = StreamProgram::open(step, stream, timeline, 0, 0, first_seq, base);
         for d in deps {
             program.deps.extend(d);
             program.push(None, None);
@@ -196,13 +196,13 @@ impl Program {
     }
 
     /// Whether the next op of the lane is template `ordinal` completing `seq`: what the
-    /// protocol appends with [`Program::push`].
+    /// protocol appends with [`StreamProgram::push`].
     pub(crate) fn continues(&self, ordinal: u32, seq: u64) -> bool {
         let n = self.ends.len() as u64;
         u64::from(ordinal) == u64::from(self.start) + n && seq == self.first_seq + n
     }
 
-    /// The dependency list of the op being appended ([`Program::push`] closes it).
+    /// The dependency list of the op being appended ([`StreamProgram::push`] closes it).
     pub(crate) fn deps_mut(&mut self) -> &mut SmallVec<[Dep; 8]> {
         &mut self.deps
     }
@@ -246,7 +246,7 @@ impl Program {
     }
 
     /// Operation `i`, or `None` past the end.
-    pub fn op(&self, i: usize) -> Option<ProgramOp<'_>> {
+    pub fn op(&self, i: usize) -> Option<StreamProgramOp<'_>> {
         let end = *self.ends.get(i)? as usize;
         let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
         let t = *self
@@ -255,7 +255,7 @@ impl Program {
             .get(self.lane as usize)?
             .get(self.start as usize + i)?;
         let tpl = self.step.templates.get(t as usize)?;
-        Some(ProgramOp {
+        Some(StreamProgramOp {
             seq: self.first_seq + i as u64,
             issue: self.base + u64::from(tpl.position),
             deps: self.deps.get(start..end)?,
@@ -266,7 +266,7 @@ impl Program {
     }
 
     /// Its operations in order.
-    pub fn ops(&self) -> impl Iterator<Item = ProgramOp<'_>> + '_ {
+    pub fn ops(&self) -> impl Iterator<Item = StreamProgramOp<'_>> + '_ {
         (0..self.len()).filter_map(|i| self.op(i))
     }
 
@@ -314,7 +314,7 @@ impl Program {
 /// Spilled lists kept per step for the programs of its next replays (more are freed).
 const SPARE_LISTS: usize = 512;
 
-impl Drop for Program {
+impl Drop for StreamProgram {
     /// Gives the program's lists, emptied, to its step for the next replay.
     fn drop(&mut self) {
         if !self.deps.spilled() && !self.ends.spilled() && self.values.capacity() == 0 {

@@ -42,7 +42,7 @@ use crate::{
     error::{Error, Failure, Result},
     event::{EventFuture, EventStatus, Timeline},
     ids::StreamId,
-    protocol::{Dep, Program, Work},
+    protocol::{Dep, StreamProgram, Work},
     sync::{
         atomic::{AtomicUsize, Ordering},
         spin::SpinWait,
@@ -77,7 +77,7 @@ enum Outcome {
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Item {
     Plan(Submitted),
-    Program(Program),
+    StreamProgram(StreamProgram),
 }
 
 impl Item {
@@ -85,7 +85,7 @@ impl Item {
     fn last_seq(&self) -> u64 {
         match self {
             Item::Plan(p) => p.seq,
-            Item::Program(p) => p.last_seq(),
+            Item::StreamProgram(p) => p.last_seq(),
         }
     }
 }
@@ -282,7 +282,7 @@ impl StreamTask {
                 }
                 return Outcome::Idle;
             }
-            if let Item::Program(program) = &current.item {
+            if let Item::StreamProgram(program) = &current.item {
                 let finished = match program.op(current.op) {
                     Some(op) => {
                         // An operation that could not be planned (its copy's source did not
@@ -349,8 +349,8 @@ impl StreamTask {
             let (deps, seq) = match &head.item {
                 Item::Plan(p) => (&p.deps[..], p.seq),
                 // The mutant runs a program's operations without waiting for anything.
-                Item::Program(_) if mutant!("program_skips_deps") => return true,
-                Item::Program(p) => match p.op(head.op) {
+                Item::StreamProgram(_) if mutant!("program_skips_deps") => return true,
+                Item::StreamProgram(p) => match p.op(head.op) {
                     Some(op) => (op.deps(), op.seq()),
                     None => return true,
                 },
@@ -382,7 +382,7 @@ impl StreamTask {
             if let (Some(since), Some(rec)) = (head.blocked_since.take(), &self.recorder) {
                 let name = match &head.item {
                     Item::Plan(p) => p.plan_label.to_string(),
-                    Item::Program(p) => p
+                    Item::StreamProgram(p) => p
                         .op(head.op)
                         .map_or_else(String::new, |op| work_label(op.work()).into_owned()),
                 };

@@ -140,7 +140,7 @@ pub struct DeviceStep {
     /// Per stream used: `(stream index, last template on it)`.
     pub(crate) streams: Vec<(u32, u32)>,
     /// Per stream used, in the order of `streams`: its templates in order (what one
-    /// [`Program`](crate::protocol::Program) of a replay runs a range of).
+    /// [`StreamProgram`](crate::protocol::StreamProgram) of a replay runs a range of).
     pub(crate) lanes: Vec<Vec<u32>>,
     /// Global edge numbers of this device's outgoing and incoming edges (local order).
     pub(crate) outgoing: Vec<u32>,
@@ -149,7 +149,7 @@ pub struct DeviceStep {
     /// step was last found live: while both are unchanged, none was finalized since.
     pub(crate) checked: std::sync::Mutex<Option<(usize, u64)>>,
     /// Lists of finished programs of this step that hold memory of their own, emptied, for
-    /// the next replays' ([`Program`](crate::protocol::Program)).
+    /// the next replays' ([`StreamProgram`](crate::protocol::StreamProgram)).
     pub(crate) spare: crate::sync::Mutex<Vec<ProgramLists>>,
     /// Event lists of finished replays, for the next ones.
     pub(crate) spare_events: crate::sync::Mutex<Vec<Vec<crate::event::Event>>>,
@@ -169,7 +169,7 @@ pub(crate) type ProgramLists = (
 
 impl DeviceStep {
     /// A step of one lane on `stream`: the works in order, with no dependencies of its own
-    /// (for [`Program::from_plans`](crate::protocol::Program::from_plans)).
+    /// (for [`StreamProgram::from_plans`](crate::protocol::StreamProgram::from_plans)).
     pub(crate) fn of_lane(stream: crate::ids::StreamId, works: Vec<Work>) -> DeviceStep {
         let n = works.len() as u32;
         let templates = works

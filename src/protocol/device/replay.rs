@@ -26,7 +26,7 @@ use crate::{
         context::{Context, Routine},
         host::{DeviceCopy, HostTable},
         plan::{ArgBinding, Dep, GlobalLoc, Work},
-        program::Program,
+        program::StreamProgram,
     },
 };
 use smallvec::SmallVec;
@@ -369,7 +369,7 @@ impl DeviceState {
         Ok(())
     }
 
-    /// Issues `run`'s templates, from where it stopped, into `out` as one [`Program`] per
+    /// Issues `run`'s templates, from where it stopped, into `out` as one [`StreamProgram`] per
     /// stream (per run of consecutive templates of a stream this call issued): until every
     /// template is issued ([`ReplayProgress::Done`], the tables then hold the step's exit state) or
     /// one waits for another device's answer ([`ReplayProgress::Blocked`]).
@@ -383,11 +383,11 @@ impl DeviceState {
         run: &mut ReplayRun,
         links: &mut dyn ReplayLinks,
         host: &mut HostTable,
-        out: &mut Vec<Program>,
+        out: &mut Vec<StreamProgram>,
     ) -> ReplayProgress {
         let step = run.step.clone();
         // Per lane of the step: the program this call is filling for its stream.
-        let mut open: SmallVec<[Option<Program>; 4]> =
+        let mut open: SmallVec<[Option<StreamProgram>; 4]> =
             (0..step.lanes.len()).map(|_| None).collect();
         while let Some(&action) = step.actions.get(run.next) {
             match action {
@@ -422,7 +422,7 @@ impl DeviceState {
                         .as_ref()
                         .is_some_and(|p| p.continues(tpl.ordinal, event.seq()))
                     {
-                        let program = Program::open(
+                        let program = StreamProgram::open(
                             step.clone(),
                             stream,
                             event.timeline().clone(),

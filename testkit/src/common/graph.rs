@@ -23,7 +23,7 @@
 //! emitted dependency between two plans that share no memory with a write is counted as an
 //! extra edge (over-synchronisation: it costs parallelism, not correctness).
 //!
-//! Program order is the order in which the protocol made the plans, their issue stamps
+//! StreamProgram order is the order in which the protocol made the plans, their issue stamps
 //! ([`Plan::issue`]): a program issued by one host thread has its plans made in program
 //! order, by the [`tributary::Engine`] on the calling thread and by the actor system's
 //! device actors in mailbox order, behind the round trips that make cross-device calls wait
@@ -49,7 +49,7 @@ use tributary::{
     kernels::{Access, RoutineSpec},
     memory::AlignedBuffer,
     protocol::{
-        current_issue, issue_clock, ArgBinding, Dep, DepKind, GlobalLoc, Plan, Program, Work,
+        current_issue, issue_clock, ArgBinding, Dep, DepKind, GlobalLoc, Plan, StreamProgram, Work,
     },
     DeviceError, DeviceId, Event, PoolId, StreamId, Timeline,
 };
@@ -269,7 +269,7 @@ impl GraphRecorder {
     }
 
     /// Records every operation of a replayed stream's program, as the plans it stands for.
-    fn record_program(&self, program: &Program) {
+    fn record_program(&self, program: &StreamProgram) {
         for op in program.ops() {
             let work = op.to_work();
             self.record_op(op.issue(), program.stream(), op.seq(), op.deps(), &work);
@@ -341,11 +341,11 @@ impl GraphRecorder {
 /// One required ordering the execution did not guarantee.
 #[derive(Clone, Debug)]
 pub struct MissingEdge {
-    /// Program operation of the earlier plan, and the plan.
+    /// StreamProgram operation of the earlier plan, and the plan.
     pub before_op: usize,
     /// The earlier plan, as `stream#seq label`.
     pub before: String,
-    /// Program operation of the later plan.
+    /// StreamProgram operation of the later plan.
     pub after_op: usize,
     /// The later plan.
     pub after: String,
@@ -696,7 +696,7 @@ impl StreamQueue for RecordingQueue {
         self.inner.runs_programs()
     }
 
-    fn submit_program(&self, program: Program) -> tributary::Result<()> {
+    fn submit_program(&self, program: StreamProgram) -> tributary::Result<()> {
         self.recorder.record_program(&program);
         self.inner.submit_program(program)
     }
