@@ -335,9 +335,80 @@ impl Drop for StreamProgram {
     }
 }
 
-/// The entry of op `i` in a list of `(op, value)` in op order.
+/// The entry of op `i` in a list of `(op, value)` in op order (pushed so).
 fn of_op<T>(list: &[(u32, T)], i: usize) -> Option<&T> {
-    list.iter()
-        .find(|(op, _)| *op as usize == i)
-        .map(|(_, v)| v)
+    let i = u32::try_from(i).ok()?;
+    let k = list.binary_search_by_key(&i, |(op, _)| *op).ok()?;
+    list.get(k).map(|(_, v)| v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::DepKind;
+
+    fn stream(index: u32) -> StreamId {
+        StreamId {
+            device: crate::ids::DeviceId(0),
+            index,
+        }
+    }
+
+    /// A marker plan completing `seq` of `timeline`, waiting for `deps`.
+    fn plan(timeline: &SyncArc<Timeline>, seq: u64, deps: Vec<Dep>) -> Plan {
+        Plan {
+            issue: 100 + seq,
+            stream: timeline.stream(),
+            event: Event::new(timeline.clone(), seq),
+            deps: deps.into_iter().collect(),
+            work: Work::Marker,
+        }
+    }
+
+    #[test]
+    fn a_program_of_plans_hands_back_the_same_plans() {
+        let (a, b) = (Timeline::new(stream(0)), Timeline::new(stream(1)));
+        let other = Dep::new(Event::new(b.clone(), 4), DepKind::Data);
+        let plans = vec![
+            plan(&a, 3, vec![other.clone()]),
+            plan(&a, 4, Vec::new()),
+            plan(
+                &a,
+                5,
+                vec![other, Dep::new(Event::new(a.clone(), 4), DepKind::Order)],
+            ),
+        ];
+        let program = StreamProgram::from_plans(plans).unwrap();
+        assert_eq!(
+            (program.len(), program.first_seq(), program.last_seq()),
+            (3, 3, 5)
+        );
+        let ops: Vec<(u64, u64, usize)> = program
+            .ops()
+            .map(|op| (op.seq(), op.issue(), op.deps().len()))
+            .collect();
+        assert_eq!(ops, vec![(3, 103, 1), (4, 104, 0), (5, 105, 2)]);
+        assert!(program.check_queue(stream(0), &a).is_ok());
+        assert!(matches!(
+            program.check_queue(stream(1), &b),
+            Err(Error::WrongStream { .. })
+        ));
+        let mut back = Vec::new();
+        program.into_plans(|p| back.push((p.event().seq(), p.issue(), p.deps().len())));
+        assert_eq!(back, ops);
+    }
+
+    #[test]
+    fn plans_that_make_no_program_are_refused_naming_the_first_misfit() {
+        let (a, b) = (Timeline::new(stream(0)), Timeline::new(stream(1)));
+        let err = |plans: Vec<Plan>| match StreamProgram::from_plans(plans) {
+            Err(Error::InvalidProgram { reason }) => reason,
+            other => panic!("expected InvalidProgram, got {other:?}"),
+        };
+        assert!(err(Vec::new()).contains("at least one plan"));
+        let gap = err(vec![plan(&a, 1, Vec::new()), plan(&a, 3, Vec::new())]);
+        assert!(gap.starts_with("plan 1") && gap.contains("#3"), "{gap}");
+        let two = err(vec![plan(&a, 1, Vec::new()), plan(&b, 2, Vec::new())]);
+        assert!(two.starts_with("plan 1"), "{two}");
+    }
 }

@@ -44,6 +44,7 @@ for_each_backend!(staging:
     pools_are_reused_under_endless_work,
     long_reductions_are_exact_or_refused,
     queues_check_plans_and_never_truncate,
+    programs_run_like_their_plans,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -1040,5 +1041,160 @@ fn queues_check_plans_and_never_truncate(kind: Kind) {
     t0.wait_timeout(4, bound).unwrap();
     // SAFETY: the transfer into `down` completed; nothing else uses it.
     assert_eq!(unsafe { down.bytes(0, 16) }.unwrap(), &data[..]);
+    q0.shutdown();
+}
+
+// ---------------------------------------------------------------------------------------
+// A replayed stream's program (DESIGN.md §4, "Compiled replays"), made from plans with the
+// `unsafe` constructor: each operation runs after its dependencies (here one on a plan of
+// another stream submitted after the program), a failed data dependency fails its
+// operation with the root cause without running it and the program goes on, a program of
+// another timeline is refused, and one a shut-down queue refuses fails every event. The
+// CPU queue runs programs in place; the others run them as their plans.
+
+fn programs_run_like_their_plans(kind: Kind) {
+    use std::{sync::Arc, time::Duration};
+    use tributary::{
+        protocol::{Dep, DepKind, GlobalLoc, Plan, StreamProgram, Work},
+        BufferLoc, DeviceId, Event, Failure, PoolId, StreamId, Timeline,
+    };
+    let test = "programs_run_like_their_plans";
+    let Some(b) = backend(kind, 1, test) else {
+        return;
+    };
+    let (device, pool) = (DeviceId(0), PoolId(0));
+    b.create_pool(device, pool, 64, 64).unwrap();
+    let s0 = StreamId { device, index: 0 };
+    let s1 = StreamId { device, index: 1 };
+    let (t0, t1) = (Timeline::new(s0), Timeline::new(s1));
+    // SAFETY: fresh timelines, completed only by these queues; every plan below is made
+    // under `Plan::from_parts`'s contract.
+    let q0 = unsafe { b.start_stream(s0, t0.clone()) }.unwrap();
+    // SAFETY: as above.
+    let q1 = unsafe { b.start_stream(s1, t1.clone()) }.unwrap();
+    let at = |offset: u64| GlobalLoc {
+        device,
+        loc: BufferLoc { pool, offset },
+    };
+    let host = |bytes: usize| Arc::new(tributary::memory::AlignedBuffer::new(bytes, 64).unwrap());
+    // SAFETY (every plan below): each sequence number is issued once, to its plan; a plan
+    // reading bytes another plan writes depends on it (data), and the plans of `t0` run in
+    // order after one another; the host arrays are read only after their plan completed.
+    let plan = |t: &Arc<Timeline>, seq: u64, deps: Vec<Dep>, work: Work| unsafe {
+        Plan::from_parts(t.stream(), Event::new(t.clone(), seq), deps, work)
+    };
+    let data = |t: &Arc<Timeline>, seq: u64| Dep::new(Event::new(t.clone(), seq), DepKind::Data);
+    let bound = Duration::from_secs(20);
+    let fill = |bytes: &[u8]| {
+        let h = host(16);
+        // SAFETY: `h` is not used by any plan yet.
+        unsafe { h.bytes_mut(0, 16) }
+            .unwrap()
+            .copy_from_slice(bytes);
+        h
+    };
+    let (first, second): (Vec<u8>, Vec<u8>) = ((1..=16).collect(), (101..=116).collect());
+    let (down1, down2, down3) = (host(16), host(16), host(16));
+    // A producer of another "stream" that fails.
+    let broken = Timeline::new(StreamId { device, index: 7 });
+    let root = Arc::new(Failure {
+        stream: broken.stream(),
+        seq: 1,
+        operation: "producer".into(),
+        message: "broken".into(),
+    });
+    let program = StreamProgram::from_plans([
+        plan(&t0, 1, Vec::new(), Work::from_host(fill(&first), at(0), 16)),
+        plan(
+            &t0,
+            2,
+            vec![data(&t0, 1)],
+            Work::to_host(at(0), down1.clone(), 16),
+        ),
+        plan(
+            &t0,
+            3,
+            vec![data(&broken, 1)],
+            Work::to_host(at(0), down2.clone(), 16),
+        ),
+        plan(
+            &t0,
+            4,
+            vec![data(&t1, 1)],
+            Work::to_host(at(16), down3.clone(), 16),
+        ),
+    ])
+    .unwrap();
+    q0.submit_program(program).unwrap();
+    // Submitted after the program that waits for it.
+    q1.submit(plan(
+        &t1,
+        1,
+        Vec::new(),
+        Work::from_host(fill(&second), at(16), 16),
+    ))
+    .unwrap();
+    broken.fail(1, root.clone());
+    t0.wait_timeout(2, bound).unwrap();
+    match t0.wait_timeout(3, bound) {
+        Err(Error::Failed(f)) => assert!(Arc::ptr_eq(&f, &root), "{f}"),
+        other => panic!("an operation whose input failed: {other:?}"),
+    }
+    let fourth = Event::new(t0.clone(), 4);
+    let deadline = std::time::Instant::now() + bound;
+    while !fourth.is_done() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(fourth.status(), tributary::event::EventStatus::Done);
+    // SAFETY: every transfer into these arrays is decided; nothing else uses them.
+    let got =
+        |h: &Arc<tributary::memory::AlignedBuffer>| unsafe { h.bytes(0, 16) }.unwrap().to_vec();
+    assert_eq!(
+        got(&down1),
+        first,
+        "the program's second operation read before the first wrote"
+    );
+    assert_eq!(
+        got(&down2),
+        vec![0; 16],
+        "an operation whose input failed ran"
+    );
+    assert_eq!(
+        got(&down3),
+        second,
+        "an operation ran before another stream's input"
+    );
+
+    // A program of another timeline is refused, its events left alone.
+    let foreign = Timeline::new(s0);
+    let program =
+        StreamProgram::from_plans([plan(&foreign, 1, Vec::new(), Work::memset(at(0), 16))])
+            .unwrap();
+    match q0.submit_program(program) {
+        Err(Error::WrongStream { plan, queue, .. }) => assert_eq!((plan, queue), (s0, s0)),
+        other => panic!("a program of another timeline was accepted: {other:?}"),
+    }
+    assert!(
+        !foreign.is_done(1),
+        "a refused program's event was completed"
+    );
+
+    // A shut-down queue refuses a program and fails its events.
+    q1.shutdown();
+    let program = StreamProgram::from_plans([
+        plan(&t1, 2, Vec::new(), Work::memset(at(16), 16)),
+        plan(&t1, 3, Vec::new(), Work::memset(at(16), 16)),
+    ])
+    .unwrap();
+    assert!(matches!(
+        q1.submit_program(program),
+        Err(Error::ShutDown(_))
+    ));
+    for seq in [2, 3] {
+        assert!(
+            matches!(t1.wait_timeout(seq, bound), Err(Error::Failed(_))),
+            "operation {seq} of a refused program"
+        );
+    }
     q0.shutdown();
 }
