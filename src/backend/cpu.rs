@@ -525,6 +525,10 @@ struct Ready<'a> {
 /// Runs one operation whose dependencies are all decided: fails it with `failed` (the root
 /// cause of a failed data dependency) without running it, or runs its work (`job`, resolved
 /// only then) under `catch_unwind` and completes its event (rule 6).
+///
+/// Never inlined: its two callers in `cpu/stream.rs` would each carry its locals (a resolved
+/// job is ~700 bytes) in the frame that also waits for dependencies.
+#[inline(never)]
 fn complete(
     stream: StreamId,
     timeline: &Timeline,

@@ -104,9 +104,14 @@ impl WorkerPool {
         });
         for i in 0..workers {
             let worker = pool.clone();
-            let spawned = thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || worker.work());
+            let builder = thread::Builder::new().name(format!("{name}-{i}"));
+            // A loom model thread runs on a 32 KiB coroutine stack; a worker's frames hold a
+            // plan or a resolved job inline (~800 bytes each, moved a few times), and a
+            // mutant's blocking wait adds loom's own frames on top (`pool_blocking_wait`
+            // overflowed it). Real threads have the platform's default (2 MiB on Linux).
+            #[cfg(tributary_loom)]
+            let builder = builder.stack_size(256 << 10);
+            let spawned = builder.spawn(move || worker.work());
             match spawned {
                 Ok(handle) => pool.lifecycle.lock().threads.push(handle),
                 Err(e) => {
