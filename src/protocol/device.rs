@@ -328,7 +328,9 @@ impl DeviceState {
 
     /// Sets the thread's [`current_issue`](crate::protocol::current_issue): the stamp of
     /// the operation being decided, or just after the last one decided (so that a pool
-    /// released by a sweep is placed among the plans of the program where it happens).
+    /// released by a sweep is placed among the plans of the program where it happens):
+    /// the end of the `OP_STAMPS` block of its stamp, which is the end of its call's step
+    /// because reservations start blocks ([`crate::protocol::reserve_issue_stamps`]).
     fn publish_position(&self) {
         let issue = self
             .stamp
@@ -394,5 +396,75 @@ impl DeviceState {
             node: node.to_string(),
             context: ctx.id(),
         })
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::{
+        ids::PoolId,
+        protocol::{current_issue, reserve_issue_stamps},
+    };
+
+    /// Pool memory that keeps, for each release, the pool and [`current_issue`] then (what
+    /// the graph checker of the random programs places the release by).
+    #[derive(Clone, Default)]
+    struct Releases(Arc<std::sync::Mutex<Vec<(PoolId, u64)>>>);
+
+    impl PoolMemory for Releases {
+        fn create_pool(&mut self, _pool: PoolId, _bytes: u64, _align: u64) -> Result<()> {
+            Ok(())
+        }
+
+        fn release_pool(&mut self, pool: PoolId) {
+            self.0.lock().unwrap().push((pool, current_issue()));
+        }
+    }
+
+    fn device(index: u32, pool_bytes: u64, memory: Releases) -> DeviceState {
+        let device = DeviceId(index);
+        DeviceState::new(
+            device,
+            vec![Timeline::new(StreamId { device, index: 0 })],
+            PoolConfig {
+                pool_bytes,
+                ..PoolConfig::default()
+            },
+            Box::new(memory),
+        )
+    }
+
+    /// A pool released between operations (by a sweep, or while an operation without a
+    /// stamp such as a link is decided) is placed after the plans of the last operation
+    /// the device decided and before the stamps of every later call. A call's stamps used
+    /// to start wherever the clock was, and "the end of its block" was rounded to a
+    /// multiple of `OP_STAMPS`, which could lie among the next call's stamps: the checker
+    /// then saw the next call's plans on a new pool with a reused id before the release of
+    /// the old one (a "missing edge" of `system_device_programs_match_the_reference`).
+    #[test]
+    fn releases_between_operations_are_placed_before_every_later_call() {
+        let mut state = device(0, 1 << 20, Releases::default());
+        for bump in [1, 7, OP_STAMPS / 2 + 3] {
+            for offset in [0, 1, OP_STAMPS / 2, OP_STAMPS - 1] {
+                // Plans made without a stamp (a link's memsets, the engine's) move the
+                // clock by one each.
+                for _ in 0..bump {
+                    next_issue();
+                }
+                let base = reserve_issue_stamps(OP_STAMPS);
+                assert_eq!(base % OP_STAMPS, 0, "a call's stamps start a block");
+                state.set_issue_stamp(Some(base + offset));
+                state.set_issue_stamp(None);
+                let placed = current_issue();
+                assert!(
+                    base + offset <= placed && placed < base + OP_STAMPS,
+                    "bump {bump}, offset {offset}: a release after the call stamped \
+                     {base}..{} is placed at {placed}",
+                    base + OP_STAMPS
+                );
+            }
+        }
     }
 }

@@ -463,6 +463,8 @@ pub(crate) fn next_issue() -> u64 {
 
 /// Issue stamps a host call reserves per step when it is posted to device actors: its
 /// plans are stamped `base`, `base + 1`, ... and a later call's stamps start past them.
+/// Reserved blocks start at a multiple of `OP_STAMPS` ([`reserve_issue_stamps`]), so the
+/// end of the block a stamp is in is the end of its call's step.
 pub const OP_STAMPS: u64 = 1 << 12;
 
 crate::sync::thread::thread_local! {
@@ -486,13 +488,30 @@ pub(crate) fn set_current_issue(issue: Option<u64>) {
     CURRENT_ISSUE.with(|c| c.set(issue));
 }
 
-/// Reserves `n` consecutive issue stamps and returns the first: a host call posted to a
-/// device actor takes its stamps when it is posted (program order), and the actor stamps
-/// the call's plans with them when it decides it later ([`DeviceState::set_issue_stamp`]).
+/// Reserves `n` consecutive issue stamps (a multiple of [`OP_STAMPS`]) and returns the
+/// first: a host call posted to a device actor takes its stamps when it is posted (program
+/// order), and the actor stamps the call's plans with them when it decides it later
+/// ([`DeviceState::set_issue_stamp`]).
+///
+/// The first is a multiple of [`OP_STAMPS`] (the stamps skipped to get there are never
+/// used): a device places what it does between calls (a pool release) at the end of the
+/// `OP_STAMPS` block of its last stamp, which is then the end of that call's step and
+/// before every stamp handed out later. Plans made without a reservation ([`next_issue`])
+/// move the clock by one, so a reservation starting at the clock could straddle two
+/// blocks, and the end of the first lay among the next call's stamps.
 ///
 /// [`DeviceState::set_issue_stamp`]: crate::protocol::DeviceState::set_issue_stamp
 pub(crate) fn reserve_issue_stamps(n: u64) -> u64 {
-    ISSUE_CLOCK.fetch_add(n, std::sync::atomic::Ordering::Relaxed)
+    debug_assert_eq!(n % OP_STAMPS, 0, "whole blocks of stamps are reserved");
+    let update = |clock: u64| Some(clock.next_multiple_of(OP_STAMPS) + n);
+    let before = ISSUE_CLOCK
+        .fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            update,
+        )
+        .unwrap_or_else(|clock| clock);
+    before.next_multiple_of(OP_STAMPS)
 }
 
 /// The issue clock now: every plan made before this call (in the happens-before sense) has
