@@ -211,6 +211,7 @@ impl DeviceState {
         if !self.pools.has_pending_frees() {
             return false;
         }
+        self.publish_position();
         self.pools.reclaim(&mut *self.memory);
         self.pools.has_pending_frees()
     }
@@ -331,6 +332,8 @@ impl DeviceState {
     /// released by a sweep is placed among the plans of the program where it happens):
     /// the end of the `OP_STAMPS` block of its stamp, which is the end of its call's step
     /// because reservations start blocks ([`crate::protocol::reserve_issue_stamps`]).
+    /// Every method that may release a pool outside an operation calls it first: the
+    /// thread may have decided for another device since.
     fn publish_position(&self) {
         let issue = self
             .stamp
@@ -405,7 +408,9 @@ mod tests {
     use super::*;
     use crate::{
         ids::PoolId,
-        protocol::{current_issue, reserve_issue_stamps},
+        kernels,
+        node::DType,
+        protocol::{current_issue, reserve_issue_stamps, HostTable},
     };
 
     /// Pool memory that keeps, for each release, the pool and [`current_issue`] then (what
@@ -466,5 +471,48 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A device that returns freed memory after its batch (`reclaim_freed`) places the
+    /// releases by its own position, not by whatever another device decided last on the
+    /// same thread (a host thread decides for any device whose inbox it found idle).
+    #[test]
+    fn reclaim_places_releases_by_the_device_that_releases() {
+        let releases = Releases::default();
+        let mut a = device(0, 256, releases.clone());
+        let mut b = device(1, 256, Releases::default());
+        let root = a.root_context(0).unwrap();
+        let mut children = Vec::new();
+        for name in ["x", "y"] {
+            // 1 KiB: a dedicated pool each.
+            let node = TensorNode::new(name, DType::F32, vec![256]);
+            let (routine, _memset) = a.link(&root, kernels::fill(&node, 1.0).unwrap()).unwrap();
+            children.push(routine.context().clone());
+        }
+        let finalize = reserve_issue_stamps(OP_STAMPS);
+        a.set_issue_stamp(Some(finalize));
+        for child in &children {
+            a.finalize(child, &mut HostTable::default()).unwrap();
+        }
+        a.set_issue_stamp(None);
+        assert!(
+            releases.0.lock().unwrap().is_empty(),
+            "the memsets still run"
+        );
+        // Device b decides a later call on this thread.
+        let later = reserve_issue_stamps(OP_STAMPS);
+        b.set_issue_stamp(Some(later));
+        b.set_issue_stamp(None);
+        // The memsets complete; a's memory comes back, one empty pool is released.
+        a.timeline(0).unwrap().signal(a.issued(0));
+        a.reclaim_freed();
+        let released = releases.0.lock().unwrap().clone();
+        assert_eq!(released.len(), 1, "{released:?}");
+        let placed = released[0].1;
+        assert!(
+            finalize <= placed && placed < later,
+            "the release after a's call stamped {finalize} is placed at {placed}, among \
+             b's later call ({later})"
+        );
     }
 }
