@@ -319,7 +319,11 @@ impl DeviceCore {
         let stamp = op.stamp_mut().map(|s| *s);
         self.state.set_issue_stamp(stamp);
         let handled = self.decide_op(op, inbox);
-        self.state.set_issue_stamp(None);
+        match handled {
+            // Not decided yet: what the device does until it is comes before its plans.
+            Handled::Blocked(_) => self.state.abandon_issue_stamp(),
+            Handled::Done => self.state.set_issue_stamp(None),
+        }
         handled
     }
 

@@ -143,7 +143,9 @@ pub struct DeviceState {
     since_sweep: u32,
     /// The issue stamp of the next plan, while an operation with a stamp is decided.
     stamp: Option<u64>,
-    /// The stamp of the last stamped operation decided.
+    /// The stamp of the operation being decided: the position once it is decided.
+    deciding: Option<u64>,
+    /// The stamp of the last stamped operation decided (or replayed template).
     position: Option<u64>,
 }
 
@@ -183,6 +185,7 @@ impl DeviceState {
             cross_stream_candidates: IdMap::default(),
             since_sweep: 0,
             stamp: None,
+            deciding: None,
             position: None,
         }
     }
@@ -318,13 +321,44 @@ impl DeviceState {
     /// operations of one program on several devices at different times, so the plans'
     /// stamps must come from the call, not from when they are made). `None`: from the
     /// process-wide clock again ([`crate::protocol::issue_clock`]), as a single-owner
-    /// engine does.
+    /// engine does; the operation stamped before is then decided, and what the device does
+    /// between operations (a sweep's pool release) is placed after it (a device actor's
+    /// operations all have stamps).
     pub fn set_issue_stamp(&mut self, stamp: Option<u64>) {
-        self.stamp = stamp;
-        if let Some(s) = stamp {
-            self.position = Some(s);
+        match stamp {
+            Some(s) => self.deciding = Some(s),
+            None => {
+                if let Some(s) = self.deciding.take() {
+                    self.advance_position(s);
+                }
+            }
         }
+        self.stamp = stamp;
         self.publish_position();
+    }
+
+    /// Drops the stamp of an operation that was not decided after all: it waits for
+    /// another device's answer or a host gate, and will be decided again later. What the
+    /// device does meanwhile (returning freed memory after its batch) stays placed after
+    /// what it decided before, and before the plans that operation will make: placed after
+    /// them, the release of a pool came after the plans on a new pool with the same id that
+    /// the operation made once it could go on (a replay's templates decided before it
+    /// waited keep their place).
+    pub(crate) fn abandon_issue_stamp(&mut self) {
+        self.stamp = None;
+        self.deciding = None;
+        self.publish_position();
+    }
+
+    /// Stamps a replayed template being decided (it is decided once stamped).
+    fn stamp_template(&mut self, stamp: u64) {
+        self.stamp = Some(stamp);
+        self.advance_position(stamp);
+        self.publish_position();
+    }
+
+    fn advance_position(&mut self, stamp: u64) {
+        self.position = Some(self.position.map_or(stamp, |p| p.max(stamp)));
     }
 
     /// Sets the thread's [`current_issue`](crate::protocol::current_issue): the stamp of

@@ -6,6 +6,7 @@
 //! - `system_replay`: captured steps replayed through `System`;
 //! - `system_threads`: `System` under several host threads at once;
 //! - `actor_messages`: the actors' messages sent directly, as a host running its own actix;
+//! - `decisions`: the device actors' decisions (`tributary::dispatch`) driven by hand;
 //! - `data_parallel`: the data-parallel model (`tributary_testkit::model`) on every backend;
 //! - `trace`: the Chrome traces of stream timelines;
 //! - `bindings`: routines with bindings, through `Engine` and `System`.
@@ -15,6 +16,7 @@
 mod actor_messages;
 mod bindings;
 mod data_parallel;
+mod decisions;
 mod system_e2e;
 mod system_replay;
 mod system_threads;

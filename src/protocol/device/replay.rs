@@ -414,7 +414,7 @@ impl DeviceState {
                         device: self.device,
                         index: tpl.stream,
                     };
-                    self.set_issue_stamp(Some(run.base + u64::from(tpl.position)));
+                    self.stamp_template(run.base + u64::from(tpl.position));
                     let event = self.issue(stream);
                     let _ = self.next_issue();
                     let slot = &mut open[tpl.lane as usize];
