@@ -328,7 +328,7 @@ impl Engine {
                     step: &inner.devices[k],
                 };
                 let progress = state.replay(run, &mut view, &mut self.host, &mut programs);
-                state.set_issue_stamp(None);
+                state.clear_issue_stamp();
                 progressed |= run.progress() > before;
                 match progress {
                     ReplayProgress::Done => {

@@ -361,6 +361,18 @@ impl DeviceState {
         self.position = Some(self.position.map_or(stamp, |p| p.max(stamp)));
     }
 
+    /// Back to the issue clock for everything, as a single-owner engine is outside a
+    /// replay: no stamp for the next plans, and what the device does between operations
+    /// is placed by the clock too. The engine's later plans take the clock's stamps, so
+    /// the position of the replay's last operation would place its later pool releases
+    /// before them (and before the plans that used the pools).
+    pub(crate) fn clear_issue_stamp(&mut self) {
+        self.stamp = None;
+        self.deciding = None;
+        self.position = None;
+        self.publish_position();
+    }
+
     /// Sets the thread's [`current_issue`](crate::protocol::current_issue): the stamp of
     /// the operation being decided, or just after the last one decided (so that a pool
     /// released by a sweep is placed among the plans of the program where it happens):

@@ -229,3 +229,55 @@ fn a_merge_buffer_holding_another_node_invalidates_the_step() {
         "got {why:?}"
     );
 }
+
+/// The pools the engine releases after a replay are placed (for the dependency-graph
+/// checker of the random programs) after the plans made since, not at the end of the
+/// replay's stamps: placed there, the plans that used a released pool came after its
+/// release in program order, and the checker never asked whether they had completed.
+#[test]
+fn pool_releases_after_a_replay_are_placed_after_the_plans_made_since() {
+    use std::sync::Arc;
+    use tributary::{
+        backend::cpu::CpuBackend, memory::PoolConfig, protocol::issue_clock, DType, DeviceId,
+        TensorNode,
+    };
+    use tributary_testkit::common::graph::{GraphRecorder, RecordingBackend};
+
+    let recorder = GraphRecorder::new();
+    let backend =
+        RecordingBackend::new(Arc::new(CpuBackend::new(DeviceId(0), 1)), recorder.clone());
+    let pools = PoolConfig {
+        pool_bytes: 256,
+        ..PoolConfig::default()
+    };
+    let mut e = Engine::with_backend(Arc::new(backend), 1, pools).unwrap();
+    let x = node("x", MemoryMode::on_device());
+    let c0 = e.context(0, 0).unwrap();
+    let fill = e.link(&c0, kernels::fill(&x, 1.0).unwrap()).unwrap();
+    let step = capture_schedule(&mut e, &fill);
+    e.replay(&step).unwrap();
+    e.sync_all().unwrap();
+    let after = issue_clock();
+    // Two contexts with a pool each (a node larger than a pool gets its own), finalized
+    // while their memsets may still run: once they complete, one of the two empty pools is
+    // released (the other is kept as a spare).
+    let mut contexts = Vec::new();
+    for name in ["y", "z"] {
+        let n = TensorNode::new(name, DType::F32, [1024]);
+        let r = e.link(&c0, kernels::fill(&n, 2.0).unwrap()).unwrap();
+        contexts.push(r.context().clone());
+    }
+    for c in &contexts {
+        e.finalize(c).unwrap();
+    }
+    e.sync_all().unwrap();
+    let releases = recorder.releases();
+    assert!(!releases.is_empty(), "an empty pool is released");
+    for (device, pool, placed) in releases {
+        assert!(
+            placed >= after,
+            "{device} {pool:?}, released after the plans made from {after} on, is placed at \
+             {placed}"
+        );
+    }
+}

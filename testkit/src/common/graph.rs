@@ -319,6 +319,19 @@ impl GraphRecorder {
         state.releases.push(release);
     }
 
+    /// The pool releases so far, in the order they happened: device, pool, and where in
+    /// program order they were placed (their issue clock).
+    pub fn releases(&self) -> Vec<(DeviceId, PoolId, u64)> {
+        self.lock()
+            .releases
+            .iter()
+            .filter_map(|r| match r.mem {
+                Mem::Pool { device, pool } => Some((device, pool, r.issue)),
+                Mem::Host(_) => None,
+            })
+            .collect()
+    }
+
     /// Checks the recorded graph (see the module docs).
     pub fn check(&self) -> GraphReport {
         let state = self.lock();
