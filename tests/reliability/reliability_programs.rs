@@ -175,12 +175,21 @@ thread_local! {
 
 /// Fails the program if the run's dependency graph misses a required ordering (for runners
 /// that record one), printing the program with the later operation marked and every
-/// missing edge; adds the counts to the test's totals.
+/// missing edge, or if a pool release was placed past the issue clock (where plans made
+/// later could come before it); adds the counts to the test's totals.
 fn check_graph(program: &Program, runner: &dyn ProgramRunner) -> Result<(), TestCaseError> {
     let Some(report) = runner.graph() else {
         return Ok(());
     };
     GRAPH.with(|g| g.borrow_mut().add(&report));
+    if !report.misplaced.is_empty() {
+        return Err(TestCaseError::fail(format!(
+            "{}: pool releases placed past the issue clock\n{}\n\n{}",
+            runner.name(),
+            report.misplaced.join("\n"),
+            program.marked(None)
+        )));
+    }
     let Some(first) = report.missing.first() else {
         return Ok(());
     };

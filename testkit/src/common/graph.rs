@@ -18,6 +18,9 @@
 //!
 //! The release of a pool's memory is checked the same way: every plan that used the pool
 //! must have completed when it is released (a host action, so only completion counts).
+//! A release is placed where the releasing device is in program order
+//! (`protocol::current_issue`); one placed past the issue clock is itself reported
+//! ([`GraphReport::misplaced`]), since plans made later could sort before it.
 //!
 //! A required ordering that none of these implies is a bug even if timing hid it. An
 //! emitted dependency between two plans that share no memory with a write is counted as an
@@ -131,6 +134,8 @@ struct State {
     timelines: Vec<tributary::sync::Arc<Timeline>>,
     plans: Vec<Recorded>,
     releases: Vec<Release>,
+    /// Releases placed past the issue clock (see [`GraphReport::misplaced`]).
+    misplaced: Vec<String>,
     /// Host buffers of recorded plans, kept alive so that their addresses stay unique.
     keep: Vec<Arc<AlignedBuffer>>,
 }
@@ -310,6 +315,14 @@ impl GraphRecorder {
         // Where the device that releases it is in program order (the issue clock for a
         // single-owner engine; the operation being decided for a device actor).
         let issue = current_issue();
+        let clock = issue_clock();
+        if issue > clock {
+            let at = Self::op_of(&state, clock);
+            state.misplaced.push(format!(
+                "[op {at}] the release of {device} {pool:?} is placed at issue {issue}, past \
+                 the issue clock {clock}: a plan made after it could come before it"
+            ));
+        }
         let release = Release {
             mem: Mem::Pool { device, pool },
             issue,
@@ -347,7 +360,9 @@ impl GraphRecorder {
         plans.sort_by_key(|p| p.issue);
         let mut releases = state.releases.clone();
         releases.sort_by_key(|r| r.issue);
-        check_plans(&plans, &releases)
+        let mut report = check_plans(&plans, &releases);
+        report.misplaced = state.misplaced.clone();
+        report
     }
 }
 
@@ -390,6 +405,11 @@ pub struct GraphReport {
     pub deps: usize,
     /// Emitted dependencies between plans that share no memory with a write.
     pub extra: usize,
+    /// Pool releases placed past the issue clock, among stamps not handed out yet (by
+    /// `protocol::current_issue`, which places what a device does among its calls' plans):
+    /// a plan made after the release, on a new pool with the same id, could then come
+    /// before it and count as a use of the released pool. Always a bug in the placement.
+    pub misplaced: Vec<String>,
 }
 
 fn conflict(a: &[Touch], b: &[Touch]) -> Option<(Touch, Touch)> {
