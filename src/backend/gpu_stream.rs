@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeMap,
+    convert::Infallible,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -20,7 +21,7 @@ use crate::{
     ids::{DeviceId, StreamId},
     kernels::{Bindings, Kernel},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, Dep, DepKind, Deps, GlobalLoc, Plan, Work},
+    protocol::{ArgBinding, Dep, DepKind, Deps, GlobalLoc, Plan, StreamProgram, Work},
     sync::Arc as SyncArc,
 };
 
@@ -181,17 +182,25 @@ pub(crate) struct BackendNames {
     pub(crate) threads: &'static str,
 }
 
+/// What a stream's channel carries to its submit thread: a lowered plan, or a replay's
+/// program (`P`: [`StreamProgram`] where the backend runs programs, [`Infallible`] where it
+/// takes plans only).
+pub(crate) enum Sent<J, P = Infallible> {
+    Plan(Submitted<J>),
+    Program(P),
+}
+
 /// The sending side of a stream's submit thread, and the stream's threads.
-pub(crate) struct SubmitChannel<J> {
+pub(crate) struct SubmitChannel<J, P = Infallible> {
     stream: StreamId,
     timeline: SyncArc<Timeline>,
-    tx: Mutex<Option<Sender<Submitted<J>>>>,
+    tx: Mutex<Option<Sender<Sent<J, P>>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// The backend's name (in a panicked thread's failure).
     backend: &'static str,
 }
 
-impl<J: Send + 'static> SubmitChannel<J> {
+impl<J: Send + 'static, P: Send + 'static> SubmitChannel<J, P> {
     /// Starts the threads of the stream `timeline` completes: `completion` (named
     /// `tributary-{threads}-done-{stream}`) first, then `submit`
     /// (`tributary-{threads}-{stream}`) with the receiving side of the channel. If the
@@ -201,9 +210,9 @@ impl<J: Send + 'static> SubmitChannel<J> {
     pub(crate) fn start(
         timeline: SyncArc<Timeline>,
         names: BackendNames,
-        submit: impl FnOnce(Receiver<Submitted<J>>) + Send + 'static,
+        submit: impl FnOnce(Receiver<Sent<J, P>>) + Send + 'static,
         completion: impl FnOnce() + Send + 'static,
-    ) -> std::result::Result<SubmitChannel<J>, DeviceError> {
+    ) -> std::result::Result<SubmitChannel<J, P>, DeviceError> {
         let stream = timeline.stream();
         let prefix = names.threads;
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -212,7 +221,7 @@ impl<J: Send + 'static> SubmitChannel<J> {
                 .spawn(f)
                 .map_err(|e| DeviceError::Unexpected(format!("cannot spawn a stream thread: {e}")))
         };
-        let (tx, rx) = crossbeam_channel::unbounded::<Submitted<J>>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Sent<J, P>>();
         let done = spawn(
             format!("tributary-{prefix}-done-{stream}"),
             Box::new(completion),
@@ -256,11 +265,7 @@ impl<J: Send + 'static> SubmitChannel<J> {
             job: lower(&plan.work),
             deps: plan.deps,
         };
-        let refused = match lock(&self.tx).as_ref() {
-            Some(tx) => tx.send(item).err().map(|e| e.0),
-            None => Some(item),
-        };
-        if let Some(item) = refused {
+        if let Some(Sent::Plan(item)) = self.send(Sent::Plan(item)) {
             crate::protocol::fail_when_ready(
                 self.timeline.clone(),
                 seq,
@@ -277,6 +282,14 @@ impl<J: Send + 'static> SubmitChannel<J> {
         Ok(())
     }
 
+    /// Sends `item` to the submit thread; gives it back once the stream stopped.
+    fn send(&self, item: Sent<J, P>) -> Option<Sent<J, P>> {
+        match lock(&self.tx).as_ref() {
+            Some(tx) => tx.send(item).err().map(|e| e.0),
+            None => Some(item),
+        }
+    }
+
     /// Closes the channel and joins the threads ([`join_stream_threads`]); `false` when the
     /// deadline passed first.
     pub(crate) fn stop(&self, deadline: Option<Instant>) -> bool {
@@ -288,6 +301,23 @@ impl<J: Send + 'static> SubmitChannel<J> {
             self.stream,
             self.backend,
         )
+    }
+}
+
+impl<J: Send + 'static> SubmitChannel<J, StreamProgram> {
+    /// Checks that `program` is this stream's ([`StreamProgram::check_queue`]) and sends it
+    /// whole to the submit thread. Once the stream stopped it is refused
+    /// ([`Error::ShutDown`]) and its events fail, in order, as a refused plan's.
+    pub(crate) fn submit_program(&self, program: StreamProgram) -> Result<()> {
+        program.check_queue(self.stream, &self.timeline)?;
+        if program.is_empty() {
+            return Ok(());
+        }
+        let Some(Sent::Program(program)) = self.send(Sent::Program(program)) else {
+            return Ok(());
+        };
+        program.fail_unsubmitted("stream is shut down");
+        Err(Error::ShutDown(format!("stream {}", self.stream)))
     }
 }
 
@@ -383,6 +413,18 @@ impl<D: Clone> Decisions<D> {
     pub(crate) fn close(&self) {
         lock(&self.state).closed = true;
         self.cond.notify_all();
+    }
+
+    /// The decision for `seq` if it is made (or the stream stopped), without waiting.
+    pub(crate) fn peek(&self, seq: u64) -> Option<Decided<D>> {
+        let d = lock(&self.state);
+        if d.upto >= seq {
+            Some(Decided::Yes(d.open.get(&seq).cloned()))
+        } else if d.closed {
+            Some(Decided::Gone)
+        } else {
+            None
+        }
     }
 
     /// Waits until `seq` is decided, or the stream stopped.
@@ -483,12 +525,34 @@ impl<W> Waits<W> {
 /// `StreamQueue` (and `Drop`) for a GPU stream type with a `channel: SubmitChannel<Job>`
 /// field and a `resolve(&self, &Work) -> Result<Job, String>` method: submitting lowers and
 /// sends, shutting down (or dropping) stops the channel and joins the threads.
+///
+/// `stream_queue_over_channel!(T, programs)` also hands replays' programs whole to the
+/// submit thread (a `channel: SubmitChannel<Job, StreamProgram>`).
 macro_rules! stream_queue_over_channel {
+    ($stream:ty, programs) => {
+        $crate::backend::gpu_stream::stream_queue_over_channel!($stream, {
+            fn runs_programs(&self) -> bool {
+                true
+            }
+
+            fn submit_program(
+                &self,
+                program: $crate::protocol::StreamProgram,
+            ) -> $crate::error::Result<()> {
+                self.channel.submit_program(program)
+            }
+        });
+    };
     ($stream:ty) => {
+        $crate::backend::gpu_stream::stream_queue_over_channel!($stream, {});
+    };
+    ($stream:ty, { $($programs:tt)* }) => {
         impl $crate::backend::StreamQueue for $stream {
             fn submit(&self, plan: $crate::protocol::Plan) -> $crate::error::Result<()> {
                 self.channel.submit(plan, |work| self.resolve(work))
             }
+
+            $($programs)*
 
             fn shutdown(&self) {
                 self.channel.stop(None);

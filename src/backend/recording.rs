@@ -47,6 +47,11 @@ impl StreamTrace {
         StreamTrace { recorder, stream }
     }
 
+    /// Whether a timeline is recorded (else [`StreamTrace::start`] gives `None`).
+    pub(super) fn records(&self) -> bool {
+        self.recorder.is_some()
+    }
+
     /// Submit thread: waits on the host for `dep` (an event of another device), recording
     /// the wait when it blocks.
     pub(super) fn host_wait(&self, dep: &Dep, label: &str, seq: u64) -> Result<()> {

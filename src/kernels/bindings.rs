@@ -132,6 +132,11 @@ impl Bindings {
         }
     }
 
+    /// Whether `other` gives the same indices the same values (what a kernel reads of them).
+    pub(crate) fn same_values(&self, other: &Bindings) -> bool {
+        self.given == other.given && self.values == other.values
+    }
+
     /// The declared indices, in order.
     pub fn decls(&self) -> &[IndexDecl] {
         self.set.as_ref().map_or(&[], |s| &s.decls)

@@ -69,6 +69,8 @@ pub struct StreamProgramOp<'a> {
     work: &'a Work,
     bindings: Option<&'a Bindings>,
     failed: Option<&'a str>,
+    /// Its template's index in the step.
+    template: u32,
 }
 
 impl<'a> StreamProgramOp<'a> {
@@ -103,6 +105,12 @@ impl<'a> StreamProgramOp<'a> {
     /// Why it fails without running (its dependencies still awaited first), if it does.
     pub fn failed(&self) -> Option<&'a str> {
         self.failed
+    }
+
+    /// Its template's index in the program's step ([`StreamProgram::step`]): what a backend
+    /// keeps what it made of the operation by, for the step's next replays.
+    pub(crate) fn template(&self) -> u32 {
+        self.template
     }
 
     /// The work with this replay's index values: what a plan of this operation would carry.
@@ -220,6 +228,12 @@ impl StreamProgram {
         }
     }
 
+    /// The captured step it replays a part of: alive as long as a program of it, at one
+    /// address (a backend keys what it made of the step's templates by it).
+    pub(crate) fn step(&self) -> &Arc<DeviceStep> {
+        &self.step
+    }
+
     /// The stream that runs it.
     pub fn stream(&self) -> StreamId {
         self.stream
@@ -262,6 +276,7 @@ impl StreamProgram {
             work: &tpl.work,
             bindings: of_op(&self.values, i),
             failed: of_op(&self.failed, i).map(String::as_str),
+            template: t,
         })
     }
 

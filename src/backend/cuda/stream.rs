@@ -255,10 +255,15 @@ struct Submitter {
 type Waits = gpu_stream::Waits<SharedEvent>;
 
 impl Submitter {
-    fn run(mut self, rx: Receiver<Submitted>) {
+    fn run(mut self, rx: Receiver<gpu_stream::Sent<Job>>) {
         let _close = CloseOnExit(self.me.clone());
         let window = Duration::from_micros(self.backend.config.spin_us);
-        while let Ok(item) = gpu_stream::recv_spinning(&rx, window) {
+        while let Ok(sent) = gpu_stream::recv_spinning(&rx, window) {
+            let item = match sent {
+                gpu_stream::Sent::Plan(item) => item,
+                // This stream takes plans only (`runs_programs` is false).
+                gpu_stream::Sent::Program(never) => match never {},
+            };
             let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = item.seq, op = %item.label);
             let _e = span.enter();
             self.process(item);

@@ -14,6 +14,8 @@
 //! - *kept*: whatever a batch uses is held in its `Keep`s until the completion thread sees
 //!   the batch done, and leaked if it never can.
 
+mod programs;
+
 use std::{collections::VecDeque, sync::Arc, time::Instant};
 
 use ash::vk;
@@ -28,14 +30,14 @@ use super::{
 };
 use crate::{
     backend::{
-        gpu_stream::{self, BackendNames, Decided, Decisions, SubmitChannel},
+        gpu_stream::{self, BackendNames, Decided, Decisions, Sent, SubmitChannel},
         recording::{CompletionTrace, OpTrace, StreamTrace},
     },
     error::{DeviceError, Error, Failure},
     event::Timeline,
     ids::StreamId,
     memory::AlignedBuffer,
-    protocol::Work,
+    protocol::{StreamProgram, Work},
     sync::Arc as SyncArc,
 };
 
@@ -57,6 +59,16 @@ enum Decision {
     Failed(Arc<Failure>),
     /// The stream stopped before deciding: only its timeline can say.
     Gone,
+}
+
+impl From<Decided<Arc<Failure>>> for Decision {
+    fn from(d: Decided<Arc<Failure>>) -> Decision {
+        match d {
+            Decided::Yes(Some(f)) => Decision::Failed(f),
+            Decided::Yes(None) => Decision::Submitted,
+            Decided::Gone => Decision::Gone,
+        }
+    }
 }
 
 impl StreamShared {
@@ -95,11 +107,12 @@ impl StreamShared {
 
     /// Waits until `seq` is decided.
     fn decision(&self, seq: u64) -> Decision {
-        match self.decided.wait(seq) {
-            Decided::Yes(Some(f)) => Decision::Failed(f),
-            Decided::Yes(None) => Decision::Submitted,
-            Decided::Gone => Decision::Gone,
-        }
+        Decision::from(self.decided.wait(seq))
+    }
+
+    /// The decision for `seq` if it is made, without waiting.
+    fn decided_now(&self, seq: u64) -> Option<Decision> {
+        self.decided.peek(seq).map(Decision::from)
     }
 
     /// The semaphore's current value.
@@ -147,6 +160,7 @@ const VULKAN_NAMES: BackendNames = BackendNames {
 };
 
 /// Things a batch uses, kept alive until its completion is observed.
+#[derive(Clone)]
 enum Keep {
     Buffer(#[allow(dead_code)] Arc<Buffer>),
     Pipeline(#[allow(dead_code)] Arc<Pipeline>),
@@ -168,7 +182,7 @@ struct Pending {
 /// One Vulkan stream: the sending side of its submit thread, and both threads.
 pub(super) struct VulkanStream {
     backend: Arc<Shared>,
-    channel: SubmitChannel<Job>,
+    channel: SubmitChannel<Job, StreamProgram>,
 }
 
 impl VulkanStream {
@@ -190,6 +204,7 @@ impl VulkanStream {
             .map_err(|r| map_oom_and_lost("vkCreateCommandPool", 0, r))?;
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Pending>();
         let submitter = Submitter {
+            backend: backend.clone(),
             gpu,
             spirv: backend.spirv.clone(),
             me: shared.clone(),
@@ -200,6 +215,7 @@ impl VulkanStream {
             done: done_tx,
             host_scratch: Vec::new(),
             trace: trace.clone(),
+            recordings: programs::Recordings::default(),
         };
         let completer = shared.clone();
         // If the submit thread cannot start, the submitter (and its command pool and
@@ -220,10 +236,11 @@ impl VulkanStream {
     }
 }
 
-gpu_stream::stream_queue_over_channel!(VulkanStream);
+gpu_stream::stream_queue_over_channel!(VulkanStream, programs);
 
 /// The submit thread's state.
 struct Submitter {
+    backend: Arc<Shared>,
     gpu: Arc<Gpu>,
     spirv: Arc<super::kernels::SpirvCache>,
     me: Arc<StreamShared>,
@@ -236,6 +253,8 @@ struct Submitter {
     /// Host memory for staged cross-device copies, kept between them.
     host_scratch: Vec<u8>,
     trace: StreamTrace,
+    /// Command buffers recorded for replays, kept for the next ones.
+    recordings: programs::Recordings,
 }
 
 /// How the dependencies of one plan are to be waited for (semaphore waits on other
@@ -243,13 +262,21 @@ struct Submitter {
 type Waits = gpu_stream::Waits<(Arc<StreamShared>, u64)>;
 
 impl Submitter {
-    fn run(mut self, rx: Receiver<Submitted>) {
+    fn run(mut self, rx: Receiver<Sent<Job, StreamProgram>>) {
         let _close = CloseOnExit(self.me.clone());
-        while let Ok(item) = rx.recv() {
-            let span =
-                tracing::debug_span!("vk", stream = %self.me.id, seq = item.seq, op = %item.label);
-            let _e = span.enter();
-            self.process(item);
+        while let Ok(sent) = rx.recv() {
+            match sent {
+                Sent::Plan(item) => {
+                    let span = tracing::debug_span!("vk", stream = %self.me.id, seq = item.seq, op = %item.label);
+                    let _e = span.enter();
+                    self.process(item);
+                }
+                Sent::Program(program) => {
+                    let span = tracing::debug_span!("vk", stream = %self.me.id, seq = program.first_seq(), ops = program.len());
+                    let _e = span.enter();
+                    self.run_program(program);
+                }
+            }
         }
         self.drain();
     }
@@ -269,6 +296,7 @@ impl Submitter {
                 core.leak(self.pool, "a stream's command pool");
                 self.free.clear();
                 self.in_flight.clear();
+                self.recordings.clear();
                 return;
             }
         }
@@ -277,6 +305,7 @@ impl Submitter {
         unsafe { core.device.destroy_command_pool(self.pool, None) };
         self.free.clear();
         self.in_flight.clear();
+        self.recordings.clear();
     }
 
     fn failure(&self, item: &Submitted, message: String) -> Arc<Failure> {
@@ -347,7 +376,7 @@ impl Submitter {
             Ok(cb) => (cb, Ok(())),
             Err(f) => (None, Err(f)),
         };
-        match self.submit_batch(cb, &sem_waits, item.seq) {
+        match self.submit_batch(cb.as_slice(), &sem_waits, item.seq) {
             Ok(()) => {
                 if let Some(cb) = cb {
                     self.in_flight.push_back((item.seq, cb));
@@ -393,6 +422,48 @@ impl Submitter {
         sem_waits: &[(vk::Semaphore, u64)],
         keep: &mut Vec<Keep>,
     ) -> std::result::Result<Option<vk::CommandBuffer>, String> {
+        if !self.runs_on_device(job) {
+            // Host work: every dependency and this stream's previous work must be done.
+            let mut all = sem_waits.to_vec();
+            if self.last > 0 {
+                all.push((self.me.semaphore, self.last));
+            }
+            let id = self.me.id;
+            host_wait(&self.gpu.core, &all, || {
+                format!("the dependencies of a host transfer on stream {id}")
+            })
+            .map_err(|e| e.to_string())?;
+            self.host_job(job).map_err(|e| e.to_string())?;
+            match job {
+                Job::FromHost { host, .. } | Job::ToHost { host, .. } => {
+                    keep.push(Keep::Host(host.clone()))
+                }
+                _ => {}
+            }
+            return Ok(None);
+        }
+        self.record_job(job, keep, Usage::Once)
+    }
+
+    /// Whether `job` runs on this device's queue (a kernel, a marker, a memset, a copy
+    /// within the device): what [`Submitter::record_job`] takes; the rest is host work.
+    fn runs_on_device(&self, job: &Job) -> bool {
+        let core = &self.gpu.core;
+        match job {
+            Job::Copy { src, dst, .. } => src.on_device(core) && dst.on_device(core),
+            Job::FromHost { .. } | Job::ToHost { .. } => false,
+            Job::Run { .. } | Job::Memset { .. } | Job::Marker => true,
+        }
+    }
+
+    /// Records a job that runs on this device's queue ([`Submitter::runs_on_device`]) for
+    /// `usage`, and adds what its command buffer uses to `keep`. `Ok(None)`: nothing to run.
+    fn record_job(
+        &mut self,
+        job: &Job,
+        keep: &mut Vec<Keep>,
+        usage: Usage,
+    ) -> std::result::Result<Option<vk::CommandBuffer>, String> {
         let core = self.gpu.core.clone();
         let local = |r: &Region| r.on_device(&core);
         match job {
@@ -420,7 +491,10 @@ impl Submitter {
                 for a in args.iter().chain(merge.iter()) {
                     keep.push(Keep::Buffer(a.region.buffer.clone()));
                 }
-                self.record(|cb| match &lowered {
+                if let Lowered::Nothing = lowered {
+                    return Ok(None);
+                }
+                self.record(usage, |cb| match &lowered {
                     Lowered::Nothing => {}
                     Lowered::Copy(src, dst, bytes) => copy_cmd(&core, cb, src, dst, *bytes),
                     Lowered::Dispatches(ds) => {
@@ -446,7 +520,10 @@ impl Submitter {
             }
             Job::Copy {
                 src, dst, bytes, ..
-            } if local(src) && local(dst) => {
+            } => {
+                if !(local(src) && local(dst)) {
+                    return Err("a copy between devices is host work".into());
+                }
                 keep.push(Keep::Buffer(src.buffer.clone()));
                 keep.push(Keep::Buffer(dst.buffer.clone()));
                 same_size(src.bytes, *bytes).map_err(|e| e.to_string())?;
@@ -454,7 +531,8 @@ impl Submitter {
                 if n == 0 {
                     return Ok(None);
                 }
-                self.record(|cb| copy_cmd(&core, cb, src, dst, n)).map(Some)
+                self.record(usage, |cb| copy_cmd(&core, cb, src, dst, n))
+                    .map(Some)
             }
             Job::Memset { dst, bytes } => {
                 if !local(dst) {
@@ -476,33 +554,14 @@ impl Submitter {
                     .next_multiple_of(4)
                     .min(dst.buffer.size() - dst.offset);
                 let (buf, off) = (dst.buffer.handle(), dst.offset);
-                self.record(|cb| {
+                self.record(usage, |cb| {
                     // SAFETY: recording; offset is a multiple of 4 (pool alignment), size a
                     // multiple of 4 within the buffer.
                     unsafe { core.device.cmd_fill_buffer(cb, buf, off, size, 0) }
                 })
                 .map(Some)
             }
-            // Host work: every dependency and this stream's previous work must be done.
-            Job::Copy { .. } | Job::FromHost { .. } | Job::ToHost { .. } => {
-                let mut all = sem_waits.to_vec();
-                if self.last > 0 {
-                    all.push((self.me.semaphore, self.last));
-                }
-                let id = self.me.id;
-                host_wait(&core, &all, || {
-                    format!("the dependencies of a host transfer on stream {id}")
-                })
-                .map_err(|e| e.to_string())?;
-                self.host_job(job).map_err(|e| e.to_string())?;
-                match job {
-                    Job::FromHost { host, .. } | Job::ToHost { host, .. } => {
-                        keep.push(Keep::Host(host.clone()))
-                    }
-                    _ => {}
-                }
-                Ok(None)
-            }
+            Job::FromHost { .. } | Job::ToHost { .. } => Err("host work is not recorded".into()),
         }
     }
 
@@ -533,9 +592,10 @@ impl Submitter {
         }
     }
 
-    /// A command buffer recorded by `f`, ended with the host-visibility barrier.
+    /// A command buffer recorded by `f` for `usage`, ended with the host-visibility barrier.
     fn record(
         &mut self,
+        usage: Usage,
         f: impl FnOnce(vk::CommandBuffer),
     ) -> std::result::Result<vk::CommandBuffer, String> {
         let core = self.gpu.core.clone();
@@ -554,13 +614,21 @@ impl Submitter {
                 cbs.first().copied().ok_or("no command buffer allocated")?
             }
         };
-        let begin = vk::CommandBufferBeginInfo::default()
-            .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        let flags = match usage {
+            Usage::Once => vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT,
+            Usage::Replayed => vk::CommandBufferUsageFlags::SIMULTANEOUS_USE,
+        };
+        let begin = vk::CommandBufferBeginInfo::default().flags(flags);
         // SAFETY: `cb` is not in use (fresh, or reclaimed after its batch completed); our
         // pool allows resetting individual buffers, which `begin` does implicitly.
         if let Err(r) = unsafe { d.begin_command_buffer(cb, &begin) } {
             self.free.push(cb);
             return Err(format!("vkBeginCommandBuffer: {r}"));
+        }
+        if usage == Usage::Replayed {
+            // Submitted after other command buffers in one batch, with no semaphore wait
+            // between them: order it after everything submitted before.
+            full_barrier(d, cb);
         }
         f(cb);
         host_visibility_barrier(d, cb);
@@ -592,11 +660,11 @@ impl Submitter {
         }
     }
 
-    /// Submits one batch: waits for the stream's previous value and `waits`, runs `cb`
-    /// (if any), signals `seq`.
+    /// Submits one batch: waits for the stream's previous value and `waits`, runs `cbs` in
+    /// order, signals `seq`.
     fn submit_batch(
         &self,
-        cb: Option<vk::CommandBuffer>,
+        cbs: &[vk::CommandBuffer],
         waits: &[(vk::Semaphore, u64)],
         seq: u64,
     ) -> std::result::Result<(), DeviceError> {
@@ -616,25 +684,57 @@ impl Submitter {
         let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; sems.len()];
         let signal = [self.me.semaphore];
         let signal_vals = [seq];
-        let cbs: Vec<vk::CommandBuffer> = cb.into_iter().collect();
         let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
             .wait_semaphore_values(&vals)
             .signal_semaphore_values(&signal_vals);
         let submit = [vk::SubmitInfo::default()
             .wait_semaphores(&sems)
             .wait_dst_stage_mask(&stages)
-            .command_buffers(&cbs)
+            .command_buffers(cbs)
             .signal_semaphores(&signal)
             .push_next(&mut timeline)];
         let queue = core.queue();
-        // SAFETY: the queue is externally synchronised by its mutex; the command buffer is
-        // fully recorded and not pending elsewhere; the semaphores are timeline semaphores
+        // SAFETY: the queue is externally synchronised by its mutex; the command buffers are
+        // fully recorded, and pending elsewhere only if recorded for simultaneous use
+        // (`Usage::Replayed`); the semaphores are timeline semaphores
         // of this device kept alive (by `Keep`) until the batch completes; the signalled
         // value exceeds every value signalled or pending on our semaphore (the batch waits
         // for `last < seq` first).
         unsafe { core.device.queue_submit(*queue, &submit, vk::Fence::null()) }
             .map_err(|r| core.fail(map_oom_and_lost("vkQueueSubmit", 0, r)))
     }
+}
+
+/// What a command buffer is recorded for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Usage {
+    /// One plan's batch: submitted once, after a semaphore wait on the stream's previous
+    /// batch.
+    Once,
+    /// An operation of a replayed step: resubmitted by every replay, possibly while an
+    /// earlier submission is pending, beside other operations in one batch. It starts with
+    /// a barrier on everything submitted before it.
+    Replayed,
+}
+
+/// Orders what `cb` records after every command submitted to the queue before it: their
+/// writes are visible to its reads and writes.
+fn full_barrier(d: &ash::Device, cb: vk::CommandBuffer) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::MEMORY_WRITE)
+        .dst_access_mask(vk::AccessFlags::MEMORY_READ | vk::AccessFlags::MEMORY_WRITE)];
+    // SAFETY: `cb` is recording on this device (the caller's contract, see `record`).
+    unsafe {
+        d.cmd_pipeline_barrier(
+            cb,
+            vk::PipelineStageFlags::ALL_COMMANDS,
+            vk::PipelineStageFlags::ALL_COMMANDS,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        )
+    };
 }
 
 /// Makes the writes of earlier dispatches of `cb` visible to later ones.
