@@ -163,6 +163,15 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The backend's name, as [`fill_index`] and the other per-backend kernels take it.
+    pub fn backend_name(self) -> &'static str {
+        match self {
+            Kind::Cpu => "cpu",
+            Kind::Cuda => "cuda",
+            Kind::Vulkan | Kind::VulkanStaging => "vulkan",
+        }
+    }
+
     pub fn is_vulkan(self) -> bool {
         matches!(self, Kind::Vulkan | Kind::VulkanStaging)
     }

@@ -3,6 +3,8 @@
 //!
 //! - `engine_protocol`: the synchronisation protocol through `Engine`, on every backend;
 //! - `engine_replay`: captured steps replayed, each invalidation;
+//! - `replay_backends`: replays on every backend compute what issuing computes (and what
+//!   Vulkan records once and resubmits);
 //! - `kernels_cpu`: the CPU backend's built-in kernels;
 //! - `cpu_pool`: the CPU backend's worker pool seen from the public API;
 //! - `pool_props`: the memory pools' properties (proptest);
@@ -18,3 +20,4 @@ mod engine_replay;
 mod event_timeline;
 mod kernels_cpu;
 mod pool_props;
+mod replay_backends;

@@ -111,15 +111,6 @@ fn all_reduce_lands_in_every_context_for_every_strategy(kind: Kind) {
     sys.shutdown().unwrap();
 }
 
-/// The backend name `fill_index` takes.
-fn backend_name(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Cpu => "cpu",
-        Kind::Cuda => "cuda",
-        Kind::Vulkan | Kind::VulkanStaging => "vulkan",
-    }
-}
-
 /// A step that fills every chunk in every context with an index value (one slot per
 /// fill) and all-reduces the chunks, captured once ([`System::capture`]), then replayed
 /// three times with new values: each replay's sums are those of its values, for every
@@ -149,7 +140,7 @@ fn captured_all_reduces_replay_with_new_values_until_their_plan_is_finalized(kin
                 let mut ctx = sys.context(i % 3, (i / 3) % 2).unwrap();
                 for node in &nodes {
                     let r = ctx
-                        .link(fill_index(node, backend_name(kind), "t").unwrap())
+                        .link(fill_index(node, kind.backend_name(), "t").unwrap())
                         .unwrap();
                     ctx = r.context();
                     fills.push(r);

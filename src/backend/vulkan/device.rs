@@ -2,7 +2,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
 };
 
 use super::{
@@ -10,7 +13,7 @@ use super::{
     kernels::{PipelineCache, SpirvCache, CPU_KERNEL_ON_VULKAN, CUDA_KERNEL_ON_VULKAN},
     memory::{Buffer, Region},
     stream::{StreamShared, VulkanStream},
-    VulkanConfig, VulkanInfo, WaitFault,
+    VulkanConfig, VulkanInfo, VulkanReplayCounts, WaitFault,
 };
 use crate::{
     backend::{recording::StreamTrace, unsupported_kernel, Backend, StreamQueue},
@@ -58,6 +61,22 @@ pub(super) struct Shared {
     pub(super) gpus: Vec<Arc<Gpu>>,
     pub(super) spirv: Arc<SpirvCache>,
     pub(super) config: VulkanConfig,
+    /// How the operations of replays ran ([`VulkanBackend::replay_counts`]).
+    pub(super) replays: ReplayCounters,
+}
+
+/// [`VulkanReplayCounts`], counted by the streams (statistics: relaxed).
+#[derive(Default)]
+pub(super) struct ReplayCounters {
+    pub(super) recorded: AtomicU64,
+    pub(super) resubmitted: AtomicU64,
+    pub(super) as_plans: AtomicU64,
+}
+
+impl ReplayCounters {
+    pub(super) fn count(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl Shared {
@@ -168,6 +187,7 @@ impl VulkanBackend {
                 gpus,
                 spirv: Arc::new(SpirvCache::default()),
                 config,
+                replays: ReplayCounters::default(),
             }),
             recorder: None,
         })
@@ -210,6 +230,19 @@ impl VulkanBackend {
     /// stopped answering while it might still use them (see [`VulkanConfig::device_timeout`]).
     pub fn leaked_objects(&self, device: DeviceId) -> Result<usize, DeviceError> {
         Ok(self.gpu_of(device)?.core.leaked())
+    }
+
+    /// How the operations of replayed steps ran on this backend's streams so far: recorded
+    /// into a command buffer kept for the step's next replays, resubmitted from one, or run
+    /// as plans (host transfers, copies between devices, failed inputs: see DESIGN.md §5,
+    /// "Vulkan").
+    pub fn replay_counts(&self) -> VulkanReplayCounts {
+        let c = &self.shared.replays;
+        VulkanReplayCounts {
+            recorded: c.recorded.load(Ordering::Relaxed),
+            resubmitted: c.resubmitted.load(Ordering::Relaxed),
+            as_plans: c.as_plans.load(Ordering::Relaxed),
+        }
     }
 
     fn gpu_of(&self, device: DeviceId) -> Result<&Arc<Gpu>, DeviceError> {

@@ -1,6 +1,6 @@
 //! The Vulkan backend's API when the `vulkan` cargo feature is off: it cannot be created.
 
-use super::{not_built, VulkanConfig, VulkanInfo, WaitFault};
+use super::{not_built, VulkanConfig, VulkanInfo, VulkanReplayCounts, WaitFault};
 use crate::{
     backend::{Backend, StreamQueue},
     error::DeviceError,
@@ -46,6 +46,11 @@ impl VulkanBackend {
 
     /// Why a device is lost (this value cannot exist).
     pub fn lost_cause(&self, _: DeviceId) -> Result<Option<String>, DeviceError> {
+        match self.never {}
+    }
+
+    /// How replays ran (this value cannot exist).
+    pub fn replay_counts(&self) -> VulkanReplayCounts {
         match self.never {}
     }
 

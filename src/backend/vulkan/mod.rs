@@ -158,6 +158,20 @@ pub enum WaitFault {
     Lost,
 }
 
+/// How the operations of replayed steps ran on a Vulkan backend's streams
+/// ([`VulkanBackend::replay_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VulkanReplayCounts {
+    /// Recorded into a command buffer kept for the step's next replays (a first replay, or
+    /// new buffers or index values).
+    pub recorded: u64,
+    /// Resubmitted from a kept command buffer.
+    pub resubmitted: u64,
+    /// Run as plans, one by one: host transfers, copies between devices, operations whose
+    /// input failed or that wait for another device.
+    pub as_plans: u64,
+}
+
 /// What [`probe`] found: the physical devices a backend would use.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VulkanInfo {

@@ -34,7 +34,10 @@ use super::{Decision, Job, Keep, StreamShared, Submitted, Submitter, Usage};
 use crate::{
     backend::{
         recording::OpTrace,
-        vulkan::memory::{Buffer, Region},
+        vulkan::{
+            device::ReplayCounters,
+            memory::{Buffer, Region},
+        },
     },
     error::Failure,
     event::EventStatus,
@@ -160,6 +163,7 @@ impl Submitter {
                 }
             }
             batching &= self.flush(&program, &mut batch);
+            ReplayCounters::count(&self.backend.replays.as_plans);
             self.process(plan_of(op, |loc, bytes| self.backend.resolve(loc, bytes)));
         }
         self.flush(&program, &mut batch);
@@ -203,6 +207,7 @@ impl Submitter {
         let cb = match self.recordings.kept.get_mut(&key) {
             Some(r) if r.matches(&regions, values) => {
                 r.used = op.seq();
+                ReplayCounters::count(&self.backend.replays.resubmitted);
                 batch.keep.extend(regions.drain(..).map(|r| Keep::Buffer(r.buffer)));
                 batch.keep.extend(r.held.iter().cloned());
                 r.cb
@@ -304,6 +309,7 @@ impl Submitter {
             .cloned()
             .collect();
         batch.keep.append(&mut keep);
+        ReplayCounters::count(&self.backend.replays.recorded);
         let recording = Recording {
             step: Arc::downgrade(program.step()),
             cb,
