@@ -1,13 +1,17 @@
 //! What a routine costs issued and replayed, beside a careful hand-written worker: wall time
-//! and CPU time (every thread of the process) per routine, on one CPU device and stream.
+//! and CPU time (every thread of the process) per routine, on one device and stream.
 //!
 //! ```sh
 //! cargo run --release --example replay_cost              # 200,000 routines, 5 runs a row
 //! cargo run --release --example replay_cost -- 1000000 9
+//! cargo run --release --example replay_cost -- --vulkan 20000 5
 //! ```
 //!
 //! A routine is a CPU closure writing one `i32`, back to back on one stream; a replay
-//! issues a captured step of 64 of them. The baseline is what a user would write instead:
+//! issues a captured step of 64 of them. With `--vulkan` the device is a Vulkan device and
+//! a routine the built-in `scale_in_place` of 64 `f32` (one compute dispatch); the CPU time
+//! then includes the driver's (lavapipe runs the dispatches on CPU threads of the
+//! process), and there is no hand-written baseline row. The baseline is what a user would write instead:
 //! one persistent worker thread fed through a bounded crossbeam channel of indices (nothing
 //! allocated per routine), spinning on the channel as the runtime's workers spin, and a
 //! completion counter the host spins on. Each row runs `runs` times after a warm-up run;
@@ -23,48 +27,84 @@ use std::{
 };
 
 use tributary::{
-    kernels::{Access, RoutineSpec},
-    DType, Engine, EngineConfig, MemoryMode, TensorNode,
+    backend::{
+        vulkan::{VulkanBackend, VulkanConfig},
+        Backend,
+    },
+    kernels::{self, Access, RoutineSpec},
+    memory::PoolConfig,
+    DType, DeviceId, Engine, EngineConfig, MemoryMode, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
-use tributary_testkit::cpu_time::process_cpu_time;
+use tributary_testkit::cpu_time::process_cpu_split;
 
 /// Routines a captured step holds.
 const STEP: u64 = 64;
 
-fn spec() -> tributary::Result<RoutineSpec> {
+/// The routine (a CPU closure writing one `i32`, or on Vulkan `y *= 1` over 64 `f32`), and
+/// on Vulkan the fill that initialises `y` first.
+fn specs(vulkan: bool) -> tributary::Result<(Option<RoutineSpec>, RoutineSpec)> {
+    if vulkan {
+        let y = TensorNode::new("y", DType::F32, [64]).with_mode(MemoryMode::on_device())?;
+        return Ok((
+            Some(kernels::fill(&y, 1.0)?),
+            kernels::scale_in_place(&y, 1.0)?,
+        ));
+    }
     let y = TensorNode::new("y", DType::I32, [1]).with_mode(MemoryMode::on_device())?;
-    RoutineSpec::custom("write", vec![(y, Access::Write)], None, |a| {
+    let write = RoutineSpec::custom("write", vec![(y, Access::Write)], None, |a| {
         a.output::<i32>(0).map_err(|e| e.to_string())?[0] = 1;
         Ok(())
-    })
+    })?;
+    Ok((None, write))
 }
 
-/// One measured run: wall time and process CPU time.
-type Sample = (Duration, Duration);
+/// One Vulkan device (`Arc<dyn Backend>` for the engine and the system alike).
+fn vulkan_backend() -> tributary::Result<Arc<dyn Backend>> {
+    Ok(Arc::new(VulkanBackend::new(
+        DeviceId(0),
+        VulkanConfig::with_devices(1),
+    )?))
+}
 
-/// Medians (wall, CPU) per routine in ns over `runs` runs of `run(n)`, after a warm-up.
+/// Medians per routine in ns: wall time, CPU time of every thread, CPU time of the main
+/// thread and the runtime's (the rest is the driver's, on Vulkan).
+#[derive(Clone, Copy)]
+struct Cost {
+    wall: f64,
+    cpu: f64,
+    runtime_cpu: f64,
+}
+
+/// The medians of `runs` runs of `run(n)`, after a warm-up.
 fn measure(
     n: u64,
     runs: usize,
     mut run: impl FnMut(u64) -> tributary::Result<()>,
-) -> tributary::Result<(f64, f64)> {
+) -> tributary::Result<Cost> {
     run(n)?;
-    let mut samples: Vec<Sample> = Vec::new();
+    let (mut walls, mut cpus, mut runtime_cpus) = (Vec::new(), Vec::new(), Vec::new());
+    let per = |d: Duration| d.as_nanos() as f64 / n as f64;
     for _ in 0..runs {
-        let cpu0 = process_cpu_time().unwrap_or_default();
+        let cpu0 = process_cpu_split().unwrap_or_default();
         let start = Instant::now();
         run(n)?;
         let wall = start.elapsed();
-        let cpu = process_cpu_time().unwrap_or_default().saturating_sub(cpu0);
-        samples.push((wall, cpu));
+        let cpu1 = process_cpu_split().unwrap_or_default();
+        let runtime = cpu1.runtime.saturating_sub(cpu0.runtime);
+        walls.push(per(wall));
+        cpus.push(per(runtime + cpu1.other.saturating_sub(cpu0.other)));
+        runtime_cpus.push(per(runtime));
     }
-    let per = |d: Duration| d.as_nanos() as f64 / n as f64;
-    let mut walls: Vec<f64> = samples.iter().map(|s| per(s.0)).collect();
-    let mut cpus: Vec<f64> = samples.iter().map(|s| per(s.1)).collect();
-    walls.sort_by(f64::total_cmp);
-    cpus.sort_by(f64::total_cmp);
-    Ok((walls[walls.len() / 2], cpus[cpus.len() / 2]))
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(Cost {
+        wall: median(walls),
+        cpu: median(cpus),
+        runtime_cpu: median(runtime_cpus),
+    })
 }
 
 /// The baseline's worker: it takes routine indices from a bounded channel, spinning on it,
@@ -124,10 +164,14 @@ impl Drop for Worker {
 }
 
 fn main() -> tributary::Result<()> {
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args().skip(1).peekable();
+    let vulkan = args.next_if(|a| a == "--vulkan").is_some();
     let first = args.next();
     if matches!(first.as_deref(), Some("--help" | "-h")) {
-        println!("usage: replay_cost [ROUTINES [RUNS]]  (default 200000 routines, 5 runs a row)");
+        println!(
+            "usage: replay_cost [--vulkan] [ROUTINES [RUNS]]  (default 200000 routines, 5 runs \
+             a row)"
+        );
         return Ok(());
     }
     let parse = |a: Option<String>, default: u64, what: &str| -> tributary::Result<u64> {
@@ -143,17 +187,30 @@ fn main() -> tributary::Result<()> {
     let n = parse(first, 200_000, "ROUTINES")?.max(STEP) / STEP * STEP;
     let runs = parse(args.next(), 5, "RUNS")?.max(1) as usize;
 
-    let worker = Worker::start();
-    let baseline = measure(n, runs, |k| worker.run(k))?;
-    drop(worker);
+    let baseline = if vulkan {
+        None
+    } else {
+        let worker = Worker::start();
+        Some(measure(n, runs, |k| worker.run(k))?)
+    };
 
-    let mut e = Engine::cpu(EngineConfig {
-        devices: 1,
-        streams_per_device: 1,
-        ..EngineConfig::default()
-    })?;
-    let ctx = e.context(0, 0)?;
-    let r = e.link(&ctx, spec()?)?;
+    let mut e = if vulkan {
+        Engine::with_backend(vulkan_backend()?, 1, PoolConfig::default())?
+    } else {
+        Engine::cpu(EngineConfig {
+            devices: 1,
+            streams_per_device: 1,
+            ..EngineConfig::default()
+        })?
+    };
+    let mut ctx = e.context(0, 0)?;
+    let (init, spec) = specs(vulkan)?;
+    if let Some(init) = init {
+        let init = e.link(&ctx, init)?;
+        e.schedule(&init)?;
+        ctx = init.context().clone();
+    }
+    let r = e.link(&ctx, spec)?;
     let engine_issuing = measure(n, runs, |k| {
         for _ in 0..k {
             e.schedule(&r)?;
@@ -174,13 +231,22 @@ fn main() -> tributary::Result<()> {
     })?;
     drop(e);
 
-    let sys = System::builder()
+    let mut builder = System::builder()
         .cpu_devices(1)
         .streams(StreamConfig::MostParallelStreams(1))
-        .mailbox_capacity(1 << 16)
-        .spawn()?;
-    let ctx = sys.context(0, 0)?;
-    let routine = ctx.link(spec()?)?.routine().clone();
+        .mailbox_capacity(1 << 16);
+    if vulkan {
+        builder = builder.backend_instance(vulkan_backend()?);
+    }
+    let sys = builder.spawn()?;
+    let mut ctx = sys.context(0, 0)?;
+    let (init, spec) = specs(vulkan)?;
+    if let Some(init) = init {
+        let init = ctx.link(init)?;
+        init.schedule()?;
+        ctx = init.context();
+    }
+    let routine = ctx.link(spec)?.routine().clone();
     let system_issuing = measure(n, runs, |k| {
         for _ in 0..k {
             sys.schedule(&routine)?;
@@ -201,22 +267,53 @@ fn main() -> tributary::Result<()> {
     })?;
     sys.shutdown()?;
 
-    println!(
-        "per routine, {n} routines a run, median of {runs} runs (1 CPU device, 1 stream; \
-         replays of a captured step of {STEP})"
-    );
-    println!("| runner | wall ns | CPU ns (all threads) | wall / baseline |");
-    println!("|---|---:|---:|---:|");
-    let row = |name: &str, (wall, cpu): (f64, f64)| {
-        println!(
-            "| {name} | {wall:.0} | {cpu:.0} | {:.2}x |",
-            wall / baseline.0.max(f64::MIN_POSITIVE)
-        );
+    let device = if vulkan {
+        "1 Vulkan device"
+    } else {
+        "1 CPU device"
     };
-    row("hand-written worker (baseline)", baseline);
-    row("`Engine`, issuing", engine_issuing);
-    row("`Engine`, replaying", engine_replaying);
-    row("`System`, issuing", system_issuing);
-    row("`System`, replaying", system_replaying);
+    println!(
+        "per routine, {n} routines a run, median of {runs} runs ({device}, 1 stream; replays \
+         of a captured step of {STEP})"
+    );
+    match baseline {
+        Some(baseline) => {
+            println!("| runner | wall ns | CPU ns (all threads) | wall / baseline |");
+            println!("|---|---:|---:|---:|");
+            let row = |name: &str, c: Cost| {
+                println!(
+                    "| {name} | {:.0} | {:.0} | {:.2}x |",
+                    c.wall,
+                    c.cpu,
+                    c.wall / baseline.wall.max(f64::MIN_POSITIVE)
+                );
+            };
+            row("hand-written worker (baseline)", baseline);
+            row("`Engine`, issuing", engine_issuing);
+            row("`Engine`, replaying", engine_replaying);
+            row("`System`, issuing", system_issuing);
+            row("`System`, replaying", system_replaying);
+        }
+        None => {
+            println!(
+                "| runner | wall ns | CPU ns (all threads) | CPU ns (host and runtime threads) \
+                 | host and runtime CPU / issuing's |"
+            );
+            println!("|---|---:|---:|---:|---:|");
+            let row = |name: &str, c: Cost, issuing: Cost| {
+                println!(
+                    "| {name} | {:.0} | {:.0} | {:.0} | {:.2} |",
+                    c.wall,
+                    c.cpu,
+                    c.runtime_cpu,
+                    c.runtime_cpu / issuing.runtime_cpu.max(f64::MIN_POSITIVE)
+                );
+            };
+            row("`Engine`, issuing", engine_issuing, engine_issuing);
+            row("`Engine`, replaying", engine_replaying, engine_issuing);
+            row("`System`, issuing", system_issuing, system_issuing);
+            row("`System`, replaying", system_replaying, system_issuing);
+        }
+    }
     Ok(())
 }

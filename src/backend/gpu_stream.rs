@@ -184,9 +184,11 @@ pub(crate) struct BackendNames {
 
 /// What a stream's channel carries to its submit thread: a lowered plan, or a replay's
 /// program (`P`: [`StreamProgram`] where the backend runs programs, [`Infallible`] where it
-/// takes plans only).
+/// takes plans only). Sent by value: boxing a plan would cost an allocation per operation.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Sent<J, P = Infallible> {
     Plan(Submitted<J>),
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
     Program(P),
 }
 
@@ -308,6 +310,7 @@ impl<J: Send + 'static> SubmitChannel<J, StreamProgram> {
     /// Checks that `program` is this stream's ([`StreamProgram::check_queue`]) and sends it
     /// whole to the submit thread. Once the stream stopped it is refused
     /// ([`Error::ShutDown`]) and its events fail, in order, as a refused plan's.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
     pub(crate) fn submit_program(&self, program: StreamProgram) -> Result<()> {
         program.check_queue(self.stream, &self.timeline)?;
         if program.is_empty() {
@@ -416,6 +419,7 @@ impl<D: Clone> Decisions<D> {
     }
 
     /// The decision for `seq` if it is made (or the stream stopped), without waiting.
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
     pub(crate) fn peek(&self, seq: u64) -> Option<Decided<D>> {
         let d = lock(&self.state);
         if d.upto >= seq {

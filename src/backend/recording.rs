@@ -48,6 +48,7 @@ impl StreamTrace {
     }
 
     /// Whether a timeline is recorded (else [`StreamTrace::start`] gives `None`).
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
     pub(super) fn records(&self) -> bool {
         self.recorder.is_some()
     }

@@ -463,7 +463,7 @@ pub(crate) fn next_issue() -> u64 {
 
 /// Issue stamps a host call reserves per step when it is posted to device actors: its
 /// plans are stamped `base`, `base + 1`, ... and a later call's stamps start past them.
-/// Reserved blocks start at a multiple of `OP_STAMPS` ([`reserve_issue_stamps`]), so the
+/// Reserved blocks start at a multiple of `OP_STAMPS` (`reserve_issue_stamps`), so the
 /// end of the block a stamp is in is the end of its call's step.
 pub const OP_STAMPS: u64 = 1 << 12;
 

@@ -23,3 +23,37 @@ pub fn process_cpu_time() -> Option<Duration> {
     }
     Some(Duration::from_nanos(total_ns))
 }
+
+/// Whose CPU time: the threads of the runtime and of the program that calls it, or the
+/// others (a driver's: lavapipe runs the device's work on CPU threads of the process).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpuSplit {
+    /// The main thread and the runtime's threads (`tributary-*`, the actors' `actix-*`).
+    pub runtime: Duration,
+    /// Every other thread of the process.
+    pub other: Duration,
+}
+
+/// [`process_cpu_time`] split by thread name into [`CpuSplit`]; `None` where it cannot be
+/// read. Threads that exited are not counted.
+pub fn process_cpu_split() -> Option<CpuSplit> {
+    let main = std::process::id().to_string();
+    let mut split = CpuSplit::default();
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let task = task.ok()?;
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        let on_cpu = Duration::from_nanos(stat.split_whitespace().next()?.parse().ok()?);
+        let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let ours = task.file_name().to_str() == Some(main.as_str())
+            || name.starts_with("tributary")
+            || name.starts_with("actix");
+        if ours {
+            split.runtime += on_cpu;
+        } else {
+            split.other += on_cpu;
+        }
+    }
+    Some(split)
+}

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use support::{backend, fill_index, vulkan_config, Kind};
+use support::{backend, fill_index, shared, vulkan_config, Kind};
 use tributary::{
     backend::{
         vulkan::{VulkanBackend, VulkanReplayCounts},
@@ -22,7 +22,8 @@ use tributary::{
 use tributary_testkit::{for_each_backend, support};
 
 for_each_backend!(
-    staging: replays_compute_what_issuing_computes_and_vulkan_records_once
+    staging: replays_compute_what_issuing_computes_and_vulkan_records_once,
+    replays_across_two_streams_wait_for_each_other
 );
 
 /// Rows and columns of the step's matrices.
@@ -37,7 +38,7 @@ fn engine(kind: Kind, test: &str) -> Option<(Engine, Option<VulkanBackend>)> {
     } else {
         (backend(kind, 2, test)?, None)
     };
-    let e = Engine::with_backend(b, 1, PoolConfig::default()).expect("engine");
+    let e = Engine::with_backend(b, 2, PoolConfig::default()).expect("engine");
     Some((e, vulkan))
 }
 
@@ -64,7 +65,9 @@ struct Program {
 /// copied to device 1, which halves it. `w` and `y` are set once, before the step.
 fn link(kind: Kind, e: &mut Engine, nodes: &[TensorNode; 6]) -> Program {
     let [x, w, z, y, dz, loss] = nodes;
-    let weights: Vec<f32> = (0..ROWS * COLS).map(|i| (i % 7) as f32 * 0.25 - 0.5).collect();
+    let weights: Vec<f32> = (0..ROWS * COLS)
+        .map(|i| (i % 7) as f32 * 0.25 - 0.5)
+        .collect();
     let labels: Vec<f32> = (0..ROWS * COLS)
         .map(|i| f32::from(i % COLS == (i / COLS * 5) % COLS))
         .collect();
@@ -194,5 +197,79 @@ fn replays_compute_what_issuing_computes_and_vulkan_records_once(kind: Kind) {
             "replay {k} (t = {t}): counts before {was:?}"
         );
         before = Some(now);
+    }
+}
+
+/// A step whose two streams of one device wait for each other in turn (stream 0 fills `a`
+/// with `t`; stream 1 doubles it into `b`; stream 0 adds `b` to `a`; and once more): each
+/// stream's part of a replay waits, in the middle, for the other's, whose own part waits
+/// for it. Every replay computes `a = 9t`, `b = 6t`; on Vulkan the parts resubmit what the
+/// first replay recorded (the fill again where `t` changed), with no operation as a plan.
+fn replays_across_two_streams_wait_for_each_other(kind: Kind) {
+    let test = "replays_across_two_streams_wait_for_each_other";
+    let Some((mut e, vulkan)) = engine(kind, test) else {
+        return;
+    };
+    let node = |label: &str| {
+        TensorNode::new(label, DType::F32, [ROWS, COLS])
+            .with_mode(shared())
+            .expect("node")
+    };
+    let (a, b) = (node("a"), node("b"));
+    let s0 = e.context(0, 0).unwrap();
+    let s1 = e.context(0, 1).unwrap();
+    let fill = e
+        .link(&s0, fill_index(&a, kind.backend_name(), "t").unwrap())
+        .unwrap();
+    let double = e.link(&s1, kernels::scale(&b, &a, 2.0).unwrap()).unwrap();
+    let add = e
+        .link(fill.context(), kernels::axpy(&a, &b, 1.0).unwrap())
+        .unwrap();
+    let step = e
+        .capture(|c| {
+            c.schedule_with(&fill, &[("t", 1)])?;
+            for _ in 0..2 {
+                c.schedule(&double)?;
+                c.schedule(&add)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let counts = || vulkan.as_ref().map(VulkanBackend::replay_counts);
+    let mut values = step.bindings();
+    let mut before = counts();
+    let mut last_t = None;
+    for t in [2, 2, -1, 5] {
+        values.set_all("t", t).unwrap();
+        e.replay_with(&step, &values).unwrap();
+        let t32 = t as f32;
+        assert_eq!(
+            e.read::<f32>(add.context(), &a).unwrap(),
+            vec![9.0 * t32; ROWS * COLS],
+            "a after the replay with t = {t}"
+        );
+        assert_eq!(
+            e.read::<f32>(double.context(), &b).unwrap(),
+            vec![6.0 * t32; ROWS * COLS],
+            "b after the replay with t = {t}"
+        );
+        if let (Some(was), Some(now)) = (before, counts()) {
+            let recorded = match last_t {
+                None => 5,
+                Some(l) if l != t => 1,
+                Some(_) => 0,
+            };
+            assert_eq!(
+                now,
+                VulkanReplayCounts {
+                    recorded: was.recorded + recorded,
+                    resubmitted: was.resubmitted + 5 - recorded,
+                    as_plans: was.as_plans,
+                },
+                "the replay with t = {t}"
+            );
+        }
+        before = counts();
+        last_t = Some(t);
     }
 }

@@ -65,12 +65,6 @@ impl Recordings {
     pub(super) fn clear(&mut self) {
         self.kept.clear();
     }
-
-    /// How many recordings are kept.
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.kept.len()
-    }
 }
 
 /// One operation's command buffer, as recorded for a step's replays.
@@ -95,11 +89,15 @@ impl Recording {
     /// Whether it runs an operation over `regions` with `values`.
     fn matches(&self, regions: &[Region], values: Option<&Bindings>) -> bool {
         self.regions.len() == regions.len()
-            && self.regions.iter().zip(regions).all(|((b, offset, bytes), r)| {
-                std::ptr::eq(b.as_ptr(), Arc::as_ptr(&r.buffer))
-                    && *offset == r.offset
-                    && *bytes == r.bytes
-            })
+            && self
+                .regions
+                .iter()
+                .zip(regions)
+                .all(|((b, offset, bytes), r)| {
+                    std::ptr::eq(b.as_ptr(), Arc::as_ptr(&r.buffer))
+                        && *offset == r.offset
+                        && *bytes == r.bytes
+                })
             && match (&self.values, values) {
                 (Some(a), Some(b)) => a.same_values(b),
                 (None, None) => true,
@@ -135,7 +133,7 @@ struct Batch {
     /// Those recorded for this batch only, freed once it completed.
     once: SmallVec<[vk::CommandBuffer; 2]>,
     /// Values of other streams of the device to wait for first.
-    waits: SmallVec<[(Arc<StreamShared>, u64); 4]>,
+    waits: DeviceWaits,
     /// Per operation: its index in the program, its number, its timeline record.
     ops: SmallVec<[(usize, u64, Option<OpTrace>); 16]>,
     keep: Vec<Keep>,
@@ -143,6 +141,9 @@ struct Batch {
 
 /// Why an operation takes the plan path (kept for the debug log).
 type Slow = &'static str;
+
+/// Values of other streams of the device to wait for.
+type DeviceWaits = SmallVec<[(Arc<StreamShared>, u64); 4]>;
 
 impl Submitter {
     /// Runs `program`: its operations in order, batched from recordings where they can be,
@@ -193,10 +194,7 @@ impl Submitter {
         let locations = locations(op.work()).ok_or("host work")?;
         let mut regions: SmallVec<[Region; 4]> = SmallVec::new();
         for (loc, bytes) in locations {
-            let region = self
-                .backend
-                .resolve(loc, bytes)
-                .map_err(|_| "unresolved")?;
+            let region = self.backend.resolve(loc, bytes).map_err(|_| "unresolved")?;
             if !region.on_device(&self.gpu.core) {
                 return Err("another device");
             }
@@ -208,7 +206,9 @@ impl Submitter {
             Some(r) if r.matches(&regions, values) => {
                 r.used = op.seq();
                 ReplayCounters::count(&self.backend.replays.resubmitted);
-                batch.keep.extend(regions.drain(..).map(|r| Keep::Buffer(r.buffer)));
+                batch
+                    .keep
+                    .extend(regions.drain(..).map(|r| Keep::Buffer(r.buffer)));
                 batch.keep.extend(r.held.iter().cloned());
                 r.cb
             }
@@ -235,7 +235,7 @@ impl Submitter {
         program: &StreamProgram,
         op: StreamProgramOp<'_>,
         batch: &mut Batch,
-    ) -> Result<SmallVec<[(Arc<StreamShared>, u64); 4]>, Slow> {
+    ) -> Result<DeviceWaits, Slow> {
         let mut waits = SmallVec::new();
         for dep in op.deps() {
             let (event, data) = (&dep.event, dep.kind == DepKind::Data);
