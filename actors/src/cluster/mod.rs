@@ -177,17 +177,13 @@ impl Cluster {
             .link(plan::send_spec(&self.net, &self.token, node)?)?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
-        let event = match self
-            .sys
-            .device_to_device(
-                node,
-                ctx,
-                routine.protocol_context(),
-                MergeBufferUse::StreamingFor(routine.routine().clone()),
-            )
-            .and_then(|t| t.map(|t| t.event()).transpose())
-        {
-            Ok(Some(e)) => e,
+        let ticket = match self.sys.device_to_device(
+            node,
+            ctx,
+            routine.protocol_context(),
+            MergeBufferUse::StreamingFor(routine.routine().clone()),
+        ) {
+            Ok(Some(t)) => t,
             Ok(None) => {
                 self.net.retract(&issued);
                 return Err(Error::Internal("a send planned nothing".into()));
@@ -197,9 +193,9 @@ impl Cluster {
                 return Err(e);
             }
         };
-        let _ = issued.event.set(event.clone());
+        let _ = issued.event.set(ticket.clone());
         self.sys.finalize(routine.protocol_context())?;
-        Ok(ClusterTicket::new(vec![issued], vec![event]))
+        Ok(ClusterTicket::new(vec![issued], vec![ticket]))
     }
 
     /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
@@ -216,19 +212,18 @@ impl Cluster {
         let routine = self.net_root.link(plan::recv_spec(&self.net, node)?)?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
-        let event = match routine.schedule().and_then(|t| t.event()) {
-            Ok(e) => e,
+        let ticket = match routine.schedule() {
+            Ok(t) => t,
             Err(e) => {
                 self.net.retract(&issued);
                 return Err(e);
             }
         };
-        let _ = issued.event.set(event);
+        let _ = issued.event.set(ticket);
         let copy =
             self.sys
                 .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
         self.sys.finalize(routine.protocol_context())?;
-        let copy = copy.map(|t| t.event()).transpose()?;
         Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
     }
 
@@ -302,9 +297,9 @@ impl Cluster {
         let ticket = {
             let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
             let issued = self.net.issue(desc, contributions);
-            match routine.schedule().and_then(|t| t.event()) {
-                Ok(e) => {
-                    let _ = issued.event.set(e);
+            match routine.schedule() {
+                Ok(t) => {
+                    let _ = issued.event.set(t);
                     ClusterTicket::new(vec![issued], Vec::new())
                 }
                 Err(e) => {

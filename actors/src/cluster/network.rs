@@ -18,7 +18,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tributary::{Error, Event, EventStatus, Result};
+use tributary::{Error, EventStatus, Result};
+
+use crate::Ticket;
 
 mod wire;
 
@@ -45,8 +47,9 @@ pub(crate) struct Issued {
     pub(crate) desc: OpDesc,
     /// How many contributions this rank adds (its contexts; all-reduce only).
     pub(crate) contributions: usize,
-    /// The event of its routine, set right after it was scheduled.
-    pub(crate) event: OnceLock<Event>,
+    /// The ticket of its routine, set right after it was scheduled (the host does not
+    /// wait for the device's decision).
+    pub(crate) event: OnceLock<Ticket>,
     /// The typed error it failed with on the network stream, if it did.
     pub(crate) error: OnceLock<Error>,
 }
@@ -231,17 +234,26 @@ impl Network {
         }
     }
 
-    /// The operations whose kernel will never run (their event failed) before the first
-    /// that may still run, taken off the queue, then that one (left queued unless `take`).
+    /// The operations whose kernel will never run (their event failed, or their device
+    /// refused them) before the first that may still run, taken off the queue, then that
+    /// one (left queued unless `take`). Only one thread takes from the front at a time (the
+    /// network stream's worker, or the shutdown after it drained); the host only pushes to
+    /// and retracts from the back.
     fn front(&self, take: bool) -> (Vec<Arc<Issued>>, Option<Arc<Issued>>) {
-        let mut st = lock(&self.issue);
         let mut skipped = Vec::new();
-        while let Some(first) = st.queue.front() {
-            let failed = first
-                .event
-                .get()
-                .is_some_and(|e| matches!(e.status(), EventStatus::Failed(_)));
-            if failed {
+        loop {
+            let Some(first) = lock(&self.issue).queue.front().cloned() else {
+                return (skipped, None);
+            };
+            // Its device decided it before the running kernel's operation, issued after it
+            // (one device decides both, in issue order), so this wait ends at once; it is
+            // outside the lock all the same.
+            let never_runs = first.event.get().is_some_and(|t| match t.event() {
+                Ok(e) => matches!(e.status(), EventStatus::Failed(_)),
+                Err(_) => true,
+            });
+            let mut st = lock(&self.issue);
+            if never_runs {
                 if let Some(s) = st.queue.pop_front() {
                     skipped.push(s);
                 }
@@ -250,7 +262,6 @@ impl Network {
             let me = if take { st.queue.pop_front() } else { None };
             return (skipped, me);
         }
-        (skipped, None)
     }
 
     // ------------------------------------------------------------------------------------

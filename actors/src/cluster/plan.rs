@@ -12,7 +12,7 @@ use tributary::{
     collective::{self, AllReduceStep, ReduceOp, Strategy},
     kernels::{self, Access, RoutineSpec},
     protocol::{Context, Routine},
-    Error, Event, MergeBufferUse, Result, TensorNode,
+    Error, MergeBufferUse, Result, TensorNode,
 };
 
 use super::{
@@ -82,21 +82,17 @@ pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<Routine
     )
 }
 
-/// What a cluster operation returns at once: its network operations and the events of its
-/// last writes. [`ClusterTicket::wait`] gives the network operations' typed errors.
+/// What a cluster operation returns at once, before any device decided it: its network
+/// operations and the tickets of its last writes. [`ClusterTicket::wait`] gives the network
+/// operations' typed errors.
 pub struct ClusterTicket {
     ops: Vec<Arc<Issued>>,
-    events: Vec<Event>,
     tickets: Vec<Ticket>,
 }
 
 impl ClusterTicket {
-    pub(crate) fn new(ops: Vec<Arc<Issued>>, events: Vec<Event>) -> ClusterTicket {
-        ClusterTicket {
-            ops,
-            events,
-            tickets: Vec::new(),
-        }
+    pub(crate) fn new(ops: Vec<Arc<Issued>>, tickets: Vec<Ticket>) -> ClusterTicket {
+        ClusterTicket { ops, tickets }
     }
 
     pub(crate) fn with_ticket(mut self, t: Ticket) -> ClusterTicket {
@@ -110,7 +106,7 @@ impl ClusterTicket {
     pub fn wait(&self) -> Result<()> {
         for op in &self.ops {
             let r = match op.event.get() {
-                Some(e) => e.wait(),
+                Some(t) => t.wait(),
                 None => Err(Error::Internal(
                     "a network operation was never scheduled".into(),
                 )),
@@ -120,15 +116,12 @@ impl ClusterTicket {
         for t in &self.tickets {
             t.wait()?;
         }
-        for e in &self.events {
-            e.wait()?;
-        }
         Ok(())
     }
 
-    /// The events of the operation's last writes (every context's copy of the result).
-    pub fn events(&self) -> &[Event] {
-        &self.events
+    /// The tickets of the operation's last writes (every context's copy of the result).
+    pub fn tickets(&self) -> &[Ticket] {
+        &self.tickets
     }
 }
 
@@ -244,19 +237,16 @@ impl ClusterAllReduce {
             }
         }
         let mut ops = Vec::with_capacity(self.nodes.len());
-        let mut events = Vec::new();
+        let mut tickets = Vec::new();
         for (node, (routine, desc)) in self.nodes.iter().zip(&self.network) {
             let issued = self.net.issue(desc.clone(), self.contexts.len());
-            let event = match sys
-                .device_to_device(
-                    node,
-                    &self.contexts[0],
-                    routine.protocol_context(),
-                    MergeBufferUse::StreamingFor(routine.routine().clone()),
-                )
-                .and_then(|t| t.map(|t| t.event()).transpose())
-            {
-                Ok(Some(e)) => e,
+            let ticket = match sys.device_to_device(
+                node,
+                &self.contexts[0],
+                routine.protocol_context(),
+                MergeBufferUse::StreamingFor(routine.routine().clone()),
+            ) {
+                Ok(Some(t)) => t,
                 Ok(None) => {
                     self.net.retract(&issued);
                     return Err(Error::Internal("a cross-rank step planned nothing".into()));
@@ -266,17 +256,17 @@ impl ClusterAllReduce {
                     return Err(e);
                 }
             };
-            let _ = issued.event.set(event);
+            let _ = issued.event.set(ticket);
             ops.push(issued);
             for ctx in &self.contexts {
                 if let Some(t) =
                     sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?
                 {
-                    events.push(t.event()?);
+                    tickets.push(t);
                 }
             }
         }
-        Ok(ClusterTicket::new(ops, events))
+        Ok(ClusterTicket::new(ops, tickets))
     }
 
     /// Uses `algorithm` across ranks instead of the cluster's
