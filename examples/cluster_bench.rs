@@ -15,7 +15,13 @@
 //! mpirun -np 2 target/release/examples/cluster_bench                 # 2 ranks x 1 device
 //! mpirun -np 2 target/release/examples/cluster_bench --devices 2     # hierarchical 2 x 2
 //! mpirun -np 4 target/release/examples/cluster_bench                 # flat 4 x 1
+//! mpirun -np 2 target/release/examples/cluster_bench --pingpong      # send/recv round trips
 //! ```
+//!
+//! `--pingpong` times instead round trips of a node of `--sizes` bytes between ranks 0 and 1
+//! (`Cluster::send` then `Cluster::recv` on rank 0, the reverse on rank 1, `iters` of them
+//! issued back to back and waited for at the end) beside `MPI_Send`/`MPI_Recv` of the same
+//! bytes on the network stream.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -45,6 +51,9 @@ struct Args {
     /// Largest total bytes moved per timed repetition (sets the iterations per size).
     #[arg(long, default_value_t = 64 << 20)]
     budget: usize,
+    /// Time send/recv round trips between ranks 0 and 1 instead of all-reduces.
+    #[arg(long)]
+    pingpong: bool,
 }
 
 fn main() -> ExitCode {
@@ -82,8 +91,139 @@ fn mpi_allreduce(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tribu
     })
 }
 
+/// Seconds per round trip of `n` f32 between ranks 0 and 1 (`MPI_Send` then `MPI_Recv` on
+/// rank 0, the reverse on rank 1), on the network stream.
+fn mpi_pingpong(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tributary::Error> {
+    cluster.with_mpi(move |comm| {
+        let mut buf = vec![1f32; n];
+        let (ptr, count) = (buf.as_mut_ptr().cast(), n as i32);
+        // SAFETY: `buf` holds `n` f32 and lives through the blocking calls; the communicator
+        // is the cluster's, used on the network stream (`with_mpi`).
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            let t = Instant::now();
+            for _ in 0..iters {
+                match comm.rank() {
+                    0 => {
+                        ffi::MPI_Send(ptr, count, ffi::RSMPI_FLOAT, 1, 7, comm.raw());
+                        ffi::MPI_Recv(
+                            ptr,
+                            count,
+                            ffi::RSMPI_FLOAT,
+                            1,
+                            7,
+                            comm.raw(),
+                            ffi::RSMPI_STATUS_IGNORE,
+                        );
+                    }
+                    1 => {
+                        ffi::MPI_Recv(
+                            ptr,
+                            count,
+                            ffi::RSMPI_FLOAT,
+                            0,
+                            7,
+                            comm.raw(),
+                            ffi::RSMPI_STATUS_IGNORE,
+                        );
+                        ffi::MPI_Send(ptr, count, ffi::RSMPI_FLOAT, 0, 7, comm.raw());
+                    }
+                    _ => {}
+                }
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        }
+    })
+}
+
+/// Round trips of a node of each size between ranks 0 and 1 through `Cluster::send` and
+/// `Cluster::recv`, beside `MPI_Send`/`MPI_Recv`.
+fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let rank = cluster.rank();
+    if rank == 0 {
+        println!(
+            "round trips between ranks 0 and 1; median of {} repetitions",
+            args.reps
+        );
+        println!(
+            "{:>10} {:>20} {:>22} {:>8}",
+            "bytes", "MPI_Send/MPI_Recv", "send/recv", "ratio"
+        );
+    }
+    for &bytes in &args.sizes {
+        let n = (bytes / 4).max(1);
+        let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
+        let node = TensorNode::new(format!("x{bytes}"), DType::F32, [n])
+            .with_mode(MemoryMode::on_device())?;
+        let init = cluster.context(0, 0)?.link(RoutineSpec::custom(
+            "init",
+            vec![(node.clone(), Access::Write)],
+            None,
+            |a| {
+                a.output::<f32>(0)?.fill(1.0);
+                Ok(())
+            },
+        )?)?;
+        init.schedule()?;
+        let ctx = init.context();
+        let baseline = median(
+            (0..args.reps)
+                .map(|_| mpi_pingpong(cluster, n, iters))
+                .collect::<Result<_, _>>()?,
+        );
+        let round_trip = |last: &mut Option<_>| -> tributary::Result<()> {
+            match rank {
+                0 => {
+                    cluster.send(&node, &ctx, 1)?;
+                    *last = Some(cluster.recv(&node, &ctx, 1)?);
+                }
+                1 => {
+                    cluster.recv(&node, &ctx, 0)?;
+                    *last = Some(cluster.send(&node, &ctx, 0)?);
+                }
+                _ => {}
+            }
+            Ok(())
+        };
+        let mut warm = None;
+        round_trip(&mut warm)?;
+        if let Some(w) = warm {
+            w.wait()?;
+        }
+        let mut times = Vec::new();
+        for _ in 0..args.reps {
+            cluster.barrier()?;
+            let t = Instant::now();
+            let mut last = None;
+            for _ in 0..iters {
+                round_trip(&mut last)?;
+            }
+            if let Some(l) = last {
+                l.wait()?;
+            }
+            times.push(t.elapsed().as_secs_f64() / iters as f64);
+        }
+        let t = median(times);
+        if rank == 0 {
+            println!(
+                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x",
+                baseline * 1e6,
+                t * 1e6,
+                t / baseline
+            );
+        }
+        ctx.finalize()?;
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
+    if args.pingpong {
+        pingpong(&cluster, &args)?;
+        cluster.shutdown()?;
+        return Ok(());
+    }
     let (rank, ranks) = (cluster.rank(), cluster.size());
     if rank == 0 {
         println!(

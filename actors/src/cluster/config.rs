@@ -188,6 +188,7 @@ impl ClusterBuilder {
             token,
             shut_down: AtomicBool::new(false),
             issuing: Mutex::new(()),
+            transfers: Mutex::new(std::collections::HashMap::new()),
         })
     }
 }

@@ -45,9 +45,12 @@ mod network;
 mod plan;
 mod reduce;
 
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Arc, Mutex,
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
 };
 
 pub use ::mpi as mpi_crate;
@@ -58,10 +61,10 @@ use tributary::{
     backend::Backend,
     kernels::{Access, RoutineSpec},
     protocol::Context,
-    DType, Error, MemoryMode, MergeBufferUse, Result, TensorNode,
+    ContextId, DType, Error, MemoryMode, MergeBufferUse, NodeId, Result, TensorNode,
 };
 
-use crate::{ContextHandle, System};
+use crate::{ContextHandle, RoutineHandle, System};
 use header::{OpDesc, OpKind};
 use network::Network;
 
@@ -81,6 +84,19 @@ pub struct Cluster {
     shut_down: AtomicBool,
     /// Serialises issuing network operations (sequence numbers follow issue order).
     issuing: Mutex<()>,
+    /// Transfer routines linked once and kept for the next transfer of the same node
+    /// between the same context and rank, until the cluster shuts down (linking and
+    /// finalizing per call cost two round trips to the device actor each).
+    transfers: Mutex<HashMap<TransferKey, RoutineHandle>>,
+}
+
+/// What a kept transfer routine moves: a node, from or into a context, to or from a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TransferKey {
+    node: NodeId,
+    context: ContextId,
+    peer: usize,
+    send: bool,
 }
 
 /// What [`Cluster::with_mpi`] gives the code it runs on the network stream.
@@ -172,9 +188,14 @@ impl Cluster {
     pub fn send(&self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
         self.check_rank(to)?;
         let desc = transfer_desc(node, self.rank(), to);
-        let routine = self
-            .net_root
-            .link(plan::send_spec(&self.net, &self.token, node)?)?;
+        let key = TransferKey {
+            node: node.id(),
+            context: ctx.id(),
+            peer: to,
+            send: true,
+        };
+        let routine =
+            self.transfer_routine(key, || plan::send_spec(&self.net, &self.token, node))?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let ticket = match self.sys.device_to_device(
@@ -194,8 +215,23 @@ impl Cluster {
             }
         };
         let _ = issued.event.set(ticket.clone());
-        self.sys.finalize(routine.protocol_context())?;
         Ok(ClusterTicket::new(vec![issued], vec![ticket]))
+    }
+
+    /// The transfer routine kept under `key`, linked into the network stream's root
+    /// context from `spec` the first time.
+    fn transfer_routine(
+        &self,
+        key: TransferKey,
+        spec: impl FnOnce() -> Result<RoutineSpec>,
+    ) -> Result<RoutineHandle> {
+        let mut kept = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = kept.get(&key) {
+            return Ok(r.clone());
+        }
+        let routine = self.net_root.link(spec()?)?;
+        kept.insert(key, routine.clone());
+        Ok(routine)
     }
 
     /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
@@ -209,7 +245,13 @@ impl Cluster {
             });
         }
         let desc = transfer_desc(node, from, self.rank());
-        let routine = self.net_root.link(plan::recv_spec(&self.net, node)?)?;
+        let key = TransferKey {
+            node: node.id(),
+            context: ctx.id(),
+            peer: from,
+            send: false,
+        };
+        let routine = self.transfer_routine(key, || plan::recv_spec(&self.net, node))?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let ticket = match routine.schedule() {
@@ -223,7 +265,6 @@ impl Cluster {
         let copy =
             self.sys
                 .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
-        self.sys.finalize(routine.protocol_context())?;
         Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
     }
 
