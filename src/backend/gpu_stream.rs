@@ -14,6 +14,7 @@ use std::{
 };
 
 use crossbeam_channel::{Receiver, Sender};
+use smallvec::SmallVec;
 
 use crate::{
     error::{DeviceError, Error, Failure, Result},
@@ -21,7 +22,9 @@ use crate::{
     ids::{DeviceId, StreamId},
     kernels::{Bindings, Kernel},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, Dep, DepKind, Deps, GlobalLoc, Plan, StreamProgram, Work},
+    protocol::{
+        ArgBinding, Dep, DepKind, Deps, GlobalLoc, Plan, StreamProgram, StreamProgramOp, Work,
+    },
     sync::Arc as SyncArc,
 };
 
@@ -145,6 +148,27 @@ impl<R, C> Job<R, C> {
     }
 }
 
+/// The locations an operation's work names on devices, in the order [`Job::lower`]
+/// resolves them (what a recording or a captured graph of it is made over); `None` for
+/// host transfers, which are never recorded.
+#[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+pub(crate) fn device_locations(work: &Work) -> Option<SmallVec<[(GlobalLoc, u64); 4]>> {
+    let mut out = SmallVec::new();
+    match work {
+        Work::Run { args, merge, .. } => {
+            out.extend(args.iter().chain(merge.iter()).map(|a| (a.loc, a.bytes)));
+        }
+        Work::Copy { src, dst, bytes } => {
+            out.push((*src, *bytes));
+            out.push((*dst, *bytes));
+        }
+        Work::Memset { dst, bytes } => out.push((*dst, *bytes)),
+        Work::Marker => {}
+        Work::FromHost { .. } | Work::ToHost { .. } => return None,
+    }
+    Some(out)
+}
+
 /// A plan on its way to the submit thread.
 pub(crate) struct Submitted<J> {
     pub(crate) label: String,
@@ -157,6 +181,27 @@ pub(crate) struct Submitted<J> {
 }
 
 impl<J> Submitted<J> {
+    /// `op` of a replay's program as the plan a queue that runs no programs would get,
+    /// lowered with `lower` (an operation failing without running fails as that plan
+    /// would, once its dependencies are decided).
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn of_op(
+        op: StreamProgramOp<'_>,
+        lower: impl FnOnce(&Work) -> std::result::Result<J, String>,
+    ) -> Submitted<J> {
+        let work = op.to_work();
+        Submitted {
+            label: work.label(),
+            seq: op.seq(),
+            bytes: work.bytes(),
+            deps: op.deps().iter().cloned().collect(),
+            job: match op.failed() {
+                Some(why) => Err(why.to_string()),
+                None => lower(&work),
+            },
+        }
+    }
+
     /// The plan's failure on `stream` with `message`.
     pub(crate) fn failure(&self, stream: StreamId, message: String) -> Arc<Failure> {
         Arc::new(Failure {

@@ -33,6 +33,7 @@ use smallvec::SmallVec;
 use super::{Decision, Job, Keep, StreamShared, Submitted, Submitter, Usage};
 use crate::{
     backend::{
+        gpu_stream,
         recording::OpTrace,
         vulkan::{
             device::ReplayCounters,
@@ -42,7 +43,7 @@ use crate::{
     error::Failure,
     event::EventStatus,
     kernels::Bindings,
-    protocol::{DepKind, DeviceStep, GlobalLoc, StreamProgram, StreamProgramOp, Work},
+    protocol::{DepKind, DeviceStep, StreamProgram, StreamProgramOp},
     sync::Arc as SyncArc,
 };
 
@@ -73,7 +74,8 @@ struct Recording {
     step: Weak<DeviceStep>,
     /// `None`: nothing to run (a marker, no elements, no bytes).
     cb: Option<vk::CommandBuffer>,
-    /// The regions recorded over, in [`locations`] order: buffer (weakly), offset, bytes.
+    /// The regions recorded over, in [`gpu_stream::device_locations`] order: buffer
+    /// (weakly), offset, bytes.
     regions: SmallVec<[(Weak<Buffer>, u64, u64); 4]>,
     /// The index values pushed (kernels only).
     values: Option<Bindings>,
@@ -104,25 +106,6 @@ impl Recording {
                 _ => false,
             }
     }
-}
-
-/// The locations an operation's work names, in the order [`Job::lower`] resolves them;
-/// `None` for host transfers (host work, never recorded).
-fn locations(work: &Work) -> Option<SmallVec<[(GlobalLoc, u64); 4]>> {
-    let mut out = SmallVec::new();
-    match work {
-        Work::Run { args, merge, .. } => {
-            out.extend(args.iter().chain(merge.iter()).map(|a| (a.loc, a.bytes)));
-        }
-        Work::Copy { src, dst, bytes } => {
-            out.push((*src, *bytes));
-            out.push((*dst, *bytes));
-        }
-        Work::Memset { dst, bytes } => out.push((*dst, *bytes)),
-        Work::Marker => {}
-        Work::FromHost { .. } | Work::ToHost { .. } => return None,
-    }
-    Some(out)
 }
 
 /// Operations of a program gathered into one batch.
@@ -165,7 +148,10 @@ impl Submitter {
             }
             batching &= self.flush(&program, &mut batch);
             ReplayCounters::count(&self.backend.replays.as_plans);
-            self.process(plan_of(op, |loc, bytes| self.backend.resolve(loc, bytes)));
+            let backend = &self.backend;
+            self.process(Submitted::of_op(op, |work| {
+                Job::lower(work, |loc, bytes| backend.resolve(loc, bytes), |_, _| Ok(()))
+            }));
         }
         self.flush(&program, &mut batch);
     }
@@ -191,7 +177,7 @@ impl Submitter {
             // Only the first operation of a batch waits for other streams.
             self.flush(program, batch);
         }
-        let locations = locations(op.work()).ok_or("host work")?;
+        let locations = gpu_stream::device_locations(op.work()).ok_or("host work")?;
         let mut regions: SmallVec<[Region; 4]> = SmallVec::new();
         for (loc, bytes) in locations {
             let region = self.backend.resolve(loc, bytes).map_err(|_| "unresolved")?;
@@ -409,25 +395,5 @@ impl Submitter {
                 false
             }
         }
-    }
-}
-
-/// `op` as the plan a queue that runs no programs would get, lowered with `resolve` (an
-/// operation failing without running fails as that plan would, once its dependencies are
-/// decided).
-fn plan_of(
-    op: StreamProgramOp<'_>,
-    resolve: impl Fn(GlobalLoc, u64) -> Result<Region, String>,
-) -> Submitted {
-    let work = op.to_work();
-    Submitted {
-        label: work.label(),
-        seq: op.seq(),
-        bytes: work.bytes(),
-        deps: op.deps().iter().cloned().collect(),
-        job: match op.failed() {
-            Some(why) => Err(why.to_string()),
-            None => Job::lower(&work, resolve, |_, _| Ok(())),
-        },
     }
 }
