@@ -81,6 +81,10 @@ pub struct CudaConfig {
     /// [`MAX_SPIN_US`](crate::backend::cpu::MAX_SPIN_US)). Spinning saves a thread wake-up
     /// per operation while work keeps coming, at the cost of that much CPU after the last.
     pub spin_us: u64,
+    /// Run a replay's consecutive device operations as a CUDA graph captured at the step's
+    /// first replay and launched again by the later ones (DESIGN.md §5, "CUDA"); `false`:
+    /// every replayed operation runs as a plan.
+    pub replay_graphs: bool,
 }
 
 impl Default for CudaConfig {
@@ -91,6 +95,7 @@ impl Default for CudaConfig {
             force_staging: false,
             staging_bytes: DEFAULT_STAGING_BYTES,
             spin_us: DEFAULT_SPIN_US,
+            replay_graphs: true,
         }
     }
 }
@@ -139,6 +144,10 @@ mod tests {
         assert_eq!(config.gpus, None);
         assert_eq!(config.staging_bytes, DEFAULT_STAGING_BYTES);
         assert_eq!(config.spin_us, DEFAULT_SPIN_US);
+        assert!(config.replay_graphs, "replays run as graphs by default");
+        let kind: BackendKind =
+            serde_json::from_str(r#"{ "Cuda": { "replay_graphs": false } }"#).expect("a config");
+        assert!(matches!(kind, BackendKind::Cuda(c) if !c.replay_graphs));
         let err = serde_json::from_str::<BackendKind>(r#"{ "Cuda": { "device": 2 } }"#)
             .expect_err("a misspelt field");
         assert!(err.to_string().contains("device"), "{err}");

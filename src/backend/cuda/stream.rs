@@ -12,6 +12,8 @@
 //! conflicting use, its writable bindings do not alias, and nothing else completes this
 //! stream's timeline. See DESIGN.md §5, "Soundness: the types carry the protocol's promise".
 
+mod programs;
+
 use std::{
     collections::HashMap,
     sync::Arc,
@@ -41,7 +43,7 @@ use crate::{
     event::{EventStatus, Timeline},
     ids::StreamId,
     memory::AlignedBuffer,
-    protocol::{Dep, Work},
+    protocol::{Dep, StreamProgram, Work},
     sync::Arc as SyncArc,
     trace::Recorder,
 };
@@ -98,7 +100,18 @@ impl StreamShared {
 
     /// Waits until `seq` is decided.
     fn decision(&self, seq: u64) -> Decision {
-        match self.decided.wait(seq) {
+        Decision::from(self.decided.wait(seq))
+    }
+
+    /// The decision for `seq` if it is made, without waiting.
+    fn decided_now(&self, seq: u64) -> Option<Decision> {
+        self.decided.peek(seq).map(Decision::from)
+    }
+}
+
+impl From<Decided<Decision>> for Decision {
+    fn from(d: Decided<Decision>) -> Decision {
+        match d {
             Decided::Yes(d) => d.unwrap_or(Decision::Completed),
             Decided::Gone => Decision::Gone,
         }
@@ -174,7 +187,7 @@ struct Watch {
 /// One CUDA stream: the sending side of its submit thread, and both threads.
 pub(super) struct CudaStreamQueue {
     backend: Arc<Shared>,
-    channel: SubmitChannel<Job>,
+    channel: SubmitChannel<Job, StreamProgram>,
 }
 
 impl CudaStreamQueue {
@@ -201,6 +214,7 @@ impl CudaStreamQueue {
             watcher: watch_tx,
             last: 0,
             trace: trace.clone(),
+            graphs: programs::Graphs::default(),
         };
         let watcher = Watcher {
             me: shared.clone(),
@@ -235,7 +249,7 @@ impl CudaStreamQueue {
     }
 }
 
-gpu_stream::stream_queue_over_channel!(CudaStreamQueue);
+gpu_stream::stream_queue_over_channel!(CudaStreamQueue, programs);
 
 /// The submit thread's state.
 struct Submitter {
@@ -248,6 +262,8 @@ struct Submitter {
     /// The last sequence number handled.
     last: u64,
     trace: StreamTrace,
+    /// Graphs captured for replays, kept for the next ones.
+    graphs: programs::Graphs,
 }
 
 /// How the dependencies of one plan are to be waited for (events of other streams of
@@ -255,18 +271,22 @@ struct Submitter {
 type Waits = gpu_stream::Waits<SharedEvent>;
 
 impl Submitter {
-    fn run(mut self, rx: Receiver<gpu_stream::Sent<Job>>) {
+    fn run(mut self, rx: Receiver<gpu_stream::Sent<Job, StreamProgram>>) {
         let _close = CloseOnExit(self.me.clone());
         let window = Duration::from_micros(self.backend.config.spin_us);
         while let Ok(sent) = gpu_stream::recv_spinning(&rx, window) {
-            let item = match sent {
-                gpu_stream::Sent::Plan(item) => item,
-                // This stream takes plans only (`runs_programs` is false).
-                gpu_stream::Sent::Program(never) => match never {},
-            };
-            let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = item.seq, op = %item.label);
-            let _e = span.enter();
-            self.process(item);
+            match sent {
+                gpu_stream::Sent::Plan(item) => {
+                    let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = item.seq, op = %item.label);
+                    let _e = span.enter();
+                    self.process(item);
+                }
+                gpu_stream::Sent::Program(program) => {
+                    let span = tracing::debug_span!("cuda", stream = %self.me.id, seq = program.first_seq(), ops = program.len());
+                    let _e = span.enter();
+                    self.run_program(program);
+                }
+            }
         }
     }
 

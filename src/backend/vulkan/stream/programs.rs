@@ -150,7 +150,11 @@ impl Submitter {
             ReplayCounters::count(&self.backend.replays.as_plans);
             let backend = &self.backend;
             self.process(Submitted::of_op(op, |work| {
-                Job::lower(work, |loc, bytes| backend.resolve(loc, bytes), |_, _| Ok(()))
+                Job::lower(
+                    work,
+                    |loc, bytes| backend.resolve(loc, bytes),
+                    |_, _| Ok(()),
+                )
             }));
         }
         self.flush(&program, &mut batch);
