@@ -233,7 +233,8 @@ pub(crate) struct BackendNames {
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Sent<J, P = Infallible> {
     Plan(Submitted<J>),
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    // the GPU streams use it
     Program(P),
 }
 
@@ -355,7 +356,7 @@ impl<J: Send + 'static> SubmitChannel<J, StreamProgram> {
     /// Checks that `program` is this stream's ([`StreamProgram::check_queue`]) and sends it
     /// whole to the submit thread. Once the stream stopped it is refused
     /// ([`Error::ShutDown`]) and its events fail, in order, as a refused plan's.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(crate) fn submit_program(&self, program: StreamProgram) -> Result<()> {
         program.check_queue(self.stream, &self.timeline)?;
         if program.is_empty() {
@@ -464,7 +465,7 @@ impl<D: Clone> Decisions<D> {
     }
 
     /// The decision for `seq` if it is made (or the stream stopped), without waiting.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(crate) fn peek(&self, seq: u64) -> Option<Decided<D>> {
         let d = lock(&self.state);
         if d.upto >= seq {

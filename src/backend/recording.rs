@@ -48,7 +48,7 @@ impl StreamTrace {
     }
 
     /// Whether a timeline is recorded (else [`StreamTrace::start`] gives `None`).
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(super) fn records(&self) -> bool {
         self.recorder.is_some()
     }

@@ -133,7 +133,7 @@ impl Bindings {
     }
 
     /// Whether `other` gives the same indices the same values (what a kernel reads of them).
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(crate) fn same_values(&self, other: &Bindings) -> bool {
         self.given == other.given && self.values == other.values
     }

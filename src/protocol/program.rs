@@ -70,7 +70,8 @@ pub struct StreamProgramOp<'a> {
     bindings: Option<&'a Bindings>,
     failed: Option<&'a str>,
     /// Its template's index in the step.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    // the GPU streams use it
     template: u32,
 }
 
@@ -110,7 +111,7 @@ impl<'a> StreamProgramOp<'a> {
 
     /// Its template's index in the program's step ([`StreamProgram::step`]): what a backend
     /// keeps what it made of the operation by, for the step's next replays.
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(crate) fn template(&self) -> u32 {
         self.template
     }
@@ -232,7 +233,7 @@ impl StreamProgram {
 
     /// The captured step it replays a part of: alive as long as a program of it, at one
     /// address (a backend keys what it made of the step's templates by it).
-    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))] // used by the Vulkan streams
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
     pub(crate) fn step(&self) -> &Arc<DeviceStep> {
         &self.step
     }
