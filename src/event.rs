@@ -681,6 +681,15 @@ impl Event {
             .map(|seq| Event::new(self.timeline.clone(), seq))
     }
 
+    /// The event of the operation `back` operations before this one on its stream: a
+    /// handle to wait for, never to complete. `None` for a deferred event not planned yet,
+    /// or before the stream's first operation. (A replay runs a stream's part of a step
+    /// under consecutive numbers, so one event of it names all of them.)
+    pub fn before(&self, back: u64) -> Option<Event> {
+        let seq = self.planned_seq()?.checked_sub(back).filter(|&s| s > 0)?;
+        Some(Event::new(self.timeline.clone(), seq))
+    }
+
     /// The timeline the event belongs to.
     ///
     /// Crate-private: whoever holds a timeline can signal it, and a queue's timeline must

@@ -15,7 +15,7 @@ use tributary::{
     DType, HostedKind, MemoryMode, Result, Step, TensorNode,
 };
 #[cfg(feature = "mpi")]
-use tributary_actors::cluster::{Cluster, ClusterAllReduce};
+use tributary_actors::cluster::{Cluster, ClusterAllReduce, ClusterStep};
 use tributary_actors::{AllReducePlan, RoutineHandle, System};
 
 /// Sizes and hyper-parameters.
@@ -161,6 +161,15 @@ struct Replica {
 }
 
 /// How the replicas' gradients are summed.
+/// A captured training step ([`DataParallel::capture_step`]).
+pub enum TrainingStep {
+    /// Over the devices of one system.
+    Local(Step),
+    /// Over the devices of every rank of a cluster.
+    #[cfg(feature = "mpi")]
+    Cluster(ClusterStep),
+}
+
 enum Reducer {
     /// Over the devices of one system.
     Local(AllReducePlan),
@@ -367,44 +376,63 @@ impl DataParallel {
         Ok(())
     }
 
-    /// Captures one training step ([`System::capture`]): runs it, as [`DataParallel::step`]
-    /// does, and returns it to [`DataParallel::replay`]. Over the devices of one system
-    /// only: an all-reduce across ranks is not captured.
-    pub fn capture_step(&self) -> Result<Step> {
-        let plan = match &self.reduce {
-            Reducer::Local(plan) => plan,
+    /// Captures one training step ([`System::capture`], or [`Cluster::capture`] across
+    /// ranks): runs it, as [`DataParallel::step`] does, and returns it to
+    /// [`DataParallel::replay`].
+    pub fn capture_step(&self) -> Result<TrainingStep> {
+        let routines = |r: &Replica| r.routines.iter().map(|h| h.routine().clone()).collect();
+        let forward: Vec<Vec<_>> = self.replicas.iter().map(routines).collect();
+        let sgd: Vec<_> = self
+            .replicas
+            .iter()
+            .flat_map(|r| r.sgd.iter().map(|h| h.routine().clone()))
+            .collect();
+        match &self.reduce {
+            Reducer::Local(plan) => Ok(TrainingStep::Local(self.sys.capture(|c| {
+                for routine in forward.iter().flatten() {
+                    c.schedule(routine)?;
+                }
+                c.all_reduce(plan)?;
+                for s in &sgd {
+                    c.schedule(s)?;
+                }
+                Ok(())
+            })?)),
             #[cfg(feature = "mpi")]
-            Reducer::Cluster(..) => {
-                return Err(tributary::Error::InvalidConfig {
-                    setting: "replay".into(),
-                    value: "a step across MPI ranks".into(),
-                    reason: "an all-reduce that spans ranks is not captured".into(),
-                })
-            }
-        };
-        self.sys.capture(|c| {
-            for r in &self.replicas {
-                for routine in &r.routines {
-                    c.schedule(routine.routine())?;
+            Reducer::Cluster(plan, cluster) => Ok(TrainingStep::Cluster(cluster.capture(|c| {
+                for routine in forward.iter().flatten() {
+                    c.schedule(routine)?;
                 }
-            }
-            c.all_reduce(plan)?;
-            for r in &self.replicas {
-                for s in &r.sgd {
-                    c.schedule(s.routine())?;
+                c.all_reduce(plan)?;
+                for s in &sgd {
+                    c.schedule(s)?;
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            })?)),
+        }
     }
 
     /// One training step as a replay of `step` (one operation per device); waits for it,
     /// so that a replay something invalidated is an error here.
-    pub fn replay(&self, step: &Step) -> Result<()> {
-        for ticket in self.sys.replay(step)? {
-            ticket.wait()?;
+    pub fn replay(&self, step: &TrainingStep) -> Result<()> {
+        match (step, &self.reduce) {
+            (TrainingStep::Local(step), _) => {
+                for ticket in self.sys.replay(step)? {
+                    ticket.wait()?;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "mpi")]
+            (TrainingStep::Cluster(step), Reducer::Cluster(_, cluster)) => {
+                cluster.replay(step)?.wait()
+            }
+            #[cfg(feature = "mpi")]
+            (TrainingStep::Cluster(_), Reducer::Local(_)) => Err(tributary::Error::InvalidConfig {
+                setting: "replay".into(),
+                value: "a step captured on a cluster".into(),
+                reason: "this training runs on one system".into(),
+            }),
         }
-        Ok(())
     }
 
     /// Mean loss over the full batch of the last step (waits for it).

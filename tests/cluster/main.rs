@@ -12,3 +12,4 @@
 
 mod cluster_collectives;
 mod cluster_faults;
+mod cluster_steps;

@@ -44,6 +44,7 @@ mod mpi;
 mod network;
 mod plan;
 mod reduce;
+mod step;
 
 use std::{
     collections::HashMap,
@@ -57,6 +58,7 @@ pub use ::mpi as mpi_crate;
 pub use config::{ClusterBuilder, ClusterConfig};
 pub use header::CrossRankAlgorithm;
 pub use plan::{ClusterAllReduce, ClusterBucketedAllReduce, ClusterTicket};
+pub use step::{ClusterCapture, ClusterStep};
 use tributary::{
     backend::Backend,
     kernels::{Access, RoutineSpec},
@@ -66,7 +68,7 @@ use tributary::{
 
 use crate::{ContextHandle, RoutineHandle, System};
 use header::{OpDesc, OpKind};
-use network::Network;
+use network::{EntryTicket, Network};
 
 /// This rank's part of a cluster: its [`System`], its network stream and MPI.
 ///
@@ -214,7 +216,7 @@ impl Cluster {
                 return Err(e);
             }
         };
-        let _ = issued.event.set(ticket.clone());
+        let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
         Ok(ClusterTicket::new(vec![issued], vec![ticket]))
     }
 
@@ -261,7 +263,7 @@ impl Cluster {
                 return Err(e);
             }
         };
-        let _ = issued.event.set(ticket);
+        let _ = issued.event.set(EntryTicket::Issued(ticket));
         let copy =
             self.sys
                 .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
@@ -340,7 +342,7 @@ impl Cluster {
             let issued = self.net.issue(desc, contributions);
             match routine.schedule() {
                 Ok(t) => {
-                    let _ = issued.event.set(t);
+                    let _ = issued.event.set(EntryTicket::Issued(t));
                     ClusterTicket::new(vec![issued], Vec::new())
                 }
                 Err(e) => {

@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tributary::{Error, EventStatus, Result};
+use tributary::{Error, Event, EventStatus, Result};
 
 use crate::Ticket;
 
@@ -47,11 +47,44 @@ pub(crate) struct Issued {
     pub(crate) desc: OpDesc,
     /// How many contributions this rank adds (its contexts; all-reduce only).
     pub(crate) contributions: usize,
-    /// The ticket of its routine, set right after it was scheduled (the host does not
-    /// wait for the device's decision).
-    pub(crate) event: OnceLock<Ticket>,
+    /// The ticket of its routine, set right after it was scheduled or replayed (the host
+    /// does not wait for the device's decision).
+    pub(crate) event: OnceLock<EntryTicket>,
     /// The typed error it failed with on the network stream, if it did.
     pub(crate) error: OnceLock<Error>,
+}
+
+/// How a network operation's event is known.
+pub(crate) enum EntryTicket {
+    /// Its routine was scheduled: the routine's ticket.
+    Issued(Ticket),
+    /// It was replayed as part of a captured step: `back` operations before the last one
+    /// of the network stream's part of that replay, whose ticket `last` is (a replay runs
+    /// a stream's operations under consecutive sequence numbers).
+    Replayed { last: Ticket, back: u64 },
+}
+
+impl EntryTicket {
+    /// Its event, once its device decided it (or the error that refused it).
+    pub(crate) fn event(&self) -> Result<Event> {
+        match self {
+            EntryTicket::Issued(t) => t.event(),
+            EntryTicket::Replayed { last, back } => {
+                let last = last.event()?;
+                last.before(*back).ok_or_else(|| {
+                    Error::Internal(format!(
+                        "a replayed network operation {back} before {last:?}, its stream's \
+                         last"
+                    ))
+                })
+            }
+        }
+    }
+
+    /// Waits for its event.
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.event()?.wait()
+    }
 }
 
 impl Issued {

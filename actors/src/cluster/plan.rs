@@ -17,7 +17,7 @@ use tributary::{
 
 use super::{
     header::{CrossRankAlgorithm, OpDesc, OpKind},
-    network::{check_dtype, Issued, Network},
+    network::{check_dtype, EntryTicket, Issued, Network},
     Cluster,
 };
 use crate::{
@@ -80,6 +80,52 @@ pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<Routine
             })
         },
     )
+}
+
+/// Where a cluster operation's system calls go: the system, or a capture that issues and
+/// records them ([`crate::SystemCapture`]).
+pub(crate) trait SystemCalls {
+    fn device_to_device(
+        &mut self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<Ticket>>;
+
+    fn schedule(&mut self, routine: &Routine) -> Result<Ticket>;
+}
+
+impl SystemCalls for &System {
+    fn device_to_device(
+        &mut self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<Ticket>> {
+        System::device_to_device(self, node, src, dst, mode)
+    }
+
+    fn schedule(&mut self, routine: &Routine) -> Result<Ticket> {
+        System::schedule(self, routine)
+    }
+}
+
+impl SystemCalls for crate::SystemCapture<'_> {
+    fn device_to_device(
+        &mut self,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<Ticket>> {
+        crate::SystemCapture::device_to_device(self, node, src, dst, mode)
+    }
+
+    fn schedule(&mut self, routine: &Routine) -> Result<Ticket> {
+        crate::SystemCapture::schedule(self, routine)
+    }
 }
 
 /// What a cluster operation returns at once, before any device decided it: its network
@@ -210,7 +256,24 @@ impl ClusterAllReduce {
     /// Issues the all-reduce: the reduce inside the rank, the network routines, the
     /// broadcast. Returns once everything is issued; reads of the nodes wait by themselves.
     pub fn run(&self) -> Result<ClusterTicket> {
-        let sys = &self.sys;
+        self.run_on(&mut &self.sys)
+    }
+
+    /// Whether `cluster` made this plan.
+    pub(crate) fn belongs_to(&self, cluster: &Cluster) -> bool {
+        Arc::ptr_eq(&self.net, &cluster.net)
+    }
+
+    /// The network operations a run issues, in order, with this rank's contributions.
+    pub(crate) fn network_ops(&self) -> impl Iterator<Item = (OpDesc, usize)> + '_ {
+        self.network
+            .iter()
+            .map(|(_, desc)| (desc.clone(), self.contexts.len()))
+    }
+
+    /// [`ClusterAllReduce::run`], its system calls made through `sys` (the system, or a
+    /// capture that records them).
+    pub(crate) fn run_on(&self, sys: &mut impl SystemCalls) -> Result<ClusterTicket> {
         for (step, streaming) in &self.reduce {
             let AllReduceStep::Reduce { chunk, src, dst } = *step else {
                 continue;
@@ -256,7 +319,7 @@ impl ClusterAllReduce {
                     return Err(e);
                 }
             };
-            let _ = issued.event.set(ticket);
+            let _ = issued.event.set(EntryTicket::Issued(ticket));
             ops.push(issued);
             for ctx in &self.contexts {
                 if let Some(t) =

@@ -237,6 +237,15 @@ impl DeviceStep {
         &self.hosted
     }
 
+    /// Number of operations a replay issues on stream `stream` of this device.
+    pub fn stream_operations(&self, stream: usize) -> usize {
+        self.streams
+            .iter()
+            .position(|&(s, _)| s as usize == stream)
+            .and_then(|k| self.lanes.get(k))
+            .map_or(0, Vec::len)
+    }
+
     /// Stream indices the step runs operations on, in order.
     pub fn streams(&self) -> impl Iterator<Item = usize> + '_ {
         self.streams.iter().map(|&(s, _)| s as usize)
