@@ -6,7 +6,8 @@
 //! cluster's network stream through `Cluster::with_mpi`; then the cluster's hierarchical
 //! all-reduce of one node over this rank's `--devices` contexts with each cross-rank
 //! algorithm (`direct`, `ring`, `mpi` = `MPI_Iallreduce`), issued `iters` times back to
-//! back and waited for at the end (the training loop's shape). It prints the median time
+//! back and waited for at the end (the training loop's shape), and the ring again replayed
+//! from a capture of it (`Cluster::capture`). It prints the median time
 //! per all-reduce over `--reps` repetitions, the bus bandwidth `2 (R-1)/R · bytes / time`
 //! and the ratio to `MPI_Allreduce`.
 //!
@@ -231,8 +232,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.devices, args.reps
         );
         println!(
-            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22}",
-            "bytes", "MPI_Allreduce", "GB/s", "direct (ratio)", "ring (ratio)", "mpi (ratio)"
+            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22}",
+            "bytes",
+            "MPI_Allreduce",
+            "GB/s",
+            "direct (ratio)",
+            "ring (ratio)",
+            "mpi (ratio)",
+            "ring replayed (ratio)"
         );
     }
     let bus = |bytes: usize, secs: f64| {
@@ -263,10 +270,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .collect::<Result<_, _>>()?,
         );
         let mut cells = Vec::new();
-        for algorithm in [
-            CrossRankAlgorithm::Direct,
-            CrossRankAlgorithm::Ring,
-            CrossRankAlgorithm::Mpi,
+        for (algorithm, replayed) in [
+            (CrossRankAlgorithm::Direct, false),
+            (CrossRankAlgorithm::Ring, false),
+            (CrossRankAlgorithm::Mpi, false),
+            (CrossRankAlgorithm::Ring, true),
         ] {
             let plan = cluster
                 .all_reduce_plan(
@@ -277,13 +285,22 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 )?
                 .with_algorithm(algorithm);
             plan.run()?.wait()?; // warm-up: buffers allocated, pages touched
+            // Replayed: the all-reduce captured once (`Cluster::capture`), then replayed.
+            let step = if replayed {
+                Some(cluster.capture(|c| c.all_reduce(&plan).map(drop))?)
+            } else {
+                None
+            };
             let mut times = Vec::new();
             for _ in 0..args.reps {
                 cluster.barrier()?;
                 let t = Instant::now();
                 let mut last = None;
                 for _ in 0..iters {
-                    last = Some(plan.run()?);
+                    last = Some(match &step {
+                        Some(step) => cluster.replay(step)?,
+                        None => plan.run()?,
+                    });
                 }
                 if let Some(l) = last {
                     l.wait()?;
@@ -300,12 +317,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22}",
+                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22}",
                 baseline * 1e6,
                 bus(bytes, baseline),
                 cells[0],
                 cells[1],
-                cells[2]
+                cells[2],
+                cells[3]
             );
         }
         for ctx in contexts {
