@@ -285,7 +285,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 )?
                 .with_algorithm(algorithm);
             plan.run()?.wait()?; // warm-up: buffers allocated, pages touched
-            // Replayed: the all-reduce captured once (`Cluster::capture`), then replayed.
+                                 // Replayed: the all-reduce captured once (`Cluster::capture`), then replayed.
             let step = if replayed {
                 Some(cluster.capture(|c| c.all_reduce(&plan).map(drop))?)
             } else {

@@ -85,6 +85,7 @@ MUTANTS=(
 CLUSTER_MUTANTS=(
   "cluster_header_check:-p tributary-actors --features mpi --lib cluster::header::tests::every_difference_is_a_mismatch_on_every_rank"
   "cluster_catch_up:--features mpi --test cluster cluster_faults::a_failed_input_fails_that_operation_on_every_rank_and_no_more"
+  "cluster_replay_unqueued:--features mpi --test cluster cluster_steps::replayed_training_steps_equal_issued_ones_on_every_rank"
 )
 
 # Rules checked by randomized tests (no loom model reaches them: the engine's single-owner
@@ -93,6 +94,9 @@ CLUSTER_MUTANTS=(
 RANDOM_MUTANTS=(
   "replay_entry:--test reliability captured_steps_match_the_reference"
   "replay_barrier:--test system system_replay::a_replay_invalidated_on_one_device_issues_nothing_on_the_others"
+  # Vulkan replays (src/backend/vulkan/stream/programs.rs): lavapipe, as the tests run it
+  "vulkan_stale_recording:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"
+  "vulkan_unheld_scratch:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"
 )
 
 MODE="${1:-all}"

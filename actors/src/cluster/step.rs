@@ -165,6 +165,8 @@ impl Cluster {
         let issued: Vec<_> = step
             .network
             .iter()
+            // Mutant: a replay that does not queue its network operations again.
+            .filter(|_| !mutant!("cluster_replay_unqueued"))
             .map(|(desc, contributions)| self.net.issue(desc.clone(), *contributions))
             .collect();
         let tickets = match self.sys.replay(&step.step) {

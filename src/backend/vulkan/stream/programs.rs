@@ -101,7 +101,8 @@ impl Recording {
                         && *bytes == r.bytes
                 })
             && match (&self.values, values) {
-                (Some(a), Some(b)) => a.same_values(b),
+                // Mutant: a recording resubmitted with the index values it pushed.
+                (Some(a), Some(b)) => a.same_values(b) || mutant!("vulkan_stale_recording"),
                 (None, None) => true,
                 _ => false,
             }
@@ -293,6 +294,8 @@ impl Submitter {
         let held = keep
             .iter()
             .filter(|k| match k {
+                // Mutant: a recording holds none of the buffers its lowering made.
+                Keep::Buffer(_) if mutant!("vulkan_unheld_scratch") => false,
                 Keep::Buffer(b) => !regions.iter().any(|r| Arc::ptr_eq(&r.buffer, b)),
                 _ => true,
             })
