@@ -5,13 +5,15 @@
 //! cargo run --release --example replay_cost              # 200,000 routines, 5 runs a row
 //! cargo run --release --example replay_cost -- 1000000 9
 //! cargo run --release --example replay_cost -- --vulkan 20000 5
+//! cargo run --release --example replay_cost -- --cuda 20000 5     # where a GPU is
 //! ```
 //!
 //! A routine is a CPU closure writing one `i32`, back to back on one stream; a replay
-//! issues a captured step of 64 of them. With `--vulkan` the device is a Vulkan device and
-//! a routine the built-in `scale_in_place` of 64 `f32` (one compute dispatch); the CPU time
-//! then includes the driver's (lavapipe runs the dispatches on CPU threads of the
-//! process), and there is no hand-written baseline row. The baseline is what a user would write instead:
+//! issues a captured step of 64 of them. With `--vulkan` (`--cuda`) the device is a Vulkan
+//! (CUDA) device and a routine the built-in `scale_in_place` of 64 `f32` (one compute
+//! dispatch, one kernel launch); the CPU time then includes the driver's threads (lavapipe
+//! runs the dispatches on CPU threads of the process), and there is no hand-written
+//! baseline row. The baseline is what a user would write instead:
 //! one persistent worker thread fed through a bounded crossbeam channel of indices (nothing
 //! allocated per routine), spinning on the channel as the runtime's workers spin, and a
 //! completion counter the host spins on. Each row runs `runs` times after a warm-up run;
@@ -28,6 +30,7 @@ use std::{
 
 use tributary::{
     backend::{
+        cuda::{CudaBackend, CudaConfig},
         vulkan::{VulkanBackend, VulkanConfig},
         Backend,
     },
@@ -41,10 +44,10 @@ use tributary_testkit::cpu_time::process_cpu_split;
 /// Routines a captured step holds.
 const STEP: u64 = 64;
 
-/// The routine (a CPU closure writing one `i32`, or on Vulkan `y *= 1` over 64 `f32`), and
-/// on Vulkan the fill that initialises `y` first.
-fn specs(vulkan: bool) -> tributary::Result<(Option<RoutineSpec>, RoutineSpec)> {
-    if vulkan {
+/// The routine (a CPU closure writing one `i32`, or on a GPU `y *= 1` over 64 `f32`), and
+/// on a GPU the fill that initialises `y` first.
+fn specs(gpu: bool) -> tributary::Result<(Option<RoutineSpec>, RoutineSpec)> {
+    if gpu {
         let y = TensorNode::new("y", DType::F32, [64]).with_mode(MemoryMode::on_device())?;
         return Ok((
             Some(kernels::fill(&y, 1.0)?),
@@ -59,12 +62,23 @@ fn specs(vulkan: bool) -> tributary::Result<(Option<RoutineSpec>, RoutineSpec)> 
     Ok((None, write))
 }
 
-/// One Vulkan device (`Arc<dyn Backend>` for the engine and the system alike).
-fn vulkan_backend() -> tributary::Result<Arc<dyn Backend>> {
-    Ok(Arc::new(VulkanBackend::new(
-        DeviceId(0),
-        VulkanConfig::with_devices(1),
-    )?))
+/// Where the routines run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+/// One device of a GPU backend (`Arc<dyn Backend>` for the engine and the system alike).
+fn gpu_backend(device: Device) -> tributary::Result<Arc<dyn Backend>> {
+    Ok(match device {
+        Device::Cuda => Arc::new(CudaBackend::new(DeviceId(0), CudaConfig::with_devices(1))?),
+        _ => Arc::new(VulkanBackend::new(
+            DeviceId(0),
+            VulkanConfig::with_devices(1),
+        )?),
+    })
 }
 
 /// Medians per routine in ns: wall time, CPU time of every thread, CPU time of the main
@@ -165,11 +179,19 @@ impl Drop for Worker {
 
 fn main() -> tributary::Result<()> {
     let mut args = std::env::args().skip(1).peekable();
-    let vulkan = args.next_if(|a| a == "--vulkan").is_some();
+    let device = match args
+        .next_if(|a| a == "--vulkan" || a == "--cuda")
+        .as_deref()
+    {
+        Some("--vulkan") => Device::Vulkan,
+        Some(_) => Device::Cuda,
+        None => Device::Cpu,
+    };
+    let gpu = device != Device::Cpu;
     let first = args.next();
     if matches!(first.as_deref(), Some("--help" | "-h")) {
         println!(
-            "usage: replay_cost [--vulkan] [ROUTINES [RUNS]]  (default 200000 routines, 5 runs \
+            "usage: replay_cost [--vulkan|--cuda] [ROUTINES [RUNS]]  (default 200000 routines, 5 runs \
              a row)"
         );
         return Ok(());
@@ -187,15 +209,15 @@ fn main() -> tributary::Result<()> {
     let n = parse(first, 200_000, "ROUTINES")?.max(STEP) / STEP * STEP;
     let runs = parse(args.next(), 5, "RUNS")?.max(1) as usize;
 
-    let baseline = if vulkan {
+    let baseline = if gpu {
         None
     } else {
         let worker = Worker::start();
         Some(measure(n, runs, |k| worker.run(k))?)
     };
 
-    let mut e = if vulkan {
-        Engine::with_backend(vulkan_backend()?, 1, PoolConfig::default())?
+    let mut e = if gpu {
+        Engine::with_backend(gpu_backend(device)?, 1, PoolConfig::default())?
     } else {
         Engine::cpu(EngineConfig {
             devices: 1,
@@ -204,7 +226,7 @@ fn main() -> tributary::Result<()> {
         })?
     };
     let mut ctx = e.context(0, 0)?;
-    let (init, spec) = specs(vulkan)?;
+    let (init, spec) = specs(gpu)?;
     if let Some(init) = init {
         let init = e.link(&ctx, init)?;
         e.schedule(&init)?;
@@ -235,12 +257,12 @@ fn main() -> tributary::Result<()> {
         .cpu_devices(1)
         .streams(StreamConfig::MostParallelStreams(1))
         .mailbox_capacity(1 << 16);
-    if vulkan {
-        builder = builder.backend_instance(vulkan_backend()?);
+    if gpu {
+        builder = builder.backend_instance(gpu_backend(device)?);
     }
     let sys = builder.spawn()?;
     let mut ctx = sys.context(0, 0)?;
-    let (init, spec) = specs(vulkan)?;
+    let (init, spec) = specs(gpu)?;
     if let Some(init) = init {
         let init = ctx.link(init)?;
         init.schedule()?;
@@ -267,10 +289,10 @@ fn main() -> tributary::Result<()> {
     })?;
     sys.shutdown()?;
 
-    let device = if vulkan {
-        "1 Vulkan device"
-    } else {
-        "1 CPU device"
+    let device = match device {
+        Device::Cpu => "1 CPU device",
+        Device::Vulkan => "1 Vulkan device",
+        Device::Cuda => "1 CUDA device",
     };
     println!(
         "per routine, {n} routines a run, median of {runs} runs ({device}, 1 stream; replays \

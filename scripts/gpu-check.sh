@@ -82,6 +82,8 @@ check "suite reliability (reliability_programs' CUDA runs)" tests reliability \
   reliability_programs::cuda_
 
 check "benchmark beside raw cudarc (release)" release_example cuda_bench $quick
+check "replayed routines (CUDA graphs) beside issued ones (release)" \
+  release_example replay_cost --cuda "$([ -n "$quick" ] && echo 6400 || echo 20000)" 5
 cuda_runners=cuda-streams,system-cuda,system-cuda-replay
 check "Task Bench on CUDA: every pattern, results checked" \
   release_example taskbench --quick --runners "$cuda_runners"

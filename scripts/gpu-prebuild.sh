@@ -2,7 +2,8 @@
 # Builds everything `scripts/gpu-check.sh --prebuilt DIR` runs, on a machine with Rust and
 # no GPU, for a GPU machine without Rust: the CUDA test binaries (opt-level 1, debug
 # assertions kept, stripped) and the release examples, copied into DIR under stable names
-# (`lib`, one per test suite, `cuda_bench`, `taskbench`) and packed as DIR.tar.gz.
+# (`lib`, one per test suite, `cuda_bench`, `taskbench`, `replay_cost`) and packed as
+# DIR.tar.gz.
 #
 #   scripts/gpu-prebuild.sh .gpu-prebuilt     # then, on the GPU machine, from the repo root:
 #   tar -xzf .gpu-prebuilt.tar.gz && scripts/gpu-check.sh --prebuilt .gpu-prebuilt
@@ -22,7 +23,7 @@ CARGO_PROFILE_DEV_OPT_LEVEL=1 CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=
   cargo test --target-dir "$target" --features cuda --no-run "${tests[@]}" \
   --message-format json >"$target/tests.json"
 CARGO_PROFILE_RELEASE_STRIP=true cargo build --release --target-dir "$target" \
-  --features cuda --example cuda_bench --example taskbench
+  --features cuda --example cuda_bench --example taskbench --example replay_cost
 rm -rf "$dir" && mkdir -p "$dir"
 python3 - "$target/tests.json" "$dir" <<'PY'
 import json, shutil, sys
@@ -34,6 +35,7 @@ for line in open(sys.argv[1]):
     name = "lib" if "lib" in t["kind"] else t["name"]
     shutil.copy(m["executable"], f"{sys.argv[2]}/{name}")
 PY
-cp "$target/release/examples/cuda_bench" "$target/release/examples/taskbench" "$dir/"
+cp "$target/release/examples/cuda_bench" "$target/release/examples/taskbench" \
+  "$target/release/examples/replay_cost" "$dir/"
 tar -czf "$dir.tar.gz" "$dir"
 ls -la "$dir" "$dir.tar.gz"
