@@ -1,0 +1,414 @@
+//! Task Bench's `stencil_1d` across MPI ranks (feature `mpi`): METG(50%) of a tributary
+//! cluster beside the same graph written directly on MPI, in the same `mpirun`.
+//!
+//! Every rank runs this program (`mpirun -np R`); rank 0 prints. The graph has `width`
+//! columns split into R contiguous blocks, one per rank (one rank per core); task `(t, i)`
+//! reads the outputs of `(t - 1, i - 1)`, `(t - 1, i)` and `(t - 1, i + 1)`, checks them and
+//! runs Task Bench's `compute_bound` kernel (`examples/taskbench/kernel.rs`). A task whose
+//! neighbour lives on another rank needs that rank's output of the previous timestep:
+//!
+//! - `mpi`: what a careful engineer writes on rsmpi's raw MPI: one thread per rank, each
+//!   timestep `MPI_Isend`/`MPI_Irecv` of the boundary outputs with both neighbours and one
+//!   `MPI_Waitall`, then the rank's tasks in order, nothing allocated in the loop. It runs
+//!   on the cluster's network stream (`Cluster::with_mpi`), in the same processes.
+//! - `cluster`: the tributary program a user writes: a CPU routine per column and parity on
+//!   one compute stream, `Cluster::send`/`Cluster::recv` of the boundary outputs each
+//!   timestep (the lower rank of a pair sends first), everything issued at once and
+//!   waited for at the end; the runtime orders the tasks after the transfers by itself.
+//!
+//! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
+//! efficiency falls under a quarter) it times `--steps` timesteps, barrier to barrier, and
+//! takes the best of `--samples`. METG(50%) follows Task Bench (`examples/taskbench/metg.rs`):
+//! efficiency is FLOP/s over the session's peak, granularity is wall × ranks ÷ tasks.
+//!
+//! ```sh
+//! cargo build --release --features mpi --example cluster_taskbench
+//! mpirun -np 2 target/release/examples/cluster_taskbench --width 2
+//! mpirun -np 2 target/release/examples/cluster_taskbench --width 8
+//! ```
+
+#[path = "common/mod.rs"]
+mod common;
+#[allow(dead_code)] // the single-process benchmark's helpers beside the ones used here
+#[path = "taskbench/kernel.rs"]
+mod kernel;
+#[path = "taskbench/metg.rs"]
+mod metg;
+
+use std::{process::ExitCode, sync::Arc, time::Instant};
+
+use clap::Parser;
+use tributary::{
+    kernels::{Access, RoutineSpec},
+    DType, MemoryMode, TensorNode,
+};
+use tributary_actors::{
+    cluster::{mpi_crate::ffi, Cluster, RawComm},
+    ContextHandle, RoutineHandle,
+};
+
+use kernel::{check_input, compute_bound, flops_per_task, output, Checks};
+use metg::{metg, Point};
+
+#[derive(Parser, Debug)]
+#[command(about = "Task Bench stencil_1d across MPI ranks (run under mpirun)")]
+struct Args {
+    /// Columns of the graph (split into contiguous blocks, one per rank).
+    #[arg(long, default_value_t = 2)]
+    width: usize,
+    /// Timesteps per run.
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// The coarsest granularity (`compute_bound` iterations).
+    #[arg(long, default_value_t = 1 << 14)]
+    max_iterations: u64,
+    /// Runs per granularity (the best is kept).
+    #[arg(long, default_value_t = 3)]
+    samples: usize,
+}
+
+fn main() -> ExitCode {
+    common::init_logging();
+    common::exit_code(run(Args::parse()))
+}
+
+/// The columns `lo..hi` of `rank`.
+fn block(width: usize, ranks: usize, rank: usize) -> (usize, usize) {
+    (rank * width / ranks, (rank + 1) * width / ranks)
+}
+
+/// The columns task `(t, i)` reads (none at `t = 0`).
+fn deps(width: usize, t: usize, i: usize) -> Vec<usize> {
+    if t == 0 {
+        return Vec::new();
+    }
+    (i.saturating_sub(1)..(i + 2).min(width)).collect()
+}
+
+/// Seconds for `steps` timesteps of the graph on raw MPI, barrier to barrier.
+fn mpi_run(
+    cluster: &Cluster,
+    width: usize,
+    steps: usize,
+    iterations: u64,
+    checks: Arc<Checks>,
+) -> tributary::Result<f64> {
+    cluster.with_mpi(move |comm: &RawComm| {
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let (lo, hi) = block(width, ranks, rank);
+        // Outputs of the previous and the current timestep, columns lo - 1 ..= hi (the two
+        // ghosts at the ends).
+        let mut prev = vec![[0f64; 2]; hi - lo + 2];
+        let mut cur = prev.clone();
+        let (mut inputs, mut sink) = (0u64, 0u64);
+        // SAFETY: reading an MPI constant the library initialised (MPI is running).
+        let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 4];
+        // SAFETY: every buffer passed to MPI is a `[f64; 2]` of `prev` that lives, unmoved,
+        // until the `MPI_Waitall` of the same timestep; the communicator is the cluster's,
+        // used on the network stream (`with_mpi`).
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            let t_start = Instant::now();
+            for t in 0..steps {
+                if t > 0 {
+                    let mut n = 0;
+                    let mut exchange = |peer: usize, send: usize, recv: usize| {
+                        let p = prev.as_mut_ptr();
+                        ffi::MPI_Irecv(
+                            p.add(recv).cast(),
+                            2,
+                            ffi::RSMPI_DOUBLE,
+                            peer as i32,
+                            3,
+                            comm.raw(),
+                            &mut requests[n],
+                        );
+                        ffi::MPI_Isend(
+                            p.add(send).cast(),
+                            2,
+                            ffi::RSMPI_DOUBLE,
+                            peer as i32,
+                            3,
+                            comm.raw(),
+                            &mut requests[n + 1],
+                        );
+                        n += 2;
+                    };
+                    if rank > 0 {
+                        exchange(rank - 1, 1, 0);
+                    }
+                    if rank + 1 < ranks {
+                        exchange(rank + 1, hi - lo, hi - lo + 1);
+                    }
+                    ffi::MPI_Waitall(n as i32, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE);
+                }
+                for i in lo..hi {
+                    for j in deps(width, t, i) {
+                        if check_input(t, i, j, &prev[j + 1 - lo]).is_ok() {
+                            inputs += 1;
+                        }
+                    }
+                    sink += compute_bound(iterations).to_bits() & 1;
+                    cur[i + 1 - lo] = output(t, i);
+                }
+                std::mem::swap(&mut prev, &mut cur);
+            }
+            ffi::MPI_Barrier(comm.raw());
+            checks.add(inputs, sink);
+            t_start.elapsed().as_secs_f64()
+        }
+    })
+}
+
+/// A tributary cluster running the graph: a routine per local column and parity (and for
+/// the first timestep), the boundary outputs moved by `send`/`recv`.
+struct ClusterGraph {
+    ctx: ContextHandle,
+    first: Vec<RoutineHandle>,
+    /// `tasks[p][k]`: column `lo + k` at a timestep of parity `p` (`t ≥ 1`).
+    tasks: [Vec<RoutineHandle>; 2],
+    /// `out[p][k]`: the output of column `lo + k` at parity `p`.
+    out: [Vec<TensorNode>; 2],
+    /// `(peer, own boundary column, the ghost of the peer's)` per neighbour, by parity.
+    ghosts: [Vec<(usize, usize, TensorNode)>; 2],
+    lo: usize,
+}
+
+impl ClusterGraph {
+    fn link(
+        cluster: &Cluster,
+        width: usize,
+        iterations: u64,
+        checks: &Arc<Checks>,
+    ) -> tributary::Result<ClusterGraph> {
+        let (rank, ranks) = (cluster.rank(), cluster.size());
+        let (lo, hi) = block(width, ranks, rank);
+        let node = |name: String| {
+            TensorNode::new(name, DType::F64, [2]).with_mode(MemoryMode::on_device())
+        };
+        let mut out: [Vec<TensorNode>; 2] = [Vec::new(), Vec::new()];
+        for (p, o) in out.iter_mut().enumerate() {
+            for i in lo..hi {
+                o.push(node(format!("out{p}.{i}"))?);
+            }
+        }
+        let mut ghosts: [Vec<(usize, usize, TensorNode)>; 2] = [Vec::new(), Vec::new()];
+        for (p, g) in ghosts.iter_mut().enumerate() {
+            if rank > 0 {
+                g.push((rank - 1, lo, node(format!("out{p}.{}", lo - 1))?));
+            }
+            if rank + 1 < ranks {
+                g.push((rank + 1, hi - 1, node(format!("out{p}.{hi}"))?));
+            }
+        }
+        // The node holding column j's output at parity p, seen from this rank.
+        let of = |p: usize, j: usize| -> tributary::Result<TensorNode> {
+            if (lo..hi).contains(&j) {
+                return Ok(out[p][j - lo].clone());
+            }
+            // A transfer's two sides name the node alike: the ghost of column j is
+            // labelled as the output it receives.
+            let label = format!("out{p}.{j}");
+            ghosts[p]
+                .iter()
+                .find(|(_, _, g)| g.label() == label)
+                .map(|(_, _, g)| g.clone())
+                .ok_or_else(|| tributary::Error::Internal(format!("no {label} on rank {rank}")))
+        };
+        let spec = |t0: usize, p: usize, i: usize| -> tributary::Result<RoutineSpec> {
+            let d = deps(width, t0, i);
+            let mut params = vec![(out[p][i - lo].clone(), Access::Write)];
+            for &j in &d {
+                params.push((of(1 - p, j)?, Access::Read));
+            }
+            let checks = checks.clone();
+            RoutineSpec::custom(format!("task{i}.{p}"), params, None, move |args| {
+                let t = args.index("t")? as usize;
+                for (k, &j) in d.iter().enumerate() {
+                    check_input(t, i, j, args.input::<f64>(1 + k)?)?;
+                }
+                let value = compute_bound(iterations);
+                args.output::<f64>(0)?.copy_from_slice(&output(t, i));
+                checks.record(d.len(), value);
+                Ok(())
+            })?
+            .with_index("t")
+        };
+        let mut ctx = cluster.context(0, 0)?;
+        let mut link = |spec: RoutineSpec| -> tributary::Result<RoutineHandle> {
+            let r = ctx.link(spec)?;
+            ctx = r.context();
+            Ok(r)
+        };
+        let mut first = Vec::new();
+        for i in lo..hi {
+            first.push(link(spec(0, 0, i)?)?);
+        }
+        let mut tasks: [Vec<RoutineHandle>; 2] = [Vec::new(), Vec::new()];
+        for p in [1, 0] {
+            for i in lo..hi {
+                tasks[p].push(link(spec(1, p, i)?)?);
+            }
+        }
+        Ok(ClusterGraph {
+            ctx,
+            first,
+            tasks,
+            out,
+            ghosts,
+            lo,
+        })
+    }
+
+    /// Issues `steps` timesteps and waits for them; seconds, barrier to barrier.
+    fn run(&self, cluster: &Cluster, steps: usize) -> tributary::Result<f64> {
+        let rank = cluster.rank();
+        let ctx = self.ctx.protocol_context();
+        cluster.barrier()?;
+        let start = Instant::now();
+        for t in 0..steps {
+            let p = t % 2;
+            if t == 0 {
+                for r in &self.first {
+                    r.schedule_with(&[("t", 0)])?;
+                }
+                continue;
+            }
+            // The outputs of t - 1 cross to the neighbours; the lower rank of a pair sends
+            // first (transfers between two ranks run in the order both issue them).
+            for (peer, column, ghost) in &self.ghosts[1 - p] {
+                let own = &self.out[1 - p][column - self.lo];
+                if rank < *peer {
+                    cluster.send(own, ctx, *peer)?;
+                    cluster.recv(ghost, ctx, *peer)?;
+                } else {
+                    cluster.recv(ghost, ctx, *peer)?;
+                    cluster.send(own, ctx, *peer)?;
+                }
+            }
+            for r in &self.tasks[p] {
+                r.schedule_with(&[("t", t as i64)])?;
+            }
+        }
+        cluster.system().sync()?;
+        cluster.barrier()?;
+        Ok(start.elapsed().as_secs_f64())
+    }
+
+    fn finalize(self) -> tributary::Result<()> {
+        self.ctx.finalize()
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let cluster = Arc::new(Cluster::builder().cpu_devices(1).spawn()?);
+    let (rank, ranks) = (cluster.rank(), cluster.size());
+    if args.width < ranks {
+        return Err(format!(
+            "--width {} is fewer columns than the {ranks} ranks",
+            args.width
+        )
+        .into());
+    }
+    let (lo, hi) = block(args.width, ranks, rank);
+    let expected_inputs: u64 = (0..args.steps)
+        .map(|t| {
+            (lo..hi)
+                .map(|i| deps(args.width, t, i).len() as u64)
+                .sum::<u64>()
+        })
+        .sum();
+    let tasks = (args.width * args.steps) as f64;
+    let checks = Arc::new(Checks::default());
+    // (runner, iterations, seconds)
+    let mut runs: Vec<(&str, u64, f64)> = Vec::new();
+    for runner in ["mpi", "cluster"] {
+        let mut iterations = args.max_iterations.max(1);
+        loop {
+            let graph = if runner == "cluster" {
+                Some(ClusterGraph::link(
+                    &cluster, args.width, iterations, &checks,
+                )?)
+            } else {
+                None
+            };
+            let mut best = f64::INFINITY;
+            for _ in 0..args.samples.max(1) {
+                checks.reset();
+                let secs = match &graph {
+                    Some(g) => g.run(&cluster, args.steps)?,
+                    None => mpi_run(&cluster, args.width, args.steps, iterations, checks.clone())?,
+                };
+                if checks.inputs() != expected_inputs {
+                    return Err(format!(
+                        "rank {rank}, {runner}: {} inputs checked, {expected_inputs} expected",
+                        checks.inputs()
+                    )
+                    .into());
+                }
+                best = best.min(secs);
+            }
+            if let Some(g) = graph {
+                g.finalize()?;
+            }
+            // Every rank takes the mean of the ranks' times (barrier to barrier, so nearly
+            // equal), so all decide alike when to stop.
+            let best = cluster.sum_host(&[best])?[0] / ranks as f64;
+            runs.push((runner, iterations, best));
+            let efficiency_floor = {
+                let flops = tasks * flops_per_task(iterations) / best;
+                let peak = runs
+                    .iter()
+                    .map(|&(_, it, s)| tasks * flops_per_task(it) / s)
+                    .fold(0.0, f64::max);
+                flops / peak
+            };
+            if iterations <= 1 || efficiency_floor < 0.25 {
+                break;
+            }
+            iterations /= 2;
+        }
+    }
+    let peak = runs
+        .iter()
+        .map(|&(_, it, s)| tasks * flops_per_task(it) / s)
+        .fold(0.0, f64::max);
+    if rank == 0 {
+        println!(
+            "stencil_1d, width {}, {} timesteps, {ranks} ranks (one core each); best of {} \
+             runs per granularity",
+            args.width, args.steps, args.samples
+        );
+        let mut metgs = Vec::new();
+        for runner in ["mpi", "cluster"] {
+            let points: Vec<Point> = runs
+                .iter()
+                .filter(|r| r.0 == runner)
+                .map(|&(_, it, s)| Point {
+                    flops: tasks * flops_per_task(it) / s,
+                    granularity_us: s * 1e6 * ranks as f64 / tasks,
+                })
+                .collect();
+            for p in &points {
+                println!(
+                    "  {runner:>8}: granularity {:>9.2} us, efficiency {:>5.1}%",
+                    p.granularity_us,
+                    100.0 * p.flops / peak
+                );
+            }
+            metgs.push((runner, metg(&points, peak, 0.5)));
+        }
+        println!("| runner | METG(50%) | ratio to MPI |");
+        println!("|---|---:|---:|");
+        let base = metgs[0].1;
+        for (runner, m) in metgs {
+            match (m, base) {
+                (Some(m), Some(b)) => println!("| {runner} | {m:.2} us | {:.1}x |", m / b),
+                (Some(m), None) => println!("| {runner} | {m:.2} us | - |"),
+                (None, _) => println!("| {runner} | never 50% efficient | - |"),
+            }
+        }
+    }
+    cluster.shutdown()?;
+    Ok(())
+}
