@@ -303,20 +303,7 @@ fn run_mpi(args: &Args, strategy: Strategy) -> Result<(), Box<dyn Error>> {
     }
     // Bitwise the same on every rank: a digest of the bits, summed across ranks, is the
     // number of ranks times this rank's (20-bit parts, exact in f64).
-    let digest = params
-        .w1
-        .iter()
-        .chain(&params.b1)
-        .chain(&params.w2)
-        .chain(&params.b2)
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-            (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
-        });
-    let parts = [
-        (digest >> 40) as f64,
-        ((digest >> 20) & 0xfffff) as f64,
-        (digest & 0xfffff) as f64,
-    ];
+    let parts = params.digest_parts();
     let sums = cluster.sum_host(&parts)?;
     if sums != parts.iter().map(|p| p * ranks as f64).collect::<Vec<_>>() {
         return Err(format!("rank {rank}: the ranks' parameters differ").into());

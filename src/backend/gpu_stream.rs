@@ -169,6 +169,38 @@ pub(crate) fn device_locations(work: &Work) -> Option<SmallVec<[(GlobalLoc, u64)
     Some(out)
 }
 
+/// Why a replayed operation takes the plan path on a GPU stream (kept for the debug log).
+#[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+pub(crate) type AsPlan = &'static str;
+
+/// The regions of `op`'s work on this device, resolved with `resolve`, for a recording or
+/// a captured graph of it; why not where `op` takes the plan path instead (it fails without
+/// running, comes out of order after `last`, is host work, names a location that does not
+/// resolve or is not `local`).
+#[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+pub(crate) fn device_regions<R>(
+    op: StreamProgramOp<'_>,
+    last: u64,
+    resolve: impl Fn(GlobalLoc, u64) -> std::result::Result<R, String>,
+    local: impl Fn(&R) -> bool,
+) -> std::result::Result<SmallVec<[R; 4]>, AsPlan> {
+    if op.failed().is_some() {
+        return Err("fails without running");
+    }
+    if op.seq() <= last {
+        return Err("out of order");
+    }
+    let mut regions = SmallVec::new();
+    for (loc, bytes) in device_locations(op.work()).ok_or("host work")? {
+        let region = resolve(loc, bytes).map_err(|_| "unresolved")?;
+        if !local(&region) {
+            return Err("another device");
+        }
+        regions.push(region);
+    }
+    Ok(regions)
+}
+
 /// A plan on its way to the submit thread.
 pub(crate) struct Submitted<J> {
     pub(crate) label: String,

@@ -47,10 +47,17 @@ impl StreamTrace {
         StreamTrace { recorder, stream }
     }
 
-    /// Whether a timeline is recorded (else [`StreamTrace::start`] gives `None`).
-    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))] // the GPU streams use it
-    pub(super) fn records(&self) -> bool {
-        self.recorder.is_some()
+    /// Submit thread: [`StreamTrace::start`] for an operation of a replay's program (its
+    /// label made only when a timeline is recorded).
+    #[cfg_attr(not(any(feature = "vulkan", feature = "cuda")), allow(dead_code))]
+    pub(super) fn start_op(
+        &self,
+        op: crate::protocol::StreamProgramOp<'_>,
+        arrived: Instant,
+    ) -> Option<OpTrace> {
+        self.recorder.as_ref()?;
+        let work = op.work();
+        self.start(op.seq(), &work.label(), op.deps(), work.bytes(), arrived)
     }
 
     /// Submit thread: waits on the host for `dep` (an event of another device), recording

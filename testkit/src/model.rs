@@ -122,6 +122,28 @@ pub struct Params {
     pub b2: Vec<f32>,
 }
 
+impl Params {
+    /// A digest of every parameter's bits in three 20-bit-or-so parts, each exact in an
+    /// `f64`: summed across ranks (`Cluster::sum_host`), the parts are the number of ranks
+    /// times this rank's exactly when every rank holds the same bits.
+    pub fn digest_parts(&self) -> [f64; 3] {
+        let digest = self
+            .w1
+            .iter()
+            .chain(&self.b1)
+            .chain(&self.w2)
+            .chain(&self.b2)
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+                (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
+            });
+        [
+            (digest >> 40) as f64,
+            ((digest >> 20) & 0xfffff) as f64,
+            (digest & 0xfffff) as f64,
+        ]
+    }
+}
+
 /// Small random initial weights, zero biases.
 pub fn init_params(cfg: &ModelConfig) -> Params {
     let mut rng = Rng::new(cfg.seed ^ 0xdead_beef);

@@ -409,20 +409,7 @@ mod bodies {
         close(&params.b2, &reference.b2, "b2");
         // Bitwise the same on every rank: a digest of the bits, summed across ranks, is the
         // number of ranks times this rank's.
-        let digest = params
-            .w1
-            .iter()
-            .chain(&params.b1)
-            .chain(&params.w2)
-            .chain(&params.b2)
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-                (h ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3)
-            });
-        let parts = [
-            (digest >> 40) as f64,
-            ((digest >> 20) & 0xfffff) as f64,
-            (digest & 0xfffff) as f64,
-        ];
+        let parts = params.digest_parts();
         let sums = cluster.sum_host(&parts).expect("sum");
         let n = cluster.size() as f64;
         assert_eq!(

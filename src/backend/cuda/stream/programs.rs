@@ -142,7 +142,7 @@ struct Batch {
 }
 
 /// Why an operation takes the plan path (kept for the debug log).
-type Slow = &'static str;
+type Slow = gpu_stream::AsPlan;
 
 /// How a batch ended.
 enum Flushed {
@@ -206,21 +206,12 @@ impl Submitter {
         batch: &mut Batch,
         arrived: Instant,
     ) -> Result<(), Slow> {
-        if op.failed().is_some() {
-            return Err("fails without running");
-        }
-        if op.seq() <= self.last {
-            return Err("out of order");
-        }
-        let locations = gpu_stream::device_locations(op.work()).ok_or("host work")?;
-        let mut regions: SmallVec<[Region; 4]> = SmallVec::new();
-        for (loc, bytes) in locations {
-            let region = self.backend.resolve(loc, bytes).map_err(|_| "unresolved")?;
-            if !self.local(&region) {
-                return Err("another device");
-            }
-            regions.push(region);
-        }
+        let regions = gpu_stream::device_regions(
+            op,
+            self.last,
+            |loc, bytes| self.backend.resolve(loc, bytes),
+            |r| self.local(r),
+        )?;
         let waits = self.device_waits(program, op, batch)?;
         if !waits.is_empty() && !batch.ops.is_empty() {
             // Only the first operation of a batch waits for other streams.
@@ -229,13 +220,7 @@ impl Submitter {
             }
         }
         batch.waits.extend(waits);
-        let trace = if self.trace.records() {
-            let work = op.work();
-            self.trace
-                .start(op.seq(), &work.label(), op.deps(), work.bytes(), arrived)
-        } else {
-            None
-        };
+        let trace = self.trace.start_op(op, arrived);
         batch.ops.push(BatchOp {
             index: i,
             seq: op.seq(),

@@ -124,7 +124,7 @@ struct Batch {
 }
 
 /// Why an operation takes the plan path (kept for the debug log).
-type Slow = &'static str;
+type Slow = gpu_stream::AsPlan;
 
 /// Values of other streams of the device to wait for.
 type DeviceWaits = SmallVec<[(Arc<StreamShared>, u64); 4]>;
@@ -171,25 +171,17 @@ impl Submitter {
         batch: &mut Batch,
         arrived: Instant,
     ) -> Result<(), Slow> {
-        if op.failed().is_some() {
-            return Err("fails without running");
-        }
-        if op.seq() <= self.last {
-            return Err("out of order");
-        }
+        let core = self.gpu.core.clone();
+        let mut regions = gpu_stream::device_regions(
+            op,
+            self.last,
+            |loc, bytes| self.backend.resolve(loc, bytes),
+            |r: &Region| r.on_device(&core),
+        )?;
         let waits = self.device_waits(program, op, batch)?;
         if !waits.is_empty() && !batch.ops.is_empty() {
             // Only the first operation of a batch waits for other streams.
             self.flush(program, batch);
-        }
-        let locations = gpu_stream::device_locations(op.work()).ok_or("host work")?;
-        let mut regions: SmallVec<[Region; 4]> = SmallVec::new();
-        for (loc, bytes) in locations {
-            let region = self.backend.resolve(loc, bytes).map_err(|_| "unresolved")?;
-            if !region.on_device(&self.gpu.core) {
-                return Err("another device");
-            }
-            regions.push(region);
         }
         let key = (Arc::as_ptr(program.step()) as usize, op.template());
         let values = op.bindings();
@@ -207,13 +199,7 @@ impl Submitter {
         };
         batch.waits.extend(waits);
         batch.cbs.extend(cb);
-        let trace = if self.trace.records() {
-            let work = op.work();
-            self.trace
-                .start(op.seq(), &work.label(), op.deps(), work.bytes(), arrived)
-        } else {
-            None
-        };
+        let trace = self.trace.start_op(op, arrived);
         batch.ops.push((i, op.seq(), trace));
         Ok(())
     }
