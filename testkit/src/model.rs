@@ -402,8 +402,11 @@ impl DataParallel {
     /// ranks): runs it, as [`DataParallel::step`] does, and returns it to
     /// [`DataParallel::replay`].
     pub fn capture_step(&self) -> Result<TrainingStep> {
-        let routines = |r: &Replica| r.routines.iter().map(|h| h.routine().clone()).collect();
-        let forward: Vec<Vec<_>> = self.replicas.iter().map(routines).collect();
+        let forward: Vec<_> = self
+            .replicas
+            .iter()
+            .flat_map(|r| r.routines.iter().map(|h| h.routine().clone()))
+            .collect();
         let sgd: Vec<_> = self
             .replicas
             .iter()
@@ -411,7 +414,7 @@ impl DataParallel {
             .collect();
         match &self.reduce {
             Reducer::Local(plan) => Ok(TrainingStep::Local(self.sys.capture(|c| {
-                for routine in forward.iter().flatten() {
+                for routine in &forward {
                     c.schedule(routine)?;
                 }
                 c.all_reduce(plan)?;
@@ -422,7 +425,7 @@ impl DataParallel {
             })?)),
             #[cfg(feature = "mpi")]
             Reducer::Cluster(plan, cluster) => Ok(TrainingStep::Cluster(cluster.capture(|c| {
-                for routine in forward.iter().flatten() {
+                for routine in &forward {
                     c.schedule(routine)?;
                 }
                 c.all_reduce(plan)?;

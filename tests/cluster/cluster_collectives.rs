@@ -12,7 +12,7 @@ use tributary_testkit::{cluster, cluster_test};
 use cluster::Launch;
 
 #[cfg(feature = "mpi")]
-mod bodies {
+pub(crate) mod bodies {
     use std::{sync::Arc, time::Duration};
 
     use tributary::{

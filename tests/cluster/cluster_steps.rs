@@ -13,24 +13,19 @@ use cluster::Launch;
 
 #[cfg(feature = "mpi")]
 mod bodies {
-    use std::{sync::Arc, time::Duration};
+    use std::sync::Arc;
 
     use tributary::{
         collective::{ReduceOp, Strategy},
-        kernels::{self, KernelMode},
-        DType, Error, MemoryMode,
+        kernels, DType, Error, MemoryMode,
     };
     use tributary_actors::cluster::{Cluster, ClusterConfig, CrossRankAlgorithm};
 
     use tributary_testkit::model;
 
+    /// The collectives' configuration (exact kernels, a long deadline), `Auto` across ranks.
     pub fn config(devices: usize) -> ClusterConfig {
-        let mut c = ClusterConfig::default();
-        c.cpu_devices = devices;
-        c.algorithm = CrossRankAlgorithm::Auto;
-        c.deadline = Duration::from_secs(60);
-        c.kernel_mode = KernelMode::Exact;
-        c
+        crate::cluster_collectives::bodies::config(devices, CrossRankAlgorithm::Auto)
     }
 
     /// Two trainings of the same model on the same cluster, alternating: one issues every
