@@ -438,5 +438,5 @@ pub fn capture_copy(
 
 /// `System::replay`: the last event of every stream of the step.
 pub fn replay(d: &Dispatcher, step: &tributary::Step) -> Vec<PendingEvent> {
-    d.replay(step, None).unwrap()
+    d.replay(step, None).unwrap().into_vec()
 }

@@ -12,8 +12,10 @@
 //! another device: a finalize's write-back decided from the wrong newest value) and
 //! `inline_no_handoff` (a post that decides on its own thread leaves behind what another
 //! thread posted meanwhile), `drive_lost_kick` (a multi-device post decided in rounds on
-//! its own thread forgets the answer that would unblock a device) and `replay_entry` (a
-//! replayed step's entry dependencies on the live tables dropped).
+//! its own thread forgets the answer that would unblock a device), `replay_entry` (a
+//! replayed step's entry dependencies on the live tables dropped) and `kick_lost` (a
+//! device actor's wake-up flag taken before its waker is registered: a kick in between
+//! wakes nobody).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
@@ -27,7 +29,7 @@ use crate::{
         all_reduce, capture_copy, device_to_device, host_write, replay, schedule, to_host, wait,
         ActorWorld, Actors,
     },
-    harness::{run_model, windowed},
+    harness::{builder, run_model, windowed},
     world::node,
 };
 
@@ -448,6 +450,55 @@ fn inline_posts_race_the_actor() {
             let got = w.read(set1.context(), &x);
             assert!(got == [1] || got == [2], "x ended with {got:?}");
             w.shutdown();
+        },
+    );
+}
+
+/// A device actor's wake-up (`src/dispatch/kicks.rs`): a post kicks the actor while the
+/// actor polls for kicks. Either the poll sees the kick or the kick wakes the task the poll
+/// registered, whose next poll then sees it; a kick is never lost (mutant `kick_lost`: the
+/// flag taken before the waker is registered, a kick in between wakes nobody and the actor
+/// sleeps on work).
+#[test]
+fn a_kick_racing_a_poll_is_never_lost() {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Wake, Waker};
+    use tributary::dispatch::kicks::Kicks;
+
+    /// The actor's task: records that it was woken.
+    struct Task(AtomicBool);
+
+    impl Wake for Task {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    run_model(
+        "actors::a_kick_racing_a_poll_is_never_lost",
+        builder(None),
+        || {
+            let kicks = loom::sync::Arc::new(Kicks::new());
+            let task = std::sync::Arc::new(Task(AtomicBool::new(false)));
+            let waker = Waker::from(task.clone());
+            let poster = {
+                let kicks = kicks.clone();
+                loom::thread::spawn(move || kicks.kick())
+            };
+            let first = kicks.poll_kicked(&mut Context::from_waker(&waker));
+            poster.join().unwrap();
+            if first.is_pending() {
+                assert!(
+                    task.0.load(Ordering::SeqCst),
+                    "the kick came after the poll and woke nobody"
+                );
+                assert!(
+                    kicks
+                        .poll_kicked(&mut Context::from_waker(&waker))
+                        .is_ready(),
+                    "the woken actor finds no kick"
+                );
+            }
         },
     );
 }

@@ -51,6 +51,7 @@ MUTANTS=(
   "inline_no_handoff:actors::inline_posts_race_the_actor"
   "drive_lost_kick:actors::copy_against_device_order"
   "replay_entry:actors::replay_races_a_schedule_from_another_thread"
+  "kick_lost:actors::a_kick_racing_a_poll_is_never_lost"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"
   # event timeline (src/event.rs)

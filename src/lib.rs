@@ -122,4 +122,4 @@ pub use half;
 pub use ids::{BufferLoc, ContextId, DeviceId, NodeId, PoolId, StreamId};
 pub use node::{Bf16, DType, Element, HostedKind, MemoryMode, Shape, Sharing, TensorNode, F16};
 pub use protocol::MergeBufferUse;
-pub use replay::{Step, StepBindings};
+pub use replay::{Step, StepBindings, StreamLasts};

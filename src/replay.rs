@@ -23,11 +23,14 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::{
     error::{Error, Invalidation, Result},
     ids::{DeviceId, StreamId},
     kernels::Bindings,
     protocol::DeviceStep,
+    sync::Mutex,
 };
 
 /// Source of step numbers (for errors): a counter, not synchronisation.
@@ -68,7 +71,14 @@ pub(crate) struct StepInner {
     pub(crate) slots: Vec<Bindings>,
     /// Positions used (operations of the step over every device, copy halves apart).
     pub(crate) positions: u32,
+    /// Lists of index values the actor layer's replays shared, refilled by the next ones
+    /// once no part holds them ([`Step::shared_values`]).
+    spare_values: Mutex<Vec<Arc<[Bindings]>>>,
 }
+
+/// Lists of index values a [`Step`] keeps for its replays at most: replays with new values
+/// allocate one only while more than this many are in flight.
+const SPARE_VALUES: usize = 32;
 
 impl Step {
     pub(crate) fn new(
@@ -85,8 +95,28 @@ impl Step {
                 edges,
                 slots,
                 positions,
+                spare_values: Mutex::new(Vec::new()),
             }),
         }
+    }
+
+    /// `values` in a list to share between the parts of one replay: a kept list no earlier
+    /// replay holds any more, refilled, when there is one (a replay with new index values
+    /// allocates nothing in steady state), else a new one, kept for later.
+    pub(crate) fn shared_values(&self, values: &[Bindings]) -> Arc<[Bindings]> {
+        let mut spare = self.inner.spare_values.lock();
+        for kept in spare.iter_mut() {
+            // `get_mut`: this is the last holder, no part can read the list any more.
+            if let Some(list) = Arc::get_mut(kept).filter(|l| l.len() == values.len()) {
+                list.clone_from_slice(values);
+                return kept.clone();
+            }
+        }
+        let list: Arc<[Bindings]> = values.into();
+        if spare.len() < SPARE_VALUES {
+            spare.push(list.clone());
+        }
+        list
     }
 
     /// The step's number (unique in the process; errors name it).
@@ -283,5 +313,119 @@ impl StepBindings {
     /// The values, by slot (capture order among schedules with indices).
     pub fn values(&self) -> &[Bindings] {
         &self.values
+    }
+}
+
+/// What a replay returns: one item per stream the step runs on (its last operation there),
+/// device by device, each device's streams in the step's order. [`Engine::replay`] returns
+/// their [`Event`](crate::Event)s, the actor layer's replays their tickets.
+///
+/// Up to [`StreamLasts::INLINE`] streams it is held inline, so that a replay allocates
+/// nothing to return it (DESIGN.md §4, "Issuing without allocation"). It reads as a slice
+/// and iterates by value or by reference.
+///
+/// [`Engine::replay`]: crate::Engine::replay
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamLasts<T>(SmallVec<[T; STREAM_LASTS_INLINE]>);
+
+/// [`StreamLasts::INLINE`].
+const STREAM_LASTS_INLINE: usize = 4;
+
+impl<T> StreamLasts<T> {
+    /// Streams held without allocation.
+    pub const INLINE: usize = STREAM_LASTS_INLINE;
+
+    /// None yet.
+    pub fn new() -> StreamLasts<T> {
+        StreamLasts(SmallVec::new())
+    }
+
+    /// Appends `last`.
+    pub fn push(&mut self, last: T) {
+        self.0.push(last);
+    }
+
+    /// The items in a `Vec` (allocates when there are any).
+    pub fn into_vec(self) -> Vec<T> {
+        self.0.into_vec()
+    }
+}
+
+impl<T> Default for StreamLasts<T> {
+    fn default() -> Self {
+        StreamLasts::new()
+    }
+}
+
+impl<T> std::ops::Deref for StreamLasts<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for StreamLasts<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.0
+    }
+}
+
+impl<T> FromIterator<T> for StreamLasts<T> {
+    fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Self {
+        StreamLasts(iter.into_iter().collect())
+    }
+}
+
+impl<T> Extend<T> for StreamLasts<T> {
+    fn extend<I: IntoIterator<Item = T>>(&mut self, iter: I) {
+        self.0.extend(iter);
+    }
+}
+
+impl<T> IntoIterator for StreamLasts<T> {
+    type Item = T;
+    type IntoIter = StreamLastsIter<T>;
+
+    fn into_iter(self) -> StreamLastsIter<T> {
+        StreamLastsIter(self.0.into_iter())
+    }
+}
+
+impl<'a, T> IntoIterator for &'a StreamLasts<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+
+    fn into_iter(self) -> std::slice::Iter<'a, T> {
+        self.0.iter()
+    }
+}
+
+/// [`StreamLasts`] by value.
+pub struct StreamLastsIter<T>(smallvec::IntoIter<[T; STREAM_LASTS_INLINE]>);
+
+impl<T> Iterator for StreamLastsIter<T> {
+    type Item = T;
+
+    fn next(&mut self) -> Option<T> {
+        self.0.next()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.0.size_hint()
+    }
+}
+
+impl<T> DoubleEndedIterator for StreamLastsIter<T> {
+    fn next_back(&mut self) -> Option<T> {
+        self.0.next_back()
+    }
+}
+
+impl<T> ExactSizeIterator for StreamLastsIter<T> {}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for StreamLastsIter<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.as_slice()).finish()
     }
 }

@@ -1,15 +1,15 @@
-//! Issuing allocates nothing in steady state (DESIGN.md §4, "Issuing without allocation"):
-//! an `Engine` schedule, its dependencies and its run on the CPU backend, and a `System`
-//! schedule whose call finds its device idle. A replay allocates a constant, whatever the
-//! step's length: an `Engine` replay the list of events it returns (with new index values
-//! too), a `System` replay its part and one-shots.
+//! Issuing and replaying allocate nothing in steady state (DESIGN.md §4, "Issuing without
+//! allocation"): an `Engine` schedule, its dependencies and its run on the CPU backend, a
+//! `System` schedule whose call finds its device idle, and replays of a captured step on
+//! one device, through the `Engine` and through `System`, with the captured index values
+//! and with new ones.
 //!
 //! Not in a suite (`tests/<suite>/main.rs`): alone in its own test binary, because its
 //! global allocator counts the allocations of every thread of the process, which any other
 //! test running in the same process would add to.
 //!
 //! One test runs the checks in turn. Each runs the same burst twice and counts the second.
-//! What it may still allocate does not grow with the burst: the list a sync returns, and
+//! What it may still allocate does not grow with the burst: a sync ending it, and
 //! the lists that grow past what the first burst needed when the second one finds the
 //! workers slower (a stream's queue, a timeline's waiters). Each doubles its capacity, so
 //! it grows at most log2(BURST) times, whatever the timing: [`ALLOWANCE`] counts eight such
@@ -28,6 +28,10 @@ static GLOBAL: Counting = Counting;
 /// Routines per burst.
 const BURST: u64 = 2_000;
 
+/// Replays per burst of a replay check: one allocation per replay would be ten times what
+/// the check allows.
+const REPLAYS: u64 = 1_000;
+
 /// Allocations a burst may make that do not grow with it (see the module docs): eight
 /// lists, each doubling at most log2(BURST) + 1 times. 96 for 2,000 routines.
 const ALLOWANCE: u64 = 8 * (BURST.ilog2() as u64 + 1);
@@ -38,10 +42,11 @@ const ALLOWANCE: u64 = 8 * (BURST.ilog2() as u64 + 1);
 fn issuing_allocates_nothing_in_steady_state() {
     the_counter_counts_what_a_burst_allocates();
     engine_schedules_with_dependencies_allocate_nothing();
-    engine_replays_allocate_only_the_events_they_return();
-    engine_replays_with_new_index_values_allocate_only_the_events_they_return();
+    engine_replays_allocate_nothing();
+    engine_replays_with_new_index_values_allocate_nothing();
     system_schedules_that_find_their_device_idle_allocate_nothing();
-    system_replays_allocate_a_constant_per_replay();
+    system_replays_allocate_nothing();
+    system_replays_with_new_index_values_allocate_nothing();
 }
 
 /// Replays a check lets run ahead of their completion.
@@ -55,13 +60,14 @@ fn issuing_allocates_nothing_in_steady_state() {
 /// leave: what a pipeline of bounded depth, a training loop's, does.
 const IN_FLIGHT: u64 = 16;
 
-/// Waits with `sync` after every [`IN_FLIGHT`]-th replay (`i` counts from 0).
+/// Waits with `wait` (for the last operations of the replay just made) after every
+/// [`IN_FLIGHT`]-th replay (`i` counts from 0).
 fn in_flight_at_most(
     i: u64,
-    sync: impl FnOnce() -> tributary::Result<()>,
+    wait: impl FnOnce() -> tributary::Result<()>,
 ) -> tributary::Result<()> {
     if i % IN_FLIGHT == IN_FLIGHT - 1 {
-        sync()?;
+        wait()?;
     }
     Ok(())
 }
@@ -86,6 +92,23 @@ fn spec(params: Vec<(TensorNode, Access)>) -> RoutineSpec {
         a.output::<i32>(out).map_err(|e| e.to_string())?[0] = 1;
         Ok(())
     })
+    .unwrap()
+}
+
+/// A CPU closure writing the value of its index `t`.
+fn indexed() -> RoutineSpec {
+    RoutineSpec::custom(
+        "indexed",
+        vec![(node("y", MemoryMode::on_device()), Access::Write)],
+        None,
+        |a| {
+            let t = a.index("t")?;
+            a.output::<i32>(0).map_err(|e| e.to_string())?[0] = t as i32;
+            Ok(())
+        },
+    )
+    .unwrap()
+    .with_index("t")
     .unwrap()
 }
 
@@ -133,7 +156,7 @@ fn engine_schedules_with_dependencies_allocate_nothing() {
     );
 }
 
-fn engine_replays_allocate_only_the_events_they_return() {
+fn engine_replays_allocate_nothing() {
     let mut e = Engine::cpu(EngineConfig {
         devices: 1,
         streams_per_device: 1,
@@ -156,18 +179,18 @@ fn engine_replays_allocate_only_the_events_they_return() {
             Ok(())
         })
         .unwrap();
-    let replays = BURST / STEP;
+    let replays = REPLAYS;
     let used = second_run(|| {
         for i in 0..replays {
-            e.replay(&step)?;
-            in_flight_at_most(i, || e.sync_all())?;
+            let lasts = e.replay(&step)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
         }
         e.sync_all()
     });
     assert!(
-        used <= replays + ALLOWANCE,
-        "{used} allocations for {replays} replays of {STEP} routines (at most one per replay, \
-         the list of events it returns, and {ALLOWANCE})"
+        used <= ALLOWANCE,
+        "{used} allocations for {replays} replays of {STEP} routines (at most {})",
+        ALLOWANCE
     );
 }
 
@@ -202,7 +225,7 @@ fn system_schedules_that_find_their_device_idle_allocate_nothing() {
 
 /// `Engine::replay_with`: the new index values travel in each stream's program, whose list
 /// of them its step keeps for the next replay.
-fn engine_replays_with_new_index_values_allocate_only_the_events_they_return() {
+fn engine_replays_with_new_index_values_allocate_nothing() {
     let mut e = Engine::cpu(EngineConfig {
         devices: 1,
         streams_per_device: 1,
@@ -210,20 +233,7 @@ fn engine_replays_with_new_index_values_allocate_only_the_events_they_return() {
     })
     .unwrap();
     let root = e.context(0, 0).unwrap();
-    let spec = RoutineSpec::custom(
-        "indexed",
-        vec![(node("y", MemoryMode::on_device()), Access::Write)],
-        None,
-        |a| {
-            let t = a.index("t")?;
-            a.output::<i32>(0).map_err(|e| e.to_string())?[0] = t as i32;
-            Ok(())
-        },
-    )
-    .unwrap()
-    .with_index("t")
-    .unwrap();
-    let r = e.link(&root, spec).unwrap();
+    let r = e.link(&root, indexed()).unwrap();
     const STEP: u64 = 8;
     let step = e
         .capture(|c| {
@@ -234,28 +244,26 @@ fn engine_replays_with_new_index_values_allocate_only_the_events_they_return() {
         })
         .unwrap();
     let mut values = step.bindings();
-    let replays = BURST / STEP;
+    let replays = REPLAYS;
     let used = second_run(|| {
         for i in 0..replays {
             values.shift("t", 1)?;
-            e.replay_with(&step, &values)?;
-            in_flight_at_most(i, || e.sync_all())?;
+            let lasts = e.replay_with(&step, &values)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
         }
         e.sync_all()
     });
     assert!(
-        used <= replays + ALLOWANCE,
+        used <= ALLOWANCE,
         "{used} allocations for {replays} replays of {STEP} routines with new index values (at \
-         most one per replay, the list of events it returns, and {ALLOWANCE})"
+         most {})",
+        ALLOWANCE
     );
 }
 
-/// A `System` replay still allocates its per-device part and one-shots (DESIGN.md §4,
-/// "Issuing without allocation"): a constant per replay, whatever the step's length.
-fn system_replays_allocate_a_constant_per_replay() {
-    /// Allocations one replay may make: its part, its check cell and list, the tickets
-    /// and their list, the event list when its step kept none free.
-    const PER_REPLAY: u64 = 10;
+/// A `System` replay on one device: its part travels in a pooled box, its tickets come
+/// back inline, its event lists are its step's.
+fn system_replays_allocate_nothing() {
     let sys = System::builder()
         .cpu_devices(1)
         .streams(StreamConfig::MostParallelStreams(1))
@@ -278,18 +286,57 @@ fn system_replays_allocate_a_constant_per_replay() {
             Ok(())
         })
         .unwrap();
-    let replays = BURST / STEP;
+    let replays = REPLAYS;
     let used = second_run(|| {
         for i in 0..replays {
-            sys.replay(&step)?;
-            in_flight_at_most(i, || sys.sync())?;
+            let lasts = sys.replay(&step)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
         }
         sys.sync()
     });
     sys.shutdown().unwrap();
     assert!(
-        used <= replays * PER_REPLAY + ALLOWANCE,
+        used <= ALLOWANCE,
         "{used} allocations for {replays} replays of {STEP} routines through System (at most \
-         {PER_REPLAY} per replay and {ALLOWANCE})"
+         {})",
+        ALLOWANCE
+    );
+}
+
+/// `System::replay_with`: the values travel in a list the step keeps and refills once no
+/// part holds it.
+fn system_replays_with_new_index_values_allocate_nothing() {
+    let sys = System::builder()
+        .cpu_devices(1)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()
+        .unwrap();
+    let r = sys.context(0, 0).unwrap().link(indexed()).unwrap();
+    let routine = r.routine().clone();
+    const STEP: u64 = 8;
+    let step = sys
+        .capture(|c| {
+            for _ in 0..STEP {
+                c.schedule_with(&routine, &[("t", 0)])?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let mut values = step.bindings();
+    let replays = REPLAYS;
+    let used = second_run(|| {
+        for i in 0..replays {
+            values.shift("t", 1)?;
+            let lasts = sys.replay_with(&step, &values)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
+        }
+        sys.sync()
+    });
+    sys.shutdown().unwrap();
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {replays} replays of {STEP} routines with new index values \
+         through System (at most {})",
+        ALLOWANCE
     );
 }

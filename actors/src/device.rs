@@ -2,22 +2,29 @@
 //!
 //! [`DeviceActor`] owns the engine's [`DeviceCore`] through its [`DeviceTurn`]. Host threads
 //! and the coordinator post operations to its inbox directly. By default, the post that finds
-//! the device idle decides on its own thread; otherwise it sends the actor one `Drain`
-//! message. A drained actor decides everything queued until the inbox is empty. Plans go
+//! the device idle decides on its own thread; otherwise it kicks the actor, which then
+//! drains: a [`Kicks`] flag the actor polls as a stream (a message would box its envelope
+//! every time). A drained actor decides everything queued until the inbox is empty. Plans go
 //! straight to the stream queues through a [`PlanSink`]. The actor never waits for work. See
 //! DESIGN.md §4, "Who decides".
 //!
 //! Public messages from [`crate::messages`] become the same operations, posted behind what
 //! is queued. Completions from the streams trigger pruning and deferred frees.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
-use actix::{Actor, Addr, AsyncContext, Context as ActorContext, Handler, ResponseFuture};
+use actix::{
+    prelude::Stream, Actor, Addr, AsyncContext, Context as ActorContext, Handler, ResponseFuture,
+    StreamHandler,
+};
 use tributary::{
     backend::StreamQueue,
     dispatch::{
         answer,
+        kicks::Kicks,
         messages::{DeviceOp, Query, Reply},
         DeviceTurn, Dispatcher, PlanSink, Progress,
     },
@@ -156,12 +163,12 @@ impl Actor for DeviceActor {
     type Context = ActorContext<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let me = ctx.address();
-        self.turn
-            .inbox()
-            .set_waker(Arc::new(move || me.do_send(Drain)));
+        let kicks = Arc::new(Kicks::new());
+        let kicked = kicks.clone();
+        self.turn.inbox().set_waker(Arc::new(move || kicked.kick()));
         // Posts made before the waker was set found the inbox idle and kicked nobody.
-        ctx.notify(Drain);
+        kicks.kick();
+        ctx.add_stream(Drains(kicks));
         let completed = ctx.address().recipient::<Completed>();
         for s in &self.streams {
             s.do_send(Subscribe(completed.clone()));
@@ -169,8 +176,18 @@ impl Actor for DeviceActor {
     }
 }
 
-impl Handler<Drain> for DeviceActor {
-    type Result = ();
+/// A device actor's kicks as a stream: one [`Drain`] per batch of kicks, never ending.
+struct Drains(Arc<Kicks>);
+
+impl Stream for Drains {
+    type Item = Drain;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Drain>> {
+        self.0.poll_kicked(cx).map(|()| Some(Drain))
+    }
+}
+
+impl StreamHandler<Drain> for DeviceActor {
     fn handle(&mut self, _: Drain, _: &mut Self::Context) {
         let _s = tracing::trace_span!("drain", device = %self.device()).entered();
         self.drain();

@@ -151,9 +151,9 @@ pub struct StreamLastEvent {
     pub stream: usize,
 }
 
-/// The device actor's inbox has operations to decide (sent by the post that found it idle).
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
+/// The device actor's inbox has operations to decide (a kick from the post that found it
+/// idle, read from the actor's stream of kicks).
+#[derive(Debug)]
 pub(crate) struct Drain;
 
 /// A stream completed operations up to `seq` (coalesced).

@@ -5,13 +5,11 @@
 //! operation per device, at one point of the program order. Other host threads' calls fall
 //! before or after a replay as a whole. See DESIGN.md §4, "Step capture and replay".
 
-use std::sync::Arc;
-
 use tributary::{
     dispatch::{answer, StepCapture},
     kernels::{Bindings, IntoBindings},
     protocol::{Context, Routine},
-    replay::{Step, StepBindings},
+    replay::{Step, StepBindings, StreamLasts},
     MergeBufferUse, Result, TensorNode,
 };
 
@@ -140,7 +138,7 @@ impl System {
     /// ([`tributary::Invalidation`]: a finalized context, a host write to a hosted node it
     /// reads, a moved merge buffer) is refused as a whole by its devices, every ticket then
     /// failing with [`tributary::Error::ReplayInvalidated`] and nothing issued.
-    pub fn replay(&self, step: &Step) -> Result<Vec<Ticket>> {
+    pub fn replay(&self, step: &Step) -> Result<StreamLasts<Ticket>> {
         self.replay_values(step, None)
     }
 
@@ -171,13 +169,16 @@ impl System {
     /// # sys.shutdown()?;
     /// # Ok::<(), Error>(())
     /// ```
-    pub fn replay_with(&self, step: &Step, values: &StepBindings) -> Result<Vec<Ticket>> {
+    pub fn replay_with(&self, step: &Step, values: &StepBindings) -> Result<StreamLasts<Ticket>> {
         step.check_bindings(values)?;
-        let values: Arc<[Bindings]> = values.values().into();
-        self.replay_values(step, Some(values))
+        self.replay_values(step, Some(values.values()))
     }
 
-    fn replay_values(&self, step: &Step, values: Option<Arc<[Bindings]>>) -> Result<Vec<Ticket>> {
+    fn replay_values(
+        &self,
+        step: &Step,
+        values: Option<&[Bindings]>,
+    ) -> Result<StreamLasts<Ticket>> {
         self.check_live()?;
         Ok(self
             .dispatcher()

@@ -28,7 +28,7 @@ use crate::{
 use super::{
     inbox::Inbox,
     messages::{Delivery, DeviceOp, Query, ReadValue, Record, Reply, SourceLink, Verdict},
-    replay::ReplayPart,
+    replay::{PartBox, ReplayPart},
 };
 
 /// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
@@ -506,41 +506,40 @@ impl DeviceCore {
 
     /// This device's part of a replay (`super::replay`): checks, waits for every other
     /// part's check, then issues its templates (waiting where a copy's source has not
-    /// answered yet).
-    fn replay(
-        &mut self,
-        inbox: &Arc<Inbox<DeviceOp>>,
-        stamp: u64,
-        mut part: Box<ReplayPart>,
-    ) -> Handled {
+    /// answered yet). The part's box goes back to its pool when the part is done or
+    /// refused.
+    fn replay(&mut self, inbox: &Arc<Inbox<DeviceOp>>, stamp: u64, mut boxed: PartBox) -> Handled {
+        let Some(part) = boxed.part() else {
+            return Handled::Done;
+        };
         let hosted = !part.step.hosted_nodes().is_empty();
         if !part.started {
             let checked = self.with_host(hosted, stamp, |s, h| s.check_replay(&part.step, h));
             let checked = checked.map_err(|why| crate::protocol::invalidated(part.step_id, why));
-            if let Some(check) = part.check.take() {
-                check.send(checked);
-            }
             part.run.rebase(stamp, stamp);
             part.started = true;
+            match part.check.take() {
+                Some(check) => check.send(checked),
+                // Alone on its step: its own check is the verdict.
+                None => match checked {
+                    Ok(()) => part.go = true,
+                    Err(e) => return self.refuse_replay(boxed, &e),
+                },
+            }
         }
         let waker = self.kick_waker(inbox);
         if !part.go && mutant!("replay_barrier") {
             // The shape without the barrier: each part issues on its own check alone.
-            if let Some(Err(e)) = part.checks.get(part.index).and_then(|c| c.get()) {
-                let state = &self.state;
-                part.refuse(&e, |i| state.issued(i));
-                return Handled::Done;
+            let own = part.checks.as_ref().and_then(|c| c.get(part.index));
+            if let Some(Err(e)) = own.and_then(|c| c.get()) {
+                return self.refuse_replay(boxed, &e);
             }
             part.go = true;
         }
         if !part.go {
             match part.poll_checks(&waker) {
-                None => return Handled::Blocked(DeviceOp::Replay { stamp, part }),
-                Some(Err(e)) => {
-                    let state = &self.state;
-                    part.refuse(&e, |i| state.issued(i));
-                    return Handled::Done;
-                }
+                None => return Handled::Blocked(DeviceOp::Replay { stamp, part: boxed }),
+                Some(Err(e)) => return self.refuse_replay(boxed, &e),
                 Some(Ok(())) => part.go = true,
             }
         }
@@ -558,7 +557,7 @@ impl DeviceCore {
         self.programs = programs;
         match progress {
             crate::protocol::ReplayProgress::Blocked => {
-                Handled::Blocked(DeviceOp::Replay { stamp, part })
+                Handled::Blocked(DeviceOp::Replay { stamp, part: boxed })
             }
             crate::protocol::ReplayProgress::Done => {
                 for (promise, event) in std::mem::take(&mut part.last)
@@ -567,11 +566,21 @@ impl DeviceCore {
                 {
                     promise.resolve(Planned::At(event.seq()));
                 }
-                let ReplayPart { step, run, .. } = *part;
-                step.give_back_events(run.into_events());
+                if let Some(ReplayPart { step, run, .. }) = boxed.take() {
+                    step.give_back_events(run.into_events());
+                }
                 Handled::Done
             }
         }
+    }
+
+    /// Refuses a replay's part with `error` (see [`ReplayPart::refuse`]).
+    fn refuse_replay(&self, boxed: PartBox, error: &Error) -> Handled {
+        if let Some(part) = boxed.take() {
+            let state = &self.state;
+            part.refuse(error, |i| state.issued(i));
+        }
+        Handled::Done
     }
 
     fn check_stream(&self, stream: StreamId) -> Result<()> {

@@ -326,7 +326,7 @@ pub(super) fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<H
         // A replay uploads nothing (it is refused if a hosted node it reads lags), but it
         // reads host versions and writes hosted nodes' buffers: ordered as an upload.
         DeviceOp::Replay { part, .. } => {
-            for n in part.step.hosted_nodes() {
+            for n in part.get().iter().flat_map(|p| p.step.hosted_nodes()) {
                 f(n, Some(HostUse::Upload));
             }
         }

@@ -20,7 +20,7 @@ use crate::{
     sync::Arc,
 };
 
-pub use super::replay::ReplayPart;
+pub use super::replay::{PartBox, ReplayPart};
 pub use super::steps::Record;
 
 /// What the caller of an operation waits on: the cell its [`Reply`] fills.
@@ -269,7 +269,7 @@ pub enum DeviceOp {
         /// Program-order stamp of the step's position 0.
         stamp: u64,
         /// The part.
-        part: Box<ReplayPart>,
+        part: PartBox,
     },
     /// `op`, decided only once every gate is answered: fences of other devices that must
     /// have decided their earlier operations first (host-array order, `hosted.rs`).
@@ -404,7 +404,11 @@ impl DeviceOp {
                 Query::DebugInfo(r) => r.send(Err(error.clone())),
                 Query::Sweep(r) | Query::Fence(r) => r.send(Err(error.clone())),
             },
-            DeviceOp::Replay { part, .. } => part.refuse(error, issued),
+            DeviceOp::Replay { part, .. } => {
+                if let Some(p) = part.take() {
+                    p.refuse(error, issued)
+                }
+            }
             DeviceOp::Gated { op, .. } | DeviceOp::Recorded { op, .. } => op.refuse(error, issued),
         }
     }

@@ -8,6 +8,7 @@
 //! wake-ups, and in the loom models of `loom_tests/actors.rs`. See DESIGN.md §4.
 //!
 //! - [`inbox`]: a device's mailbox, posted to atomically across devices, drained in batches.
+//! - [`kicks`]: a consumer's wake-ups without a message.
 //! - [`messages`]: the operations an inbox carries.
 //! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state.
 //! - [`DeviceTurn`]: who runs them, the actor's thread or the host thread that posted.
@@ -26,11 +27,13 @@
 //! | `steps.rs` (`StepCapture`), `replay.rs` (`ReplayPart`) | `steps.rs` (`SystemCapture`, replays) |
 //! | `hosted.rs` (gates) | `host_arrays.rs` (host reads and writes) |
 //! | `inbox.rs` | (the actor's mailbox is this inbox) |
+//! | `kicks.rs` (`Kicks`) | `device.rs` (the actor's wake-ups, a stream) |
 //! | `src/event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
 
 mod device;
 mod hosted;
 pub mod inbox;
+pub mod kicks;
 pub mod messages;
 mod replay;
 mod steps;

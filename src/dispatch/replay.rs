@@ -4,8 +4,16 @@
 //! atomic post. Each part carries the one-shots it shares with the other parts: each copy's
 //! [`PendingEvent`] and answer, a check per device, and a promise per stream for its last
 //! event. A replay is all or nothing across devices, so no part issues anything until every
-//! part's check has answered. A part that waits blocks its inbox as a copy's destination half
-//! does. See DESIGN.md §4, "Step capture and replay".
+//! part's check has answered (a one-device step's part answers only itself: it has no check
+//! cells). A part that waits blocks its inbox as a copy's destination half does. See
+//! DESIGN.md §4, "Step capture and replay".
+//!
+//! A one-device replay allocates nothing in steady state (DESIGN.md §4, "Issuing without
+//! allocation"): its part travels in a box the device gives back to the dispatcher's
+//! [`PartBoxes`], its pending events' cells are pooled, its event lists are its step's, its
+//! index values share a list its step keeps ([`Step::shared_values`]), and its tickets come
+//! back inline ([`StreamLasts`]). A replay across devices still allocates its check cells
+//! and, per copy, its answer.
 
 use std::sync::Arc as StdArc;
 
@@ -18,7 +26,8 @@ use crate::{
     kernels::Bindings,
     pending::{PendingEvent, Planned, SeqPromise},
     protocol::{invalidated, Dep, DeviceStep, ReplayLinks, ReplayRun},
-    replay::Step,
+    replay::{Step, StreamLasts},
+    sync::Mutex,
 };
 
 use super::{
@@ -37,10 +46,11 @@ pub struct ReplayPart {
     pub(crate) step_id: u64,
     /// The replay's index values, by schedule slot (`None`: the captured ones).
     pub(crate) values: Option<StdArc<[Bindings]>>,
-    /// This device's check, answered once it checked.
+    /// This device's check, answered once it checked (`None` alone on its step).
     pub(crate) check: Option<Reply<()>>,
-    /// Every part's check (this device's too), in device order.
-    pub(crate) checks: StdArc<[Answer<()>]>,
+    /// Every part's check (this device's too), in device order; `None` for the part of a
+    /// one-device step, which goes on its own check alone.
+    pub(crate) checks: Option<StdArc<[Answer<()>]>>,
     /// This part's place in `checks`.
     pub(crate) index: usize,
     /// Every part answered `Ok`: issuing.
@@ -87,7 +97,7 @@ impl ReplayPart {
     /// it does), else the first refusal in device order, or `Ok`.
     pub(crate) fn poll_checks(&self, waker: &Waker) -> Option<Result<()>> {
         let mut verdict = Ok(());
-        for check in self.checks.iter() {
+        for check in self.checks.iter().flat_map(|c| c.iter()) {
             match check.poll_get(waker) {
                 None => return None,
                 Some(Err(e)) if verdict.is_ok() => verdict = Err(e),
@@ -166,6 +176,72 @@ impl std::fmt::Debug for ReplayPart {
     }
 }
 
+/// A [`ReplayPart`] in a box that goes back to its dispatcher's pool (`PartBoxes`) when the part
+/// is taken out (done or refused), for the next replay to fill.
+#[derive(Debug)]
+pub struct PartBox {
+    part: Box<Option<ReplayPart>>,
+    pool: StdArc<PartBoxes>,
+}
+
+impl PartBox {
+    /// The part (`None` once taken).
+    pub(crate) fn part(&mut self) -> Option<&mut ReplayPart> {
+        Option::as_mut(&mut self.part)
+    }
+
+    /// The part, to read (`None` once taken).
+    pub(crate) fn get(&self) -> Option<&ReplayPart> {
+        Option::as_ref(&self.part)
+    }
+
+    /// Takes the part out and gives the box back.
+    pub(crate) fn take(mut self) -> Option<ReplayPart> {
+        let part = self.part.take();
+        self.pool.give_back(self.part);
+        part
+    }
+}
+
+/// Boxes of replay parts, reused (see the module documentation). A box comes back empty,
+/// so the pool holds no step, promise or answer alive.
+#[derive(Debug, Default)]
+pub struct PartBoxes {
+    // The boxes themselves are what is pooled: a part moves between threads in one.
+    #[allow(clippy::vec_box)]
+    free: Mutex<Vec<Box<Option<ReplayPart>>>>,
+}
+
+/// Boxes a [`PartBoxes`] keeps at most; more are freed.
+const POOLED_PARTS: usize = 64;
+
+impl PartBoxes {
+    /// An empty pool.
+    pub fn new() -> StdArc<PartBoxes> {
+        StdArc::new(PartBoxes::default())
+    }
+
+    /// `part` in a box of this pool (a new one if none is free).
+    fn boxed(self: &StdArc<Self>, part: ReplayPart) -> PartBox {
+        let mut b = self.free.lock().pop().unwrap_or_else(|| Box::new(None));
+        *b = Some(part);
+        PartBox {
+            part: b,
+            pool: self.clone(),
+        }
+    }
+
+    fn give_back(&self, b: Box<Option<ReplayPart>>) {
+        if b.is_some() {
+            return;
+        }
+        let mut free = self.free.lock();
+        if free.len() < POOLED_PARTS {
+            free.push(b);
+        }
+    }
+}
+
 impl Dispatcher {
     /// Replays `step` (with `values` for its schedules with indices, checked by the caller,
     /// or those it was captured with): one [`DeviceOp::Replay`] per device, posted at one
@@ -175,8 +251,8 @@ impl Dispatcher {
     pub fn replay(
         &self,
         step: &Step,
-        values: Option<StdArc<[Bindings]>>,
-    ) -> Result<Vec<PendingEvent>> {
+        values: Option<&[Bindings]>,
+    ) -> Result<StreamLasts<PendingEvent>> {
         let inner = &step.inner;
         let index: SmallVec<[usize; 4]> = inner
             .devices
@@ -190,6 +266,7 @@ impl Dispatcher {
                 })
             })
             .collect::<Result<_>>()?;
+        let values = values.map(|v| step.shared_values(v));
         // Per edge: the destination operation (its pending event and promise) and the
         // source's answer.
         let mut readers = Vec::with_capacity(inner.edges.len());
@@ -207,10 +284,22 @@ impl Dispatcher {
             replies.push(Some(r));
             answers.push(Some(a));
         }
-        let (check_replies, checks): (SmallVec<[_; 4]>, SmallVec<[_; 4]>) =
-            inner.devices.iter().map(|_| reply::<()>()).unzip();
-        let checks: StdArc<[Answer<()>]> = checks.into_iter().collect();
-        let mut last = Vec::new();
+        // A one-device step's part goes on its own check: no cells to share.
+        let alone = inner.devices.len() == 1;
+        let (check_replies, checks): (SmallVec<[_; 4]>, SmallVec<[_; 4]>) = if alone {
+            (std::iter::once(None).collect(), SmallVec::new())
+        } else {
+            inner
+                .devices
+                .iter()
+                .map(|_| {
+                    let (r, a) = reply::<()>();
+                    (Some(r), a)
+                })
+                .unzip()
+        };
+        let checks: Option<StdArc<[Answer<()>]>> = (!alone).then(|| checks.into_iter().collect());
+        let mut last = StreamLasts::new();
         let mut parts: SmallVec<[Part; 2]> = SmallVec::new();
         let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
         for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
@@ -247,7 +336,7 @@ impl Dispatcher {
                 step: d.clone(),
                 step_id: inner.id,
                 values: values.clone(),
-                check: Some(check),
+                check,
                 checks: checks.clone(),
                 index: k,
                 go: false,
@@ -259,7 +348,7 @@ impl Dispatcher {
             };
             let op = DeviceOp::Replay {
                 stamp: 0,
-                part: Box::new(part),
+                part: self.part_boxes().boxed(part),
             };
             parts.push(Part::new(index[k], 0, 0, op).with_span(span));
         }

@@ -37,6 +37,7 @@ use super::{
     inbox::{post_atomically, Inbox, Refused},
     messages::Part,
     messages::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, Record, SourceLink},
+    replay::PartBoxes,
 };
 
 /// Stamps reserved per step of a call (a copy's source half takes the first ones, its
@@ -100,6 +101,8 @@ pub struct Dispatcher {
     fences: FenceCounts,
     /// The cells of the pending events this dispatcher hands out, reused.
     cells: Arc<CellPool>,
+    /// The boxes of replay parts, reused.
+    parts: StdArc<PartBoxes>,
 }
 
 /// How often host-array order cost a fence (statistics, [`Dispatcher::fence_counts`]).
@@ -136,6 +139,7 @@ impl Dispatcher {
             nodes: NodeLocks::default(),
             fences: FenceCounts::default(),
             cells: CellPool::new(),
+            parts: PartBoxes::new(),
         }
     }
 
@@ -197,6 +201,11 @@ impl Dispatcher {
 
     fn pending(&self, stream: StreamId) -> Result<(PendingEvent, SeqPromise)> {
         Ok(PendingEvent::pooled(self.timeline(stream)?, &self.cells))
+    }
+
+    /// The boxes replay parts travel in (`super::replay`).
+    pub(super) fn part_boxes(&self) -> &StdArc<PartBoxes> {
+        &self.parts
     }
 
     /// A pending operation on `stream` and the promise that decides it (for messages that

@@ -19,7 +19,7 @@ use crate::{
         invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, ReplayLinks,
         ReplayProgress, ReplayRun, Routine, StepRecorder, StreamProgram, OP_STAMPS,
     },
-    replay::{Edge, Step, StepBindings},
+    replay::{Edge, Step, StepBindings, StreamLasts},
 };
 
 /// The calls of a step being captured ([`Engine::capture`]): each runs for real, as the
@@ -254,18 +254,26 @@ impl Engine {
     /// and for each other as captured. Returns the last event of every stream the step
     /// runs on. [`Error::ReplayInvalidated`] (nothing planned) if something the captured
     /// decisions depend on changed ([`Invalidation`]).
-    pub fn replay(&mut self, step: &Step) -> Result<Vec<Event>> {
+    pub fn replay(&mut self, step: &Step) -> Result<StreamLasts<Event>> {
         self.replay_values(step, None)
     }
 
     /// [`Engine::replay`] with new index values for the captured schedules (see
     /// [`StepBindings`]); values of another shape are [`Invalidation::BindingShape`].
-    pub fn replay_with(&mut self, step: &Step, values: &StepBindings) -> Result<Vec<Event>> {
+    pub fn replay_with(
+        &mut self,
+        step: &Step,
+        values: &StepBindings,
+    ) -> Result<StreamLasts<Event>> {
         step.check_bindings(values)?;
         self.replay_values(step, Some(values.values()))
     }
 
-    fn replay_values(&mut self, step: &Step, values: Option<&[Bindings]>) -> Result<Vec<Event>> {
+    fn replay_values(
+        &mut self,
+        step: &Step,
+        values: Option<&[Bindings]>,
+    ) -> Result<StreamLasts<Event>> {
         let inner = &step.inner;
         let mut index: SmallVec<[usize; 4]> = SmallVec::new();
         for d in &inner.devices {
@@ -310,7 +318,7 @@ impl Engine {
                 Some(ReplayRun::with_events(d.clone(), base, host_base, events))
             })
             .collect();
-        let mut events = Vec::new();
+        let mut events = StreamLasts::new();
         // Every plan is submitted once the whole step is planned, in issue order: a
         // device's template may wait for a copy another device plans later in this loop
         // (`DepRef::Remote`), and a backend (or a recorder) may need its dependencies

@@ -25,7 +25,7 @@ fn capture_schedule(e: &mut Engine, routine: &Routine) -> Step {
     .expect("capture")
 }
 
-fn invalidation(r: tributary::Result<Vec<tributary::Event>>) -> Invalidation {
+fn invalidation(r: tributary::Result<tributary::StreamLasts<tributary::Event>>) -> Invalidation {
     match r {
         Err(Error::ReplayInvalidated { why, .. }) => why,
         other => panic!("expected ReplayInvalidated, got {other:?}"),

@@ -6,7 +6,9 @@
 //! `system_captured_steps_match_the_reference`.)
 
 use support::{add_index, node, N};
-use tributary::{kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step, TensorNode};
+use tributary::{
+    kernels, Error, Invalidation, MemoryMode, MergeBufferUse, Step, StreamLasts, TensorNode,
+};
 use tributary_actors::{RoutineHandle, System, Ticket};
 use tributary_testkit::support;
 
@@ -31,7 +33,7 @@ fn capture_schedule(sys: &System, routine: &RoutineHandle) -> Step {
 }
 
 /// The invalidation every ticket of a refused replay carries (all the same kind).
-fn invalidation(tickets: Vec<Ticket>) -> Invalidation {
+fn invalidation(tickets: StreamLasts<Ticket>) -> Invalidation {
     assert!(!tickets.is_empty(), "a replay returns a ticket per stream");
     let mut kinds = tickets.into_iter().map(|t| match t.wait() {
         Err(Error::ReplayInvalidated { why, .. }) => why,

@@ -187,6 +187,6 @@ impl Cluster {
                 });
             }
         }
-        Ok(ClusterTicket::new(issued, tickets))
+        Ok(ClusterTicket::new(issued, tickets.into_vec()))
     }
 }
