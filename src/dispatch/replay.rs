@@ -212,8 +212,12 @@ pub struct PartBoxes {
     free: Mutex<Vec<Box<Option<ReplayPart>>>>,
 }
 
-/// Boxes a [`PartBoxes`] keeps at most; more are freed.
-const POOLED_PARTS: usize = 64;
+/// Boxes a [`PartBoxes`] keeps at most; more are freed. A part holds its box only while it
+/// waits in its device's inbox or for its copies, so the default inbox capacity
+/// (`SystemConfig::mailbox_capacity`, 4,096) bounds what a host that runs ahead needs: a
+/// burst that queued that many replays is followed by ones that allocate no box. The pool
+/// is a high-water mark: empty boxes, a few hundred bytes each.
+const POOLED_PARTS: usize = 4096;
 
 impl PartBoxes {
     /// An empty pool.

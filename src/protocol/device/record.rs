@@ -155,8 +155,10 @@ pub struct DeviceStep {
     pub(crate) spare_events: crate::sync::Mutex<Vec<Vec<crate::event::Event>>>,
 }
 
-/// Event lists a step keeps for its next replays (more are freed).
-const SPARE_EVENT_LISTS: usize = 64;
+/// Event lists a step keeps for its next replays (more are freed): as many as the actor
+/// layer's default inbox holds replays (see `POOLED_PARTS` in `src/dispatch/replay.rs`), a
+/// high-water mark of what the program ran ahead.
+const SPARE_EVENT_LISTS: usize = 4096;
 
 /// A program's dependency list, its per-operation ends into it (both inline for a lane of
 /// up to eight operations with a dependency each) and its new index values: kept for reuse
