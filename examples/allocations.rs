@@ -1,7 +1,7 @@
 //! Heap allocations per scheduled routine in steady state, counted by a global allocator:
 //! `Engine` and `System`, issuing and replaying a captured step, on one CPU device with one
-//! stream (issue 30's target: none). A user-written loop over the same closures allocates
-//! nothing, which is the baseline.
+//! stream, and on two devices with a copy between them (issue 30's target: none). A
+//! user-written loop over the same closures allocates nothing, which is the baseline.
 //!
 //! ```sh
 //! cargo run --release --example allocations            # 20,000 routines per row
@@ -16,7 +16,7 @@
 use tributary::{
     kernels::{Access, RoutineSpec},
     protocol::Routine,
-    DType, Engine, EngineConfig, MemoryMode, TensorNode,
+    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
 use tributary_testkit::alloc_count::{allocations_of_second_run, Counting};
@@ -103,6 +103,49 @@ fn system_rows(n: u64) -> tributary::Result<(f64, f64)> {
     Ok((issuing, replaying))
 }
 
+/// Two devices: a write of `x` on device 0, then a copy of `x` to device 1 (each copy waits
+/// for the write on the other device). Per operation (a write or a copy), issuing and
+/// replaying a captured step of [`STEP`] pairs.
+fn system_copy_rows(n: u64) -> tributary::Result<(f64, f64)> {
+    let sys = System::builder()
+        .cpu_devices(2)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()?;
+    let x = TensorNode::new("x", DType::I32, [1])
+        .with_mode(MemoryMode::OnDevice(Sharing::SharedCrossStreams))?;
+    let write = RoutineSpec::custom("write", vec![(x.clone(), Access::Write)], None, |a| {
+        a.output::<i32>(0).map_err(|e| e.to_string())?[0] = 1;
+        Ok(())
+    })?;
+    let read = RoutineSpec::custom("read", vec![(x.clone(), Access::Read)], None, |_| Ok(()))?;
+    let write = sys.context(0, 0)?.link(write)?;
+    let read = sys.context(1, 0)?.link(read)?;
+    let (src, dst) = (write.context().clone(), read.context().clone());
+    let write = write.routine().clone();
+    let issuing = per_routine(n, |k| {
+        for _ in 0..k / 2 {
+            sys.schedule(&write)?;
+            sys.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+        }
+        sys.sync()
+    })?;
+    let step = sys.capture(|c| {
+        for _ in 0..STEP / 2 {
+            c.schedule(&write)?;
+            c.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+        }
+        Ok(())
+    })?;
+    let replaying = per_routine(n, |k| {
+        for _ in 0..k / STEP {
+            sys.replay(&step)?;
+        }
+        sys.sync()
+    })?;
+    sys.shutdown()?;
+    Ok((issuing, replaying))
+}
+
 fn main() -> tributary::Result<()> {
     let arg = std::env::args().nth(1);
     if matches!(arg.as_deref(), Some("--help" | "-h")) {
@@ -128,13 +171,18 @@ fn main() -> tributary::Result<()> {
     })?;
     let (engine_issuing, engine_replaying) = engine_rows(n)?;
     let (system_issuing, system_replaying) = system_rows(n)?;
+    let (copy_issuing, copy_replaying) = system_copy_rows(n)?;
     println!(
-        "heap allocations per routine, steady state, {n} routines per row (1 CPU device, 1 stream)"
+        "heap allocations per routine, steady state, {n} routines per row (CPU devices, 1 stream each)"
     );
     println!("| runner | issuing | replaying a captured step of {STEP} |");
     println!("|---|---:|---:|");
     println!("| plain loop (baseline) | {baseline:.2} | - |");
     println!("| `Engine` | {engine_issuing:.2} | {engine_replaying:.2} |");
     println!("| `System` | {system_issuing:.2} | {system_replaying:.2} |");
+    println!(
+        "| `System`, 2 devices: writes and copies between them | {copy_issuing:.2} | \
+         {copy_replaying:.2} |"
+    );
     Ok(())
 }

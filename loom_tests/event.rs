@@ -276,6 +276,41 @@ fn async_vs_poison() {
     });
 }
 
+/// A deferred event (a copy's reader, left in the source's tables) can be a cell's last
+/// holder: the ticket and the promise are gone while another thread still reads the
+/// event. Its cell comes back to the pool only when that thread drops it, so the next
+/// operation never gets a cell that thread still reads (mutant `cell_reuse`: the cell is
+/// emptied while the reader reads it, which then sees no decision, or the next operation's
+/// decision).
+#[test]
+fn a_deferred_event_gives_its_cell_back_only_as_its_last_holder() {
+    run_model(
+        "event::a_deferred_event_gives_its_cell_back_only_as_its_last_holder",
+        builder(None),
+        || {
+            let pool = CellPool::new();
+            let t = Timeline::new(sid());
+            let (ticket, promise) = PendingEvent::pooled(t.clone(), &pool);
+            let reader = ticket.event();
+            promise.resolve(Planned::At(1));
+            drop(ticket);
+            let h = thread::spawn(move || {
+                let seq = reader.planned_seq();
+                drop(reader);
+                seq
+            });
+            let (next, promise) = PendingEvent::pooled(t, &pool);
+            promise.resolve(Planned::At(2));
+            assert_eq!(next.planned(), Some(Planned::At(2)));
+            assert_eq!(
+                h.join().unwrap(),
+                Some(1),
+                "the reader saw its own decision"
+            );
+        },
+    );
+}
+
 /// A pending event's cell comes back to its pool only from its last holder: the ticket
 /// waiting for its operation while the deciding thread resolves it always sees the
 /// decision, and the next operation gets an empty cell (mutant `cell_reuse`: a cell

@@ -1,8 +1,9 @@
 //! Issuing and replaying allocate nothing in steady state (DESIGN.md §4, "Issuing without
 //! allocation"): an `Engine` schedule, its dependencies and its run on the CPU backend, a
-//! `System` schedule whose call finds its device idle, and replays of a captured step on
-//! one device, through the `Engine` and through `System`, with the captured index values
-//! and with new ones.
+//! `System` schedule whose call finds its device idle, copies between devices, and replays
+//! of a captured step (on one device, with the captured index values and with new ones;
+//! across two devices, with a copy between them), each through the `Engine` and through
+//! `System`.
 //!
 //! Not in a suite (`tests/<suite>/main.rs`): alone in its own test binary, because its
 //! global allocator counts the allocations of every thread of the process, which any other
@@ -17,7 +18,7 @@
 
 use tributary::{
     kernels::{Access, RoutineSpec},
-    DType, Engine, EngineConfig, MemoryMode, Sharing, TensorNode,
+    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
 use tributary_testkit::alloc_count::{allocations_of_second_run, Counting};
@@ -47,6 +48,10 @@ fn issuing_allocates_nothing_in_steady_state() {
     system_schedules_that_find_their_device_idle_allocate_nothing();
     system_replays_allocate_nothing();
     system_replays_with_new_index_values_allocate_nothing();
+    engine_copies_between_devices_allocate_nothing();
+    system_copies_between_devices_allocate_nothing();
+    engine_replays_across_devices_allocate_nothing();
+    system_replays_across_devices_allocate_nothing();
 }
 
 /// Replays a check lets run ahead of their completion.
@@ -338,5 +343,145 @@ fn system_replays_with_new_index_values_allocate_nothing() {
         "{used} allocations for {replays} replays of {STEP} routines with new index values \
          through System (at most {})",
         ALLOWANCE
+    );
+}
+
+/// Device 0 writes `x`, then `x` is copied to device 1: every copy waits for the write on
+/// another device, and the next write for the copy's read.
+fn copy_specs() -> (TensorNode, RoutineSpec, RoutineSpec) {
+    let x = node("x", MemoryMode::OnDevice(Sharing::SharedCrossStreams));
+    let write = spec(vec![(x.clone(), Access::Write)]);
+    let read =
+        RoutineSpec::custom("read", vec![(x.clone(), Access::Read)], None, |_| Ok(())).unwrap();
+    (x, write, read)
+}
+
+/// `Engine::device_to_device` after a write on the source device: the copy's plans, its
+/// dependencies on the other device and its run.
+fn engine_copies_between_devices_allocate_nothing() {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 2,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let (x, write, read) = copy_specs();
+    let (d0, d1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
+    let write = e.link(&d0, write).unwrap();
+    let read = e.link(&d1, read).unwrap();
+    let (src, dst) = (write.context().clone(), read.context().clone());
+    let copies = BURST / 2;
+    let used = second_run(|| {
+        for i in 0..copies {
+            e.schedule(&write)?;
+            let copied = e.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+            in_flight_at_most(i, || copied.map_or(Ok(()), |c| c.wait()))?;
+        }
+        e.sync_all()
+    });
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {copies} writes and copies between devices (at most {ALLOWANCE})"
+    );
+}
+
+/// `System::device_to_device` after a write on the source device: its two halves posted at
+/// once, the source's verdict to the destination (a pooled cell), the reader the source
+/// records (a deferred event whose cell goes back to its pool).
+fn system_copies_between_devices_allocate_nothing() {
+    let sys = System::builder()
+        .cpu_devices(2)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()
+        .unwrap();
+    let (x, write, read) = copy_specs();
+    let write = sys.context(0, 0).unwrap().link(write).unwrap();
+    let read = sys.context(1, 0).unwrap().link(read).unwrap();
+    let (src, dst) = (write.context().clone(), read.context().clone());
+    let write = write.routine().clone();
+    let copies = BURST / 2;
+    let used = second_run(|| {
+        for i in 0..copies {
+            sys.schedule(&write)?;
+            let copied = sys.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+            in_flight_at_most(i, || copied.map_or(Ok(()), |c| c.wait()))?;
+        }
+        sys.sync()
+    });
+    sys.shutdown().unwrap();
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {copies} writes and copies between devices through System (at \
+         most {ALLOWANCE})"
+    );
+}
+
+/// `Engine::replay` of a step across two devices: a write on device 0, a copy to device 1.
+fn engine_replays_across_devices_allocate_nothing() {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 2,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let (x, write, read) = copy_specs();
+    let (d0, d1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
+    let write = e.link(&d0, write).unwrap();
+    let read = e.link(&d1, read).unwrap();
+    let (src, dst) = (write.context().clone(), read.context().clone());
+    let step = e
+        .capture(|c| {
+            c.schedule(&write)?;
+            c.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+            Ok(())
+        })
+        .unwrap();
+    let replays = REPLAYS;
+    let used = second_run(|| {
+        for i in 0..replays {
+            let lasts = e.replay(&step)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
+        }
+        e.sync_all()
+    });
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {replays} replays across two devices (at most {ALLOWANCE})"
+    );
+}
+
+/// `System::replay` of a step across two devices: the parts' checks and the copy's answer
+/// are pooled cells, its edge lists inline.
+fn system_replays_across_devices_allocate_nothing() {
+    let sys = System::builder()
+        .cpu_devices(2)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()
+        .unwrap();
+    let (x, write, read) = copy_specs();
+    let write = sys.context(0, 0).unwrap().link(write).unwrap();
+    let read = sys.context(1, 0).unwrap().link(read).unwrap();
+    let (src, dst) = (write.context().clone(), read.context().clone());
+    let write = write.routine().clone();
+    let step = sys
+        .capture(|c| {
+            c.schedule(&write)?;
+            c.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+            Ok(())
+        })
+        .unwrap();
+    let replays = REPLAYS;
+    let used = second_run(|| {
+        for i in 0..replays {
+            let lasts = sys.replay(&step)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
+        }
+        sys.sync()
+    });
+    sys.shutdown().unwrap();
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {replays} replays across two devices through System (at most \
+         {ALLOWANCE})"
     );
 }

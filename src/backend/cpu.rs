@@ -35,7 +35,7 @@ use crate::{
     ids::{DeviceId, PoolId, StreamId},
     kernels::{run_cpu, ArgView, Kernel, KernelArgs, KernelMode},
     memory::AlignedBuffer,
-    protocol::{ArgBinding, GlobalLoc, Plan, StreamProgram, Work},
+    protocol::{ArgBinding, GlobalLoc, Plan, PlanLabel, StreamProgram, Work},
     sync::{Arc as SyncArc, Mutex},
     trace::{Recorder, TraceKind, TraceRecord},
 };
@@ -211,8 +211,8 @@ enum Job {
 }
 
 struct Submitted {
-    /// The plan's label (for a routine, its name, shared: no allocation per plan).
-    plan_label: Arc<str>,
+    /// The plan's label (text only when displayed: no allocation per plan).
+    plan_label: PlanLabel,
     seq: u64,
     deps: crate::protocol::Deps,
     job: std::result::Result<Job, String>,
@@ -414,10 +414,7 @@ impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
         plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
-        let plan_label = match &plan.work {
-            Work::Run { name, .. } => name.clone(),
-            other => other.label().into(),
-        };
+        let plan_label = plan.work.plan_label();
         let item = Submitted {
             plan_label,
             seq,
@@ -517,7 +514,7 @@ impl Drop for CpuStream {
 /// One operation whose dependencies are all decided, as [`complete`] runs it: a submitted
 /// plan, or an operation of a program.
 struct Ready<'a> {
-    label: &'a str,
+    label: &'a PlanLabel,
     seq: u64,
     deps: &'a [crate::protocol::Dep],
 }

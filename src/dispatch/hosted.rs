@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::sync::atomic::AtomicU64;
 use std::task::{Context as TaskContext, Poll, Waker};
 
-use super::messages::{reply, Delivery, DeviceOp, Part, Query};
+use super::messages::{reply, Delivery, DeviceOp, Part, Parts, Query};
 use crate::{
     ids::NodeId,
     node::TensorNode,
@@ -347,7 +347,7 @@ pub(super) fn hosted_uses(op: &DeviceOp, mut f: impl FnMut(&TensorNode, Option<H
 pub(super) fn gate(
     locks: &NodeLocks,
     gates_posted: &AtomicU64,
-    parts: &mut Vec<Part>,
+    parts: &mut Parts,
     held: Option<&NodeGuard>,
 ) -> Vec<NodeGuard> {
     let mut uses: Vec<(usize, TensorNode, Option<HostUse>)> = Vec::new();

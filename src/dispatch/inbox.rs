@@ -25,6 +25,8 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+use smallvec::SmallVec;
+
 use crate::{
     ids::DeviceId,
     sync::{Arc, Condvar, Mutex, MutexGuard},
@@ -358,7 +360,9 @@ pub fn post_atomically<T>(
         "inboxes must be sorted by device, without duplicates"
     );
     loop {
-        let mut guards: Vec<MutexGuard<'_, InboxState<T>>> = Vec::with_capacity(inboxes.len());
+        // Inline up to four inboxes: a post allocates nothing (DESIGN.md §4, "Issuing
+        // without allocation").
+        let mut guards: SmallVec<[MutexGuard<'_, InboxState<T>>; 4]> = SmallVec::new();
         let mut full = None;
         for (i, inbox) in inboxes.iter().enumerate() {
             let g = inbox.state.lock();
@@ -380,7 +384,7 @@ pub fn post_atomically<T>(
             drop(inbox.wait_for_room(inbox.state.lock()));
             continue;
         }
-        let mut kick = Vec::new();
+        let mut kick = Indices::new();
         for (i, g) in guards.iter_mut().enumerate() {
             let queue = &mut g.queue;
             fill(i, &mut |op| queue.push_back(op));
@@ -399,6 +403,9 @@ pub fn post_atomically<T>(
     }
 }
 
+/// Indices into a post's inboxes, inline up to four.
+type Indices = SmallVec<[usize; 4]>;
+
 /// The consumers of `idle` (indices into `inboxes`, each found idle by the post that
 /// called this, which owes it a drain) decided on this thread, in rounds: a device whose
 /// batch waits for another device's answer (a copy's destination before its source, an
@@ -410,8 +417,8 @@ pub fn post_atomically<T>(
 /// turn ([`crate::dispatch::DeviceTurn`]); kicks noted meanwhile are either acted on by the
 /// next round or passed to the consumer by [`Inbox::undrive`] (mutant `drive_lost_kick`,
 /// which forgets them, strands the blocked device: `actors::copy_against_device_order`).
-fn decide_in_rounds<T>(inboxes: &[&Inbox<T>], idle: Vec<usize>) {
-    let mut active = Vec::with_capacity(idle.len());
+fn decide_in_rounds<T>(inboxes: &[&Inbox<T>], idle: Indices) {
+    let mut active = Indices::new();
     for i in idle {
         if inboxes[i].runner.get().is_some() {
             inboxes[i].drive();
@@ -421,7 +428,7 @@ fn decide_in_rounds<T>(inboxes: &[&Inbox<T>], idle: Vec<usize>) {
         }
     }
     // Blocked devices stay driven while others run: their answer may come from those.
-    let mut blocked: Vec<usize> = Vec::with_capacity(active.len());
+    let mut blocked = Indices::new();
     for _ in 0..MAX_DRIVE_ROUNDS {
         for i in active.drain(..) {
             let ran = inboxes[i].runner.get().map_or(Ran::Handoff, |run| run());
@@ -432,10 +439,10 @@ fn decide_in_rounds<T>(inboxes: &[&Inbox<T>], idle: Vec<usize>) {
             }
         }
         // The next round: the blocked devices that were answered meanwhile.
-        blocked.retain(|&i| {
-            let answered = inboxes[i].take_absorbed();
+        blocked.retain(|i| {
+            let answered = inboxes[*i].take_absorbed();
             if answered {
-                active.push(i);
+                active.push(*i);
             }
             !answered
         });

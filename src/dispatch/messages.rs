@@ -6,6 +6,7 @@
 //! See DESIGN.md §4, "Inboxes: one order shared by every device, and batches".
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::sync::Arc as StdArc;
 
 use crate::{
@@ -15,7 +16,7 @@ use crate::{
     kernels::{Bindings, RoutineSpec},
     memory::{AlignedBuffer, PoolStats},
     node::TensorNode,
-    pending::{Oneshot, SeqPromise},
+    pending::{Oneshot, OneshotPool, SeqPromise},
     protocol::{Context, Routine, Source, TableSizes},
     sync::Arc,
 };
@@ -69,9 +70,67 @@ impl<T: Clone> fmt::Debug for Reply<T> {
     }
 }
 
+/// An [`Answer`] whose cell comes from a pool ([`pooled_reply`]) and goes back to it from
+/// its last holder, as a pending event's does ([`OneshotPool`]): the one-shots of copies
+/// and replays allocate nothing in steady state.
+pub struct PooledAnswer<T: Clone> {
+    /// Taken only by `drop`.
+    cell: ManuallyDrop<Answer<T>>,
+    pool: Arc<AnswerPool<T>>,
+}
+
+/// The cells of [`PooledAnswer`]s of one type.
+pub type AnswerPool<T> = OneshotPool<Result<T>>;
+
+/// A [`Reply`] and the [`PooledAnswer`] its caller waits on, the cell from `pool`.
+pub fn pooled_reply<T: Clone>(pool: &Arc<AnswerPool<T>>) -> (Reply<T>, PooledAnswer<T>) {
+    let cell = pool.take();
+    (
+        Reply {
+            cell: Some(cell.clone()),
+        },
+        PooledAnswer {
+            cell: ManuallyDrop::new(cell),
+            pool: pool.clone(),
+        },
+    )
+}
+
+impl<T: Clone> std::ops::Deref for PooledAnswer<T> {
+    type Target = Oneshot<Result<T>>;
+
+    fn deref(&self) -> &Oneshot<Result<T>> {
+        &self.cell
+    }
+}
+
+impl<T: Clone> Clone for PooledAnswer<T> {
+    fn clone(&self) -> Self {
+        PooledAnswer {
+            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl<T: Clone> Drop for PooledAnswer<T> {
+    fn drop(&mut self) {
+        // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
+        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
+        self.pool.give_back(cell);
+    }
+}
+
+impl<T: Clone> fmt::Debug for PooledAnswer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PooledAnswer")
+    }
+}
+
 /// What the source device of a copy tells its destination: the buffer to read and what
-/// to wait for, or why the copy is refused. The source holds the [`Reply`] half.
-pub type Verdict = Answer<Source>;
+/// to wait for, or why the copy is refused. The source holds the [`Reply`] half; the cell
+/// is the dispatcher's, reused.
+pub type Verdict = PooledAnswer<Source>;
 
 /// Where the value of a [`DeviceOp::Read`] comes from.
 #[derive(Clone, Debug)]
@@ -419,6 +478,9 @@ impl fmt::Debug for DeviceOp {
         f.write_str(self.name())
     }
 }
+
+/// The parts of one post, inline up to four (a post allocates no list for them).
+pub(super) type Parts = smallvec::SmallVec<[Part; 4]>;
 
 /// One operation of a call, before posting.
 pub(super) struct Part {

@@ -8,12 +8,12 @@
 //! cells). A part that waits blocks its inbox as a copy's destination half does. See
 //! DESIGN.md §4, "Step capture and replay".
 //!
-//! A one-device replay allocates nothing in steady state (DESIGN.md §4, "Issuing without
-//! allocation"): its part travels in a box the device gives back to the dispatcher's
-//! [`PartBoxes`], its pending events' cells are pooled, its event lists are its step's, its
-//! index values share a list its step keeps ([`Step::shared_values`]), and its tickets come
-//! back inline ([`StreamLasts`]). A replay across devices still allocates its check cells
-//! and, per copy, its answer.
+//! A replay allocates nothing in steady state (DESIGN.md §4, "Issuing without
+//! allocation"): its parts travel in boxes the devices give back to the dispatcher's
+//! [`PartBoxes`], its one-shots' cells (pending events, checks, copies' answers) are pooled,
+//! its edge lists are inline, its event lists are its step's, its index values share a
+//! list its step keeps ([`Step::shared_values`]), and its tickets come back inline
+//! ([`StreamLasts`]).
 
 use std::sync::Arc as StdArc;
 
@@ -25,19 +25,26 @@ use crate::{
     event::Event,
     kernels::Bindings,
     pending::{PendingEvent, Planned, SeqPromise},
-    protocol::{invalidated, Dep, DeviceStep, ReplayLinks, ReplayRun},
+    protocol::{invalidated, Deps, DeviceStep, ReplayLinks, ReplayRun},
     replay::{Step, StreamLasts},
-    sync::Mutex,
+    sync::{Arc, Mutex},
 };
 
 use super::{
-    messages::{reply, Answer, DeviceOp, Part, Reply},
+    messages::{pooled_reply, AnswerPool, DeviceOp, Part, Parts, PooledAnswer, Reply},
     system::Dispatcher,
 };
 
 /// An incoming edge as its destination part holds it: the source's answer, the promise of
 /// the destination operation, its stream index.
-pub(crate) type Incoming = (Answer<Vec<Dep>>, Option<SeqPromise>, usize);
+pub(crate) type Incoming = (PooledAnswer<Deps>, Option<SeqPromise>, usize);
+
+/// An outgoing edge as its source part holds it: the reply to the destination, and the
+/// destination's operation (a reader of the source's buffer).
+pub(crate) type Outgoing = (Option<Reply<Deps>>, Event);
+
+/// Every part's check of one replay, in device order (inline up to four devices).
+pub(crate) type Checks = SmallVec<[PooledAnswer<()>; 4]>;
 
 /// One device's part of a replay (see the module documentation).
 pub struct ReplayPart {
@@ -50,17 +57,17 @@ pub struct ReplayPart {
     pub(crate) check: Option<Reply<()>>,
     /// Every part's check (this device's too), in device order; `None` for the part of a
     /// one-device step, which goes on its own check alone.
-    pub(crate) checks: Option<StdArc<[Answer<()>]>>,
+    pub(crate) checks: Option<Checks>,
     /// This part's place in `checks`.
     pub(crate) index: usize,
     /// Every part answered `Ok`: issuing.
     pub(crate) go: bool,
     /// Per local incoming edge: the source's answer, the promise of the destination
     /// operation this device plans, and its stream index.
-    pub(crate) incoming: Vec<Incoming>,
+    pub(crate) incoming: SmallVec<[Incoming; 4]>,
     /// Per local outgoing edge: the answer to the destination, and its operation (a reader
     /// of this device's buffer).
-    pub(crate) outgoing: Vec<(Option<Reply<Vec<Dep>>>, Event)>,
+    pub(crate) outgoing: SmallVec<[Outgoing; 4]>,
     /// Per stream the step runs on here (the step's order): its last event's promise.
     pub(crate) last: SmallVec<[SeqPromise; 2]>,
     /// The run (based at the stamp the post gave the part when it starts).
@@ -125,7 +132,7 @@ impl ReplayPart {
 pub(crate) struct PartLinks<'a> {
     values: Option<&'a [Bindings]>,
     incoming: &'a mut [Incoming],
-    outgoing: &'a mut [(Option<Reply<Vec<Dep>>>, Event)],
+    outgoing: &'a mut [Outgoing],
     waker: &'a Waker,
 }
 
@@ -134,7 +141,7 @@ impl ReplayLinks for PartLinks<'_> {
         self.values.and_then(|v| v.get(slot as usize))
     }
 
-    fn incoming(&mut self, e: u32) -> Option<Result<Vec<Dep>>> {
+    fn incoming(&mut self, e: u32) -> Option<Result<Deps>> {
         self.incoming
             .get(e as usize)
             .and_then(|(answer, _, _)| answer.poll_get(self.waker))
@@ -150,7 +157,7 @@ impl ReplayLinks for PartLinks<'_> {
         }
     }
 
-    fn answer(&mut self, e: u32, deps: Vec<Dep>) {
+    fn answer(&mut self, e: u32, deps: Deps) {
         if let Some(r) = self
             .outgoing
             .get_mut(e as usize)
@@ -200,6 +207,32 @@ impl PartBox {
         let part = self.part.take();
         self.pool.give_back(self.part);
         part
+    }
+}
+
+/// What replays reuse, kept by the dispatcher: the parts' boxes, the checks' cells and the
+/// copies' answers' cells.
+#[derive(Debug)]
+pub struct ReplayPools {
+    parts: StdArc<PartBoxes>,
+    checks: Arc<AnswerPool<()>>,
+    edges: Arc<AnswerPool<Deps>>,
+}
+
+impl ReplayPools {
+    /// Empty pools.
+    pub fn new() -> ReplayPools {
+        ReplayPools {
+            parts: PartBoxes::new(),
+            checks: AnswerPool::new(),
+            edges: AnswerPool::new(),
+        }
+    }
+}
+
+impl Default for ReplayPools {
+    fn default() -> Self {
+        ReplayPools::new()
     }
 }
 
@@ -271,12 +304,13 @@ impl Dispatcher {
             })
             .collect::<Result<_>>()?;
         let values = values.map(|v| step.shared_values(v));
+        let pools = self.replay_pools();
         // Per edge: the destination operation (its pending event and promise) and the
-        // source's answer.
-        let mut readers = Vec::with_capacity(inner.edges.len());
-        let mut promises = Vec::with_capacity(inner.edges.len());
-        let mut replies = Vec::with_capacity(inner.edges.len());
-        let mut answers = Vec::with_capacity(inner.edges.len());
+        // source's answer (inline up to four edges; the cells are pooled).
+        let mut readers: SmallVec<[Event; 4]> = SmallVec::new();
+        let mut promises: SmallVec<[Option<SeqPromise>; 4]> = SmallVec::new();
+        let mut replies: SmallVec<[Option<Reply<Deps>>; 4]> = SmallVec::new();
+        let mut answers: SmallVec<[Option<PooledAnswer<Deps>>; 4]> = SmallVec::new();
         for e in &inner.edges {
             let (pending, promise) = self.pending_event(crate::ids::StreamId {
                 device: e.dst,
@@ -284,27 +318,27 @@ impl Dispatcher {
             })?;
             readers.push(pending.event());
             promises.push(Some(promise));
-            let (r, a) = reply::<Vec<Dep>>();
+            let (r, a) = pooled_reply(&pools.edges);
             replies.push(Some(r));
             answers.push(Some(a));
         }
         // A one-device step's part goes on its own check: no cells to share.
         let alone = inner.devices.len() == 1;
-        let (check_replies, checks): (SmallVec<[_; 4]>, SmallVec<[_; 4]>) = if alone {
+        let (check_replies, checks): (SmallVec<[_; 4]>, Checks) = if alone {
             (std::iter::once(None).collect(), SmallVec::new())
         } else {
             inner
                 .devices
                 .iter()
                 .map(|_| {
-                    let (r, a) = reply::<()>();
+                    let (r, a) = pooled_reply(&pools.checks);
                     (Some(r), a)
                 })
                 .unzip()
         };
-        let checks: Option<StdArc<[Answer<()>]>> = (!alone).then(|| checks.into_iter().collect());
+        let checks = (!alone).then_some(checks);
         let mut last = StreamLasts::new();
-        let mut parts: SmallVec<[Part; 2]> = SmallVec::new();
+        let mut parts = Parts::new();
         let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
         for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
             let incoming = d
@@ -321,7 +355,7 @@ impl Dispatcher {
                         ))),
                     }
                 })
-                .collect::<Result<Vec<_>>>()?;
+                .collect::<Result<_>>()?;
             let outgoing = d
                 .outgoing
                 .iter()
@@ -352,7 +386,7 @@ impl Dispatcher {
             };
             let op = DeviceOp::Replay {
                 stamp: 0,
-                part: self.part_boxes().boxed(part),
+                part: pools.parts.boxed(part),
             };
             parts.push(Part::new(index[k], 0, 0, op).with_span(span));
         }
@@ -361,7 +395,7 @@ impl Dispatcher {
                 self.post_one(p)?;
             }
         } else if !parts.is_empty() {
-            self.post(parts.into_vec())?;
+            self.post(parts)?;
         }
         Ok(last)
     }

@@ -17,6 +17,8 @@ use std::pin::Pin;
 use std::sync::Arc as StdArc;
 use std::task::{Context as TaskContext, Poll};
 
+use smallvec::SmallVec;
+
 use crate::{
     collective::{AllReduceStep, Transfer},
     engine::MergeBufferUse,
@@ -27,7 +29,9 @@ use crate::{
     memory::AlignedBuffer,
     node::TensorNode,
     pending::{CellPool, Oneshot, PendingEvent, SeqPromise},
-    protocol::{check_streaming_placement, reserve_issue_stamps, Context, HostTable, Routine},
+    protocol::{
+        check_streaming_placement, reserve_issue_stamps, Context, HostTable, Routine, Source,
+    },
     replay::Edge,
     sync::{Arc, Mutex},
 };
@@ -36,8 +40,11 @@ use super::{
     hosted::{self, hosted_uses, NodeGuard, NodeLock, NodeLocks},
     inbox::{post_atomically, Inbox, Refused},
     messages::Part,
-    messages::{reply, Answer, Delivery, DeviceOp, Query, ReadValue, Record, SourceLink},
-    replay::PartBoxes,
+    messages::{
+        pooled_reply, reply, Answer, AnswerPool, Delivery, DeviceOp, Parts, Query, ReadValue,
+        Record, SourceLink,
+    },
+    replay::ReplayPools,
 };
 
 /// Stamps reserved per step of a call (a copy's source half takes the first ones, its
@@ -101,8 +108,10 @@ pub struct Dispatcher {
     fences: FenceCounts,
     /// The cells of the pending events this dispatcher hands out, reused.
     cells: Arc<CellPool>,
-    /// The boxes of replay parts, reused.
-    parts: StdArc<PartBoxes>,
+    /// What replays reuse.
+    replays: ReplayPools,
+    /// The cells of copies' verdicts, reused.
+    verdicts: Arc<AnswerPool<Source>>,
 }
 
 /// How often host-array order cost a fence (statistics, [`Dispatcher::fence_counts`]).
@@ -139,7 +148,8 @@ impl Dispatcher {
             nodes: NodeLocks::default(),
             fences: FenceCounts::default(),
             cells: CellPool::new(),
-            parts: PartBoxes::new(),
+            replays: ReplayPools::new(),
+            verdicts: AnswerPool::new(),
         }
     }
 
@@ -203,9 +213,9 @@ impl Dispatcher {
         Ok(PendingEvent::pooled(self.timeline(stream)?, &self.cells))
     }
 
-    /// The boxes replay parts travel in (`super::replay`).
-    pub(super) fn part_boxes(&self) -> &StdArc<PartBoxes> {
-        &self.parts
+    /// What replays reuse (`super::replay`).
+    pub(super) fn replay_pools(&self) -> &ReplayPools {
+        &self.replays
     }
 
     /// A pending operation on `stream` and the promise that decides it (for messages that
@@ -221,7 +231,7 @@ impl Dispatcher {
     }
 
     /// Posts `parts` as one atomic step: stamps, host-array gates, one post.
-    pub(super) fn post(&self, mut parts: Vec<Part>) -> Result<()> {
+    pub(super) fn post(&self, mut parts: Parts) -> Result<()> {
         if parts.len() == 1 {
             if let Some(p) = parts.pop() {
                 return self.post_one(p);
@@ -236,7 +246,7 @@ impl Dispatcher {
         let mut hosted = false;
         hosted_uses(&p.op, |_, _| hosted = true);
         if hosted {
-            return self.post_holding(vec![p], None);
+            return self.post_holding(Parts::from_iter([p]), None);
         }
         let Part {
             device,
@@ -262,38 +272,36 @@ impl Dispatcher {
 
     /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
     /// or a read of a hosted node, posting under its node's lock).
-    fn post_holding(&self, mut parts: Vec<Part>, held: Option<&NodeGuard>) -> Result<()> {
+    fn post_holding(&self, mut parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
         let guards = hosted::gate(&self.nodes, &self.fences.gates, &mut parts, held);
-        // Fences go before the other parts of their step on their device (see `gate`).
-        parts.sort_by_key(|p| (p.step, !p.fence));
-        let mut devices: Vec<usize> = parts.iter().map(|p| p.device).collect();
-        devices.sort_unstable();
+        // By device, then (stable) fences before the other parts of their step on their
+        // device (see `gate`). Nothing here allocates for up to four parts and devices.
+        parts.sort_by_key(|p| (p.device, p.step, !p.fence));
+        let mut devices: SmallVec<[usize; 4]> = parts.iter().map(|p| p.device).collect();
         devices.dedup();
-        let mut per_device: Vec<Vec<Part>> = devices.iter().map(|_| Vec::new()).collect();
         let steps = parts
             .iter()
             .map(|p| p.step as u64 + p.span)
             .max()
             .unwrap_or(1);
-        for p in parts {
-            let i = devices.binary_search(&p.device).unwrap_or_default();
-            per_device[i].push(p);
-        }
-        let inboxes: Vec<&Inbox<DeviceOp>> =
+        let inboxes: SmallVec<[&Inbox<DeviceOp>; 4]> =
             devices.iter().map(|&d| &*self.devices[d].inbox).collect();
         let mut stamped = false;
         let result = post_atomically(&inboxes, |i, push| {
             if !stamped {
                 // Inside every lock: stamp order is the order all these inboxes agree on.
                 let base = reserve_issue_stamps(steps * STEP_STAMPS);
-                for p in per_device.iter_mut().flatten() {
+                for p in parts.iter_mut() {
                     if let Some(s) = p.op.stamp_mut() {
                         *s = base + p.step as u64 * STEP_STAMPS + p.offset;
                     }
                 }
                 stamped = true;
             }
-            for p in std::mem::take(&mut per_device[i]) {
+            // `post_atomically` fills the inboxes once each, in device order: this device's
+            // parts lead what is left.
+            let mine = parts.iter().take_while(|p| p.device == devices[i]).count();
+            for p in parts.drain(..mine) {
                 if p.gates.is_empty() {
                     push(p.op);
                 } else {
@@ -312,7 +320,7 @@ impl Dispatcher {
     /// them, so an operation sent to the wrong actor is refused there).
     pub fn post_to(&self, index: usize, op: DeviceOp) -> Result<()> {
         self.slot(index)?;
-        self.post(vec![Part::new(index, 0, 0, op)])
+        self.post(Parts::from_iter([Part::new(index, 0, 0, op)]))
     }
 
     /// Posts `make(reply)` to device `index` and returns the answer to wait on.
@@ -323,7 +331,7 @@ impl Dispatcher {
     ) -> Result<Answer<T>> {
         self.slot(index)?;
         let (r, answer) = reply();
-        self.post(vec![Part::new(index, 0, 0, make(r))])?;
+        self.post(Parts::from_iter([Part::new(index, 0, 0, make(r))]))?;
         Ok(answer)
     }
 
@@ -388,7 +396,7 @@ impl Dispatcher {
         promise: SeqPromise,
     ) -> Result<()> {
         let d = self.index_of(ctx.device())?;
-        self.post(vec![Part::new(
+        self.post(smallvec::smallvec![Part::new(
             d,
             0,
             0,
@@ -530,7 +538,7 @@ impl Dispatcher {
             },
             MergeBufferUse::StreamingFor(r) => Delivery::Streaming(r),
         };
-        let mut parts = Vec::with_capacity(2);
+        let mut parts = Parts::new();
         self.copy_parts(
             &mut parts,
             0,
@@ -554,7 +562,7 @@ impl Dispatcher {
     #[allow(clippy::too_many_arguments)]
     fn copy_parts(
         &self,
-        parts: &mut Vec<Part>,
+        parts: &mut Parts,
         step: usize,
         si: usize,
         di: usize,
@@ -564,7 +572,7 @@ impl Dispatcher {
         pending: PendingEvent,
         promise: SeqPromise,
     ) {
-        let (verdict_reply, verdict) = reply();
+        let (verdict_reply, verdict) = pooled_reply(&self.verdicts);
         parts.push(Part::new(
             si,
             step,
@@ -612,11 +620,11 @@ impl Dispatcher {
     ) -> Result<Vec<PendingEvent>> {
         check_all_reduce(call, &*self.can_stream)?;
         // Wraps the parts from `start` on (one operation) into `record`'s next record.
-        let mut recorded = |parts: &mut Vec<Part>, start: usize, positions: u32, edge| {
+        let mut recorded = |parts: &mut Parts, start: usize, positions: u32, edge| {
             if let Some(r) = record.as_mut() {
                 let devices: Vec<usize> = parts[start..].iter().map(|p| p.device).collect();
                 let r = r(positions, edge, &devices);
-                let op: Vec<Part> = parts.drain(start..).map(|p| p.recorded(Some(&r))).collect();
+                let op: Parts = parts.drain(start..).map(|p| p.recorded(Some(&r))).collect();
                 parts.extend(op);
             }
         };
@@ -627,7 +635,7 @@ impl Dispatcher {
             .collect::<Result<_>>()?;
         let chunks = call.nodes.len();
         let mut last: Vec<Option<PendingEvent>> = vec![None; call.contexts.len() * chunks];
-        let mut parts = Vec::new();
+        let mut parts = Parts::new();
         for (k, step) in call.steps.iter().enumerate() {
             match *step {
                 AllReduceStep::Reduce { chunk, src, dst } => {
@@ -791,7 +799,7 @@ impl Dispatcher {
             // Posted under the node's lock, after every device's fence: nothing else can
             // touch the node's host array between that point and this transfer.
             self.post_holding(
-                vec![Part::new(
+                smallvec::smallvec![Part::new(
                     d,
                     0,
                     0,
@@ -828,7 +836,7 @@ impl Dispatcher {
         let d = self.index_of(ctx.device())?;
         let (r, read) = reply();
         self.post_holding(
-            vec![Part::new(
+            smallvec::smallvec![Part::new(
                 d,
                 0,
                 0,

@@ -14,9 +14,9 @@ use crate::{
     event::Event,
     kernels::{Bindings, IntoBindings},
     node::TensorNode,
-    pending::{PendingEvent, Planned, SeqPromise},
+    pending::{CellPool, PendingEvent, Planned, SeqPromise},
     protocol::{
-        invalidated, reserve_issue_stamps, Context, Dep, DeviceStep, Plan, ReplayLinks,
+        invalidated, reserve_issue_stamps, Context, Deps, DeviceStep, Plan, ReplayLinks,
         ReplayProgress, ReplayRun, Routine, StepRecorder, StreamProgram, OP_STAMPS,
     },
     replay::{Edge, Step, StepBindings, StreamLasts},
@@ -139,7 +139,6 @@ impl Capture<'_> {
 }
 
 /// The lists a replay fills and empties, kept between replays.
-#[derive(Default)]
 pub(super) struct ReplayScratch {
     /// The programs of the replay in progress.
     programs: Vec<StreamProgram>,
@@ -147,13 +146,26 @@ pub(super) struct ReplayScratch {
     planned: Vec<Plan>,
     /// Event lists of finished [`ReplayRun`]s, for the next ones.
     events: Vec<Vec<Event>>,
+    /// The cells of the copies' deferred events, reused.
+    cells: crate::sync::Arc<CellPool>,
+}
+
+impl Default for ReplayScratch {
+    fn default() -> Self {
+        ReplayScratch {
+            programs: Vec::new(),
+            planned: Vec::new(),
+            events: Vec::new(),
+            cells: CellPool::new(),
+        }
+    }
 }
 
 /// The links of one replay on the engine: every edge's deferred event and answer.
 struct EngineLinks<'v> {
     values: Option<&'v [Bindings]>,
-    pending: Vec<(PendingEvent, Option<SeqPromise>)>,
-    answers: Vec<Option<Vec<Dep>>>,
+    pending: SmallVec<[(PendingEvent, Option<SeqPromise>); 4]>,
+    answers: SmallVec<[Option<Deps>; 4]>,
 }
 
 /// [`EngineLinks`] as one device sees them (its local edge numbers).
@@ -167,7 +179,7 @@ impl ReplayLinks for DeviceLinks<'_, '_> {
         self.links.values.and_then(|v| v.get(slot as usize))
     }
 
-    fn incoming(&mut self, e: u32) -> Option<Result<Vec<Dep>>> {
+    fn incoming(&mut self, e: u32) -> Option<Result<Deps>> {
         let g = self.step.incoming[e as usize] as usize;
         self.links.answers[g].clone().map(Ok)
     }
@@ -179,7 +191,7 @@ impl ReplayLinks for DeviceLinks<'_, '_> {
         }
     }
 
-    fn answer(&mut self, e: u32, deps: Vec<Dep>) {
+    fn answer(&mut self, e: u32, deps: Deps) {
         let g = self.step.outgoing[e as usize] as usize;
         self.links.answers[g] = Some(deps);
     }
@@ -290,7 +302,7 @@ impl Engine {
         self.host.set_order(host_base + u64::from(inner.positions));
         let span = u64::from(inner.positions).div_ceil(OP_STAMPS).max(1) * OP_STAMPS;
         let base = reserve_issue_stamps(span);
-        let mut pending = Vec::with_capacity(inner.edges.len());
+        let mut pending = SmallVec::new();
         for e in &inner.edges {
             let di = self.device_index(e.dst)?;
             let timeline = self.devices[di]
@@ -301,12 +313,12 @@ impl Engine {
                     count: self.devices[di].stream_count(),
                 })?
                 .clone();
-            let (p, promise) = PendingEvent::new(timeline);
+            let (p, promise) = PendingEvent::pooled(timeline, &self.replay_scratch.cells);
             pending.push((p, Some(promise)));
         }
         let mut links = EngineLinks {
             values,
-            answers: vec![None; pending.len()],
+            answers: (0..pending.len()).map(|_| None).collect(),
             pending,
         };
         let scratch = &mut self.replay_scratch;

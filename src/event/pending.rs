@@ -46,7 +46,8 @@ pub struct Oneshot<T> {
 
 struct OneshotState<T> {
     value: Option<T>,
-    wakers: Vec<Waker>,
+    /// Inline up to two (a set moves them out to wake them): registering allocates nothing.
+    wakers: smallvec::SmallVec<[Waker; 2]>,
     blocked: usize,
 }
 
@@ -57,7 +58,7 @@ impl<T: Clone> Oneshot<T> {
             ready: AtomicBool::new(false),
             state: Mutex::new(OneshotState {
                 value: None,
-                wakers: Vec::new(),
+                wakers: smallvec::SmallVec::new(),
                 blocked: 0,
             }),
             cond: Condvar::new(),
@@ -186,27 +187,49 @@ impl Planned {
 /// promise or deferred event can still read it when it is emptied for its next operation
 /// (loom model `event::pooled_cell_is_reused_only_by_its_last_holder`, mutant
 /// `cell_reuse`).
-#[derive(Debug, Default)]
-pub struct CellPool {
-    free: Mutex<Vec<Arc<Oneshot<Planned>>>>,
+pub type CellPool = OneshotPool<Planned>;
+
+/// One-shot cells given back for reuse by their last holder (see [`CellPool`]): the pending
+/// events' cells, and the actor layer's answers a copy's source gives its destination.
+pub struct OneshotPool<T: Clone> {
+    free: Mutex<Vec<Arc<Oneshot<T>>>>,
 }
 
-/// Cells a [`CellPool`] keeps at most; more are freed.
-const POOLED_CELLS: usize = 8192;
+/// Cells a [`OneshotPool`] keeps at most; more are freed. A high-water mark of the
+/// one-shots in flight: about what the default inboxes (4,096 operations each) can hold
+/// when every operation has a few (a replay across devices has a pending event per stream
+/// and per copy, a check per device and an answer per copy). Empty cells, about a hundred
+/// bytes each.
+const POOLED_CELLS: usize = 65_536;
 
-impl CellPool {
+impl<T: Clone> Default for OneshotPool<T> {
+    fn default() -> Self {
+        OneshotPool {
+            free: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<T: Clone> fmt::Debug for OneshotPool<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OneshotPool")
+    }
+}
+
+impl<T: Clone> OneshotPool<T> {
     /// An empty pool.
-    pub fn new() -> Arc<CellPool> {
-        Arc::new(CellPool::default())
+    pub fn new() -> Arc<OneshotPool<T>> {
+        Arc::new(OneshotPool::default())
     }
 
-    fn take(&self) -> Arc<Oneshot<Planned>> {
+    /// An empty cell: a kept one, or a new one.
+    pub(crate) fn take(&self) -> Arc<Oneshot<T>> {
         self.free.lock().pop().unwrap_or_else(Oneshot::new)
     }
 
     /// Takes `cell` back if the caller holds its last reference; otherwise drops the
     /// caller's reference.
-    fn give_back(&self, mut cell: Arc<Oneshot<Planned>>) {
+    pub(crate) fn give_back(&self, mut cell: Arc<Oneshot<T>>) {
         let unique = Arc::get_mut(&mut cell).is_some() || mutant!("cell_reuse");
         if !unique {
             return;
@@ -227,6 +250,43 @@ impl<T> Oneshot<T> {
         s.wakers.clear();
         s.blocked = 0;
         self.ready.store(false, Ordering::Relaxed);
+    }
+}
+
+/// A deferred [`Event`]'s hold on its operation's cell: like a [`PendingEvent`]'s, it gives
+/// the cell back to its pool when it is the last holder. A copy's reader (a deferred event
+/// in the source's tables) often outlives the copy's ticket and promise: without this, its
+/// cell would be freed, and the next operation would allocate one.
+pub(crate) struct DeferredCell {
+    /// Taken only by `drop`.
+    cell: ManuallyDrop<Arc<Oneshot<Planned>>>,
+    pool: Option<Arc<CellPool>>,
+}
+
+impl std::ops::Deref for DeferredCell {
+    type Target = Arc<Oneshot<Planned>>;
+
+    fn deref(&self) -> &Arc<Oneshot<Planned>> {
+        &self.cell
+    }
+}
+
+impl Clone for DeferredCell {
+    fn clone(&self) -> DeferredCell {
+        DeferredCell {
+            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl Drop for DeferredCell {
+    fn drop(&mut self) {
+        // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
+        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
+        if let Some(pool) = &self.pool {
+            pool.give_back(cell);
+        }
     }
 }
 
@@ -268,7 +328,11 @@ impl Drop for PendingEvent {
 }
 
 impl PendingEvent {
-    /// A pending operation on `timeline`'s stream and the promise that decides it.
+    /// A pending operation on `timeline`'s stream and the promise that decides it, its cell
+    /// not pooled (the unit tests'; the engine and the actor layer use
+    /// [`PendingEvent::pooled`]). Crate-private: `tests/engine/compile_fail` shows a user
+    /// cannot make one.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn new(timeline: Arc<Timeline>) -> (PendingEvent, SeqPromise) {
         PendingEvent::with_cell(timeline, Oneshot::new(), None)
     }
@@ -335,7 +399,13 @@ impl PendingEvent {
     /// is planned and complete (or refused, and everything issued before it on its stream
     /// complete).
     pub fn event(&self) -> Event {
-        Event::deferred(self.timeline.clone(), Arc::clone(&self.cell))
+        Event::deferred(
+            self.timeline.clone(),
+            DeferredCell {
+                cell: ManuallyDrop::new(Arc::clone(&self.cell)),
+                pool: self.pool.clone(),
+            },
+        )
     }
 }
 

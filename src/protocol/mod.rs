@@ -25,7 +25,7 @@ pub use merge::MergeBufferUse;
 pub use plan::OP_STAMPS;
 pub use plan::{
     await_deps, await_deps_observed, current_issue, issue_clock, ArgBinding, Dep, DepKind, Deps,
-    GlobalLoc, Plan, Plans, Work,
+    GlobalLoc, Plan, PlanLabel, Plans, Work,
 };
 pub(crate) use plan::{reserve_issue_stamps, set_current_issue};
 pub use program::{StreamProgram, StreamProgramOp};

@@ -252,13 +252,22 @@ impl Work {
 impl Work {
     /// A short name of the operation, for errors and traces.
     pub fn label(&self) -> String {
+        self.plan_label().to_string()
+    }
+
+    /// [`Work::label`] as a value that becomes text only when displayed (a routine's name
+    /// is shared): what a queue keeps per operation without allocating.
+    pub fn plan_label(&self) -> PlanLabel {
         match self {
-            Work::Run { name, .. } => name.to_string(),
-            Work::Copy { src, dst, .. } => format!("copy {src} -> {dst}"),
-            Work::FromHost { dst, .. } => format!("from_host -> {dst}"),
-            Work::ToHost { src, .. } => format!("to_host {src} ->"),
-            Work::Memset { dst, .. } => format!("memset {dst}"),
-            Work::Marker => "marker".to_string(),
+            Work::Run { name, .. } => PlanLabel::Routine(name.clone()),
+            Work::Copy { src, dst, .. } => PlanLabel::Copy {
+                src: *src,
+                dst: *dst,
+            },
+            Work::FromHost { dst, .. } => PlanLabel::FromHost { dst: *dst },
+            Work::ToHost { src, .. } => PlanLabel::ToHost { src: *src },
+            Work::Memset { dst, .. } => PlanLabel::Memset { dst: *dst },
+            Work::Marker => PlanLabel::Marker,
         }
     }
 
@@ -271,6 +280,51 @@ impl Work {
             | Work::ToHost { bytes, .. }
             | Work::Memset { bytes, .. } => *bytes,
             Work::Marker => 0,
+        }
+    }
+}
+
+/// What errors and traces call an operation ([`Work::plan_label`]): displayed as
+/// [`Work::label`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanLabel {
+    /// A routine, by name.
+    Routine(Arc<str>),
+    /// A copy between two locations.
+    Copy {
+        /// Where from.
+        src: GlobalLoc,
+        /// Where to.
+        dst: GlobalLoc,
+    },
+    /// An upload to a location.
+    FromHost {
+        /// Where to.
+        dst: GlobalLoc,
+    },
+    /// A download from a location.
+    ToHost {
+        /// Where from.
+        src: GlobalLoc,
+    },
+    /// A zeroing of a location.
+    Memset {
+        /// Where.
+        dst: GlobalLoc,
+    },
+    /// A marker.
+    Marker,
+}
+
+impl fmt::Display for PlanLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PlanLabel::Routine(name) => f.write_str(name),
+            PlanLabel::Copy { src, dst } => write!(f, "copy {src} -> {dst}"),
+            PlanLabel::FromHost { dst } => write!(f, "from_host -> {dst}"),
+            PlanLabel::ToHost { src } => write!(f, "to_host {src} ->"),
+            PlanLabel::Memset { dst } => write!(f, "memset {dst}"),
+            PlanLabel::Marker => f.write_str("marker"),
         }
     }
 }

@@ -70,18 +70,27 @@ impl Uses {
                     }
                 }
             }
-            let mut kept: Vec<Event> = Vec::with_capacity(self.events.len());
-            for e in self.events.drain(..) {
-                let same = kept
-                    .iter_mut()
-                    .find(|k| !k.is_deferred() && !e.is_deferred() && k.stream() == e.stream());
+            // In place (no list allocated): the first `kept` entries are the ones kept so
+            // far, in the order they were first seen; what lies between them and `i` was
+            // dropped and is truncated at the end.
+            let events = &mut self.events;
+            let mut kept = 0;
+            for i in 0..events.len() {
+                let e = &events[i];
+                let same = (0..kept).find(|&k| {
+                    let k = &events[k];
+                    !k.is_deferred() && !e.is_deferred() && k.stream() == e.stream()
+                });
                 match same {
-                    Some(k) if k.seq() >= e.seq() => {}
-                    Some(k) => *k = e,
-                    None => kept.push(e),
+                    Some(k) if events[k].seq() >= events[i].seq() => {}
+                    Some(k) => events.swap(k, i),
+                    None => {
+                        events.swap(kept, i);
+                        kept += 1;
+                    }
                 }
             }
-            self.events = kept;
+            events.truncate(kept);
         }
         self.events
             .retain(|e| !matches!(e.status(), EventStatus::Done));

@@ -42,7 +42,7 @@ use crate::{
     error::{Error, Failure, Result},
     event::{EventFuture, EventStatus, Timeline},
     ids::StreamId,
-    protocol::{Dep, StreamProgram, Work},
+    protocol::{Dep, StreamProgram},
     sync::{
         atomic::{AtomicUsize, Ordering},
         spin::SpinWait,
@@ -289,7 +289,7 @@ impl StreamTask {
                         // answer) fails with its own reason, after its dependencies.
                         let unplanned = op.failed();
                         let failed = current.failed.take().filter(|_| unplanned.is_none());
-                        let label = work_label(op.work());
+                        let label = op.work().plan_label();
                         let ready = Ready {
                             label: &label,
                             seq: op.seq(),
@@ -384,7 +384,7 @@ impl StreamTask {
                     Item::Plan(p) => p.plan_label.to_string(),
                     Item::StreamProgram(p) => p
                         .op(head.op)
-                        .map_or_else(String::new, |op| work_label(op.work()).into_owned()),
+                        .map_or_else(String::new, |op| op.work().label()),
                 };
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
@@ -478,14 +478,6 @@ impl Wake for StreamTask {
 
     fn wake_by_ref(self: &StdArc<Self>) {
         self.schedule();
-    }
-}
-
-/// What the trace and a failure call an operation: a routine's name, or its work's label.
-fn work_label(work: &Work) -> std::borrow::Cow<'_, str> {
-    match work {
-        Work::Run { name, .. } => std::borrow::Cow::Borrowed(name),
-        other => std::borrow::Cow::Owned(other.label()),
     }
 }
 

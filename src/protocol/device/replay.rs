@@ -25,7 +25,7 @@ use crate::{
     protocol::{
         context::{Context, Routine},
         host::{DeviceCopy, HostTable},
-        plan::{ArgBinding, Dep, GlobalLoc, Work},
+        plan::{ArgBinding, Dep, Deps, GlobalLoc, Work},
         program::StreamProgram,
     },
 };
@@ -41,11 +41,11 @@ pub trait ReplayLinks {
     fn values(&self, slot: u32) -> Option<&Bindings>;
     /// The source's answer for incoming edge `e` (local number): what the copy waits for,
     /// or why the source could not answer. `None` until the source has answered.
-    fn incoming(&mut self, e: u32) -> Option<Result<Vec<Dep>>>;
+    fn incoming(&mut self, e: u32) -> Option<Result<Deps>>;
     /// The destination operation of incoming edge `e` was planned as `event`.
     fn planned(&mut self, e: u32, event: &Event);
     /// Answers outgoing edge `e`: its destination waits for `deps`.
-    fn answer(&mut self, e: u32, deps: Vec<Dep>);
+    fn answer(&mut self, e: u32, deps: Deps);
     /// The destination operation of outgoing edge `e` (a reader of a buffer of this
     /// device; deferred until its device plans it).
     fn reader(&self, e: u32) -> Event;
@@ -392,7 +392,7 @@ impl DeviceState {
         while let Some(&action) = step.actions.get(run.next) {
             match action {
                 Action::Answer(e, (a, b)) => {
-                    let mut deps = Vec::new();
+                    let mut deps = Deps::new();
                     for d in &step.deps[a as usize..b as usize] {
                         self.replay_dep(d, 0, run, links, &mut None, &mut deps);
                     }
@@ -478,7 +478,7 @@ impl DeviceState {
         stream: u32,
         run: &ReplayRun,
         links: &mut dyn ReplayLinks,
-        answered: &mut Option<Result<Vec<Dep>>>,
+        answered: &mut Option<Result<Deps>>,
         out: &mut impl Extend<Dep>,
     ) {
         match *d {
@@ -536,7 +536,7 @@ impl DeviceState {
         };
         for b in &step.buffers {
             let writer = b.writer.and_then(|w| run.events.get(w as usize).cloned());
-            let readers: Vec<Event> = b.readers.iter().filter_map(reader).collect();
+            let readers: SmallVec<[Event; 4]> = b.readers.iter().filter_map(reader).collect();
             match b.key {
                 BufferKey::Buffer(loc) => {
                     let global = self.global(loc);
