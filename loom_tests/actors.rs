@@ -454,23 +454,24 @@ fn inline_posts_race_the_actor() {
     );
 }
 
-/// A device actor's wake-up (`src/dispatch/kicks.rs`): a post kicks the actor while the
-/// actor polls for kicks. Either the poll sees the kick or the kick wakes the task the poll
-/// registered, whose next poll then sees it; a kick is never lost (mutant `kick_lost`: the
-/// flag taken before the waker is registered, a kick in between wakes nobody and the actor
-/// sleeps on work).
+/// A device actor's wake-up (`src/dispatch/kicks.rs`): two posts kick the actor while the
+/// actor polls for kicks. Either the poll sees a kick or a kick wakes the task the poll
+/// registered, whose next poll then sees it; a kick is never lost, including one that
+/// finds the flag already set and wakes nobody itself (mutant `kick_lost`: the flag taken
+/// before the waker is registered, a kick in between wakes nobody and the actor sleeps on
+/// work).
 #[test]
 fn a_kick_racing_a_poll_is_never_lost() {
-    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::sync::atomic::{AtomicUsize, Ordering};
     use std::task::{Context, Wake, Waker};
     use tributary::dispatch::kicks::Kicks;
 
-    /// The actor's task: records that it was woken.
-    struct Task(AtomicBool);
+    /// The actor's task: counts its wake-ups.
+    struct Task(AtomicUsize);
 
     impl Wake for Task {
         fn wake(self: std::sync::Arc<Self>) {
-            self.0.store(true, Ordering::SeqCst);
+            self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -479,26 +480,50 @@ fn a_kick_racing_a_poll_is_never_lost() {
         builder(None),
         || {
             let kicks = loom::sync::Arc::new(Kicks::new());
-            let task = std::sync::Arc::new(Task(AtomicBool::new(false)));
+            let task = std::sync::Arc::new(Task(AtomicUsize::new(0)));
             let waker = Waker::from(task.clone());
-            let poster = {
-                let kicks = kicks.clone();
-                loom::thread::spawn(move || kicks.kick())
-            };
-            let first = kicks.poll_kicked(&mut Context::from_waker(&waker));
-            poster.join().unwrap();
-            if first.is_pending() {
-                assert!(
-                    task.0.load(Ordering::SeqCst),
-                    "the kick came after the poll and woke nobody"
-                );
-                assert!(
-                    kicks
-                        .poll_kicked(&mut Context::from_waker(&waker))
-                        .is_ready(),
-                    "the woken actor finds no kick"
-                );
+            let posters: Vec<_> = (0..2)
+                .map(|_| {
+                    let kicks = kicks.clone();
+                    loom::thread::spawn(move || kicks.kick())
+                })
+                .collect();
+            // The actor: polls, and polls again whenever it was woken.
+            let mut seen = 0;
+            let mut polled_after = 0;
+            loop {
+                let woken = task.0.load(Ordering::SeqCst);
+                if kicks
+                    .poll_kicked(&mut Context::from_waker(&waker))
+                    .is_ready()
+                {
+                    seen += 1;
+                }
+                polled_after = polled_after.max(woken);
+                if task.0.load(Ordering::SeqCst) == woken {
+                    break;
+                }
             }
+            for p in posters {
+                p.join().unwrap();
+            }
+            // Every wake-up since the last poll is followed by one more poll.
+            while task.0.load(Ordering::SeqCst) > polled_after {
+                polled_after = task.0.load(Ordering::SeqCst);
+                if kicks
+                    .poll_kicked(&mut Context::from_waker(&waker))
+                    .is_ready()
+                {
+                    seen += 1;
+                }
+            }
+            assert!(seen >= 1, "two kicks, and the actor never saw one");
+            assert!(
+                kicks
+                    .poll_kicked(&mut Context::from_waker(&waker))
+                    .is_pending(),
+                "a kick was left unseen by an actor that was not woken for it"
+            );
         },
     );
 }

@@ -48,6 +48,8 @@ pub struct DeviceActor {
     index: usize,
     streams: Vec<Addr<StreamActor>>,
     last_sweep: Instant,
+    /// The actor's wake-ups (set once started).
+    kicks: Arc<Kicks>,
 }
 
 /// Hands plans to the stream queues; on request ([`PlanSink::watch`]: memory waits for
@@ -120,6 +122,7 @@ impl DeviceActor {
             index,
             streams,
             last_sweep: Instant::now(),
+            kicks: Arc::new(Kicks::new()),
         }
     }
 
@@ -163,12 +166,11 @@ impl Actor for DeviceActor {
     type Context = ActorContext<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let kicks = Arc::new(Kicks::new());
-        let kicked = kicks.clone();
+        let kicked = self.kicks.clone();
         self.turn.inbox().set_waker(Arc::new(move || kicked.kick()));
         // Posts made before the waker was set found the inbox idle and kicked nobody.
-        kicks.kick();
-        ctx.add_stream(Drains(kicks));
+        self.kicks.kick();
+        ctx.add_stream(Drains(self.kicks.clone()));
         let completed = ctx.address().recipient::<Completed>();
         for s in &self.streams {
             s.do_send(Subscribe(completed.clone()));
@@ -354,6 +356,11 @@ impl Handler<Completed> for DeviceActor {
     type Result = ();
     fn handle(&mut self, msg: Completed, _: &mut Self::Context) {
         tracing::trace!(stream = %msg.stream, seq = msg.seq, "completed");
+        // The kicks are polled after the whole mailbox: a kick that came in before this
+        // message is acted on now, as a wake-up message queued before it would have been.
+        if self.kicks.take() {
+            self.drain();
+        }
         if self.last_sweep.elapsed() >= SWEEP_INTERVAL {
             self.sweep();
         }

@@ -45,15 +45,28 @@ impl Kicks {
     }
 
     /// Makes the next poll ready (coalesced with kicks not yet polled) and wakes the
-    /// registered task.
+    /// registered task. A kick that finds the flag already set does nothing more: the kick
+    /// that set it wakes the task (or the task has yet to poll), and that poll takes the
+    /// flag after this kick's work was posted. The waker is woken outside the lock, so a
+    /// poll never waits for a wake-up's system call.
     pub fn kick(&self) {
         // A read-modify-write, as the take is: every kick and take on the flag is in one
         // order, which loom models exactly (a plain store racing a take is modelled with
         // their order left open, and a later take could read before the store).
-        self.kicked.swap(true, Ordering::AcqRel);
-        if let Some(w) = self.waker.lock().as_ref() {
-            w.wake_by_ref();
+        if self.kicked.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let waker = self.waker.lock().clone();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// Takes a kick without registering a waker: whether one came since the last poll or
+    /// take. For a consumer that looks between other work (the device actor between its
+    /// messages, which actix handles before its streams).
+    pub fn take(&self) -> bool {
+        self.kicked.swap(false, Ordering::AcqRel)
     }
 
     /// Ready once per batch of kicks; pending otherwise, `cx`'s waker then woken by the
@@ -114,7 +127,11 @@ mod tests {
         assert_eq!(kicks.poll_kicked(&mut cx), Poll::Pending);
         kicks.kick();
         kicks.kick();
-        assert_eq!(woken(&counter), 2, "each kick wakes the registered task");
+        assert_eq!(
+            woken(&counter),
+            1,
+            "the first kick wakes the registered task, the second finds the flag set"
+        );
         // Two kicks before the poll: one wake-up, then nothing until the next kick.
         assert_eq!(kicks.poll_kicked(&mut cx), Poll::Ready(()));
         assert_eq!(kicks.poll_kicked(&mut cx), Poll::Pending);
