@@ -18,7 +18,7 @@
 
 use tributary::{
     kernels::{Access, RoutineSpec},
-    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, TensorNode,
+    DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, StreamLasts, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
 use tributary_testkit::alloc_count::{allocations_of_second_run, Counting};
@@ -28,6 +28,14 @@ static GLOBAL: Counting = Counting;
 
 /// Routines per burst.
 const BURST: u64 = 2_000;
+
+/// Fails unless `used` is within [`ALLOWANCE`], naming what made them.
+fn assert_within_allowance(used: u64, what: std::fmt::Arguments<'_>) {
+    assert!(
+        used <= ALLOWANCE,
+        "{used} allocations for {what} (at most {ALLOWANCE})"
+    );
+}
 
 /// Replays per burst of a replay check: one allocation per replay would be ten times what
 /// the check allows.
@@ -48,10 +56,8 @@ fn issuing_allocates_nothing_in_steady_state() {
     system_schedules_that_find_their_device_idle_allocate_nothing();
     system_replays_allocate_nothing();
     system_replays_with_new_index_values_allocate_nothing();
-    engine_copies_between_devices_allocate_nothing();
-    system_copies_between_devices_allocate_nothing();
-    engine_replays_across_devices_allocate_nothing();
-    system_replays_across_devices_allocate_nothing();
+    engine_copies_and_replays_across_devices_allocate_nothing();
+    system_copies_and_replays_across_devices_allocate_nothing();
 }
 
 /// Replays a check lets run ahead of their completion.
@@ -75,6 +81,49 @@ fn in_flight_at_most(
         wait()?;
     }
     Ok(())
+}
+
+/// What a replay returns per stream, to wait for.
+trait Last {
+    fn wait_for(&self) -> tributary::Result<()>;
+}
+
+impl Last for tributary::Event {
+    fn wait_for(&self) -> tributary::Result<()> {
+        self.wait()
+    }
+}
+
+impl Last for tributary_actors::Ticket {
+    fn wait_for(&self) -> tributary::Result<()> {
+        self.wait()
+    }
+}
+
+/// Allocations of the second of two bursts of [`REPLAYS`] calls of `replay` on `on` (an
+/// `Engine` or a `&System`), at most [`IN_FLIGHT`] of them in flight, each burst ended by
+/// `sync`.
+fn replays_allocate<S, L: Last>(
+    on: &mut S,
+    mut replay: impl FnMut(&mut S) -> tributary::Result<StreamLasts<L>>,
+    mut sync: impl FnMut(&mut S) -> tributary::Result<()>,
+) -> u64 {
+    second_run(|| {
+        for i in 0..REPLAYS {
+            let lasts = replay(on)?;
+            in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
+        }
+        sync(on)
+    })
+}
+
+/// A system of `devices` CPU devices with one stream each.
+fn system(devices: usize) -> System {
+    System::builder()
+        .cpu_devices(devices)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .spawn()
+        .unwrap()
 }
 
 /// Allocations made by `run` the second time it runs.
@@ -155,10 +204,7 @@ fn engine_schedules_with_dependencies_allocate_nothing() {
         }
         e.sync_all()
     });
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {BURST} schedules and their runs (at most {ALLOWANCE})"
-    );
+    assert_within_allowance(used, format_args!("{BURST} schedules and their runs"));
 }
 
 fn engine_replays_allocate_nothing() {
@@ -185,26 +231,12 @@ fn engine_replays_allocate_nothing() {
         })
         .unwrap();
     let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
-            let lasts = e.replay(&step)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        e.sync_all()
-    });
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays of {STEP} routines (at most {})",
-        ALLOWANCE
-    );
+    let used = replays_allocate(&mut e, |e| e.replay(&step), |e| e.sync_all());
+    assert_within_allowance(used, format_args!("{replays} replays of {STEP} routines"));
 }
 
 fn system_schedules_that_find_their_device_idle_allocate_nothing() {
-    let sys = System::builder()
-        .cpu_devices(1)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .spawn()
-        .unwrap();
+    let sys = system(1);
     let ctx = sys.context(0, 0).unwrap();
     let r = ctx
         .link(spec(vec![(
@@ -222,10 +254,7 @@ fn system_schedules_that_find_their_device_idle_allocate_nothing() {
         Ok(())
     });
     sys.shutdown().unwrap();
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {BURST} schedules through System (at most {ALLOWANCE})"
-    );
+    assert_within_allowance(used, format_args!("{BURST} schedules through System"));
 }
 
 /// `Engine::replay_with`: the new index values travel in each stream's program, whose list
@@ -250,30 +279,24 @@ fn engine_replays_with_new_index_values_allocate_nothing() {
         .unwrap();
     let mut values = step.bindings();
     let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
+    let used = replays_allocate(
+        &mut e,
+        |e| {
             values.shift("t", 1)?;
-            let lasts = e.replay_with(&step, &values)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        e.sync_all()
-    });
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays of {STEP} routines with new index values (at \
-         most {})",
-        ALLOWANCE
+            e.replay_with(&step, &values)
+        },
+        |e| e.sync_all(),
+    );
+    assert_within_allowance(
+        used,
+        format_args!("{replays} replays of {STEP} routines with new index values"),
     );
 }
 
 /// A `System` replay on one device: its part travels in a pooled box, its tickets come
 /// back inline, its event lists are its step's.
 fn system_replays_allocate_nothing() {
-    let sys = System::builder()
-        .cpu_devices(1)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .spawn()
-        .unwrap();
+    let sys = system(1);
     let ctx = sys.context(0, 0).unwrap();
     let r = ctx
         .link(spec(vec![(
@@ -292,30 +315,18 @@ fn system_replays_allocate_nothing() {
         })
         .unwrap();
     let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
-            let lasts = sys.replay(&step)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        sys.sync()
-    });
+    let used = replays_allocate(&mut &sys, |s| s.replay(&step), |s| s.sync());
     sys.shutdown().unwrap();
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays of {STEP} routines through System (at most \
-         {})",
-        ALLOWANCE
+    assert_within_allowance(
+        used,
+        format_args!("{replays} replays of {STEP} routines through System"),
     );
 }
 
 /// `System::replay_with`: the values travel in a list the step keeps and refills once no
 /// part holds it.
 fn system_replays_with_new_index_values_allocate_nothing() {
-    let sys = System::builder()
-        .cpu_devices(1)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .spawn()
-        .unwrap();
+    let sys = system(1);
     let r = sys.context(0, 0).unwrap().link(indexed()).unwrap();
     let routine = r.routine().clone();
     const STEP: u64 = 8;
@@ -329,20 +340,21 @@ fn system_replays_with_new_index_values_allocate_nothing() {
         .unwrap();
     let mut values = step.bindings();
     let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
+    let used = replays_allocate(
+        &mut &sys,
+        |s| {
             values.shift("t", 1)?;
-            let lasts = sys.replay_with(&step, &values)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        sys.sync()
-    });
+            s.replay_with(&step, &values)
+        },
+        |s| s.sync(),
+    );
     sys.shutdown().unwrap();
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays of {STEP} routines with new index values \
-         through System (at most {})",
-        ALLOWANCE
+    assert_within_allowance(
+        used,
+        format_args!(
+            "{replays} replays of {STEP} routines with new index values \
+         through System"
+        ),
     );
 }
 
@@ -356,9 +368,10 @@ fn copy_specs() -> (TensorNode, RoutineSpec, RoutineSpec) {
     (x, write, read)
 }
 
-/// `Engine::device_to_device` after a write on the source device: the copy's plans, its
-/// dependencies on the other device and its run.
-fn engine_copies_between_devices_allocate_nothing() {
+/// `Engine::device_to_device` after a write on the source device (the copy's plans, its
+/// dependencies on the other device and its run), then replays of a step holding the same
+/// write and copy.
+fn engine_copies_and_replays_across_devices_allocate_nothing() {
     let mut e = Engine::cpu(EngineConfig {
         devices: 2,
         streams_per_device: 1,
@@ -379,21 +392,29 @@ fn engine_copies_between_devices_allocate_nothing() {
         }
         e.sync_all()
     });
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {copies} writes and copies between devices (at most {ALLOWANCE})"
+    assert_within_allowance(
+        used,
+        format_args!("{copies} writes and copies between devices"),
     );
+    let step = e
+        .capture(|c| {
+            c.schedule(&write)?;
+            c.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
+            Ok(())
+        })
+        .unwrap();
+    let replays = REPLAYS;
+    let used = replays_allocate(&mut e, |e| e.replay(&step), |e| e.sync_all());
+    assert_within_allowance(used, format_args!("{replays} replays across two devices"));
 }
 
-/// `System::device_to_device` after a write on the source device: its two halves posted at
-/// once, the source's verdict to the destination (a pooled cell), the reader the source
-/// records (a deferred event whose cell goes back to its pool).
-fn system_copies_between_devices_allocate_nothing() {
-    let sys = System::builder()
-        .cpu_devices(2)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .spawn()
-        .unwrap();
+/// `System::device_to_device` after a write on the source device (its two halves posted
+/// at once, the source's verdict to the destination in a pooled cell, the reader the source
+/// records a deferred event whose cell goes back to its pool), then replays of a step
+/// holding the same write and copy (the parts' checks and the copy's answer pooled cells,
+/// the edge lists inline).
+fn system_copies_and_replays_across_devices_allocate_nothing() {
+    let sys = system(2);
     let (x, write, read) = copy_specs();
     let write = sys.context(0, 0).unwrap().link(write).unwrap();
     let read = sys.context(1, 0).unwrap().link(read).unwrap();
@@ -408,61 +429,10 @@ fn system_copies_between_devices_allocate_nothing() {
         }
         sys.sync()
     });
-    sys.shutdown().unwrap();
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {copies} writes and copies between devices through System (at \
-         most {ALLOWANCE})"
+    assert_within_allowance(
+        used,
+        format_args!("{copies} writes and copies between devices through System"),
     );
-}
-
-/// `Engine::replay` of a step across two devices: a write on device 0, a copy to device 1.
-fn engine_replays_across_devices_allocate_nothing() {
-    let mut e = Engine::cpu(EngineConfig {
-        devices: 2,
-        streams_per_device: 1,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let (x, write, read) = copy_specs();
-    let (d0, d1) = (e.context(0, 0).unwrap(), e.context(1, 0).unwrap());
-    let write = e.link(&d0, write).unwrap();
-    let read = e.link(&d1, read).unwrap();
-    let (src, dst) = (write.context().clone(), read.context().clone());
-    let step = e
-        .capture(|c| {
-            c.schedule(&write)?;
-            c.device_to_device(&x, &src, &dst, MergeBufferUse::No)?;
-            Ok(())
-        })
-        .unwrap();
-    let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
-            let lasts = e.replay(&step)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        e.sync_all()
-    });
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays across two devices (at most {ALLOWANCE})"
-    );
-}
-
-/// `System::replay` of a step across two devices: the parts' checks and the copy's answer
-/// are pooled cells, its edge lists inline.
-fn system_replays_across_devices_allocate_nothing() {
-    let sys = System::builder()
-        .cpu_devices(2)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .spawn()
-        .unwrap();
-    let (x, write, read) = copy_specs();
-    let write = sys.context(0, 0).unwrap().link(write).unwrap();
-    let read = sys.context(1, 0).unwrap().link(read).unwrap();
-    let (src, dst) = (write.context().clone(), read.context().clone());
-    let write = write.routine().clone();
     let step = sys
         .capture(|c| {
             c.schedule(&write)?;
@@ -471,17 +441,10 @@ fn system_replays_across_devices_allocate_nothing() {
         })
         .unwrap();
     let replays = REPLAYS;
-    let used = second_run(|| {
-        for i in 0..replays {
-            let lasts = sys.replay(&step)?;
-            in_flight_at_most(i, || lasts.iter().try_for_each(|last| last.wait()))?;
-        }
-        sys.sync()
-    });
+    let used = replays_allocate(&mut &sys, |s| s.replay(&step), |s| s.sync());
     sys.shutdown().unwrap();
-    assert!(
-        used <= ALLOWANCE,
-        "{used} allocations for {replays} replays across two devices through System (at most \
-         {ALLOWANCE})"
+    assert_within_allowance(
+        used,
+        format_args!("{replays} replays across two devices through System"),
     );
 }
