@@ -57,7 +57,7 @@ use crate::ids::StreamId;
 
 #[doc(hidden)]
 pub mod pending;
-use self::pending::DeferredCell;
+use self::pending::{Planned, PooledCell};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{spin::SpinWait, Arc, Condvar, Mutex};
 
@@ -620,7 +620,7 @@ pub struct Event {
     timeline: Arc<Timeline>,
     seq: u64,
     /// Set for a deferred event: the cell its sequence number arrives in (`seq` unused).
-    deferred: Option<DeferredCell>,
+    deferred: Option<PooledCell<Planned>>,
 }
 
 impl Event {
@@ -634,7 +634,7 @@ impl Event {
     }
 
     /// The operation that `cell` will say was planned on `timeline`'s stream.
-    pub(crate) fn deferred(timeline: Arc<Timeline>, cell: DeferredCell) -> Event {
+    pub(crate) fn deferred(timeline: Arc<Timeline>, cell: PooledCell<Planned>) -> Event {
         Event {
             timeline,
             seq: 0,

@@ -9,10 +9,11 @@
 //! one wake-up.
 //!
 //! The handshake is an atomic waker's: [`Kicks::poll_kicked`] registers the task's waker
-//! under the lock and only then takes the flag; a kick sets the flag and only then wakes
-//! what is registered, under the same lock. Either the poll's take sees the flag or the
-//! kick's wake finds the registered waker: no kick is lost (loom model
-//! `actors::a_kick_racing_a_poll_is_never_lost`, mutant `kick_lost`).
+//! under the lock and only then takes the flag; a kick sets the flag and, unless it was
+//! already set, then wakes what is registered (read under the lock, woken outside it).
+//! Either the poll's take sees the flag or the kick finds the registered waker, and a kick
+//! that finds the flag set leaves the wake-up to the one that set it: no kick is lost (loom
+//! model `actors::a_kick_racing_a_poll_is_never_lost`, mutant `kick_lost`).
 
 use std::task::{Context, Poll, Waker};
 

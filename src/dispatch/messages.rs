@@ -6,7 +6,6 @@
 //! See DESIGN.md §4, "Inboxes: one order shared by every device, and batches".
 
 use std::fmt;
-use std::mem::ManuallyDrop;
 use std::sync::Arc as StdArc;
 
 use crate::{
@@ -16,7 +15,7 @@ use crate::{
     kernels::{Bindings, RoutineSpec},
     memory::{AlignedBuffer, PoolStats},
     node::TensorNode,
-    pending::{Oneshot, OneshotPool, SeqPromise},
+    pending::{Oneshot, OneshotPool, PooledCell, SeqPromise},
     protocol::{Context, Routine, Source, TableSizes},
     sync::Arc,
 };
@@ -71,13 +70,9 @@ impl<T: Clone> fmt::Debug for Reply<T> {
 }
 
 /// An [`Answer`] whose cell comes from a pool ([`pooled_reply`]) and goes back to it from
-/// its last holder, as a pending event's does ([`OneshotPool`]): the one-shots of copies
-/// and replays allocate nothing in steady state.
-pub struct PooledAnswer<T: Clone> {
-    /// Taken only by `drop`.
-    cell: ManuallyDrop<Answer<T>>,
-    pool: Arc<AnswerPool<T>>,
-}
+/// its last holder, as a pending event's does: the one-shots of copies and replays allocate
+/// nothing in steady state.
+pub type PooledAnswer<T> = PooledCell<Result<T>>;
 
 /// The cells of [`PooledAnswer`]s of one type.
 pub type AnswerPool<T> = OneshotPool<Result<T>>;
@@ -89,42 +84,8 @@ pub fn pooled_reply<T: Clone>(pool: &Arc<AnswerPool<T>>) -> (Reply<T>, PooledAns
         Reply {
             cell: Some(cell.clone()),
         },
-        PooledAnswer {
-            cell: ManuallyDrop::new(cell),
-            pool: pool.clone(),
-        },
+        PooledCell::new(cell, Some(pool.clone())),
     )
-}
-
-impl<T: Clone> std::ops::Deref for PooledAnswer<T> {
-    type Target = Oneshot<Result<T>>;
-
-    fn deref(&self) -> &Oneshot<Result<T>> {
-        &self.cell
-    }
-}
-
-impl<T: Clone> Clone for PooledAnswer<T> {
-    fn clone(&self) -> Self {
-        PooledAnswer {
-            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
-            pool: self.pool.clone(),
-        }
-    }
-}
-
-impl<T: Clone> Drop for PooledAnswer<T> {
-    fn drop(&mut self) {
-        // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
-        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
-        self.pool.give_back(cell);
-    }
-}
-
-impl<T: Clone> fmt::Debug for PooledAnswer<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("PooledAnswer")
-    }
 }
 
 /// What the source device of a copy tells its destination: the buffer to read and what

@@ -253,34 +253,43 @@ impl<T> Oneshot<T> {
     }
 }
 
-/// A deferred [`Event`]'s hold on its operation's cell: like a [`PendingEvent`]'s, it gives
-/// the cell back to its pool when it is the last holder. A copy's reader (a deferred event
-/// in the source's tables) often outlives the copy's ticket and promise: without this, its
-/// cell would be freed, and the next operation would allocate one.
-pub(crate) struct DeferredCell {
+/// A hold on a one-shot cell that goes back to its pool (if it came from one) when its
+/// last holder drops it (its [`OneshotPool`] proves that with `Arc::get_mut`). A
+/// [`PendingEvent`], a deferred [`Event`] and the actor layer's pooled answers hold their
+/// cells this way. A deferred event must too: a copy's reader (a deferred event in the
+/// source's tables) often outlives the copy's ticket and promise, and its cell would
+/// otherwise be freed and the next operation allocate one.
+pub struct PooledCell<T: Clone> {
     /// Taken only by `drop`.
-    cell: ManuallyDrop<Arc<Oneshot<Planned>>>,
-    pool: Option<Arc<CellPool>>,
+    cell: ManuallyDrop<Arc<Oneshot<T>>>,
+    pool: Option<Arc<OneshotPool<T>>>,
 }
 
-impl std::ops::Deref for DeferredCell {
-    type Target = Arc<Oneshot<Planned>>;
-
-    fn deref(&self) -> &Arc<Oneshot<Planned>> {
-        &self.cell
-    }
-}
-
-impl Clone for DeferredCell {
-    fn clone(&self) -> DeferredCell {
-        DeferredCell {
-            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
-            pool: self.pool.clone(),
+impl<T: Clone> PooledCell<T> {
+    /// A hold on `cell`, given back to `pool` by its last holder (`None`: freed then).
+    pub(crate) fn new(cell: Arc<Oneshot<T>>, pool: Option<Arc<OneshotPool<T>>>) -> Self {
+        PooledCell {
+            cell: ManuallyDrop::new(cell),
+            pool,
         }
     }
 }
 
-impl Drop for DeferredCell {
+impl<T: Clone> std::ops::Deref for PooledCell<T> {
+    type Target = Arc<Oneshot<T>>;
+
+    fn deref(&self) -> &Arc<Oneshot<T>> {
+        &self.cell
+    }
+}
+
+impl<T: Clone> Clone for PooledCell<T> {
+    fn clone(&self) -> Self {
+        PooledCell::new(Arc::clone(&self.cell), self.pool.clone())
+    }
+}
+
+impl<T: Clone> Drop for PooledCell<T> {
     fn drop(&mut self) {
         // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
         let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
@@ -290,13 +299,18 @@ impl Drop for DeferredCell {
     }
 }
 
+impl<T: Clone> fmt::Debug for PooledCell<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PooledCell")
+    }
+}
+
 /// An operation that an actor will plan on a known stream; see the module documentation.
 /// Cheap to clone.
+#[derive(Clone)]
 pub struct PendingEvent {
     timeline: Arc<Timeline>,
-    /// Taken only by `drop`.
-    cell: ManuallyDrop<Arc<Oneshot<Planned>>>,
-    pool: Option<Arc<CellPool>>,
+    cell: PooledCell<Planned>,
 }
 
 /// The deciding side of a [`PendingEvent`]: only the actor that plans the operation holds
@@ -305,26 +319,6 @@ pub struct PendingEvent {
 pub struct SeqPromise {
     cell: Option<Arc<Oneshot<Planned>>>,
     pool: Option<Arc<CellPool>>,
-}
-
-impl Clone for PendingEvent {
-    fn clone(&self) -> PendingEvent {
-        PendingEvent {
-            timeline: self.timeline.clone(),
-            cell: ManuallyDrop::new(Arc::clone(&self.cell)),
-            pool: self.pool.clone(),
-        }
-    }
-}
-
-impl Drop for PendingEvent {
-    fn drop(&mut self) {
-        // SAFETY: `drop` runs once and nothing uses `self.cell` after this line.
-        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
-        if let Some(pool) = &self.pool {
-            pool.give_back(cell);
-        }
-    }
 }
 
 impl PendingEvent {
@@ -350,8 +344,7 @@ impl PendingEvent {
         (
             PendingEvent {
                 timeline,
-                cell: ManuallyDrop::new(cell.clone()),
-                pool: pool.clone(),
+                cell: PooledCell::new(cell.clone(), pool.clone()),
             },
             SeqPromise {
                 cell: Some(cell),
@@ -399,13 +392,7 @@ impl PendingEvent {
     /// is planned and complete (or refused, and everything issued before it on its stream
     /// complete).
     pub fn event(&self) -> Event {
-        Event::deferred(
-            self.timeline.clone(),
-            DeferredCell {
-                cell: ManuallyDrop::new(Arc::clone(&self.cell)),
-                pool: self.pool.clone(),
-            },
-        )
+        Event::deferred(self.timeline.clone(), self.cell.clone())
     }
 }
 
