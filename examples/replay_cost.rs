@@ -18,7 +18,8 @@
 //! allocated per routine), spinning on the channel as the runtime's workers spin, and a
 //! completion counter the host spins on. Each row runs `runs` times after a warm-up run;
 //! the median of the wall times and of the CPU times is printed, and the ratio of the wall
-//! time to the baseline's.
+//! time to the baseline's. The last row issues the same plain calls as the issuing row to a
+//! system with its automatic replay on (`SystemBuilder::auto_replay`).
 
 use std::{
     sync::{
@@ -177,6 +178,19 @@ impl Drop for Worker {
     }
 }
 
+/// A system of one device of `device`'s kind, one stream, its automatic replay on if `auto`.
+fn builder_for(device: Device, auto: bool) -> tributary::Result<tributary_actors::SystemBuilder> {
+    let mut builder = System::builder()
+        .cpu_devices(1)
+        .streams(StreamConfig::MostParallelStreams(1))
+        .mailbox_capacity(1 << 16)
+        .auto_replay(auto);
+    if device != Device::Cpu {
+        builder = builder.backend_instance(gpu_backend(device)?);
+    }
+    Ok(builder)
+}
+
 fn main() -> tributary::Result<()> {
     let mut args = std::env::args().skip(1).peekable();
     let device = match args
@@ -253,14 +267,7 @@ fn main() -> tributary::Result<()> {
     })?;
     drop(e);
 
-    let mut builder = System::builder()
-        .cpu_devices(1)
-        .streams(StreamConfig::MostParallelStreams(1))
-        .mailbox_capacity(1 << 16);
-    if gpu {
-        builder = builder.backend_instance(gpu_backend(device)?);
-    }
-    let sys = builder.spawn()?;
+    let sys = builder_for(device, false)?.spawn()?;
     let mut ctx = sys.context(0, 0)?;
     let (init, spec) = specs(gpu)?;
     if let Some(init) = init {
@@ -289,6 +296,26 @@ fn main() -> tributary::Result<()> {
     })?;
     sys.shutdown()?;
 
+    // The same plain calls to a system whose automatic replay recognises them (a period of
+    // one call, learned as `MIN_PERIOD` of them) and replays them without a capture call.
+    let auto = builder_for(device, true)?.spawn()?;
+    let mut ctx = auto.context(0, 0)?;
+    let (init, spec) = specs(gpu)?;
+    if let Some(init) = init {
+        let init = ctx.link(init)?;
+        init.schedule()?;
+        ctx = init.context();
+    }
+    let routine = ctx.link(spec)?.routine().clone();
+    let system_auto = measure(n, runs, |k| {
+        for _ in 0..k {
+            auto.schedule(&routine)?;
+        }
+        auto.sync()
+    })?;
+    let auto_stats = auto.replay_stats();
+    auto.shutdown()?;
+
     let device = match device {
         Device::Cpu => "1 CPU device",
         Device::Vulkan => "1 Vulkan device",
@@ -315,6 +342,7 @@ fn main() -> tributary::Result<()> {
             row("`Engine`, replaying", engine_replaying);
             row("`System`, issuing", system_issuing);
             row("`System`, replaying", system_replaying);
+            row("`System`, automatic replay", system_auto);
         }
         None => {
             println!(
@@ -335,7 +363,12 @@ fn main() -> tributary::Result<()> {
             row("`Engine`, replaying", engine_replaying, engine_issuing);
             row("`System`, issuing", system_issuing, system_issuing);
             row("`System`, replaying", system_replaying, system_issuing);
+            row("`System`, automatic replay", system_auto, system_issuing);
         }
     }
+    println!(
+        "automatic replay: {} calls, {} replayed in {} replays, {} periods learned",
+        auto_stats.calls, auto_stats.calls_replayed, auto_stats.replays, auto_stats.periods
+    );
     Ok(())
 }

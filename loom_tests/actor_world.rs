@@ -160,6 +160,15 @@ impl ActorWorld {
     /// `streams[d]` streams on device `d`, each a model thread, device actors on threads
     /// as `actors` says, and tiny pools (as `World::new`).
     pub fn new(streams: &[usize], actors: Actors) -> ActorWorld {
+        ActorWorld::build(streams, actors, false)
+    }
+
+    /// [`ActorWorld::new`] with the dispatcher's automatic replay on.
+    pub fn with_auto_replay(streams: &[usize], actors: Actors) -> ActorWorld {
+        ActorWorld::build(streams, actors, true)
+    }
+
+    fn build(streams: &[usize], actors: Actors, auto_replay: bool) -> ActorWorld {
         let pools = PoolConfig {
             pool_bytes: 32,
             min_alignment: 4,
@@ -214,7 +223,10 @@ impl ActorWorld {
                 timelines,
             });
         }
-        let dispatcher = StdArc::new(Dispatcher::new(slots, StdArc::new(|_, _| true), host));
+        let dispatcher = StdArc::new(
+            Dispatcher::new(slots, StdArc::new(|_, _| true), host)
+                .with_auto_replay(auto_replay, None),
+        );
         let turns: Vec<StdArc<DeviceTurn>> = cores
             .into_iter()
             .map(|(core, inbox)| DeviceTurn::new(core, inbox))
@@ -322,6 +334,41 @@ impl ActorWorld {
 
     /// The value of `node`'s buffer in `ctx`, after its last write.
     pub fn read(&self, ctx: &Context, node: &TensorNode) -> Vec<i64> {
+        self.reader().read(ctx, node)
+    }
+
+    /// A reader of device buffers for host threads the model spawns ([`DeviceReader::read`]).
+    pub fn reader(&self) -> DeviceReader {
+        DeviceReader {
+            dispatcher: self.dispatcher.clone(),
+            memory: self.memory.clone(),
+        }
+    }
+
+    /// `System::host_write`.
+    pub fn host_write(&self, node: &TensorNode, data: &[i64]) {
+        host_write(&self.dispatcher, node, data);
+    }
+
+    /// A host reader for host threads the model spawns (`HostReader::read`).
+    pub fn host_reader(&self) -> HostReader {
+        HostReader {
+            dispatcher: self.dispatcher.clone(),
+            cells: self.host_cells.clone(),
+        }
+    }
+}
+
+/// Reads device buffers as `ActorWorld::read` does, from any model thread.
+#[derive(Clone)]
+pub struct DeviceReader {
+    dispatcher: StdArc<Dispatcher>,
+    memory: StdArc<StdMutex<Memory>>,
+}
+
+impl DeviceReader {
+    /// The value of `node`'s buffer in `ctx`, after its last write (a call of its own).
+    pub fn read(&self, ctx: &Context, node: &TensorNode) -> Vec<i64> {
         let bytes = node.size_in_bytes().unwrap();
         let into = StdArc::new(AlignedBuffer::new(bytes as usize, 64).unwrap());
         let d = self.dispatcher.index_of(ctx.device()).unwrap();
@@ -343,18 +390,20 @@ impl ActorWorld {
         event.wait().unwrap();
         self.memory.lock().unwrap().host_region(&into, bytes).read()
     }
+}
 
-    /// `System::host_write`.
-    pub fn host_write(&self, node: &TensorNode, data: &[i64]) {
-        host_write(&self.dispatcher, node, data);
-    }
+/// `System::schedule` with the automatic replay (on when the world was made so): the
+/// routine's ticket, held or issued.
+pub fn auto_schedule(d: &StdArc<Dispatcher>, routine: &Routine) -> dispatch::Issued {
+    d.auto_schedule(routine, tributary::kernels::Bindings::none())
+        .unwrap()
+}
 
-    /// A host reader for host threads the model spawns (`HostReader::read`).
-    pub fn host_reader(&self) -> HostReader {
-        HostReader {
-            dispatcher: self.dispatcher.clone(),
-            cells: self.host_cells.clone(),
-        }
+/// Waits for a ticket of the automatic replay (issuing what it holds if it must).
+pub fn wait_issued(issued: &dispatch::Issued) -> Result<()> {
+    match issued {
+        dispatch::Issued::Now(p) => wait(p),
+        dispatch::Issued::Held(h) => wait(&h.pending()?),
     }
 }
 

@@ -15,19 +15,20 @@
 //! its own thread forgets the answer that would unblock a device), `replay_entry` (a
 //! replayed step's entry dependencies on the live tables dropped) and `kick_lost` (a
 //! device actor's wake-up flag taken before its waker is registered: a kick in between
-//! wakes nobody).
+//! wakes nobody) and `auto_no_flush` (a call that breaks the automatic replay's period is
+//! posted before the calls it holds).
 
 use tributary::{
     collective::{self, ReduceOp, Strategy, Transfer},
     dispatch::{self, answer, AllReduceCall},
-    kernels::{add_merge, copy, fill},
+    kernels::{add_merge, copy, fill, scale_in_place},
     HostedKind, MemoryMode, MergeBufferUse, Sharing,
 };
 
 use crate::{
     actor_world::{
-        all_reduce, capture_copy, device_to_device, host_write, replay, schedule, to_host, wait,
-        ActorWorld, Actors,
+        all_reduce, auto_schedule, capture_copy, device_to_device, host_write, replay, schedule,
+        to_host, wait, wait_issued, ActorWorld, Actors,
     },
     harness::{builder, run_model, windowed},
     world::node,
@@ -524,6 +525,60 @@ fn a_kick_racing_a_poll_is_never_lost() {
                     .is_pending(),
                 "a kick was left unseen by an actor that was not woken for it"
             );
+        },
+    );
+}
+
+/// Issue 31's automatic replay: a period of two schedules (double `x`, fill `y`) and a
+/// query is learned and captured, then its first call is held. The thread that issued it starts another
+/// host thread, which reads `x` while the first thread issues the period's second call.
+/// The read began after the held call returned, so it must see `x` doubled: it breaks the
+/// period, and the held call is issued before it (mutant `auto_no_flush` posts the read
+/// first: it sees the value before). Whichever comes first, the period's calls run once
+/// each, in order.
+#[test]
+fn a_matched_call_races_a_call_that_breaks_the_period() {
+    run_model(
+        "actors::a_matched_call_races_a_call_that_breaks_the_period",
+        windowed(Some(1)),
+        || {
+            let mut w = ActorWorld::with_auto_replay(&[1], Actors::Shared);
+            let x = node("x", MemoryMode::on_device());
+            let y = node("y", MemoryMode::on_device());
+            let set = w.link(&w.context(0, 0), fill(&x, 1.0).unwrap());
+            let double = w.link(set.context(), scale_in_place(&x, 2.0).unwrap());
+            let set_y = w.link(double.context(), fill(&y, 3.0).unwrap());
+            let d = w.dispatcher();
+            wait(&schedule(&d, &set)).unwrap();
+            // The period: double, fill, a query (`quiesce`, a barrier that only observes).
+            // Three to recognise it, a fourth captured (its query is the window's): x = 16.
+            for k in 0..4 {
+                auto_schedule(&d, &double);
+                auto_schedule(&d, &set_y);
+                if k < 3 {
+                    w.quiesce();
+                }
+            }
+            let ctx = set_y.context().clone();
+            w.begin_window();
+            let held = auto_schedule(&d, &double);
+            assert!(
+                matches!(held, dispatch::Issued::Held(_)),
+                "the period's first call is held"
+            );
+            let reader = {
+                let (r, ctx, x) = (w.reader(), ctx.clone(), x.clone());
+                loom::thread::spawn(move || r.read(&ctx, &x))
+            };
+            let second = auto_schedule(&d, &set_y);
+            let seen = reader.join().unwrap();
+            wait_issued(&held).unwrap();
+            wait_issued(&second).unwrap();
+            w.end_window();
+            assert_eq!(seen, [32], "a read after the held call saw {seen:?}");
+            assert_eq!(w.read(&ctx, &x), [32]);
+            assert_eq!(w.read(&ctx, &y), [3]);
+            w.shutdown();
         },
     );
 }

@@ -52,6 +52,7 @@ MUTANTS=(
   "drive_lost_kick:actors::copy_against_device_order"
   "replay_entry:actors::replay_races_a_schedule_from_another_thread"
   "kick_lost:actors::a_kick_racing_a_poll_is_never_lost"
+  "auto_no_flush:actors::a_matched_call_races_a_call_that_breaks_the_period"
   # memory (src/memory)
   "merge_retire:protocol::merge_buffer_holds_the_expected_node"
   # event timeline (src/event.rs)
@@ -95,6 +96,8 @@ CLUSTER_MUTANTS=(
 RANDOM_MUTANTS=(
   "replay_entry:--test reliability captured_steps_match_the_reference"
   "replay_barrier:--test system system_replay::a_replay_invalidated_on_one_device_issues_nothing_on_the_others"
+  # the automatic replay (src/dispatch/auto.rs)
+  "auto_stale:--test system auto_replay::a_host_write_inside_the_period_ends_the_replays"
   # Vulkan replays (src/backend/vulkan/stream/programs.rs): lavapipe, as the tests run it
   "vulkan_stale_recording:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"
   "vulkan_unheld_scratch:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"

@@ -160,6 +160,9 @@ impl Op {
                     Builtin::Scale { alpha } => {
                         args[1].read().iter().map(|s| *alpha as i64 * s).collect()
                     }
+                    Builtin::ScaleInPlace { alpha } => {
+                        args[0].read().iter().map(|s| *alpha as i64 * s).collect()
+                    }
                     other => panic!("model bug: {} is not modelled", other.name()),
                 };
                 args[0].write(&out);

@@ -57,11 +57,27 @@ pub struct TraceRecord {
     pub ok: bool,
 }
 
+/// A span of the host's own work, beside the streams' records: the automatic replay marks
+/// each replay of calls it held this way (DESIGN.md §4, "Automatic replay").
+#[derive(Clone, Debug, Serialize)]
+pub struct HostMark {
+    /// What happened ("replayed 32 calls of step 7").
+    pub name: String,
+    /// Start, in nanoseconds since the recorder was created (the first held call).
+    pub start_ns: u64,
+    /// End, in nanoseconds since the recorder was created (the replay posted).
+    pub end_ns: u64,
+}
+
+/// The process id host marks take in a Chrome trace (devices take their ids).
+pub const HOST_TRACE_PID: u64 = 1 << 20;
+
 /// The records and an index of when each operation's work ended.
 #[derive(Debug, Default)]
 struct Records {
     all: Vec<TraceRecord>,
     work_end: HashMap<(StreamId, u64), u64>,
+    marks: Vec<HostMark>,
 }
 
 /// Collects [`TraceRecord`]s from every stream.
@@ -110,6 +126,16 @@ impl Recorder {
             records.work_end.insert((r.stream, r.seq), r.end_ns);
         }
         records.all.push(r);
+    }
+
+    /// Adds a mark of the host's work.
+    pub fn mark(&self, m: HostMark) {
+        self.lock().marks.push(m);
+    }
+
+    /// A copy of every host mark so far.
+    pub fn marks(&self) -> Vec<HostMark> {
+        self.lock().marks.clone()
     }
 
     /// When the work of operation `seq` of `stream` ended, if it was recorded.
@@ -251,6 +277,24 @@ impl Recorder {
                 "ts": us(r.start_ns),
                 "dur": us(r.end_ns - r.start_ns),
                 "args": args,
+            }));
+        }
+        let marks = self.marks();
+        if !marks.is_empty() {
+            events.push(serde_json::json!({
+                "name": "process_name", "ph": "M", "pid": HOST_TRACE_PID,
+                "args": { "name": "host" }
+            }));
+            events.push(serde_json::json!({
+                "name": "thread_name", "ph": "M", "pid": HOST_TRACE_PID, "tid": 0,
+                "args": { "name": "automatic replay" }
+            }));
+        }
+        for m in &marks {
+            events.push(serde_json::json!({
+                "name": m.name, "cat": "automatic replay", "ph": "X",
+                "pid": HOST_TRACE_PID, "tid": 0,
+                "ts": us(m.start_ns), "dur": us(m.end_ns.saturating_sub(m.start_ns)),
             }));
         }
         for (id, f) in flows.iter().enumerate() {

@@ -112,8 +112,8 @@ impl AllReducePlan {
     /// reads of the nodes wait by themselves.
     pub fn run(&self) -> Result<Vec<Ticket>> {
         self.sys.check_live()?;
-        let pending = self.sys.dispatcher().all_reduce(&self.call)?;
-        Ok(pending.into_iter().map(Ticket::pending).collect())
+        let issued = self.sys.dispatcher().auto_all_reduce(&self.call)?;
+        Ok(issued.into_iter().map(Ticket::issued).collect())
     }
 
     /// Finalizes the routines' contexts (their buffers belong to the parents: nothing is freed).

@@ -72,7 +72,14 @@ pub struct SystemConfig {
     /// way; `false` keeps every decision on the actors' arbiters (a wake-up per call into
     /// an idle device).
     pub decide_on_posting_thread: bool,
+    /// The dispatcher recognises a repeated sequence of schedules and copies and replays it
+    /// without a capture call (TOML `auto_replay`; DESIGN.md §4, "Automatic replay"; see
+    /// [`System::replay_stats`](crate::System::replay_stats)).
+    pub auto_replay: bool,
 }
+
+/// Whether [`SystemConfig::auto_replay`] is on by default.
+pub const AUTO_REPLAY_DEFAULT: bool = false;
 
 impl Default for SystemConfig {
     fn default() -> Self {
@@ -86,6 +93,7 @@ impl Default for SystemConfig {
             backend: BackendKind::Cpu,
             cpu: CpuConfig::default(),
             decide_on_posting_thread: true,
+            auto_replay: AUTO_REPLAY_DEFAULT,
         }
     }
 }
@@ -265,6 +273,33 @@ impl SystemBuilder {
     /// ```
     pub fn decide_on_posting_thread(mut self, on: bool) -> Self {
         self.config.decide_on_posting_thread = on;
+        self
+    }
+
+    /// Turns the automatic replay on or off ([`SystemConfig::auto_replay`]): a period of
+    /// calls seen three times in a row is captured, then replayed while it repeats.
+    ///
+    /// ```
+    /// use tributary::{kernels, DType, MemoryMode};
+    /// let sys = tributary_actors::System::builder().cpu_devices(1).auto_replay(true).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]).with_mode(MemoryMode::on_device())?;
+    /// let ctx = sys.context(0, 0)?;
+    /// let fill = ctx.link(kernels::fill(&x, 1.0)?)?;
+    /// let double = fill.context().link(kernels::scale_in_place(&x, 2.0)?)?;
+    /// // A period of two calls, seen three times, is learned as 16 of them (at least
+    /// // `MIN_PERIOD` calls): captured the next 16 times, replayed the 16 after.
+    /// for _ in 0..3 + 16 + 16 {
+    ///     fill.schedule()?;
+    ///     double.schedule()?;
+    /// }
+    /// let stats = sys.replay_stats();
+    /// assert_eq!((stats.periods, stats.replays, stats.calls_replayed), (1, 1, 32));
+    /// assert_eq!(double.context().read::<f32>(&x)?, vec![2.0; 4]);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn auto_replay(mut self, on: bool) -> Self {
+        self.config.auto_replay = on;
         self
     }
 

@@ -92,4 +92,5 @@ pub use steps::SystemCapture;
 pub use system::{MemoryReport, ShutdownReport, System};
 pub use ticket::{block_on, Ticket};
 pub use tributary;
+pub use tributary::dispatch::{Fallbacks, ReplayStats};
 pub use tributary::MergeBufferUse;

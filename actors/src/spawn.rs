@@ -111,18 +111,21 @@ impl System {
             }
         });
         let host = tributary::sync::Arc::new(tributary::sync::Mutex::new(HostTable::default()));
-        let dispatcher = Arc::new(Dispatcher::new(
-            devices
-                .iter()
-                .map(|d| DeviceSlot {
-                    id: d.id,
-                    inbox: d.inbox.clone(),
-                    timelines: d.timelines.clone(),
-                })
-                .collect(),
-            can_stream,
-            host.clone(),
-        ));
+        let dispatcher = Arc::new(
+            Dispatcher::new(
+                devices
+                    .iter()
+                    .map(|d| DeviceSlot {
+                        id: d.id,
+                        inbox: d.inbox.clone(),
+                        timelines: d.timelines.clone(),
+                    })
+                    .collect(),
+                can_stream,
+                host.clone(),
+            )
+            .with_auto_replay(config.auto_replay, recorder.clone()),
+        );
         let (tx, rx) = std::sync::mpsc::channel();
         let cfg = config.clone();
         let d2 = dispatcher.clone();

@@ -173,8 +173,39 @@ impl System {
         self.dispatcher().fence_counts()
     }
 
+    /// What the automatic replay did so far ([`SystemConfig::auto_replay`]; all zeros
+    /// when it is off): periods recognised, steps captured and replayed, calls replayed,
+    /// and why it fell back to issuing.
+    ///
+    /// ```
+    /// use tributary::{kernels, DType};
+    /// let sys = tributary_actors::System::builder().cpu_devices(1).auto_replay(true).spawn()?;
+    /// let x = sys.node("x", DType::F32, [4]);
+    /// let add = sys.context(0, 0)?.link(kernels::fill(&x, 1.0)?)?;
+    /// for _ in 0..3 {
+    ///     add.schedule()?; // a period of one call, seen three times
+    /// }
+    /// assert_eq!(sys.replay_stats().periods, 1);
+    /// sys.sync()?; // not a schedule: the period is given up
+    /// assert_eq!(sys.replay_stats().fallbacks.mismatch, 1);
+    /// # sys.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn replay_stats(&self) -> crate::ReplayStats {
+        self.dispatcher().replay_stats().unwrap_or_default()
+    }
+
+    /// Issues now every call the automatic replay holds ([`SystemConfig::auto_replay`]):
+    /// for a host thread about to block on something the system does not see (an MPI
+    /// call, another process) while work it issued must run. Any other call, a wait on a
+    /// held ticket and a shutdown do it by themselves. Nothing to do when the automatic
+    /// replay is off.
+    pub fn issue_held(&self) {
+        self.dispatcher().release_held();
+    }
+
     /// The engine-side router this system posts through.
-    pub(crate) fn dispatcher(&self) -> &Dispatcher {
+    pub(crate) fn dispatcher(&self) -> &Arc<Dispatcher> {
         &self.shared.dispatcher
     }
 
@@ -335,8 +366,8 @@ impl System {
     ) -> Result<Ticket> {
         let bindings = routine.bind(bindings)?;
         self.check_live()?;
-        Ok(Ticket::pending(
-            self.dispatcher().schedule(routine, bindings)?,
+        Ok(Ticket::issued(
+            self.dispatcher().auto_schedule(routine, bindings)?,
         ))
     }
 
@@ -417,8 +448,8 @@ impl System {
         self.check_live()?;
         Ok(self
             .dispatcher()
-            .device_to_device(node, src, dst, mode)?
-            .map(Ticket::pending))
+            .auto_device_to_device(node, src, dst, mode)?
+            .map(Ticket::issued))
     }
 
     /// Finalizes `ctx`: its buffers are freed after their pending uses.
@@ -705,6 +736,8 @@ impl System {
             return Err(Error::ShutDown("the system was already shut down".into()));
         }
         let mut report = ShutdownReport::default();
+        // Calls the automatic replay still holds are issued, and run like the rest.
+        self.dispatcher().release_held();
         block_on(async {
             for addr in &self.shared.devices {
                 if let Ok(a) = addr.send(StopStreams { deadline }).await {

@@ -9,7 +9,11 @@
 
 use std::time::{Duration, Instant};
 
-use tributary::{pending::PendingEvent, Error, Event, Result};
+use tributary::{
+    dispatch::{HeldEvent, Issued},
+    pending::PendingEvent,
+    Error, Event, Result,
+};
 
 /// The event of an operation, possibly not decided yet. Cheap to clone.
 #[derive(Clone)]
@@ -20,6 +24,9 @@ pub struct Ticket {
 #[derive(Clone)]
 enum Inner {
     Pending(PendingEvent),
+    /// A call the automatic replay holds for a replay of its segment: asking for its event
+    /// issues what is held if it still is (DESIGN.md §4, "Automatic replay").
+    Held(HeldEvent),
     Ready(Result<Event>),
 }
 
@@ -28,6 +35,16 @@ impl Ticket {
     pub(crate) fn pending(pending: PendingEvent) -> Ticket {
         Ticket {
             inner: Inner::Pending(pending),
+        }
+    }
+
+    /// A ticket for a call the automatic replay issued or holds.
+    pub(crate) fn issued(issued: Issued) -> Ticket {
+        Ticket {
+            inner: match issued {
+                Issued::Now(p) => Inner::Pending(p),
+                Issued::Held(h) => Inner::Held(h),
+            },
         }
     }
 
@@ -50,22 +67,28 @@ impl Ticket {
     pub fn try_event(&self) -> Option<Result<Event>> {
         match &self.inner {
             Inner::Pending(p) => p.outcome(),
+            Inner::Held(h) => match h.pending() {
+                Ok(p) => p.outcome(),
+                Err(e) => Some(Err(e)),
+            },
             Inner::Ready(r) => Some(r.clone()),
         }
     }
 
     fn event_until(&self, deadline: Option<Instant>, after: Duration) -> Result<Event> {
+        let wait = |p: &PendingEvent| match p.wait_planned(deadline) {
+            Some(_) => p
+                .outcome()
+                .unwrap_or_else(|| Err(Error::Internal("a decided ticket has no outcome".into()))),
+            None => Err(Error::Timeout {
+                what: format!("the decision of operation {p:?} by its device actor"),
+                after,
+            }),
+        };
         match &self.inner {
             Inner::Ready(r) => r.clone(),
-            Inner::Pending(p) => match p.wait_planned(deadline) {
-                Some(_) => p.outcome().unwrap_or_else(|| {
-                    Err(Error::Internal("a decided ticket has no outcome".into()))
-                }),
-                None => Err(Error::Timeout {
-                    what: format!("the decision of operation {p:?} by its device actor"),
-                    after,
-                }),
-            },
+            Inner::Pending(p) => wait(p),
+            Inner::Held(h) => wait(&h.pending()?),
         }
     }
 
@@ -110,6 +133,7 @@ impl Ticket {
         match &self.inner {
             Inner::Ready(r) => r.clone(),
             Inner::Pending(p) => p.planned_async().await,
+            Inner::Held(h) => h.pending()?.planned_async().await,
         }
     }
 
@@ -118,6 +142,7 @@ impl Ticket {
     pub fn as_event(&self) -> Option<Event> {
         match &self.inner {
             Inner::Pending(p) => Some(p.event()),
+            Inner::Held(h) => h.pending().ok().map(|p| p.event()),
             Inner::Ready(r) => r.clone().ok(),
         }
     }

@@ -10,6 +10,7 @@
 //! cargo run --release --example data_parallel -- --backend vulkan --devices 2
 //! cargo run --release --example data_parallel -- --epochs 5 --trace dp.trace.json
 //! cargo run --release --example data_parallel -- --replay   # capture step 1, replay the rest
+//! cargo run --release --example data_parallel -- --auto-replay   # the system finds the step
 //! cargo run --release --example data_parallel -- --dim 256 --hidden 1024 --samples 4096 \
 //!     --cpu-kernels exact   # a larger model; the matmuls in the GPU backends' order
 //! RUST_LOG=debug cargo run --example data_parallel -- --epochs 1   # the runtime's spans
@@ -74,6 +75,10 @@ struct Args {
     /// `System::replay`: one operation per device per step, no dependency inference).
     #[arg(long)]
     replay: bool,
+    /// Issue every step as plain calls to a system whose automatic replay is on
+    /// (`SystemBuilder::auto_replay`): it recognises the repeated step and replays it.
+    #[arg(long)]
+    auto_replay: bool,
     /// Input features of the MLP.
     #[arg(long, default_value_t = 8)]
     dim: usize,
@@ -145,6 +150,7 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         .backend(backend)
         .streams(StreamConfig::OnlyDevicesParallel)
         .record_timeline(args.trace.is_some())
+        .auto_replay(args.auto_replay)
         .spawn()
         .map_err(|e| format!("cannot start {} devices: {e}", args.backend.name()))?;
     let data = model::make_data(&cfg);
@@ -221,6 +227,14 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
             ""
         }
     );
+    if args.auto_replay {
+        let s = sys.replay_stats();
+        println!(
+            "automatic replay: {} calls, {} replayed in {} replays of {} captured steps, \
+             {} periods learned, {} held calls issued by a barrier",
+            s.calls, s.calls_replayed, s.replays, s.steps, s.periods, s.fallbacks.interrupted
+        );
+    }
     print!("{}", sys.memory_report()?);
     if let (Some(path), Some(rec)) = (&args.trace, sys.timeline()) {
         rec.write_chrome_trace(path)

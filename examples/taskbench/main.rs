@@ -39,6 +39,7 @@ use clap::{Parser, ValueEnum};
 use graph::{Graph, Pattern};
 use kernel::{flops_per_task, Checks};
 use metg::{metg, Point};
+use runners::Issue;
 
 /// Which implementation runs the graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -53,10 +54,14 @@ enum Runner {
     System,
     /// `System` replaying a captured period of timesteps (`System::replay_with`).
     SystemReplay,
+    /// `System` issuing plain calls with its automatic replay on (no capture call).
+    SystemAuto,
     /// `System` on 2 CPU devices, cross-device inputs by `device_to_device`.
     System2,
     /// `System` on 2 CPU devices replaying a captured period, its copies included.
     System2Replay,
+    /// `System` on 2 CPU devices issuing plain calls with its automatic replay on.
+    System2Auto,
     /// Hand-written cudarc: one CUDA stream per column, events between them (`--features
     /// cuda`, a GPU).
     CudaStreams,
@@ -74,8 +79,10 @@ impl Runner {
             Runner::EngineReplay => "Engine, replaying a captured step",
             Runner::System => "System, 1 device",
             Runner::SystemReplay => "System, replaying a captured step",
+            Runner::SystemAuto => "System, automatic replay",
             Runner::System2 => "System, 2 devices",
             Runner::System2Replay => "System, 2 devices, replaying",
+            Runner::System2Auto => "System, 2 devices, automatic replay",
             Runner::CudaStreams => "hand-written CUDA streams",
             Runner::SystemCuda => "System, 1 CUDA device",
             Runner::SystemCudaReplay => "System, 1 CUDA device, replaying",
@@ -226,32 +233,35 @@ fn run(
     checks: &Arc<Checks>,
 ) -> Result<f64, String> {
     checks.reset();
-    let wall =
-        match runner {
-            Runner::Threads => {
-                let start = Instant::now();
-                baseline::run(pool, graph, iterations, checks)?;
-                start.elapsed()
-            }
-            Runner::Engine => {
-                runners::engine(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
-            }
-            Runner::EngineReplay => {
-                runners::engine_replay(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
-            }
-            Runner::System => runners::system(graph, 1, iterations, cpu, checks, false)
-                .map_err(|e| e.to_string())?,
-            Runner::SystemReplay => runners::system(graph, 1, iterations, cpu, checks, true)
-                .map_err(|e| e.to_string())?,
-            Runner::System2 => runners::system(graph, 2, iterations, cpu, checks, false)
-                .map_err(|e| e.to_string())?,
-            Runner::System2Replay => runners::system(graph, 2, iterations, cpu, checks, true)
-                .map_err(|e| e.to_string())?,
-            // The GPU checks its inputs itself (`cuda.rs`): a wrong one fails the run.
-            Runner::CudaStreams | Runner::SystemCuda | Runner::SystemCudaReplay => {
-                return gpu::run(runner, graph, iterations).map(|d| d.as_secs_f64())
-            }
-        };
+    let wall = match runner {
+        Runner::Threads => {
+            let start = Instant::now();
+            baseline::run(pool, graph, iterations, checks)?;
+            start.elapsed()
+        }
+        Runner::Engine => {
+            runners::engine(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
+        }
+        Runner::EngineReplay => {
+            runners::engine_replay(graph, iterations, cpu, checks).map_err(|e| e.to_string())?
+        }
+        Runner::System => runners::system(graph, 1, iterations, cpu, checks, Issue::Calls)
+            .map_err(|e| e.to_string())?,
+        Runner::SystemReplay => runners::system(graph, 1, iterations, cpu, checks, Issue::Replay)
+            .map_err(|e| e.to_string())?,
+        Runner::SystemAuto => runners::system(graph, 1, iterations, cpu, checks, Issue::Auto)
+            .map_err(|e| e.to_string())?,
+        Runner::System2 => runners::system(graph, 2, iterations, cpu, checks, Issue::Calls)
+            .map_err(|e| e.to_string())?,
+        Runner::System2Replay => runners::system(graph, 2, iterations, cpu, checks, Issue::Replay)
+            .map_err(|e| e.to_string())?,
+        Runner::System2Auto => runners::system(graph, 2, iterations, cpu, checks, Issue::Auto)
+            .map_err(|e| e.to_string())?,
+        // The GPU checks its inputs itself (`cuda.rs`): a wrong one fails the run.
+        Runner::CudaStreams | Runner::SystemCuda | Runner::SystemCudaReplay => {
+            return gpu::run(runner, graph, iterations).map(|d| d.as_secs_f64())
+        }
+    };
     let (want, got) = (graph.inputs(), checks.inputs());
     if got != want {
         return Err(format!(

@@ -250,16 +250,28 @@ pub fn engine_replay(
     Ok(start.elapsed())
 }
 
+/// How the `System` runner issues its timesteps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Issue {
+    /// Every call, as a plain call.
+    Calls,
+    /// Periods after the first replayed from a captured step (`System::replay_with`).
+    Replay,
+    /// Every call, as a plain call, to a system with its automatic replay on.
+    Auto,
+}
+
 /// `System` on `devices` CPU devices (columns split evenly), one stream per column; with
-/// `replay`, every period of timesteps after the first is a replay of a captured step
-/// (`System::replay_with`), its cross-device copies included, as [`engine_replay`] does.
+/// `Issue::Replay`, every period of timesteps after the first is a replay of a captured step
+/// (`System::replay_with`), its cross-device copies included, as [`engine_replay`] does;
+/// with `Issue::Auto`, plain calls the system recognises and replays by itself.
 pub fn system(
     graph: Graph,
     devices: usize,
     iterations: u64,
     cpu: &CpuConfig,
     checks: &Arc<Checks>,
-    replay: bool,
+    issue: Issue,
 ) -> Result<Duration> {
     let per_device = graph.width.div_ceil(devices);
     let device_of = |i: usize| i / per_device;
@@ -267,6 +279,7 @@ pub fn system(
         .cpu_devices(devices)
         .streams(StreamConfig::MostParallelStreams(per_device))
         .cpu(cpu.clone())
+        .auto_replay(issue == Issue::Auto)
         .spawn()?;
     let outputs = Outputs::new(graph.width)?;
     let mut routines: Vec<Vec<Task<RoutineHandle>>> = Vec::new();
@@ -325,7 +338,7 @@ pub fn system(
     let period = graph.capture_period();
     let start = Instant::now();
     let mut t = 0;
-    if replay && graph.steps > 2 * period {
+    if issue == Issue::Replay && graph.steps > 2 * period {
         timestep(0, &mut &sys)?;
         let step = sys.capture(|c| {
             for t in 1..=period {

@@ -13,6 +13,7 @@
 //! - [`DeviceCore`]: the device actor's handler bodies as plain code over its state.
 //! - [`DeviceTurn`]: who runs them, the actor's thread or the host thread that posted.
 //! - [`Dispatcher`]: the host side and the coordinator's routing.
+//! - [`auto`]: the automatic replay, recognising repeated calls and replaying them.
 //! - `hosted`: the order of host-array operations across devices, kept with gates.
 //!
 //! # The seam: each file and its actor
@@ -25,11 +26,13 @@
 //! | `system.rs` (`Dispatcher`) | `system.rs` (`System`), `coordinator.rs` (`Coordinator`) |
 //! | `messages.rs` (`DeviceOp`, `Part`) | `messages.rs` (the actor messages) |
 //! | `steps.rs` (`StepCapture`), `replay.rs` (`ReplayPart`) | `steps.rs` (`SystemCapture`, replays) |
+//! | `auto.rs` (`AutoReplay`, `HeldEvent`) | `ticket.rs` (a held call's `Ticket`), `system.rs` |
 //! | `hosted.rs` (gates) | `host_arrays.rs` (host reads and writes) |
 //! | `inbox.rs` | (the actor's mailbox is this inbox) |
 //! | `kicks.rs` (`Kicks`) | `device.rs` (the actor's wake-ups, a stream) |
 //! | `src/event/pending.rs` (`PendingEvent`) | `ticket.rs` (`Ticket`) |
 
+pub mod auto;
 mod device;
 mod hosted;
 pub mod inbox;
@@ -43,6 +46,7 @@ pub mod turn;
 use std::future::Future;
 use std::task::{Context, Poll, Wake, Waker};
 
+pub use auto::{Fallbacks, HeldEvent, Issued, ReplayStats};
 pub use device::{DeviceCore, PlanSink, Progress};
 pub use hosted::{HostUse, NodeOrder};
 pub use inbox::Inbox;

@@ -32,7 +32,7 @@ use crate::{
 
 use super::{
     messages::{pooled_reply, AnswerPool, DeviceOp, Part, Parts, PooledAnswer, Reply},
-    system::Dispatcher,
+    system::{Dispatcher, Via},
 };
 
 /// An incoming edge as its destination part holds it: the source's answer, the promise of
@@ -290,6 +290,17 @@ impl Dispatcher {
         step: &Step,
         values: Option<&[Bindings]>,
     ) -> Result<StreamLasts<PendingEvent>> {
+        self.interrupt(super::auto::Barrier::Invalidating);
+        self.replay_via(step, values, Via::Auto)
+    }
+
+    /// [`Dispatcher::replay`], its post made `via` the caller or the automatic replay.
+    pub(super) fn replay_via(
+        &self,
+        step: &Step,
+        values: Option<&[Bindings]>,
+        via: Via,
+    ) -> Result<StreamLasts<PendingEvent>> {
         let inner = &step.inner;
         let index: SmallVec<[usize; 4]> = inner
             .devices
@@ -392,10 +403,10 @@ impl Dispatcher {
         }
         if parts.len() == 1 {
             if let Some(p) = parts.pop() {
-                self.post_one(p)?;
+                self.post_one_via(via, p)?;
             }
         } else if !parts.is_empty() {
-            self.post(parts)?;
+            self.post_via(via, parts)?;
         }
         Ok(last)
     }

@@ -23,7 +23,7 @@ use crate::{
 
 use super::{
     messages::Answer,
-    system::{AllReduceCall, Dispatcher, Recording},
+    system::{AllReduceCall, Dispatcher, Recording, Via},
 };
 
 /// Where a recorded operation is recorded, and as what.
@@ -66,6 +66,14 @@ impl CaptureLog {
 /// A step being captured through a [`Dispatcher`] (see the module documentation).
 pub struct StepCapture<'d> {
     dispatcher: &'d Dispatcher,
+    build: CaptureBuild,
+}
+
+/// What a capture has recorded so far, apart from the dispatcher it posts through: the
+/// [`StepCapture`] of `System::capture`, and the automatic replay's captures
+/// (`super::auto`), which live across calls.
+#[derive(Debug)]
+pub(crate) struct CaptureBuild {
     log: Arc<CaptureLog>,
     edges: Vec<Edge>,
     slots: Vec<Bindings>,
@@ -75,34 +83,19 @@ pub struct StepCapture<'d> {
 }
 
 impl<'d> StepCapture<'d> {
-    /// An empty capture on `dispatcher`.
+    /// An empty capture on `dispatcher`. Its posts are calls of their own to the automatic
+    /// replay (`super::auto`): they issue what it holds first, and end its period.
     pub fn new(dispatcher: &'d Dispatcher) -> StepCapture<'d> {
         StepCapture {
             dispatcher,
-            log: Arc::new(CaptureLog::default()),
-            edges: Vec::new(),
-            slots: Vec::new(),
-            position: 0,
-            touched: Vec::new(),
+            build: CaptureBuild::new(),
         }
     }
 
     /// [`Dispatcher::schedule`] (bindings checked by the caller), recorded.
     pub fn schedule(&mut self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
-        let dispatcher = self.dispatcher;
-        let device = dispatcher.index_of(routine.context().device())?;
-        let slot = (!bindings.is_empty()).then_some(self.slots.len() as u32);
-        let pending = self.recording(|next| {
-            let record = Record {
-                slot,
-                ..next(1, None, &[device])
-            };
-            dispatcher.schedule_recorded(routine, bindings.clone(), Some(&record))
-        })?;
-        if slot.is_some() {
-            self.slots.push(bindings);
-        }
-        Ok(pending)
+        self.build
+            .schedule(self.dispatcher, routine, bindings, Via::Caller)
     }
 
     /// [`Dispatcher::device_to_device`], both halves recorded (a copy between two devices
@@ -114,17 +107,83 @@ impl<'d> StepCapture<'d> {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<PendingEvent>> {
-        let dispatcher = self.dispatcher;
-        self.recording(|record| {
-            dispatcher.device_to_device_recorded(node, src, dst, mode, Some(record))
-        })
+        self.build
+            .device_to_device(self.dispatcher, node, src, dst, mode, Via::Caller)
     }
 
     /// [`Dispatcher::all_reduce`], every operation of every step recorded (its copies
     /// between devices become edges between their parts of the step).
     pub fn all_reduce(&mut self, call: &AllReduceCall) -> Result<Vec<PendingEvent>> {
-        let dispatcher = self.dispatcher;
-        self.recording(|record| dispatcher.all_reduce_recorded(call, Some(record)))
+        self.build.all_reduce(self.dispatcher, call, Via::Caller)
+    }
+
+    /// Fences every device the step touched: answered once each decided (and recorded)
+    /// everything the capture posted.
+    pub fn fences(&self) -> Result<Vec<Answer<()>>> {
+        self.build.fences(self.dispatcher)
+    }
+
+    /// The step, once every fence of [`StepCapture::fences`] answered: the first refusal
+    /// of a recorded call (in step order) fails it.
+    pub fn finish(self) -> Result<Step> {
+        self.build.finish()
+    }
+}
+
+impl CaptureBuild {
+    pub(crate) fn new() -> CaptureBuild {
+        CaptureBuild {
+            log: Arc::new(CaptureLog::default()),
+            edges: Vec::new(),
+            slots: Vec::new(),
+            position: 0,
+            touched: Vec::new(),
+        }
+    }
+
+    pub(crate) fn schedule(
+        &mut self,
+        dispatcher: &Dispatcher,
+        routine: &Routine,
+        bindings: Bindings,
+        via: Via,
+    ) -> Result<PendingEvent> {
+        let device = dispatcher.index_of(routine.context().device())?;
+        let slot = (!bindings.is_empty()).then_some(self.slots.len() as u32);
+        let pending = self.recording(|next| {
+            let record = Record {
+                slot,
+                ..next(1, None, &[device])
+            };
+            dispatcher.schedule_recorded(routine, bindings.clone(), Some(&record), via)
+        })?;
+        if slot.is_some() {
+            self.slots.push(bindings);
+        }
+        Ok(pending)
+    }
+
+    pub(crate) fn device_to_device(
+        &mut self,
+        dispatcher: &Dispatcher,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+        via: Via,
+    ) -> Result<Option<PendingEvent>> {
+        self.recording(|record| {
+            dispatcher.device_to_device_recorded(node, src, dst, mode, Some(record), via)
+        })
+    }
+
+    pub(crate) fn all_reduce(
+        &mut self,
+        dispatcher: &Dispatcher,
+        call: &AllReduceCall,
+        via: Via,
+    ) -> Result<Vec<PendingEvent>> {
+        self.recording(|record| dispatcher.all_reduce_recorded(call, Some(record), via))
     }
 
     /// Runs `call` with a [`Recording`] handing out the records of its operations at the
@@ -166,20 +225,20 @@ impl<'d> StepCapture<'d> {
 
     /// Fences every device the step touched: answered once each decided (and recorded)
     /// everything the capture posted.
-    pub fn fences(&self) -> Result<Vec<Answer<()>>> {
+    pub(crate) fn fences(&self, dispatcher: &Dispatcher) -> Result<Vec<Answer<()>>> {
         self.touched
             .iter()
             .map(|&i| {
-                self.dispatcher.request(i, |r| {
+                dispatcher.request_now(i, |r| {
                     super::messages::DeviceOp::Query(super::messages::Query::Fence(r))
                 })
             })
             .collect()
     }
 
-    /// The step, once every fence of [`StepCapture::fences`] answered: the first refusal
+    /// The step, once every fence of [`CaptureBuild::fences`] answered: the first refusal
     /// of a recorded call (in step order) fails it.
-    pub fn finish(self) -> Result<Step> {
+    pub(crate) fn finish(self) -> Result<Step> {
         let recorders = self.log.take();
         let failure = recorders
             .iter()

@@ -37,6 +37,7 @@ use crate::{
 };
 
 use super::{
+    auto::{AutoReplay, Barrier, Call, Issued, ReplayStats},
     hosted::{self, hosted_uses, NodeGuard, NodeLock, NodeLocks},
     inbox::{post_atomically, Inbox, Refused},
     messages::Part,
@@ -83,6 +84,16 @@ pub struct AllReduceCall {
     pub transfer: Transfer,
 }
 
+/// Who makes a call's posts: the caller, or the automatic replay (`super::auto`) issuing
+/// what it held, learning or replaying, under its lock (its posts do not interrupt it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// A call of its own: the automatic replay issues what it holds first.
+    Caller,
+    /// The automatic replay's own post.
+    Auto,
+}
+
 /// Hands out the [`Record`] of a recorded call's next operation: `(positions it takes in
 /// the step, the cross-device edge it is, the devices (indices) its parts go to)`.
 pub(super) type Recording<'a> = &'a mut dyn FnMut(u32, Option<Edge>, &[usize]) -> Record;
@@ -112,6 +123,8 @@ pub struct Dispatcher {
     replays: ReplayPools,
     /// The cells of copies' verdicts, reused.
     verdicts: Arc<AnswerPool<Source>>,
+    /// The automatic replay, when it is on (`super::auto`).
+    auto: Option<AutoReplay>,
 }
 
 /// How often host-array order cost a fence (statistics, [`Dispatcher::fence_counts`]).
@@ -150,6 +163,50 @@ impl Dispatcher {
             cells: CellPool::new(),
             replays: ReplayPools::new(),
             verdicts: AnswerPool::new(),
+            auto: None,
+        }
+    }
+
+    /// This dispatcher with the automatic replay on (`on`) or off (the default): see
+    /// DESIGN.md §4, "Automatic replay". Each replay is marked on `timeline`, if given.
+    pub fn with_auto_replay(
+        mut self,
+        on: bool,
+        timeline: Option<StdArc<crate::trace::Recorder>>,
+    ) -> Dispatcher {
+        self.auto = on.then(|| AutoReplay::new(timeline));
+        self
+    }
+
+    /// The automatic replay, when it is on.
+    pub(super) fn auto(&self) -> Option<&AutoReplay> {
+        self.auto.as_ref()
+    }
+
+    /// What the automatic replay did so far (`None` when it is off).
+    pub fn replay_stats(&self) -> Option<ReplayStats> {
+        self.auto.as_ref().map(|a| a.stats())
+    }
+
+    /// Issues every call the automatic replay holds, now (a shutdown does, so that they run).
+    pub fn release_held(&self) {
+        if let Some(auto) = &self.auto {
+            auto.release_all(self);
+        }
+    }
+
+    /// Tells the automatic replay of a call it does not replay: it issues what it holds
+    /// first, and `barrier` says what the call does to what it learned.
+    pub(crate) fn interrupt(&self, barrier: Barrier) {
+        if let Some(auto) = &self.auto {
+            auto.interrupt(self, barrier);
+        }
+    }
+
+    /// [`Dispatcher::interrupt`] for a call posting `ops`.
+    fn interrupt_for<'a>(&self, ops: impl Iterator<Item = &'a DeviceOp>) {
+        if let Some(auto) = &self.auto {
+            auto.interrupt(self, Barrier::of(ops));
         }
     }
 
@@ -230,23 +287,52 @@ impl Dispatcher {
         }
     }
 
-    /// Posts `parts` as one atomic step: stamps, host-array gates, one post.
-    pub(super) fn post(&self, mut parts: Parts) -> Result<()> {
+    /// Posts `parts` as one atomic step: stamps, host-array gates, one post. A call of its
+    /// own to the automatic replay: what it holds is issued first (`super::auto`).
+    pub(super) fn post(&self, parts: Parts) -> Result<()> {
+        self.interrupt_for(parts.iter().map(|p| &p.op));
+        self.post_now(parts)
+    }
+
+    /// [`Dispatcher::post`] for a call made `via` the caller or the automatic replay.
+    pub(super) fn post_via(&self, via: Via, parts: Parts) -> Result<()> {
+        match via {
+            Via::Caller => self.post(parts),
+            Via::Auto => self.post_now(parts),
+        }
+    }
+
+    /// [`Dispatcher::post`] without the automatic replay's interruption: its own posts.
+    fn post_now(&self, mut parts: Parts) -> Result<()> {
         if parts.len() == 1 {
             if let Some(p) = parts.pop() {
-                return self.post_one(p);
+                return self.post_one_now(p);
             }
         }
-        self.post_holding(parts, None)
+        self.post_holding_now(parts, None)
+    }
+
+    /// One operation to one device, a call of its own to the automatic replay.
+    pub(super) fn post_one(&self, p: Part) -> Result<()> {
+        self.interrupt_for(std::iter::once(&p.op));
+        self.post_one_now(p)
+    }
+
+    /// [`Dispatcher::post_one`] for a call made `via` the caller or the automatic replay.
+    pub(super) fn post_one_via(&self, via: Via, p: Part) -> Result<()> {
+        match via {
+            Via::Caller => self.post_one(p),
+            Via::Auto => self.post_one_now(p),
+        }
     }
 
     /// One operation to one device: no allocation unless it touches a hosted node (then
     /// the general path takes its node locks and gates).
-    pub(super) fn post_one(&self, p: Part) -> Result<()> {
+    fn post_one_now(&self, p: Part) -> Result<()> {
         let mut hosted = false;
         hosted_uses(&p.op, |_, _| hosted = true);
         if hosted {
-            return self.post_holding(Parts::from_iter([p]), None);
+            return self.post_holding_now(Parts::from_iter([p]), None);
         }
         let Part {
             device,
@@ -272,7 +358,12 @@ impl Dispatcher {
 
     /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
     /// or a read of a hosted node, posting under its node's lock).
-    fn post_holding(&self, mut parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
+    fn post_holding(&self, parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
+        self.interrupt_for(parts.iter().map(|p| &p.op));
+        self.post_holding_now(parts, held)
+    }
+
+    fn post_holding_now(&self, mut parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
         let guards = hosted::gate(&self.nodes, &self.fences.gates, &mut parts, held);
         // By device, then (stable) fences before the other parts of their step on their
         // device (see `gate`). Nothing here allocates for up to four parts and devices.
@@ -323,6 +414,19 @@ impl Dispatcher {
         self.post(Parts::from_iter([Part::new(index, 0, 0, op)]))
     }
 
+    /// [`Dispatcher::request`] without the automatic replay's interruption: its own
+    /// capture's fences.
+    pub(super) fn request_now<T: Clone>(
+        &self,
+        index: usize,
+        make: impl FnOnce(super::messages::Reply<T>) -> DeviceOp,
+    ) -> Result<Answer<T>> {
+        self.slot(index)?;
+        let (r, answer) = reply();
+        self.post_now(Parts::from_iter([Part::new(index, 0, 0, make(r))]))?;
+        Ok(answer)
+    }
+
     /// Posts `make(reply)` to device `index` and returns the answer to wait on.
     pub fn request<T: Clone>(
         &self,
@@ -353,7 +457,7 @@ impl Dispatcher {
     /// Schedules `routine` with `bindings` (checked by the caller, `Routine::bind`): its
     /// event, planned when its device reaches it.
     pub fn schedule(&self, routine: &Routine, bindings: Bindings) -> Result<PendingEvent> {
-        self.schedule_recorded(routine, bindings, None)
+        self.schedule_recorded(routine, bindings, None, Via::Caller)
     }
 
     /// [`Dispatcher::schedule`], recorded into a step being captured if `record`.
@@ -362,6 +466,7 @@ impl Dispatcher {
         routine: &Routine,
         bindings: Bindings,
         record: Option<&Record>,
+        via: Via,
     ) -> Result<PendingEvent> {
         let (pending, promise) = self.pending(routine.context().stream())?;
         let d = self.index_of(routine.context().device())?;
@@ -376,8 +481,62 @@ impl Dispatcher {
                 promise,
             },
         );
-        self.post_one(part.recorded(record))?;
+        self.post_one_via(via, part.recorded(record))?;
         Ok(pending)
+    }
+
+    /// [`Dispatcher::schedule`] through the automatic replay, when it is on: issued, or
+    /// held for a replay of its segment ([`Issued`]; see DESIGN.md §4, "Automatic replay").
+    pub fn auto_schedule(
+        self: &StdArc<Self>,
+        routine: &Routine,
+        bindings: Bindings,
+    ) -> Result<Issued> {
+        match &self.auto {
+            None => Ok(Issued::Now(self.schedule(routine, bindings)?)),
+            Some(auto) => auto
+                .call(self, Call::Schedule(routine, &bindings))?
+                .pop()
+                .ok_or_else(|| Error::Internal("a schedule returned no ticket".into())),
+        }
+    }
+
+    /// [`Dispatcher::device_to_device`] through the automatic replay, when it is on.
+    pub fn auto_device_to_device(
+        self: &StdArc<Self>,
+        node: &TensorNode,
+        src: &Context,
+        dst: &Context,
+        mode: MergeBufferUse,
+    ) -> Result<Option<Issued>> {
+        match &self.auto {
+            None => Ok(self
+                .device_to_device(node, src, dst, mode)?
+                .map(Issued::Now)),
+            Some(auto) => Ok(auto
+                .call(
+                    self,
+                    Call::Copy {
+                        node,
+                        src,
+                        dst,
+                        mode: &mode,
+                    },
+                )?
+                .pop()),
+        }
+    }
+
+    /// [`Dispatcher::all_reduce`] through the automatic replay, when it is on.
+    pub fn auto_all_reduce(self: &StdArc<Self>, call: &AllReduceCall) -> Result<Vec<Issued>> {
+        match &self.auto {
+            None => Ok(self
+                .all_reduce(call)?
+                .into_iter()
+                .map(Issued::Now)
+                .collect()),
+            Some(auto) => Ok(auto.call(self, Call::AllReduce(call))?.into_vec()),
+        }
     }
 
     /// Uploads (`up`) or downloads the host array of hosted `node` in `ctx`.
@@ -485,7 +644,7 @@ impl Dispatcher {
         dst: &Context,
         mode: MergeBufferUse,
     ) -> Result<Option<PendingEvent>> {
-        self.device_to_device_recorded(node, src, dst, mode, None)
+        self.device_to_device_recorded(node, src, dst, mode, None, Via::Caller)
     }
 
     /// [`Dispatcher::device_to_device`], both halves recorded into a step being captured
@@ -497,6 +656,7 @@ impl Dispatcher {
         dst: &Context,
         mode: MergeBufferUse,
         record: Option<Recording<'_>>,
+        via: Via,
     ) -> Result<Option<PendingEvent>> {
         let di = self.index_of(dst.device())?;
         check_streaming_placement(
@@ -554,7 +714,7 @@ impl Dispatcher {
             .into_iter()
             .map(|p| p.recorded(record.as_ref()))
             .collect();
-        self.post(parts)?;
+        self.post_via(via, parts)?;
         Ok(Some(pending))
     }
 
@@ -607,7 +767,7 @@ impl Dispatcher {
     /// Issues an all-reduce, checked whole first (nothing is posted if any part of it is
     /// malformed); returns the final event of every chunk in every context.
     pub fn all_reduce(&self, call: &AllReduceCall) -> Result<Vec<PendingEvent>> {
-        self.all_reduce_recorded(call, None)
+        self.all_reduce_recorded(call, None, Via::Caller)
     }
 
     /// [`Dispatcher::all_reduce`], every operation of every step recorded into a step
@@ -617,6 +777,7 @@ impl Dispatcher {
         &self,
         call: &AllReduceCall,
         mut record: Option<Recording<'_>>,
+        via: Via,
     ) -> Result<Vec<PendingEvent>> {
         check_all_reduce(call, &*self.can_stream)?;
         // Wraps the parts from `start` on (one operation) into `record`'s next record.
@@ -743,7 +904,7 @@ impl Dispatcher {
                 }
             }
         }
-        self.post(parts)?;
+        self.post_via(via, parts)?;
         Ok(last.into_iter().flatten().collect())
     }
 
@@ -752,6 +913,8 @@ impl Dispatcher {
     /// pending transfer of the host array completed, then writes it; every device buffer
     /// then lags and is uploaded before its next read.
     pub async fn host_write(&self, node: &TensorNode, bytes: &[u8]) -> Result<()> {
+        // A host write can invalidate what the automatic replay learned (`super::auto`).
+        self.interrupt(Barrier::Invalidating);
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
         for fence in self.fence_all()? {
             // Relaxed: a statistic.

@@ -4,7 +4,8 @@
 //!
 //! `TRIBUTARY_PROPTEST_CASES` sets the number of CPU programs (split over the tests: 40%
 //! small, 40% large, 10% with stalled streams on the engine, 5% + 5% on the actor system,
-//! and 20% with captured and replayed steps on the engine);
+//! 20% with captured and replayed steps on the engine, and 10% with repeated windows on
+//! the actor system with its automatic replay on);
 //! Vulkan, where it runs, adds 50% on the engine and 5% on the actor system (lavapipe in
 //! CI, where `TRIBUTARY_REQUIRE_VULKAN=1` makes a skip a failure), and CUDA the same where
 //! a GPU is (`TRIBUTARY_REQUIRE_CUDA=1` in `scripts/gpu-check.sh`);
@@ -19,8 +20,8 @@ use common::{
     graph::GraphTotals,
     program::*,
     reference::{ReferenceRunner, Streaming},
-    steps::with_captured_steps,
-    system_runner::{SystemRunner, SYSTEM_REPLAYED, SYSTEM_REPLAYS_INVALIDATED},
+    steps::{with_captured_steps, with_repeated_windows},
+    system_runner::{auto_replayed, SystemRunner, SYSTEM_REPLAYED, SYSTEM_REPLAYS_INVALIDATED},
     watchdog::Watchdog,
 };
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -332,6 +333,37 @@ fn run_steps(
     assert!(replayed > 0, "{name}: no captured step was replayed");
 }
 
+/// The automatic replay (issue 31): programs whose windows of schedules and copies are
+/// repeated 4 to 7 times as plain calls, between calls that do not repeat (reads, host
+/// writes, finalizes, syncs inside a repetition), on actor systems with the automatic
+/// replay on, against the reference; dependency graphs checked. Fails if no call was
+/// replayed at all.
+#[test]
+fn system_auto_replay_matches_the_reference() {
+    run("system-auto", STEPS_PROFILE, 10, check_system_auto);
+    let (calls, periods) = auto_replayed();
+    eprintln!("system-auto: {periods} periods recognised, {calls} calls replayed");
+    assert!(calls > 0, "the automatic replay replayed nothing");
+}
+
+fn check_system_auto(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, ReferenceRunner::default().streaming);
+    check_program(
+        with_repeated_windows(&program, &ReferenceRunner::default),
+        ReferenceRunner::default(),
+        &mut SystemRunner::cpu().with_auto_replay(),
+    )
+}
+
+/// The profile of the programs with captured or repeated windows.
+const STEPS_PROFILE: Profile = Profile {
+    max_devices: 3,
+    max_streams: 2,
+    max_nodes: 5,
+    max_ops: 80,
+    hosted: true,
+};
+
 /// `abs` resolved for the CPU reference, its windows captured and replayed.
 fn stepped(abs: &AbsProgram) -> Program {
     let program = resolve_for(abs, ReferenceRunner::default().streaming);
@@ -454,6 +486,35 @@ fn vulkan_captured_steps_match_the_reference() {
         eprintln!("vulkan steps: {engine} engine and {system} system replays planned");
         assert!(engine > 0 && system > 0, "no captured step was replayed");
     }
+}
+
+/// The automatic replay on Vulkan: the programs of `system_auto_replay_matches_the_reference`
+/// on actor systems over lavapipe (index values as push constants of the recorded
+/// programs), against the reference; dependency graphs checked.
+#[test]
+fn vulkan_system_auto_replay_matches_the_reference() {
+    if vulkan_runs_here("vulkan_system_auto_replay_matches_the_reference") {
+        run("vulkan-auto", STEPS_PROFILE, 3, check_vulkan_auto);
+        let (calls, _) = auto_replayed();
+        eprintln!("vulkan-auto: {calls} calls replayed");
+        assert!(calls > 0, "the automatic replay replayed nothing");
+    }
+}
+
+fn check_vulkan_auto(abs: &AbsProgram) -> Result<(), TestCaseError> {
+    let program = resolve_for(abs, vulkan_reference().streaming);
+    let staging = abs.ops.len() % 2 == 0;
+    check_program(
+        with_repeated_windows(&program, &vulkan_reference),
+        vulkan_reference(),
+        &mut SystemRunner::recording("system(vulkan)", move |setup| {
+            Ok(Arc::new(VulkanBackend::new(
+                DeviceId(0),
+                vulkan_for(setup, staging),
+            )?))
+        })
+        .with_auto_replay(),
+    )
 }
 
 fn check_vulkan_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {

@@ -4,6 +4,7 @@
 //!
 //! - `system_e2e`: end-to-end tests through `System`, on every backend;
 //! - `system_replay`: captured steps replayed through `System`;
+//! - `auto_replay`: repeated calls recognised and replayed by `System` without a capture;
 //! - `system_threads`: `System` under several host threads at once;
 //! - `actor_messages`: the actors' messages sent directly, as a host running its own actix;
 //! - `decisions`: the device actors' decisions (`tributary::dispatch`) driven by hand;
@@ -14,6 +15,7 @@
 //! Shared support is the `tributary-testkit` crate (`testkit/`).
 
 mod actor_messages;
+mod auto_replay;
 mod bindings;
 mod data_parallel;
 mod decisions;

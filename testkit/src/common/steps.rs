@@ -11,6 +11,7 @@
 //! comparison catches.
 
 use tributary::{
+    dispatch::auto::MIN_PERIOD,
     protocol::{Context, Routine},
     MergeBufferUse, TensorNode,
 };
@@ -80,27 +81,69 @@ fn capturable(op: &Op) -> bool {
 /// each replayed 1 to 3 times; none the reference refuses. `reference` makes the
 /// reference runner the program is compared with.
 pub fn with_captured_steps(program: &Program, reference: &dyn Fn() -> ReferenceRunner) -> Program {
+    let windows = windows(program, 4, |state| 1 + ((state >> 50) % 3) as u32);
+    keep_accepted(program, windows, reference, wrap)
+}
+
+/// `program` with some windows of consecutive schedules and copies repeated as plain calls,
+/// an indexed schedule's value changing every time: what the automatic replay recognises
+/// (three times), captures (the next learned period) and replays (the ones after). Every
+/// other window ends each repetition with a sync (a barrier: the period is the window, a
+/// segment of its own) and is repeated 5 to 8 times; the others have no barrier, so their
+/// period is learned as its multiple of at least `MIN_PERIOD` calls, and they are repeated
+/// long enough for two of those and a few more, with a sync in the middle of one late
+/// repetition (the calls held before it are issued). None the reference refuses.
+pub fn with_repeated_windows(
+    program: &Program,
+    reference: &dyn Fn() -> ReferenceRunner,
+) -> Program {
+    let windows = windows(program, 6, |state| ((state >> 50) % 4) as u32);
+    keep_accepted(program, windows, reference, repeat)
+}
+
+/// A window of a program: `(start, end, times)`.
+type Window = (usize, usize, u32);
+
+/// A program made from another and some of its windows, with the window each of its
+/// operations came from (`wrap`, `repeat`).
+type Windowed = (Program, Vec<Option<usize>>);
+
+/// Windows `(start, end, times)` of consecutive capturable operations of `program`, up to
+/// `longest` long, chosen by a fixed pseudo-random sequence seeded by its length; `times`
+/// picks each one's count from the sequence's state.
+fn windows(program: &Program, longest: u64, times: impl Fn(u64) -> u32) -> Vec<Window> {
     let n = program.ops.len();
-    let mut windows: Vec<(usize, usize, u32)> = Vec::new();
+    let mut windows: Vec<Window> = Vec::new();
     let (mut i, mut state) = (0, n as u64 ^ 0x9e37_79b9_7f4a_7c15);
     while i < n {
         state = state
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
         if capturable(&program.ops[i]) && (state >> 33) % 3 != 0 {
-            let want = 1 + ((state >> 40) % 4) as usize;
+            let want = 1 + ((state >> 40) % longest) as usize;
             let mut j = i;
             while j < n && j - i < want && capturable(&program.ops[j]) {
                 j += 1;
             }
-            windows.push((i, j, 1 + ((state >> 50) % 3) as u32));
+            windows.push((i, j, times(state)));
             i = j;
         } else {
             i += 1;
         }
     }
+    windows
+}
+
+/// `make(program, windows)` with the windows whose result the reference refuses taken out
+/// again, one at a time (the last at or before the first refused operation).
+fn keep_accepted(
+    program: &Program,
+    mut windows: Vec<Window>,
+    reference: &dyn Fn() -> ReferenceRunner,
+    make: fn(&Program, &[Window]) -> Windowed,
+) -> Program {
     loop {
-        let (candidate, step_of) = wrap(program, &windows);
+        let (candidate, step_of) = make(program, &windows);
         let outcome = reference().run(&candidate);
         let Some(failed) = outcome.results.iter().position(|r| r.is_err()) else {
             return candidate;
@@ -115,8 +158,67 @@ pub fn with_captured_steps(program: &Program, reference: &dyn Fn() -> ReferenceR
     }
 }
 
+/// The program with each of `windows` repeated as plain calls (see
+/// [`with_repeated_windows`]: `times` is the number of extra repetitions), and for each of its
+/// operations the window it came from.
+fn repeat(program: &Program, windows: &[Window]) -> Windowed {
+    let mut ops = Vec::with_capacity(program.ops.len());
+    let mut from = Vec::with_capacity(program.ops.len());
+    let mut i = 0;
+    let mut next = windows.iter().enumerate().peekable();
+    while i < program.ops.len() {
+        match next.peek() {
+            Some(&(w, &(start, end, extra))) if start == i => {
+                let len = end - start;
+                let barrier = w % 2 == 0;
+                let learned = if barrier {
+                    1
+                } else {
+                    MIN_PERIOD.div_ceil(len) as u32
+                };
+                let times = 3 + 2 * learned + extra;
+                for k in 0..times {
+                    for (j, op) in program.ops[start..end].iter().enumerate() {
+                        if !barrier && k + 2 == times && j == len / 2 {
+                            // Inside a late repetition: the calls held so far are issued.
+                            ops.push(Op::Sync);
+                            from.push(Some(w));
+                        }
+                        ops.push(match op {
+                            Op::ScheduleWith { routine, t } => Op::ScheduleWith {
+                                routine: *routine,
+                                t: t + 3 * i64::from(k),
+                            },
+                            other => other.clone(),
+                        });
+                        from.push(Some(w));
+                    }
+                    if barrier {
+                        ops.push(Op::Sync);
+                        from.push(Some(w));
+                    }
+                }
+                next.next();
+                i = end;
+            }
+            _ => {
+                ops.push(program.ops[i].clone());
+                from.push(None);
+                i += 1;
+            }
+        }
+    }
+    (
+        Program {
+            setup: program.setup.clone(),
+            ops,
+        },
+        from,
+    )
+}
+
 /// The program with `windows` wrapped, and for each of its operations the window it is.
-fn wrap(program: &Program, windows: &[(usize, usize, u32)]) -> (Program, Vec<Option<usize>>) {
+fn wrap(program: &Program, windows: &[Window]) -> Windowed {
     let mut ops = Vec::with_capacity(program.ops.len());
     let mut step_of = Vec::with_capacity(program.ops.len());
     let mut i = 0;

@@ -38,6 +38,8 @@ enum Make {
 pub struct SystemRunner {
     name: String,
     make: Make,
+    /// Systems spawned with the automatic replay on.
+    auto_replay: bool,
     /// The recorder of the last run, when recording.
     recorder: Option<Arc<GraphRecorder>>,
 }
@@ -54,6 +56,7 @@ impl SystemRunner {
         SystemRunner {
             name: name.into(),
             make: Make::Kind(Box::new(backend)),
+            auto_replay: false,
             recorder: None,
         }
     }
@@ -67,9 +70,31 @@ impl SystemRunner {
         SystemRunner {
             name: name.into(),
             make: Make::Recording(Box::new(make)),
+            auto_replay: false,
             recorder: None,
         }
     }
+
+    /// This runner with the systems' automatic replay on (`SystemBuilder::auto_replay`);
+    /// what it replayed is added to the calling thread's [`auto_replayed`].
+    pub fn with_auto_replay(mut self) -> SystemRunner {
+        self.auto_replay = true;
+        self.name = format!("{} with automatic replay", self.name);
+        self
+    }
+}
+
+thread_local! {
+    /// What the automatic replay did in the systems this thread ran: (calls replayed,
+    /// periods recognised).
+    static AUTO_REPLAYED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Calls the automatic replay replayed, and periods it recognised, over every system the
+/// calling thread ran (a test runs on its own thread: a test of the automatic replay
+/// checks that the first is not zero).
+pub fn auto_replayed() -> (u64, u64) {
+    AUTO_REPLAYED.with(|c| c.get())
 }
 
 impl ProgramRunner for SystemRunner {
@@ -83,7 +108,8 @@ impl ProgramRunner for SystemRunner {
             .cpu_devices(setup.devices)
             .cpu(exact_cpu())
             .streams(StreamConfig::MostParallelStreams(setup.streams))
-            .pools(config(setup).pools);
+            .pools(config(setup).pools)
+            .auto_replay(self.auto_replay);
         let builder = match &mut self.make {
             Make::Kind(kind) => builder.backend(kind(setup)),
             Make::Recording(make) => {
@@ -419,6 +445,11 @@ impl Executor for SystemExecutor {
 
 impl Drop for SystemExecutor {
     fn drop(&mut self) {
+        let stats = self.sys.replay_stats();
+        AUTO_REPLAYED.with(|c| {
+            let (calls, periods) = c.get();
+            c.set((calls + stats.calls_replayed, periods + stats.periods));
+        });
         let _ = self.sys.shutdown();
     }
 }
