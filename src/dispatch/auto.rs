@@ -244,6 +244,19 @@ impl Call<'_> {
         })
     }
 
+    /// [`Call::issue`], its tickets as the automatic replay returns them.
+    fn issue_now(&self, d: &Dispatcher) -> Result<SmallVec<[Issued; 1]>> {
+        Ok(match *self {
+            Call::Schedule(r, b) => smallvec::smallvec![Issued::Now(d.schedule_recorded(
+                r,
+                b.clone(),
+                None,
+                Via::Auto
+            )?)],
+            _ => self.issue(d)?.into_iter().map(Issued::Now).collect(),
+        })
+    }
+
     /// Issues the call into `build`, the capture of its segment.
     fn capture(
         &self,
@@ -749,7 +762,7 @@ impl AutoReplay {
         if let Some(p) = st.recognizer.push(fp) {
             learn(st, p);
         }
-        Ok(call.issue(d)?.into_iter().map(Issued::Now).collect())
+        call.issue_now(d)
     }
 
     /// The call at position `k` of the learned period, in segment `s`, matched.
@@ -861,7 +874,7 @@ impl AutoReplay {
                 }
                 Ok(tickets)
             }
-            _ => Ok(call.issue(d)?.into_iter().map(Issued::Now).collect()),
+            _ => call.issue_now(d),
         }
     }
 }
@@ -1002,6 +1015,14 @@ mod tests {
         let period = [10u64, 12, 14];
         let found = feed(&mut r, noise.chain(period.iter().copied().cycle().take(9)));
         assert_eq!(found.first(), Some(&(48, 3)));
+    }
+
+    #[test]
+    fn held_tickets_cross_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<HeldEvent>();
+        check::<Issued>();
+        check::<AutoReplay>();
     }
 
     #[test]
