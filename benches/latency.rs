@@ -9,6 +9,10 @@
 //! - `system_hot_actor_thread` / `system_idle_actor_thread`: `System` with
 //!   `decide_on_posting_thread(false)`, every decision on the device actor's thread (the
 //!   shape before it: a wake-up of the actor per call into an idle device);
+//! - `system_hot_auto_replay` / `system_idle_auto_replay`: `System` with its automatic replay
+//!   on: the one call repeats, so it is learned and its segments replayed, but each wait
+//!   on a held call issues it (a segment's first call: one in `MIN_PERIOD`), the others
+//!   are issued as they come;
 //! - `actor_path/*`: through `System` on 2 devices × 2 streams: alone, behind a
 //!   cross-stream dependency, behind a cross-device copy, behind a copy against device
 //!   order (from device 1 to device 0: the destination's half blocks on the source's
@@ -70,16 +74,21 @@ fn engine(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
 /// `system_hot`, `system_idle`: the same routine through a `System` on one CPU device
 /// with one stream, from `schedule` to the return of the ticket's `wait`; with the
 /// `_actor_thread` suffix when decisions are not made on the posting thread.
-fn system(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, on_posting_thread: bool) {
-    let suffix = if on_posting_thread {
-        ""
-    } else {
-        "_actor_thread"
+fn system(
+    g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    on_posting_thread: bool,
+    auto_replay: bool,
+) {
+    let suffix = match (on_posting_thread, auto_replay) {
+        (_, true) => "_auto_replay",
+        (true, false) => "",
+        (false, false) => "_actor_thread",
     };
     let sys = System::builder()
         .cpu_devices(1)
         .streams(StreamConfig::OnlyDevicesParallel)
         .decide_on_posting_thread(on_posting_thread)
+        .auto_replay(auto_replay)
         .spawn()
         .expect("spawn");
     let x = node("x", MemoryMode::on_device());
@@ -111,8 +120,9 @@ fn node(label: &str, mode: MemoryMode) -> TensorNode {
 pub fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("latency");
     engine(&mut g);
-    system(&mut g, true);
-    system(&mut g, false);
+    system(&mut g, true, false);
+    system(&mut g, false, false);
+    system(&mut g, true, true);
     let sys = System::builder()
         .cpu_devices(2)
         .streams(StreamConfig::MostParallelStreams(2))
