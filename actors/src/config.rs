@@ -295,6 +295,10 @@ impl SystemBuilder {
     /// let stats = sys.replay_stats();
     /// assert_eq!((stats.periods, stats.replays, stats.calls_replayed), (1, 1, 32));
     /// assert_eq!(double.context().read::<f32>(&x)?, vec![2.0; 4]);
+    /// // The same key in a configuration file:
+    /// let config = tributary_actors::SystemConfig::from_toml_str("auto_replay = true")?;
+    /// assert!(config.auto_replay);
+    /// assert!(tributary_actors::SystemConfig::from_toml_str("auto_replay = 1").is_err());
     /// # sys.shutdown()?;
     /// # Ok::<(), tributary::Error>(())
     /// ```
