@@ -77,9 +77,21 @@ pub(crate) enum Barrier {
 }
 
 impl Barrier {
+    /// The kind of a read of a context's value (`Dispatcher::read_value`).
+    pub(crate) const READ: u64 = 5;
+    /// The kind of a query or a fence of every device.
+    pub(crate) const QUERY: u64 = 7;
+    /// The kind of a host read (`Dispatcher::host_read`).
+    pub(crate) const HOST_READ: u64 = 8;
+
+    /// An observing call of one kind (as [`Barrier::of`] makes it for one operation).
+    pub(crate) fn observing(kind: u64) -> Barrier {
+        Barrier::Observing(mix(SEED, kind) | 1)
+    }
+
     /// What a call posting `ops` is.
     pub(crate) fn of<'a>(ops: impl Iterator<Item = &'a DeviceOp>) -> Barrier {
-        let mut fp = 0x9e37_79b9_7f4a_7c15u64;
+        let mut fp = SEED;
         for op in ops {
             let kind = match op {
                 DeviceOp::Gated { op, .. } => match Barrier::of(std::iter::once(&**op)) {
@@ -89,9 +101,9 @@ impl Barrier {
                 DeviceOp::NewContext { .. } => 1,
                 DeviceOp::Link { .. } => 2,
                 DeviceOp::Transfer { up, .. } => 3 + u64::from(*up),
-                DeviceOp::Read { .. } => 5,
+                DeviceOp::Read { .. } => Barrier::READ,
                 DeviceOp::TransferToHost { .. } => 6,
-                DeviceOp::Query(_) => 7,
+                DeviceOp::Query(_) => Barrier::QUERY,
                 _ => return Barrier::Invalidating,
             };
             fp = mix(fp, kind);
@@ -99,6 +111,9 @@ impl Barrier {
         Barrier::Observing(fp | 1)
     }
 }
+
+/// Where a barrier's fingerprint starts.
+const SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 
 fn mix(h: u64, v: u64) -> u64 {
     (h.rotate_left(5) ^ v).wrapping_mul(0x517c_c1b7_2722_0a95)

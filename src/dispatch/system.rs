@@ -358,11 +358,10 @@ impl Dispatcher {
 
     /// [`Dispatcher::post`] by a caller that already holds `held` (a host read or write,
     /// or a read of a hosted node, posting under its node's lock).
-    fn post_holding(&self, parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
-        self.interrupt_for(parts.iter().map(|p| &p.op));
-        self.post_holding_now(parts, held)
-    }
-
+    ///
+    /// Without the automatic replay's interruption: a caller holding a node's lock told it
+    /// before taking the lock (`host_write`), and a post with no node lock held passes
+    /// [`Dispatcher::post`] first.
     fn post_holding_now(&self, mut parts: Parts, held: Option<&NodeGuard>) -> Result<()> {
         let guards = hosted::gate(&self.nodes, &self.fences.gates, &mut parts, held);
         // By device, then (stable) fences before the other parts of their step on their
@@ -621,6 +620,13 @@ impl Dispatcher {
     /// Fences every device at one point: answered once each device decided everything
     /// posted before.
     pub fn fence_all(&self) -> Result<Vec<Answer<()>>> {
+        self.interrupt(Barrier::observing(Barrier::QUERY));
+        self.fence_all_now()
+    }
+
+    /// [`Dispatcher::fence_all`] without the automatic replay's interruption (posted under a
+    /// node's lock, after the caller told it).
+    fn fence_all_now(&self) -> Result<Vec<Answer<()>>> {
         let mut answers = Vec::new();
         let parts = (0..self.devices.len())
             .map(|d| {
@@ -629,7 +635,7 @@ impl Dispatcher {
                 Part::new(d, 0, 0, DeviceOp::Query(Query::Fence(r)))
             })
             .collect();
-        self.post(parts)?;
+        self.post_now(parts)?;
         Ok(answers)
     }
 
@@ -914,9 +920,12 @@ impl Dispatcher {
     /// then lags and is uploaded before its next read.
     pub async fn host_write(&self, node: &TensorNode, bytes: &[u8]) -> Result<()> {
         // A host write can invalidate what the automatic replay learned (`super::auto`).
+        // Told before the node's lock is taken, and nothing posted under it passes the
+        // automatic replay: its lock is never awaited under a node's lock (it takes node
+        // locks itself, posting held calls that touch hosted nodes).
         self.interrupt(Barrier::Invalidating);
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
-        for fence in self.fence_all()? {
+        for fence in self.fence_all_now()? {
             // Relaxed: a statistic.
             self.fences
                 .waited
@@ -947,8 +956,10 @@ impl Dispatcher {
     /// first (by program-order stamp), then the host array is read once every transfer
     /// into it completed. Holds the node's lock throughout.
     pub async fn host_read(&self, node: &TensorNode) -> Result<Vec<u8>> {
+        // The automatic replay is told before the node's lock is taken (see `host_write`).
+        self.interrupt(Barrier::observing(Barrier::HOST_READ));
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
-        for fence in self.fence_all()? {
+        for fence in self.fence_all_now()? {
             // Relaxed: a statistic.
             self.fences
                 .waited
@@ -961,7 +972,7 @@ impl Dispatcher {
             let (r, transfer) = reply();
             // Posted under the node's lock, after every device's fence: nothing else can
             // touch the node's host array between that point and this transfer.
-            self.post_holding(
+            self.post_holding_now(
                 smallvec::smallvec![Part::new(
                     d,
                     0,
@@ -989,6 +1000,8 @@ impl Dispatcher {
     pub async fn read_value(&self, ctx: &Context, node: &TensorNode, raw: bool) -> Result<Vec<u8>> {
         let bytes = node.size_in_bytes()? as usize;
         let into = StdArc::new(AlignedBuffer::new(bytes, 64)?);
+        // The automatic replay is told before a node's lock is taken (see `host_write`).
+        self.interrupt(Barrier::observing(Barrier::READ));
         // A hosted node's value may be the host array's: hold the node's lock so that no
         // host write or transfer lands between the decision and the read.
         let guard = if node.mode().is_hosted() && !raw {
@@ -998,7 +1011,7 @@ impl Dispatcher {
         };
         let d = self.index_of(ctx.device())?;
         let (r, read) = reply();
-        self.post_holding(
+        self.post_holding_now(
             smallvec::smallvec![Part::new(
                 d,
                 0,

@@ -335,3 +335,53 @@ fn issue_held_and_shutdown_issue_the_held_calls() {
         .expect("a shutdown issues the held calls, and they run");
     assert_eq!(sys.replay_stats().fallbacks.interrupted, 4);
 }
+
+/// One host thread writes a hosted node over and over while another runs a periodic loop
+/// reading it (copied into `y`, doubled) and a third reads it back: the automatic replay
+/// posts held calls that touch the node under its own lock, and the host write and read
+/// hold the node's lock while they post. Neither may wait for the other's lock (the
+/// automatic replay is told before a node's lock is taken): every thread finishes, and the
+/// final values are the last write's.
+#[test]
+fn host_writes_and_reads_beside_replayed_calls_on_the_same_node_finish() {
+    let sys = system(1, true);
+    let h = node("h", MemoryMode::hosted_changed_on_devices());
+    let y = node("y", MemoryMode::on_device());
+    let held = sys
+        .context(0, 0)
+        .unwrap()
+        .init_from_host(&h, &[1.0f32; N])
+        .unwrap();
+    let copy = held.link(kernels::copy(&y, &h).unwrap()).unwrap();
+    let double = copy
+        .context()
+        .link(kernels::scale_in_place(&y, 2.0).unwrap())
+        .unwrap();
+    let rounds = 300;
+    thread::scope(|s| {
+        s.spawn(|| {
+            for t in 0..rounds {
+                sys.host_write(&h, &[(t % 7) as f32; N]).unwrap();
+            }
+        });
+        s.spawn(|| {
+            for _ in 0..rounds {
+                assert_eq!(sys.host_read::<f32>(&h).unwrap().len(), N);
+            }
+        });
+        let mut tickets = Vec::new();
+        for _ in 0..rounds {
+            tickets.push(copy.schedule().unwrap());
+            tickets.push(double.schedule().unwrap());
+        }
+        wait_all(&mut tickets);
+    });
+    copy.schedule().unwrap();
+    double.schedule().unwrap();
+    let last = ((rounds - 1) % 7) as f32;
+    assert_eq!(
+        double.context().read::<f32>(&y).unwrap(),
+        vec![2.0 * last; N]
+    );
+    sys.shutdown().unwrap();
+}
