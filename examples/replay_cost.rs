@@ -37,6 +37,7 @@ use tributary::{
     },
     kernels::{self, Access, RoutineSpec},
     memory::PoolConfig,
+    protocol::Routine,
     DType, DeviceId, Engine, EngineConfig, MemoryMode, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
@@ -178,8 +179,9 @@ impl Drop for Worker {
     }
 }
 
-/// A system of one device of `device`'s kind, one stream, its automatic replay on if `auto`.
-fn builder_for(device: Device, auto: bool) -> tributary::Result<tributary_actors::SystemBuilder> {
+/// A system of one device of `device`'s kind, one stream, its automatic replay on if `auto`,
+/// and the measured routine linked there (after its initialising fill on a GPU).
+fn system_routine(device: Device, auto: bool) -> tributary::Result<(System, Routine)> {
     let mut builder = System::builder()
         .cpu_devices(1)
         .streams(StreamConfig::MostParallelStreams(1))
@@ -188,7 +190,16 @@ fn builder_for(device: Device, auto: bool) -> tributary::Result<tributary_actors
     if device != Device::Cpu {
         builder = builder.backend_instance(gpu_backend(device)?);
     }
-    Ok(builder)
+    let sys = builder.spawn()?;
+    let mut ctx = sys.context(0, 0)?;
+    let (init, spec) = specs(device != Device::Cpu)?;
+    if let Some(init) = init {
+        let init = ctx.link(init)?;
+        init.schedule()?;
+        ctx = init.context();
+    }
+    let routine = ctx.link(spec)?.routine().clone();
+    Ok((sys, routine))
 }
 
 fn main() -> tributary::Result<()> {
@@ -267,15 +278,7 @@ fn main() -> tributary::Result<()> {
     })?;
     drop(e);
 
-    let sys = builder_for(device, false)?.spawn()?;
-    let mut ctx = sys.context(0, 0)?;
-    let (init, spec) = specs(gpu)?;
-    if let Some(init) = init {
-        let init = ctx.link(init)?;
-        init.schedule()?;
-        ctx = init.context();
-    }
-    let routine = ctx.link(spec)?.routine().clone();
+    let (sys, routine) = system_routine(device, false)?;
     let system_issuing = measure(n, runs, |k| {
         for _ in 0..k {
             sys.schedule(&routine)?;
@@ -298,15 +301,7 @@ fn main() -> tributary::Result<()> {
 
     // The same plain calls to a system whose automatic replay recognises them (a period of
     // one call, learned as `MIN_PERIOD` of them) and replays them without a capture call.
-    let auto = builder_for(device, true)?.spawn()?;
-    let mut ctx = auto.context(0, 0)?;
-    let (init, spec) = specs(gpu)?;
-    if let Some(init) = init {
-        let init = ctx.link(init)?;
-        init.schedule()?;
-        ctx = init.context();
-    }
-    let routine = ctx.link(spec)?.routine().clone();
+    let (auto, routine) = system_routine(device, true)?;
     let system_auto = measure(n, runs, |k| {
         for _ in 0..k {
             auto.schedule(&routine)?;

@@ -603,6 +603,9 @@ struct AutoState {
     learned: Option<Learned>,
     hold: Hold,
     stats: ReplayStats,
+    /// Host writes in flight ([`AutoReplay::begin_write`] to [`AutoReplay::end_write`]):
+    /// nothing is learned, captured or replayed meanwhile.
+    writing: usize,
 }
 
 /// The automatic replay of one dispatcher (see the module documentation).
@@ -680,6 +683,7 @@ impl AutoReplay {
                 learned: None,
                 hold: Hold::default(),
                 stats: ReplayStats::default(),
+                writing: 0,
             }),
             cells: OneshotPool::new(),
         }
@@ -691,37 +695,78 @@ impl AutoReplay {
 
     /// A call that is not replayed: issues what is held, then follows or forgets the period.
     pub(crate) fn interrupt(&self, d: &Dispatcher, barrier: Barrier) {
-        let mut st = self.state.lock();
-        let st = &mut *st;
+        self.interrupt_posting(d, barrier, || ());
+    }
+
+    /// [`AutoReplay::interrupt`], then `post` (the call's own post): under the lock for an
+    /// invalidating call, so that nothing is learned or replayed between what it tells and
+    /// what it does (a finalize posted after a step using its context was captured again
+    /// would make the devices refuse that step's replay).
+    pub(crate) fn interrupt_posting<T>(
+        &self,
+        d: &Dispatcher,
+        barrier: Barrier,
+        post: impl FnOnce() -> T,
+    ) -> T {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
         if !st.hold.calls.is_empty() && !mutant!("auto_no_flush") {
             st.stats.fallbacks.interrupted += st.hold.calls.len() as u64;
             flush(d, st);
         }
-        if matches!(barrier, Barrier::Invalidating) && mutant!("auto_stale") {
-            return;
-        }
         match barrier {
             Barrier::Invalidating => {
-                if st.learned.take().is_some() {
-                    st.stats.fallbacks.invalidated += 1;
-                }
-                st.recognizer.restart();
+                forget(st);
+                let out = post();
+                drop(guard);
+                return out;
             }
             Barrier::Observing(fp) => {
-                if let Some(l) = &mut st.learned {
-                    if l.calls[l.pos].fp == fp {
+                let followed = st.learned.as_mut().is_some_and(|l| {
+                    let next = l.calls[l.pos].fp == fp;
+                    if next {
                         l.pos = (l.pos + 1) % l.calls.len();
-                        return;
                     }
-                    st.learned = None;
-                    st.stats.fallbacks.mismatch += 1;
-                    st.recognizer.restart();
-                }
-                if let Some(p) = st.recognizer.push(fp) {
-                    learn(st, p);
+                    next
+                });
+                if !followed {
+                    if st.learned.take().is_some() {
+                        st.stats.fallbacks.mismatch += 1;
+                        st.recognizer.restart();
+                    }
+                    if st.writing == 0 {
+                        if let Some(p) = st.recognizer.push(fp) {
+                            learn(st, p);
+                        }
+                    }
                 }
             }
         }
+        drop(guard);
+        post()
+    }
+
+    /// A host write starts: what is held is issued and what was learned forgotten, and
+    /// nothing is learned, captured or replayed until [`AutoReplay::end_write`] (the host
+    /// array changes when the write commits, after its fences: a step captured before the
+    /// commit and replayed after it would be refused, its hosted reads lagging).
+    pub(crate) fn begin_write(&self, d: &Dispatcher) {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        if !st.hold.calls.is_empty() {
+            st.stats.fallbacks.interrupted += st.hold.calls.len() as u64;
+            flush(d, st);
+        }
+        forget(st);
+        st.writing += 1;
+    }
+
+    /// A host write ended (committed or failed): what was learned during it is forgotten.
+    pub(crate) fn end_write(&self) {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        st.writing = st.writing.saturating_sub(1);
+        forget(st);
     }
 
     /// Issues whatever is held (counted as interrupted).
@@ -754,6 +799,9 @@ impl AutoReplay {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         st.stats.calls += 1;
+        if st.writing > 0 {
+            return call.issue_now(d);
+        }
         if let Some(l) = &mut st.learned {
             let k = l.pos;
             let lc = &l.calls[k];
@@ -892,6 +940,18 @@ impl AutoReplay {
             _ => call.issue_now(d),
         }
     }
+}
+
+/// Forgets the learned period (an invalidating call; mutant `auto_stale` keeps it) and
+/// restarts recognition.
+fn forget(st: &mut AutoState) {
+    if mutant!("auto_stale") {
+        return;
+    }
+    if st.learned.take().is_some() {
+        st.stats.fallbacks.invalidated += 1;
+    }
+    st.recognizer.restart();
 }
 
 /// Learns the period of the last `p` calls (see [`Learned::new`]); one without barriers

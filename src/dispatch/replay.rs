@@ -290,8 +290,13 @@ impl Dispatcher {
         step: &Step,
         values: Option<&[Bindings]>,
     ) -> Result<StreamLasts<PendingEvent>> {
-        self.interrupt(super::auto::Barrier::Invalidating);
-        self.replay_via(step, values, Via::Auto)
+        match self.auto() {
+            // Told and posted under the automatic replay's lock, as any invalidating call.
+            Some(auto) => auto.interrupt_posting(self, super::auto::Barrier::Invalidating, || {
+                self.replay_via(step, values, Via::Auto)
+            }),
+            None => self.replay_via(step, values, Via::Auto),
+        }
     }
 
     /// [`Dispatcher::replay`], its post made `via` the caller or the automatic replay.

@@ -229,7 +229,7 @@ impl CaptureBuild {
         self.touched
             .iter()
             .map(|&i| {
-                dispatcher.request_now(i, |r| {
+                dispatcher.request_via(Via::Auto, i, |r| {
                     super::messages::DeviceOp::Query(super::messages::Query::Fence(r))
                 })
             })

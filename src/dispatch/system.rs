@@ -84,6 +84,27 @@ pub struct AllReduceCall {
     pub transfer: Transfer,
 }
 
+/// A host write in flight, as the automatic replay knows it (`AutoReplay::begin_write`):
+/// ended when dropped, on every path out of the write.
+struct Writing<'d>(Option<&'d AutoReplay>);
+
+impl<'d> Writing<'d> {
+    fn begin(d: &'d Dispatcher) -> Writing<'d> {
+        if let Some(auto) = &d.auto {
+            auto.begin_write(d);
+        }
+        Writing(d.auto.as_ref())
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        if let Some(auto) = self.0 {
+            auto.end_write();
+        }
+    }
+}
+
 /// Who makes a call's posts: the caller, or the automatic replay (`super::auto`) issuing
 /// what it held, learning or replaying, under its lock (its posts do not interrupt it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,13 +224,6 @@ impl Dispatcher {
         }
     }
 
-    /// [`Dispatcher::interrupt`] for a call posting `ops`.
-    fn interrupt_for<'a>(&self, ops: impl Iterator<Item = &'a DeviceOp>) {
-        if let Some(auto) = &self.auto {
-            auto.interrupt(self, Barrier::of(ops));
-        }
-    }
-
     /// Fences posted so far (see [`FenceStats`]).
     pub fn fence_counts(&self) -> FenceStats {
         use std::sync::atomic::Ordering::Relaxed;
@@ -290,8 +304,15 @@ impl Dispatcher {
     /// Posts `parts` as one atomic step: stamps, host-array gates, one post. A call of its
     /// own to the automatic replay: what it holds is issued first (`super::auto`).
     pub(super) fn post(&self, parts: Parts) -> Result<()> {
-        self.interrupt_for(parts.iter().map(|p| &p.op));
-        self.post_now(parts)
+        match &self.auto {
+            None => self.post_now(parts),
+            Some(auto) => {
+                // An invalidating call's post happens under the automatic replay's lock
+                // (`AutoReplay::interrupt_posting`).
+                let barrier = Barrier::of(parts.iter().map(|p| &p.op));
+                auto.interrupt_posting(self, barrier, || self.post_now(parts))
+            }
+        }
     }
 
     /// [`Dispatcher::post`] for a call made `via` the caller or the automatic replay.
@@ -314,8 +335,13 @@ impl Dispatcher {
 
     /// One operation to one device, a call of its own to the automatic replay.
     pub(super) fn post_one(&self, p: Part) -> Result<()> {
-        self.interrupt_for(std::iter::once(&p.op));
-        self.post_one_now(p)
+        match &self.auto {
+            None => self.post_one_now(p),
+            Some(auto) => {
+                let barrier = Barrier::of(std::iter::once(&p.op));
+                auto.interrupt_posting(self, barrier, || self.post_one_now(p))
+            }
+        }
     }
 
     /// [`Dispatcher::post_one`] for a call made `via` the caller or the automatic replay.
@@ -413,28 +439,26 @@ impl Dispatcher {
         self.post(Parts::from_iter([Part::new(index, 0, 0, op)]))
     }
 
-    /// [`Dispatcher::request`] without the automatic replay's interruption: its own
-    /// capture's fences.
-    pub(super) fn request_now<T: Clone>(
-        &self,
-        index: usize,
-        make: impl FnOnce(super::messages::Reply<T>) -> DeviceOp,
-    ) -> Result<Answer<T>> {
-        self.slot(index)?;
-        let (r, answer) = reply();
-        self.post_now(Parts::from_iter([Part::new(index, 0, 0, make(r))]))?;
-        Ok(answer)
-    }
-
     /// Posts `make(reply)` to device `index` and returns the answer to wait on.
     pub fn request<T: Clone>(
         &self,
         index: usize,
         make: impl FnOnce(super::messages::Reply<T>) -> DeviceOp,
     ) -> Result<Answer<T>> {
+        self.request_via(Via::Caller, index, make)
+    }
+
+    /// [`Dispatcher::request`], posted `via` the caller or the automatic replay (its
+    /// capture's fences).
+    pub(super) fn request_via<T: Clone>(
+        &self,
+        via: Via,
+        index: usize,
+        make: impl FnOnce(super::messages::Reply<T>) -> DeviceOp,
+    ) -> Result<Answer<T>> {
         self.slot(index)?;
         let (r, answer) = reply();
-        self.post(Parts::from_iter([Part::new(index, 0, 0, make(r))]))?;
+        self.post_via(via, Parts::from_iter([Part::new(index, 0, 0, make(r))]))?;
         Ok(answer)
     }
 
@@ -919,11 +943,12 @@ impl Dispatcher {
     /// pending transfer of the host array completed, then writes it; every device buffer
     /// then lags and is uploaded before its next read.
     pub async fn host_write(&self, node: &TensorNode, bytes: &[u8]) -> Result<()> {
-        // A host write can invalidate what the automatic replay learned (`super::auto`).
+        // A host write can invalidate what the automatic replay learned (`super::auto`):
+        // nothing is learned or replayed from here until the write is over (`Writing`).
         // Told before the node's lock is taken, and nothing posted under it passes the
         // automatic replay: its lock is never awaited under a node's lock (it takes node
         // locks itself, posting held calls that touch hosted nodes).
-        self.interrupt(Barrier::Invalidating);
+        let _writing = Writing::begin(self);
         let guard = NodeLock::lock(&self.nodes.get(node.id())).await;
         for fence in self.fence_all_now()? {
             // Relaxed: a statistic.

@@ -21,6 +21,64 @@ fn system(devices: usize, auto: bool) -> System {
         .expect("CPU system")
 }
 
+/// `x`, filled with 1 then doubled: a period of two calls.
+struct Pair {
+    x: TensorNode,
+    fill: RoutineHandle,
+    double: RoutineHandle,
+}
+
+impl Pair {
+    fn new(sys: &System) -> Pair {
+        let x = node("x", MemoryMode::on_device());
+        let fill = link_on(sys, 0, kernels::fill(&x, 1.0).unwrap());
+        let double = fill
+            .context()
+            .link(kernels::scale_in_place(&x, 2.0).unwrap())
+            .unwrap();
+        Pair { x, fill, double }
+    }
+}
+
+/// Hosted `h` (its host array `value` at first) copied into `y`, then `y` doubled.
+struct Hosted {
+    h: TensorNode,
+    y: TensorNode,
+    copy: RoutineHandle,
+    double: RoutineHandle,
+}
+
+impl Hosted {
+    fn new(sys: &System, value: f32) -> Hosted {
+        let h = node("h", MemoryMode::hosted_changed_on_devices());
+        let y = node("y", MemoryMode::on_device());
+        let held = sys
+            .context(0, 0)
+            .unwrap()
+            .init_from_host(&h, &[value; N])
+            .unwrap();
+        let copy = held.link(kernels::copy(&y, &h).unwrap()).unwrap();
+        let double = copy
+            .context()
+            .link(kernels::scale_in_place(&y, 2.0).unwrap())
+            .unwrap();
+        Hosted { h, y, copy, double }
+    }
+}
+
+/// `spec` linked into a new context of `device`'s stream 0.
+fn link_on(sys: &System, device: usize, spec: tributary::kernels::RoutineSpec) -> RoutineHandle {
+    sys.context(device, 0).unwrap().link(spec).unwrap()
+}
+
+/// `times` periods of `fill` then `double`.
+fn run_pairs(fill: &RoutineHandle, double: &RoutineHandle, times: usize) {
+    for _ in 0..times {
+        fill.schedule().unwrap();
+        double.schedule().unwrap();
+    }
+}
+
 fn wait_all(tickets: &mut Vec<Ticket>) {
     for t in tickets.drain(..) {
         t.wait().expect("every call runs");
@@ -32,16 +90,8 @@ fn wait_all(tickets: &mut Vec<Ticket>) {
 fn timesteps(auto: bool, steps: i64) -> (Vec<f32>, Vec<f32>, ReplayStats) {
     let sys = system(2, auto);
     let x = node("x", MemoryMode::on_device());
-    let zero0 = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 0.0).unwrap())
-        .unwrap();
-    let zero1 = sys
-        .context(1, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 0.0).unwrap())
-        .unwrap();
+    let zero0 = link_on(&sys, 0, kernels::fill(&x, 0.0).unwrap());
+    let zero1 = link_on(&sys, 1, kernels::fill(&x, 0.0).unwrap());
     let add0 = zero0.context().link(add_index(&x)).unwrap();
     let add1 = zero1.context().link(add_index(&x)).unwrap();
     zero0.schedule().unwrap();
@@ -111,18 +161,7 @@ fn repeated_timesteps_are_replayed_and_compute_what_issuing_computes() {
 #[test]
 fn a_host_write_inside_the_period_ends_the_replays() {
     let sys = system(1, true);
-    let h = node("h", MemoryMode::hosted_changed_on_devices());
-    let y = node("y", MemoryMode::on_device());
-    let held = sys
-        .context(0, 0)
-        .unwrap()
-        .init_from_host(&h, &[0.0f32; N])
-        .unwrap();
-    let copy = held.link(kernels::copy(&y, &h).unwrap()).unwrap();
-    let double = copy
-        .context()
-        .link(kernels::scale_in_place(&y, 2.0).unwrap())
-        .unwrap();
+    let Hosted { h, y, copy, double } = Hosted::new(&sys, 0.0);
     let mut tickets = Vec::new();
     for t in 0..10 {
         sys.host_write(&h, &[t as f32; N]).unwrap();
@@ -178,22 +217,10 @@ fn an_invalidating_call_between_periods_is_followed_by_learning_again() {
 #[test]
 fn a_wait_on_a_held_ticket_issues_the_held_calls() {
     let sys = system(1, true);
-    let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
-    let double = fill
-        .context()
-        .link(kernels::scale_in_place(&x, 2.0).unwrap())
-        .unwrap();
+    let Pair { x, fill, double } = Pair::new(&sys);
     // Periods of two calls, learned as `pairs` of them.
     let pairs = MIN_PERIOD / 2;
-    for _ in 0..3 + 2 * pairs {
-        fill.schedule().unwrap();
-        double.schedule().unwrap();
-    }
+    run_pairs(&fill, &double, 3 + 2 * pairs);
     let replays = sys.replay_stats().replays;
     assert_eq!(
         replays, 1,
@@ -203,19 +230,13 @@ fn a_wait_on_a_held_ticket_issues_the_held_calls() {
     held.wait().expect("a held call completes once waited on");
     assert_eq!(sys.replay_stats().fallbacks.waited, 1);
     double.schedule().unwrap();
-    for _ in 1..pairs {
-        fill.schedule().unwrap();
-        double.schedule().unwrap();
-    }
+    run_pairs(&fill, &double, pairs - 1);
     assert_eq!(
         sys.replay_stats().replays,
         replays,
         "the segment was issued"
     );
-    for _ in 0..pairs {
-        fill.schedule().unwrap();
-        double.schedule().unwrap();
-    }
+    run_pairs(&fill, &double, pairs);
     assert_eq!(sys.replay_stats().replays, replays + 1);
     assert_eq!(double.context().read::<f32>(&x).unwrap(), vec![2.0; N]);
     sys.shutdown().unwrap();
@@ -266,11 +287,7 @@ fn the_timeline_marks_each_replay() {
         .spawn()
         .unwrap();
     let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
+    let fill = link_on(&sys, 0, kernels::fill(&x, 1.0).unwrap());
     for _ in 0..3 + 3 * MIN_PERIOD {
         fill.schedule().unwrap();
     }
@@ -299,21 +316,9 @@ fn the_timeline_marks_each_replay() {
 #[test]
 fn issue_held_and_shutdown_issue_the_held_calls() {
     let sys = system(1, true);
-    let x = node("x", MemoryMode::on_device());
-    let fill = sys
-        .context(0, 0)
-        .unwrap()
-        .link(kernels::fill(&x, 1.0).unwrap())
-        .unwrap();
-    let double = fill
-        .context()
-        .link(kernels::scale_in_place(&x, 2.0).unwrap())
-        .unwrap();
+    let Pair { fill, double, .. } = Pair::new(&sys);
     let pairs = MIN_PERIOD / 2;
-    for _ in 0..3 + pairs {
-        fill.schedule().unwrap();
-        double.schedule().unwrap();
-    }
+    run_pairs(&fill, &double, 3 + pairs);
     // The next learned period is replayed: its calls are held until its last.
     fill.schedule().unwrap();
     let held = double.schedule().unwrap();
@@ -324,10 +329,7 @@ fn issue_held_and_shutdown_issue_the_held_calls() {
     held.wait().unwrap();
     assert_eq!(sys.replay_stats().fallbacks.waited, 0, "issued already");
     // The rest of this learned period is issued; the next one is held again.
-    for _ in 1..pairs {
-        fill.schedule().unwrap();
-        double.schedule().unwrap();
-    }
+    run_pairs(&fill, &double, pairs - 1);
     fill.schedule().unwrap();
     let last = double.schedule().unwrap();
     sys.shutdown().unwrap();
@@ -345,18 +347,7 @@ fn issue_held_and_shutdown_issue_the_held_calls() {
 #[test]
 fn host_writes_and_reads_beside_replayed_calls_on_the_same_node_finish() {
     let sys = system(1, true);
-    let h = node("h", MemoryMode::hosted_changed_on_devices());
-    let y = node("y", MemoryMode::on_device());
-    let held = sys
-        .context(0, 0)
-        .unwrap()
-        .init_from_host(&h, &[1.0f32; N])
-        .unwrap();
-    let copy = held.link(kernels::copy(&y, &h).unwrap()).unwrap();
-    let double = copy
-        .context()
-        .link(kernels::scale_in_place(&y, 2.0).unwrap())
-        .unwrap();
+    let Hosted { h, y, copy, double } = Hosted::new(&sys, 1.0);
     let rounds = 300;
     thread::scope(|s| {
         s.spawn(|| {
