@@ -23,12 +23,18 @@
 //! **Fallback.** Held calls are issued exactly as they would have been, in their order, by
 //! the first of: a call that does not match the period (the period is then forgotten and
 //! learned again), a call that is not replayed (a barrier, another thread's call), a wait
-//! on a held ticket. Because every call, and every post of a held call or a replay, takes
+//! on a held ticket, `System::issue_held`, a shutdown. Because every call, and every post of a held call or a replay, takes
 //! the lock, a call that starts after a held call returned is posted after it: program
 //! order is issue order, as without the feature. A learned step is replayed only while the
 //! period repeats exactly and no invalidating call came, so its devices never refuse it:
 //! what a replay checks (live contexts, merge buffers in place, hosted nodes current) only
-//! changes through calls that end the period.
+//! changes through calls that end the period. An invalidating call is told and posted
+//! under the lock; a host write is in flight from its start to its commit, and nothing is
+//! learned, captured or replayed meanwhile (`AutoReplay::begin_write`).
+//!
+//! **Locks.** This lock comes before a hosted node's lock, never under one: held calls are
+//! posted under it, and a post touching a hosted node takes that node's lock; so host
+//! writes and reads tell the automatic replay before they take their node's lock.
 
 use std::sync::Arc as StdArc;
 
