@@ -286,14 +286,14 @@ impl SystemBuilder {
     /// let ctx = sys.context(0, 0)?;
     /// let fill = ctx.link(kernels::fill(&x, 1.0)?)?;
     /// let double = fill.context().link(kernels::scale_in_place(&x, 2.0)?)?;
-    /// // A period of two calls, seen three times, is learned as 16 of them (at least
-    /// // `MIN_PERIOD` calls): captured the next 16 times, replayed the 16 after.
-    /// for _ in 0..3 + 16 + 16 {
+    /// // A period of two calls, seen three times, is learned as 32 of them (at least
+    /// // `MIN_PERIOD`, 64 calls): captured the next 32 times, replayed the 32 after.
+    /// for _ in 0..3 + 32 + 32 {
     ///     fill.schedule()?;
     ///     double.schedule()?;
     /// }
     /// let stats = sys.replay_stats();
-    /// assert_eq!((stats.periods, stats.replays, stats.calls_replayed), (1, 1, 32));
+    /// assert_eq!((stats.periods, stats.replays, stats.calls_replayed), (1, 1, 64));
     /// assert_eq!(double.context().read::<f32>(&x)?, vec![2.0; 4]);
     /// // The same key in a configuration file:
     /// let config = tributary_actors::SystemConfig::from_toml_str("auto_replay = true")?;

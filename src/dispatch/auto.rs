@@ -62,9 +62,10 @@ use super::{
 /// The longest period recognised, in calls.
 pub const MAX_PERIOD: usize = 1024;
 /// The fewest calls a learned period without barriers has: a shorter one is learned as
-/// its smallest multiple at least this long (a replay of a few calls costs about what
-/// issuing them does; one of 32 a third).
-pub const MIN_PERIOD: usize = 32;
+/// its smallest multiple at least this long. A replay of a few calls costs about what
+/// issuing them does; across devices each replay also pays its checks and copy answers.
+/// 64 measured best of 32 and 64 on Task Bench's two-device runs (`BENCHMARKS.md`).
+pub const MIN_PERIOD: usize = 64;
 /// Fingerprints the recogniser keeps (a power of two above [`MAX_PERIOD`]).
 const HISTORY: usize = 2 * MAX_PERIOD;
 /// Entries of the recogniser's table of last occurrences (a power of two).

@@ -120,14 +120,14 @@ fn timesteps(auto: bool, steps: i64) -> (Vec<f32>, Vec<f32>, ReplayStats) {
     out
 }
 
-/// Forty timesteps of three calls: the period (three calls) is recognised after the third
-/// timestep and learned as its multiple of at least `MIN_PERIOD` calls (eleven timesteps),
-/// captured in the next eleven, replayed in each full eleven after; the four left over are
-/// held, and issued when their tickets are waited on. The values are issuing's, with new
+/// Eighty timesteps of three calls: the period (three calls) is recognised after the third
+/// timestep and learned as its multiple of at least `MIN_PERIOD` calls (22 timesteps),
+/// captured in the next 22, replayed in each full 22 after; the 11 left over are held, and
+/// issued when their tickets are waited on. The values are issuing's, with new
 /// index values every replay.
 #[test]
 fn repeated_timesteps_are_replayed_and_compute_what_issuing_computes() {
-    let (steps, n) = (40i64, 3u64);
+    let (steps, n) = (80i64, 3u64);
     let (x0, x1, stats) = timesteps(true, steps);
     let (y0, y1, off) = timesteps(false, steps);
     assert_eq!(
