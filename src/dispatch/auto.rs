@@ -268,15 +268,7 @@ impl Call<'_> {
 
     /// [`Call::issue`], its tickets as the automatic replay returns them.
     fn issue_now(&self, d: &Dispatcher) -> Result<SmallVec<[Issued; 1]>> {
-        Ok(match *self {
-            Call::Schedule(r, b) => smallvec::smallvec![Issued::Now(d.schedule_recorded(
-                r,
-                b.clone(),
-                None,
-                Via::Auto
-            )?)],
-            _ => self.issue(d)?.into_iter().map(Issued::Now).collect(),
-        })
+        Ok(self.issue(d)?.into_iter().map(Issued::Now).collect())
     }
 
     /// Issues the call into `build`, the capture of its segment.

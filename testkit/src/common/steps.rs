@@ -162,44 +162,64 @@ fn keep_accepted(
 /// [`with_repeated_windows`]: `times` is the number of extra repetitions), and for each of its
 /// operations the window it came from.
 fn repeat(program: &Program, windows: &[Window]) -> Windowed {
+    rebuild(program, windows, |w, &(start, end, extra), ops| {
+        let len = end - start;
+        let barrier = w % 2 == 0;
+        let learned = if barrier {
+            1
+        } else {
+            MIN_PERIOD.div_ceil(len) as u32
+        };
+        let times = 3 + 2 * learned + extra;
+        for k in 0..times {
+            for (j, op) in program.ops[start..end].iter().enumerate() {
+                if !barrier && k + 2 == times && j == len / 2 {
+                    // Inside a late repetition: the calls held so far are issued.
+                    ops.push(Op::Sync);
+                }
+                ops.push(match op {
+                    Op::ScheduleWith { routine, t } => Op::ScheduleWith {
+                        routine: *routine,
+                        t: t + 3 * i64::from(k),
+                    },
+                    other => other.clone(),
+                });
+            }
+            if barrier {
+                ops.push(Op::Sync);
+            }
+        }
+    })
+}
+
+/// The program with `windows` wrapped, and for each of its operations the window it is.
+fn wrap(program: &Program, windows: &[Window]) -> Windowed {
+    rebuild(program, windows, |_, &(start, end, replays), ops| {
+        ops.push(Op::Step {
+            ops: program.ops[start..end].to_vec(),
+            replays,
+        });
+    })
+}
+
+/// The program with each of `windows` replaced by what `emit` makes of it (given its
+/// number and itself), and for each of its operations the window it came from.
+fn rebuild(
+    program: &Program,
+    windows: &[Window],
+    emit: impl Fn(usize, &Window, &mut Vec<Op>),
+) -> Windowed {
     let mut ops = Vec::with_capacity(program.ops.len());
     let mut from = Vec::with_capacity(program.ops.len());
     let mut i = 0;
     let mut next = windows.iter().enumerate().peekable();
     while i < program.ops.len() {
         match next.peek() {
-            Some(&(w, &(start, end, extra))) if start == i => {
-                let len = end - start;
-                let barrier = w % 2 == 0;
-                let learned = if barrier {
-                    1
-                } else {
-                    MIN_PERIOD.div_ceil(len) as u32
-                };
-                let times = 3 + 2 * learned + extra;
-                for k in 0..times {
-                    for (j, op) in program.ops[start..end].iter().enumerate() {
-                        if !barrier && k + 2 == times && j == len / 2 {
-                            // Inside a late repetition: the calls held so far are issued.
-                            ops.push(Op::Sync);
-                            from.push(Some(w));
-                        }
-                        ops.push(match op {
-                            Op::ScheduleWith { routine, t } => Op::ScheduleWith {
-                                routine: *routine,
-                                t: t + 3 * i64::from(k),
-                            },
-                            other => other.clone(),
-                        });
-                        from.push(Some(w));
-                    }
-                    if barrier {
-                        ops.push(Op::Sync);
-                        from.push(Some(w));
-                    }
-                }
+            Some(&(w, window)) if window.0 == i => {
+                emit(w, window, &mut ops);
+                from.resize(ops.len(), Some(w));
                 next.next();
-                i = end;
+                i = window.1;
             }
             _ => {
                 ops.push(program.ops[i].clone());
@@ -214,38 +234,5 @@ fn repeat(program: &Program, windows: &[Window]) -> Windowed {
             ops,
         },
         from,
-    )
-}
-
-/// The program with `windows` wrapped, and for each of its operations the window it is.
-fn wrap(program: &Program, windows: &[Window]) -> Windowed {
-    let mut ops = Vec::with_capacity(program.ops.len());
-    let mut step_of = Vec::with_capacity(program.ops.len());
-    let mut i = 0;
-    let mut next = windows.iter().enumerate().peekable();
-    while i < program.ops.len() {
-        match next.peek() {
-            Some(&(w, &(start, end, replays))) if start == i => {
-                ops.push(Op::Step {
-                    ops: program.ops[start..end].to_vec(),
-                    replays,
-                });
-                step_of.push(Some(w));
-                next.next();
-                i = end;
-            }
-            _ => {
-                ops.push(program.ops[i].clone());
-                step_of.push(None);
-                i += 1;
-            }
-        }
-    }
-    (
-        Program {
-            setup: program.setup.clone(),
-            ops,
-        },
-        step_of,
     )
 }
