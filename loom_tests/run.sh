@@ -27,7 +27,9 @@
 #
 # Environment: LOOM_TARGET_DIR (default target-loom), LOOM_MUTANT_TARGET_DIR (default
 # target-loom-mutant), LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant,
-# default 300). LOOM_MAX_PREEMPTIONS must not be set: each model has its own bound.
+# default 300), LOOM_REMOVE_BUILDS (1: remove each loom target directory once its binary
+# has run, as CI does to keep its disk). LOOM_MAX_PREEMPTIONS must not be set: each model
+# has its own bound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -149,6 +151,15 @@ run_models() {
   say "running every model against the real engine"
   "$bin" --nocapture --test-threads 2
   say "models passed"
+  remove_build "$LOOM_TARGET_DIR"
+}
+
+# Removes a loom target directory when LOOM_REMOVE_BUILDS=1 (its binary has run).
+remove_build() {
+  if [ "${LOOM_REMOVE_BUILDS:-0}" = 1 ]; then
+    say "removing $1 (LOOM_REMOVE_BUILDS=1)"
+    rm -rf "$1"
+  fi
 }
 
 selected() {
@@ -196,6 +207,7 @@ run_mutants() {
       say "mutant $rule / $model: $result"
     done
   done
+  remove_build "$LOOM_MUTANT_TARGET_DIR"
   for entry in "${RANDOM_MUTANTS[@]}"; do
     rule="${entry%%:*}"
     selected "$rule" || continue
