@@ -122,13 +122,20 @@ pub(crate) mod bodies {
             } else {
                 ReduceOp::Sum
             };
+            // Context 0 on the network stream (the all-reduce in place) on some ranks and
+            // not on others: a local choice, the same operation across ranks.
+            let in_place = (rng.next() + rank as u64) % 2 == 0;
             let node = TensorNode::new(format!("g{case}"), dtype, [n])
                 .with_mode(MemoryMode::on_device())
                 .expect("node");
             let mut contexts: Vec<ContextHandle> = Vec::new();
             for d in 0..devices {
                 let values: Vec<f64> = (0..n).map(|i| value(case, rank, d, i)).collect();
-                let ctx = cluster.context(d, 0).expect("context");
+                let ctx = if in_place && d == 0 {
+                    cluster.network_context().expect("network context")
+                } else {
+                    cluster.context(d, 0).expect("context")
+                };
                 let ctx = match dtype {
                     DType::F32 => init(
                         ctx,
@@ -172,7 +179,10 @@ pub(crate) mod bodies {
                     }
                 })
                 .collect();
-            let what = format!("case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank}");
+            let what = format!(
+                "case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank} (in place: \
+                 {in_place})"
+            );
             for ctx in &contexts {
                 match dtype {
                     DType::F32 => check(
@@ -278,25 +288,50 @@ pub(crate) mod bodies {
     /// Rank r sends a node to r + 1 and receives one from r - 1 (a ring of transfers; the
     /// even ranks send first, so blocking transfers cannot wait on each other in a cycle).
     pub fn ring_of_transfers(cluster: &Arc<Cluster>) {
+        let rank = cluster.rank();
+        // Data that travels with the header (8000 bytes) and data sent after it (32 KiB);
+        // from and into compute streams, in place on the network stream, and mixed (the
+        // sender in place on even ranks, the receiver on odd ones).
+        let rounds = [
+            (1000, false, false),
+            (4096, true, true),
+            (1000, rank % 2 == 0, rank % 2 == 1),
+            (4096, rank % 2 == 1, rank % 2 == 0),
+        ];
+        for (round, (n, send_in_place, recv_in_place)) in rounds.into_iter().enumerate() {
+            transfer_round(cluster, round, n, send_in_place, recv_in_place);
+        }
+    }
+
+    /// One round of `ring_of_transfers`: every rank sends `n` f64 to the next and receives
+    /// from the previous, then a routine reads what arrived.
+    fn transfer_round(
+        cluster: &Arc<Cluster>,
+        round: usize,
+        n: usize,
+        send_in_place: bool,
+        recv_in_place: bool,
+    ) {
         let (rank, size) = (cluster.rank(), cluster.size());
-        let node = TensorNode::new("msg", DType::F64, [1000])
+        let what = format!("round {round} on rank {rank}: {n} f64, in place: send {send_in_place}, recv {recv_in_place}");
+        let node = TensorNode::new(format!("msg{round}"), DType::F64, [n])
             .with_mode(MemoryMode::on_device())
             .expect("node");
-        let mine: Vec<f64> = (0..1000).map(|i| (rank * 1000 + i) as f64).collect();
+        let mine: Vec<f64> = (0..n).map(|i| (rank * n + i + round) as f64).collect();
+        let on = |in_place: bool, device: usize| {
+            if in_place {
+                cluster.network_context().expect("network context")
+            } else {
+                cluster.context(device, 0).expect("ctx")
+            }
+        };
         let src = init(
-            cluster
-                .context(1 % cluster.devices_per_rank()[rank], 0)
-                .expect("ctx"),
+            on(send_in_place, 1 % cluster.devices_per_rank()[rank]),
             &node,
             &mine,
         )
         .expect("init");
-        let dst = init(
-            cluster.context(0, 0).expect("ctx"),
-            &node,
-            &vec![0f64; 1000],
-        )
-        .expect("init");
+        let dst = init(on(recv_in_place, 0), &node, &vec![0f64; n]).expect("init");
         let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
         let (a, b) = if rank % 2 == 0 {
             (
@@ -309,10 +344,10 @@ pub(crate) mod bodies {
         };
         a.wait().expect("sent");
         b.wait().expect("received");
-        let want: Vec<f64> = (0..1000).map(|i| (from * 1000 + i) as f64).collect();
-        assert_eq!(dst.read::<f64>(&node).expect("read"), want);
+        let want: Vec<f64> = (0..n).map(|i| (from * n + i + round) as f64).collect();
+        assert_eq!(dst.read::<f64>(&node).expect("read"), want, "{what}");
         // A compute routine reading the received node waits for the transfer by itself.
-        let doubled = TensorNode::new("msg2", DType::F64, [1000])
+        let doubled = TensorNode::new(format!("doubled{round}"), DType::F64, [n])
             .with_mode(MemoryMode::on_device())
             .expect("node");
         let r = dst
@@ -320,7 +355,13 @@ pub(crate) mod bodies {
             .expect("link");
         r.schedule().expect("schedule");
         let want2: Vec<f64> = want.iter().map(|v| v * 2.0).collect();
-        assert_eq!(r.context().read::<f64>(&doubled).expect("read"), want2);
+        assert_eq!(
+            r.context().read::<f64>(&doubled).expect("read"),
+            want2,
+            "{what}"
+        );
+        // The sender's value is unchanged.
+        assert_eq!(src.read::<f64>(&node).expect("read"), mine, "{what}");
     }
 
     /// A bucketed all-reduce of ten small gradients (several per bucket) sums every

@@ -156,8 +156,28 @@ impl Cluster {
         self.compute_streams
     }
 
+    /// A root context on the network stream (device 0, stream [`Cluster::network_stream`]).
+    ///
+    /// Work linked under it runs on the network stream, in issue order with the cluster's
+    /// network operations, and cluster operations on its nodes run *in place*: an
+    /// all-reduce whose first context is here reduces that context's buffer itself (no copy
+    /// to the network stream's buffer and back), a `send` reads and a `recv` writes the
+    /// context's buffer, and nothing is handed between streams (DESIGN.md §9, "In place on
+    /// the network stream"). The price: that work does not overlap communication. For
+    /// small, latency-bound steps (a small all-reduce, a halo exchange); a large model's
+    /// compute belongs on compute streams.
+    pub fn network_context(&self) -> Result<ContextHandle> {
+        self.sys.context(0, self.compute_streams)
+    }
+
+    /// Whether `ctx` runs on the network stream (its cluster operations run in place).
+    pub(crate) fn on_network_stream(&self, ctx: &Context) -> bool {
+        ctx.stream() == self.net_root.protocol_context().stream()
+    }
+
     /// A root context on compute stream `stream` of local device `device`
-    /// ([`Error::NoSuchStream`] for the network stream or beyond).
+    /// ([`Error::NoSuchStream`] for the network stream or beyond:
+    /// [`Cluster::network_context`] gives that one).
     pub fn context(&self, device: usize, stream: usize) -> Result<ContextHandle> {
         if stream >= self.compute_streams {
             return Err(Error::NoSuchStream {
@@ -186,7 +206,9 @@ impl Cluster {
     }
 
     /// Sends the value of `node` in `ctx` to rank `to`, which issues the matching
-    /// [`Cluster::recv`]. Returns at once; the ticket completes when the data left.
+    /// [`Cluster::recv`]. Returns at once; the ticket completes when the data left. From a
+    /// context on the network stream ([`Cluster::network_context`]) the send reads the
+    /// context's buffer in place.
     pub fn send(&self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
         self.check_rank(to)?;
         let desc = transfer_desc(node, self.rank(), to);
@@ -196,8 +218,21 @@ impl Cluster {
             peer: to,
             send: true,
         };
-        let routine =
-            self.transfer_routine(key, || plan::send_spec(&self.net, &self.token, node))?;
+        if self.on_network_stream(ctx) {
+            if !ctx.contains(node) {
+                return Err(Error::NodeNotInContext {
+                    node: node.to_string(),
+                    context: ctx.id(),
+                });
+            }
+            let routine = self.transfer_routine(key, ctx, || {
+                plan::send_in_place_spec(&self.net, &self.token, node)
+            })?;
+            return self.issue_in_place(desc, &routine);
+        }
+        let routine = self.transfer_routine(key, self.net_root.protocol_context(), || {
+            plan::send_spec(&self.net, &self.token, node)
+        })?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let ticket = match self.sys.device_to_device(
@@ -220,24 +255,44 @@ impl Cluster {
         Ok(ClusterTicket::new(vec![issued], vec![ticket]))
     }
 
-    /// The transfer routine kept under `key`, linked into the network stream's root
-    /// context from `spec` the first time.
+    /// The transfer routine kept under `key`, linked into `into` (the network stream's
+    /// root context, or the caller's context on the network stream) from `spec` the
+    /// first time.
     fn transfer_routine(
         &self,
         key: TransferKey,
+        into: &Context,
         spec: impl FnOnce() -> Result<RoutineSpec>,
     ) -> Result<RoutineHandle> {
         let mut kept = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = kept.get(&key) {
             return Ok(r.clone());
         }
-        let routine = self.net_root.link(spec()?)?;
+        let routine = self.sys.link(into, spec()?)?;
         kept.insert(key, routine.clone());
         Ok(routine)
     }
 
+    /// Issues a transfer whose routine runs in place on the network stream: queued, then
+    /// scheduled (its ticket is the operation's).
+    fn issue_in_place(&self, desc: OpDesc, routine: &RoutineHandle) -> Result<ClusterTicket> {
+        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        let issued = self.net.issue(desc, 0);
+        let ticket = match routine.schedule() {
+            Ok(t) => t,
+            Err(e) => {
+                self.net.retract(&issued);
+                return Err(e);
+            }
+        };
+        let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
+        Ok(ClusterTicket::new(vec![issued], vec![ticket]))
+    }
+
     /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
-    /// hold the node. Returns at once; reads of the node in `ctx` wait for the data.
+    /// hold the node. Returns at once; reads of the node in `ctx` wait for the data. Into a
+    /// context on the network stream ([`Cluster::network_context`]) the data lands in the
+    /// context's buffer itself (no copy from the network stream's).
     pub fn recv(&self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
         self.check_rank(from)?;
         if !ctx.contains(node) {
@@ -253,7 +308,13 @@ impl Cluster {
             peer: from,
             send: false,
         };
-        let routine = self.transfer_routine(key, || plan::recv_spec(&self.net, node))?;
+        if self.on_network_stream(ctx) {
+            let routine = self.transfer_routine(key, ctx, || plan::recv_spec(&self.net, node))?;
+            return self.issue_in_place(desc, &routine);
+        }
+        let routine = self.transfer_routine(key, self.net_root.protocol_context(), || {
+            plan::recv_spec(&self.net, node)
+        })?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let ticket = match routine.schedule() {

@@ -3,7 +3,9 @@
 //!
 //! Every network operation's kernel runs [`Network::execute`] on the network stream's worker.
 //! It takes its entry from the issue queue, exchanges headers, then moves the data, polled
-//! against the deadline. An entry still queued with a failed event had its kernel skipped.
+//! against the deadline. Small payloads travel in their header's message (one message per
+//! peer instead of two: [`PIGGYBACK_MAX_BYTES`]); nothing received is used before the
+//! headers agree. An entry still queued with a failed event had its kernel skipped.
 //! The next kernel first sends that entry's header with [`Status::InputFailed`], and
 //! [`Network::flush`] does the same at shutdown. `network/wire.rs` holds what each operation
 //! sends and receives once the ranks agreed. See DESIGN.md §9, "Issue order and failed
@@ -31,6 +33,21 @@ use super::{
     mpi::{Mpi, Request, WaitError},
     reduce::Wire,
 };
+
+/// Payloads of at most this many bytes travel in their header's message: a `Direct`
+/// all-reduce's wire input, and a transfer's data. One message per peer then carries both,
+/// where a header exchange and then the data cost two one-way latencies (a 4 KiB all-reduce's
+/// or a small `send`'s largest fixed cost). Every header receive has room for a header and
+/// this much, so a message with a payload is taken whole even by a rank that expected a
+/// header alone (a mismatch, reported as such, never a truncation). The receiver uses the
+/// payload only once the headers agree: whether one travels is decided from the compared
+/// fields (algorithm, element count, dtype), so agreeing ranks decide alike. Above it the
+/// copy into the message would cost more than the latency it saves.
+pub(crate) const PIGGYBACK_MAX_BYTES: usize = 16 * 1024;
+
+/// The bytes of one rank's message slot: a header, then room for a payload.
+pub(crate) const SLOT_BYTES: usize = HEADER_BYTES + PIGGYBACK_MAX_BYTES;
+const SLOT_WORDS: usize = SLOT_BYTES / 8;
 
 /// The cluster's network settings that every rank must share (they decide the algorithm).
 #[derive(Clone, Debug)]
@@ -113,6 +130,13 @@ struct ExecState {
     broken: Option<Error>,
     /// Receive buffers (f64 words: aligned for every element type).
     staging: Vec<f64>,
+    /// The message slots of the last header exchange (one per rank for a collective, two
+    /// for a transfer: [`SLOT_BYTES`] each), kept for the next: the payloads that came
+    /// with the headers are read from here.
+    slots: Vec<f64>,
+    /// This rank's contribution to an all-reduce in place, copied aside (kept for the
+    /// next).
+    own: Vec<f64>,
     /// Requests and buffers given up at a fault: never waited for, never freed, so that
     /// whatever MPI may still do with them (at the latest in `MPI_Finalize`) finds them.
     abandoned: Vec<(Vec<Request>, Vec<f64>)>,
@@ -172,6 +196,8 @@ impl Network {
             exec: Mutex::new(ExecState {
                 broken: None,
                 staging: Vec::new(),
+                slots: Vec::new(),
+                own: Vec::new(),
                 abandoned: Vec::new(),
             }),
             closed: AtomicBool::new(false),
@@ -354,10 +380,10 @@ impl Network {
         };
         let result = match skipped.desc.kind {
             OpKind::AllReduce | OpKind::Barrier => self
-                .exchange_headers(guard, skipped, algorithm, Status::InputFailed, 0)
+                .exchange_headers(guard, skipped, algorithm, Status::InputFailed, 0, &[])
                 .map(|_| ()),
             OpKind::Transfer => self
-                .transfer_headers(guard, skipped, Status::InputFailed)
+                .transfer_headers(guard, skipped, Status::InputFailed, &[])
                 .map(|_| ()),
             OpKind::Raw => Ok(()),
         };
@@ -472,8 +498,29 @@ impl Network {
         e
     }
 
+    /// The message slots of an exchange with `count` slots, taken from the guard (given
+    /// back by the exchange once no request uses them).
+    fn take_slots(guard: &mut ExecGuard<'_>, count: usize) -> Vec<f64> {
+        let mut slots = std::mem::take(&mut guard.state.slots);
+        slots.resize(count * SLOT_WORDS, 0.0);
+        slots
+    }
+
+    /// The payload that came with rank `slot`'s header in the last exchange (`len` bytes,
+    /// at most [`PIGGYBACK_MAX_BYTES`]; meaningful only once the headers agreed that one
+    /// travelled).
+    pub(super) fn payload<'g>(guard: &'g ExecGuard<'_>, slot: usize, len: usize) -> &'g [u8] {
+        let start = slot * SLOT_BYTES + HEADER_BYTES;
+        let bytes = bytemuck_bytes(&guard.state.slots);
+        bytes
+            .get(start..start + len.min(PIGGYBACK_MAX_BYTES))
+            .unwrap_or(&[])
+    }
+
     /// Every rank's header of a collective (index = rank), after checking them against
-    /// this rank's: a mismatch or a failed input elsewhere is an error here too.
+    /// this rank's: a mismatch or a failed input elsewhere is an error here too. `payload`
+    /// (at most [`PIGGYBACK_MAX_BYTES`], empty for none) travels in this rank's header
+    /// message; the others' arrive in the guard's slots ([`Network::payload`]).
     fn exchange_headers(
         &self,
         guard: &mut ExecGuard<'_>,
@@ -481,34 +528,40 @@ impl Network {
         algorithm: CrossRankAlgorithm,
         status: Status,
         contributions: usize,
+        payload: &[u8],
     ) -> Result<Vec<Header>> {
         let (rank, size) = (self.rank(), self.size());
         let mut mine = Header::new(&op.desc, op.seq, rank, algorithm, status);
         mine.contributions = contributions.min(u16::MAX as usize) as u16;
+        let payload = &payload[..payload.len().min(PIGGYBACK_MAX_BYTES)];
         // One buffer, never reallocated once posted: a slot per rank (this rank's slot
-        // holds the outgoing header). `wait` keeps it while a request may use it.
-        let slot = HEADER_BYTES / 8;
-        let mut keep = vec![0f64; slot * size];
-        bytemuck_bytes_mut(&mut keep)[rank * HEADER_BYTES..(rank + 1) * HEADER_BYTES]
-            .copy_from_slice(&mine.encode());
+        // holds the outgoing header and payload). `wait` keeps it while a request may use
+        // it.
+        let mut keep = Self::take_slots(guard, size);
+        {
+            let out = &mut bytemuck_bytes_mut(&mut keep)[rank * SLOT_BYTES..];
+            out[..HEADER_BYTES].copy_from_slice(&mine.encode());
+            out[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+        }
         let base = keep.as_mut_ptr().cast::<u8>();
         let t = tag(op.seq, phase::HEADER);
         let mut requests = Vec::with_capacity(2 * size);
         let posted = (|| {
             for peer in (0..size).filter(|&p| p != rank) {
-                // SAFETY: slot `peer` of `keep` is written only by this receive, slot `rank`
-                // is only read by the sends; `keep` is not reallocated and outlives the
-                // requests (`wait` and `abandon` keep it with them on a fault).
+                // SAFETY: slot `peer` of `keep` (SLOT_BYTES) is written only by this
+                // receive, slot `rank` is only read by the sends (HEADER_BYTES + payload
+                // bytes, inside it); `keep` is not reallocated and outlives the requests
+                // (`wait` and `abandon` keep it with them on a fault).
                 unsafe {
                     requests.push(self.mpi.irecv(
-                        base.add(peer * HEADER_BYTES),
-                        HEADER_BYTES,
+                        base.add(peer * SLOT_BYTES),
+                        SLOT_BYTES,
                         peer,
                         t,
                     )?);
                     requests.push(self.mpi.isend(
-                        base.add(rank * HEADER_BYTES),
-                        HEADER_BYTES,
+                        base.add(rank * SLOT_BYTES),
+                        HEADER_BYTES + payload.len(),
                         peer,
                         t,
                     )?);
@@ -520,54 +573,66 @@ impl Network {
             return Err(self.abandon(guard, requests, keep, e));
         }
         let keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        let bytes: &[u8] = bytemuck_bytes(&keep);
+        guard.state.slots = keep;
+        let bytes: &[u8] = bytemuck_bytes(&guard.state.slots);
         let mut all = Vec::with_capacity(size);
         for r in 0..size {
             if r == rank {
                 all.push(mine.clone());
                 continue;
             }
-            let h = Header::decode(&bytes[r * HEADER_BYTES..(r + 1) * HEADER_BYTES]).ok_or_else(
-                || Error::CollectiveMismatch {
+            let at = r * SLOT_BYTES;
+            let h = Header::decode(&bytes[at..at + HEADER_BYTES]).ok_or_else(|| {
+                Error::CollectiveMismatch {
                     call: op.seq,
                     rank: r,
                     this_rank: rank,
                     ours: mine.describe(),
                     theirs: "a message that is no tributary header".into(),
-                },
-            )?;
+                }
+            })?;
             all.push(h);
         }
         check_headers(rank, &mine, &all, &op.desc.describe())?;
         Ok(all)
     }
 
-    /// The header exchange of a transfer between its two ranks.
+    /// The header exchange of a transfer between its two ranks. `payload` (at most
+    /// [`PIGGYBACK_MAX_BYTES`], empty for none: the sender's data) travels in this rank's
+    /// header message; the peer's arrives in slot 0 ([`Network::payload`]).
     fn transfer_headers(
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
         status: Status,
+        payload: &[u8],
     ) -> Result<()> {
         let rank = self.rank();
         let (from, to) = op.desc.route.unwrap_or((rank, rank));
         let peer = if from == rank { to } else { from };
         let mine = Header::new(&op.desc, op.seq, rank, CrossRankAlgorithm::Direct, status);
-        let mut keep = vec![0f64; 2 * HEADER_BYTES / 8];
-        bytemuck_bytes_mut(&mut keep)[HEADER_BYTES..].copy_from_slice(&mine.encode());
+        let payload = &payload[..payload.len().min(PIGGYBACK_MAX_BYTES)];
+        let mut keep = Self::take_slots(guard, 2);
+        {
+            let out = &mut bytemuck_bytes_mut(&mut keep)[SLOT_BYTES..];
+            out[..HEADER_BYTES].copy_from_slice(&mine.encode());
+            out[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+        }
         let base = keep.as_mut_ptr().cast::<u8>();
         let t = tag(op.seq, phase::TRANSFER_HEADER);
         let mut requests = Vec::with_capacity(2);
         let posted = (|| {
-            // SAFETY: `keep` holds two header slots and is not reallocated; the first
-            // receives, the second holds the outgoing header; `wait` and `abandon` keep it
-            // while requests may use it.
+            // SAFETY: `keep` holds two slots of SLOT_BYTES and is not reallocated; the
+            // first receives, the second holds the outgoing header and payload; `wait` and
+            // `abandon` keep it while requests may use it.
             unsafe {
-                requests.push(self.mpi.irecv(base, HEADER_BYTES, peer, t)?);
-                requests.push(
-                    self.mpi
-                        .isend(base.add(HEADER_BYTES), HEADER_BYTES, peer, t)?,
-                );
+                requests.push(self.mpi.irecv(base, SLOT_BYTES, peer, t)?);
+                requests.push(self.mpi.isend(
+                    base.add(SLOT_BYTES),
+                    HEADER_BYTES + payload.len(),
+                    peer,
+                    t,
+                )?);
             }
             Ok(())
         })();
@@ -575,15 +640,15 @@ impl Network {
             return Err(self.abandon(guard, requests, keep, e));
         }
         let keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        let theirs = Header::decode(&bytemuck_bytes(&keep)[..HEADER_BYTES]).ok_or_else(|| {
-            Error::CollectiveMismatch {
+        guard.state.slots = keep;
+        let theirs = Header::decode(&bytemuck_bytes(&guard.state.slots)[..HEADER_BYTES])
+            .ok_or_else(|| Error::CollectiveMismatch {
                 call: op.seq,
                 rank: peer,
                 this_rank: rank,
                 ours: mine.describe(),
                 theirs: "a message that is no tributary header".into(),
-            }
-        })?;
+            })?;
         let mut all = vec![mine.clone(), mine.clone()];
         all[if rank == from { 1 } else { 0 }] = theirs;
         let me = if rank == from { 0 } else { 1 };

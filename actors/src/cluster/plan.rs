@@ -3,7 +3,9 @@
 //! An all-reduce has three steps. It reduces inside the rank through merge buffers into
 //! context 0, combines across ranks in the network routine, then copies the result into every
 //! context of the rank. Each step waits only for what it reads and overwrites, so independent
-//! work overlaps. See DESIGN.md §9, "Collectives".
+//! work overlaps. When context 0 is on the network stream, the network routine is linked
+//! into it and reduces its buffer in place: no copy to the network stream and back. See
+//! DESIGN.md §9, "Collectives" and "In place on the network stream".
 
 use std::sync::Arc;
 
@@ -40,6 +42,49 @@ pub(crate) fn all_reduce_spec(net: &Arc<Network>, node: &TensorNode) -> Result<R
                     (Err(e), _) | (_, Err(e)) => net.input_failed(guard, op, e.to_string()),
                 },
             )
+        },
+    )
+}
+
+/// The network routine of an all-reduce of `node` in place, linked into a context on the
+/// network stream: reads and writes that context's buffer.
+pub(crate) fn all_reduce_in_place_spec(
+    net: &Arc<Network>,
+    node: &TensorNode,
+) -> Result<RoutineSpec> {
+    let net = net.clone();
+    RoutineSpec::custom(
+        format!("cluster.all_reduce_in_place({})", node.label()),
+        vec![(node.clone(), Access::ReadWrite)],
+        None,
+        move |args| {
+            net.execute(|net, guard, op| match args.output_bytes(0) {
+                Ok(data) => net.all_reduce_in_place(guard, op, data),
+                Err(e) => net.input_failed(guard, op, e.to_string()),
+            })
+        },
+    )
+}
+
+/// The network routine of a send of `node` from a context on the network stream: reads
+/// the context's buffer as a parameter.
+pub(crate) fn send_in_place_spec(
+    net: &Arc<Network>,
+    token: &TensorNode,
+    node: &TensorNode,
+) -> Result<RoutineSpec> {
+    let net = net.clone();
+    RoutineSpec::custom(
+        format!("cluster.send_in_place({})", node.label()),
+        vec![(node.clone(), Access::Read), (token.clone(), Access::Write)],
+        None,
+        move |args| {
+            net.execute(|net, guard, op| match args.input_bytes(0) {
+                Ok(input) => net.send(guard, op, input),
+                Err(e) => net.input_failed(guard, op, e.to_string()),
+            })?;
+            args.output_bytes(1)?.fill(1);
+            Ok(())
         },
     )
 }
@@ -183,6 +228,9 @@ pub struct ClusterAllReduce {
     /// `merge[ctx][node]`: the merge routine of a reduce destination.
     merge: Vec<Vec<Option<Routine>>>,
     network: Vec<(RoutineHandle, OpDesc)>,
+    /// Context 0 is on the network stream: the network routines are linked into it and
+    /// reduce its buffers in place.
+    in_place: bool,
 }
 
 impl ClusterAllReduce {
@@ -226,11 +274,16 @@ impl ClusterAllReduce {
                 }
             }
         }
+        let in_place = cluster.on_network_stream(&contexts[0]);
         let mut network = Vec::with_capacity(k);
         for node in nodes {
-            let r = cluster
-                .net_root
-                .link(all_reduce_spec(&cluster.net, node)?)?;
+            let r = if in_place {
+                sys.link(&contexts[0], all_reduce_in_place_spec(&cluster.net, node)?)?
+            } else {
+                cluster
+                    .net_root
+                    .link(all_reduce_spec(&cluster.net, node)?)?
+            };
             let desc = OpDesc {
                 kind: OpKind::AllReduce,
                 label: node.label().to_string(),
@@ -250,6 +303,7 @@ impl ClusterAllReduce {
             reduce,
             merge,
             network,
+            in_place,
         })
     }
 
@@ -303,12 +357,17 @@ impl ClusterAllReduce {
         let mut tickets = Vec::new();
         for (node, (routine, desc)) in self.nodes.iter().zip(&self.network) {
             let issued = self.net.issue(desc.clone(), self.contexts.len());
-            let ticket = match sys.device_to_device(
-                node,
-                &self.contexts[0],
-                routine.protocol_context(),
-                MergeBufferUse::StreamingFor(routine.routine().clone()),
-            ) {
+            let scheduled = if self.in_place {
+                sys.schedule(routine.routine()).map(Some)
+            } else {
+                sys.device_to_device(
+                    node,
+                    &self.contexts[0],
+                    routine.protocol_context(),
+                    MergeBufferUse::StreamingFor(routine.routine().clone()),
+                )
+            };
+            let ticket = match scheduled {
                 Ok(Some(t)) => t,
                 Ok(None) => {
                     self.net.retract(&issued);
@@ -321,7 +380,10 @@ impl ClusterAllReduce {
             };
             let _ = issued.event.set(EntryTicket::Issued(ticket));
             ops.push(issued);
-            for ctx in &self.contexts {
+            // In place, context 0 holds the result already (its routine's context shares
+            // its buffer): the copies go to the others.
+            let skip = usize::from(self.in_place);
+            for ctx in &self.contexts[skip..] {
                 if let Some(t) =
                     sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?
                 {

@@ -4,7 +4,9 @@
 
 use tributary::{collective::ReduceOp, DType, Error, Result};
 
-use super::{bytemuck_bytes, bytemuck_bytes_mut, phase, tag, ExecGuard, Issued, Network};
+use super::{
+    bytemuck_bytes, bytemuck_bytes_mut, phase, tag, ExecGuard, Issued, Network, PIGGYBACK_MAX_BYTES,
+};
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
     mpi::Request,
@@ -14,7 +16,7 @@ use crate::cluster::{
 impl Network {
     /// A header exchange and nothing else.
     pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
-        self.exchange_headers(guard, op, CrossRankAlgorithm::Direct, Status::Ready, 0)
+        self.exchange_headers(guard, op, CrossRankAlgorithm::Direct, Status::Ready, 0, &[])
             .map(|_| ())
     }
 
@@ -33,7 +35,10 @@ impl Network {
     }
 
     /// The cross-rank all-reduce of `input` into `output` (same size; the storage dtype of
-    /// the operation), the mean divided by the contributions of every rank.
+    /// the operation), the mean divided by the contributions of every rank. A `Direct`
+    /// all-reduce of at most [`PIGGYBACK_MAX_BYTES`] wire bytes sends its input in its
+    /// header's message: one message to every other rank, and the sum of the payloads once
+    /// the headers agree.
     pub(crate) fn all_reduce(
         &self,
         guard: &mut ExecGuard<'_>,
@@ -42,33 +47,111 @@ impl Network {
         output: &mut [u8],
     ) -> Result<()> {
         let dtype = op.desc.dtype;
-        let wire = Wire::of(dtype)?;
+        let wire = match Wire::of(dtype) {
+            Ok(w) => w,
+            Err(e) => return self.input_failed(guard, op, e.to_string()),
+        };
         let n = op.desc.elements() as usize;
-        let algorithm = self.algorithm_for(op.desc.algorithm, n * wire.size());
-        let headers =
-            self.exchange_headers(guard, op, algorithm, Status::Ready, op.contributions)?;
+        let wire_bytes = n * wire.size();
+        let algorithm = self.algorithm_for(op.desc.algorithm, wire_bytes);
+        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums).
+        let widened = if wire.same_as_storage(dtype) {
+            None
+        } else {
+            match reduce::widen(dtype, input) {
+                Ok(w) => Some(w),
+                Err(e) => return self.input_failed(guard, op, e.to_string()),
+            }
+        };
+        let wire_in: &[u8] = widened.as_deref().map_or(input, bytemuck_bytes);
+        // Decided from what the headers compare (algorithm, elements, dtype): ranks whose
+        // headers agree decide alike.
+        let piggyback = self.size() > 1
+            && matches!(algorithm, CrossRankAlgorithm::Direct)
+            && wire_bytes <= PIGGYBACK_MAX_BYTES
+            && wire_in.len() == wire_bytes;
+        let headers = self.exchange_headers(
+            guard,
+            op,
+            algorithm,
+            Status::Ready,
+            op.contributions,
+            if piggyback { wire_in } else { &[] },
+        )?;
         let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
         let scale = match op.desc.op {
             Some(ReduceOp::Mean) => Some(1.0 / total.max(1) as f64),
             _ => None,
         };
-        if wire.same_as_storage(dtype) {
-            return self.all_reduce_wire(guard, op, algorithm, wire, n, input, output, scale);
+        let mut wide_out = match widened {
+            Some(_) => vec![0f32; n],
+            None => Vec::new(),
+        };
+        let wire_out: &mut [u8] = if widened.is_some() {
+            bytemuck_bytes_mut(&mut wide_out)
+        } else {
+            &mut *output
+        };
+        if piggyback {
+            self.sum_payloads(guard, wire, wire_in, wire_out, scale);
+        } else {
+            self.all_reduce_wire(guard, op, algorithm, wire, n, wire_in, wire_out, scale)?;
         }
-        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums).
-        let wide_in = reduce::widen(dtype, input)?;
-        let mut wide_out = vec![0f32; n];
-        self.all_reduce_wire(
-            guard,
-            op,
-            algorithm,
-            wire,
-            n,
-            bytemuck_bytes(&wide_in),
-            bytemuck_bytes_mut(&mut wide_out),
-            scale,
-        )?;
-        reduce::narrow(dtype, &wide_out, output)
+        if widened.is_some() {
+            reduce::narrow(dtype, &wide_out, output)?;
+        }
+        Ok(())
+    }
+
+    /// The cross-rank all-reduce of `data` in place (a context's own buffer on the network
+    /// stream). This rank's contribution is copied aside first (into a vector kept for the
+    /// next one), then reduced as [`Network::all_reduce`] does into `data`; on an error the
+    /// copy is kept with the abandoned buffers, since a send may still read it.
+    pub(crate) fn all_reduce_in_place(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        data: &mut [u8],
+    ) -> Result<()> {
+        let mut own = std::mem::take(&mut guard.state.own);
+        own.clear();
+        own.resize(data.len().div_ceil(8), 0.0);
+        let own_bytes = &mut bytemuck_bytes_mut(&mut own)[..data.len()];
+        own_bytes.copy_from_slice(data);
+        let result = self.all_reduce(guard, op, &bytemuck_bytes(&own)[..data.len()], data);
+        if result.is_ok() {
+            guard.state.own = own;
+        } else {
+            guard.state.abandoned.push((Vec::new(), own));
+        }
+        result
+    }
+
+    /// The sum, in rank order, of this rank's `input` and the payloads every other rank's
+    /// header brought (a piggybacked `Direct` all-reduce, once the headers agreed).
+    fn sum_payloads(
+        &self,
+        guard: &ExecGuard<'_>,
+        wire: Wire,
+        input: &[u8],
+        output: &mut [u8],
+        scale: Option<f64>,
+    ) {
+        for r in 0..self.size() {
+            let part = if r == self.rank() {
+                input
+            } else {
+                Network::payload(guard, r, input.len())
+            };
+            if r == 0 {
+                output.copy_from_slice(part);
+            } else {
+                reduce::add_into(wire, output, part);
+            }
+        }
+        if let Some(s) = scale {
+            reduce::scale(wire, output, s);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -284,9 +367,14 @@ impl Network {
         Ok(())
     }
 
-    /// The sending side of a transfer.
+    /// The sending side of a transfer: data of at most [`PIGGYBACK_MAX_BYTES`] travels in
+    /// the header's message, larger data after the headers agreed.
     pub(crate) fn send(&self, guard: &mut ExecGuard<'_>, op: &Issued, input: &[u8]) -> Result<()> {
-        self.transfer_headers(guard, op, Status::Ready)?;
+        // Decided from the byte size, which the headers compare (elements and dtype).
+        if input.len() <= PIGGYBACK_MAX_BYTES {
+            return self.transfer_headers(guard, op, Status::Ready, input);
+        }
+        self.transfer_headers(guard, op, Status::Ready, &[])?;
         let (_, to) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the input view outlives the request (module docs of `cluster`).
         let request = unsafe {
@@ -301,14 +389,19 @@ impl Network {
             .map(|_| ())
     }
 
-    /// The receiving side of a transfer, into `output`.
+    /// The receiving side of a transfer, into `output` (from the header's message when the
+    /// data is at most [`PIGGYBACK_MAX_BYTES`]).
     pub(crate) fn recv(
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
         output: &mut [u8],
     ) -> Result<()> {
-        self.transfer_headers(guard, op, Status::Ready)?;
+        self.transfer_headers(guard, op, Status::Ready, &[])?;
+        if output.len() <= PIGGYBACK_MAX_BYTES {
+            output.copy_from_slice(Network::payload(guard, 0, output.len()));
+            return Ok(());
+        }
         let (from, _) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the output view outlives the request (module docs of `cluster`) and
         // nothing else writes it while this routine runs.
