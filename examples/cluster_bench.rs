@@ -6,8 +6,10 @@
 //! cluster's network stream through `Cluster::with_mpi`; then the cluster's hierarchical
 //! all-reduce of one node over this rank's `--devices` contexts with each cross-rank
 //! algorithm (`direct`, `ring`, `mpi` = `MPI_Iallreduce`), issued `iters` times back to
-//! back and waited for at the end (the training loop's shape), and the ring again replayed
-//! from a capture of it (`Cluster::capture`). It prints the median time
+//! back and waited for at the end (the training loop's shape), the ring again replayed
+//! from a capture of it (`Cluster::capture`), and the `auto` algorithm in place: context 0
+//! on the network stream (`Cluster::network_context`), so the network routine reduces its
+//! buffer itself. It prints the median time
 //! per all-reduce over `--reps` repetitions, the bus bandwidth `2 (R-1)/R · bytes / time`
 //! and the ratio to `MPI_Allreduce`.
 //!
@@ -22,7 +24,8 @@
 //! `--pingpong` times instead round trips of a node of `--sizes` bytes between ranks 0 and 1
 //! (`Cluster::send` then `Cluster::recv` on rank 0, the reverse on rank 1, `iters` of them
 //! issued back to back and waited for at the end) beside `MPI_Send`/`MPI_Recv` of the same
-//! bytes on the network stream.
+//! bytes on the network stream, from a context on a compute stream and in place (the node
+//! in a context on the network stream).
 
 #[path = "common/mod.rs"]
 mod common;
@@ -147,8 +150,8 @@ fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
             args.reps
         );
         println!(
-            "{:>10} {:>20} {:>22} {:>8}",
-            "bytes", "MPI_Send/MPI_Recv", "send/recv", "ratio"
+            "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8}",
+            "bytes", "MPI_Send/MPI_Recv", "send/recv", "ratio", "in place", "ratio"
         );
     }
     for &bytes in &args.sizes {
@@ -156,66 +159,84 @@ fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
         let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
         let node = TensorNode::new(format!("x{bytes}"), DType::F32, [n])
             .with_mode(MemoryMode::on_device())?;
-        let init = cluster.context(0, 0)?.link(RoutineSpec::custom(
-            "init",
-            vec![(node.clone(), Access::Write)],
-            None,
-            |a| {
-                a.output::<f32>(0)?.fill(1.0);
-                Ok(())
-            },
-        )?)?;
-        init.schedule()?;
-        let ctx = init.context();
         let baseline = median(
             (0..args.reps)
                 .map(|_| mpi_pingpong(cluster, n, iters))
                 .collect::<Result<_, _>>()?,
         );
-        let round_trip = |last: &mut Option<_>| -> tributary::Result<()> {
-            match rank {
-                0 => {
-                    cluster.send(&node, &ctx, 1)?;
-                    *last = Some(cluster.recv(&node, &ctx, 1)?);
-                }
-                1 => {
-                    cluster.recv(&node, &ctx, 0)?;
-                    *last = Some(cluster.send(&node, &ctx, 0)?);
-                }
-                _ => {}
-            }
-            Ok(())
-        };
-        let mut warm = None;
-        round_trip(&mut warm)?;
-        if let Some(w) = warm {
-            w.wait()?;
-        }
         let mut times = Vec::new();
-        for _ in 0..args.reps {
-            cluster.barrier()?;
-            let t = Instant::now();
-            let mut last = None;
-            for _ in 0..iters {
-                round_trip(&mut last)?;
-            }
-            if let Some(l) = last {
-                l.wait()?;
-            }
-            times.push(t.elapsed().as_secs_f64() / iters as f64);
+        for root in [cluster.context(0, 0)?, cluster.network_context()?] {
+            times.push(time_pingpong(cluster, args, &node, root, iters)?);
         }
-        let t = median(times);
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x",
+                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
                 baseline * 1e6,
-                t * 1e6,
-                t / baseline
+                times[0] * 1e6,
+                times[0] / baseline,
+                times[1] * 1e6,
+                times[1] / baseline
             );
         }
-        ctx.finalize()?;
     }
     Ok(())
+}
+
+/// The median time of a send/recv round trip of `node` between ranks 0 and 1, the node
+/// in a child of `root`.
+fn time_pingpong(
+    cluster: &Cluster,
+    args: &Args,
+    node: &TensorNode,
+    root: tributary_actors::ContextHandle,
+    iters: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let rank = cluster.rank();
+    let init = root.link(RoutineSpec::custom(
+        "init",
+        vec![(node.clone(), Access::Write)],
+        None,
+        |a| {
+            a.output::<f32>(0)?.fill(1.0);
+            Ok(())
+        },
+    )?)?;
+    init.schedule()?;
+    let ctx = init.context();
+    let round_trip = |last: &mut Option<_>| -> tributary::Result<()> {
+        match rank {
+            0 => {
+                cluster.send(node, &ctx, 1)?;
+                *last = Some(cluster.recv(node, &ctx, 1)?);
+            }
+            1 => {
+                cluster.recv(node, &ctx, 0)?;
+                *last = Some(cluster.send(node, &ctx, 0)?);
+            }
+            _ => {}
+        }
+        Ok(())
+    };
+    let mut warm = None;
+    round_trip(&mut warm)?;
+    if let Some(w) = warm {
+        w.wait()?;
+    }
+    let mut times = Vec::new();
+    for _ in 0..args.reps {
+        cluster.barrier()?;
+        let t = Instant::now();
+        let mut last = None;
+        for _ in 0..iters {
+            round_trip(&mut last)?;
+        }
+        if let Some(l) = last {
+            l.wait()?;
+        }
+        times.push(t.elapsed().as_secs_f64() / iters as f64);
+    }
+    cluster.finalize(&ctx)?;
+    Ok(median(times))
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -232,14 +253,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.devices, args.reps
         );
         println!(
-            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22}",
+            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22}",
             "bytes",
             "MPI_Allreduce",
             "GB/s",
             "direct (ratio)",
             "ring (ratio)",
             "mpi (ratio)",
-            "ring replayed (ratio)"
+            "ring replayed (ratio)",
+            "auto in place (ratio)"
         );
     }
     let bus = |bytes: usize, secs: f64| {
@@ -250,9 +272,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let iters = (args.budget / bytes.max(1)).clamp(3, 2000);
         let node = TensorNode::new(format!("g{bytes}"), DType::F32, [n])
             .with_mode(MemoryMode::on_device())?;
-        let mut contexts = Vec::new();
-        for d in 0..args.devices {
-            let r = cluster.context(d, 0)?.link(RoutineSpec::custom(
+        let init = |root: tributary_actors::ContextHandle| {
+            let r = root.link(RoutineSpec::custom(
                 "init",
                 vec![(node.clone(), Access::Write)],
                 None,
@@ -262,7 +283,18 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 },
             )?)?;
             r.schedule()?;
-            contexts.push(r.context());
+            Ok::<_, tributary::Error>(r.context())
+        };
+        let mut contexts = Vec::new();
+        // The same replicas with the first on the network stream (the all-reduce in place).
+        let mut in_place = Vec::new();
+        for d in 0..args.devices {
+            contexts.push(init(cluster.context(d, 0)?)?);
+            in_place.push(if d == 0 {
+                init(cluster.network_context()?)?
+            } else {
+                contexts[d].clone()
+            });
         }
         let baseline = median(
             (0..args.reps)
@@ -270,16 +302,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .collect::<Result<_, _>>()?,
         );
         let mut cells = Vec::new();
-        for (algorithm, replayed) in [
-            (CrossRankAlgorithm::Direct, false),
-            (CrossRankAlgorithm::Ring, false),
-            (CrossRankAlgorithm::Mpi, false),
-            (CrossRankAlgorithm::Ring, true),
+        for (algorithm, replayed, replicas) in [
+            (CrossRankAlgorithm::Direct, false, &contexts),
+            (CrossRankAlgorithm::Ring, false, &contexts),
+            (CrossRankAlgorithm::Mpi, false, &contexts),
+            (CrossRankAlgorithm::Ring, true, &contexts),
+            (CrossRankAlgorithm::Auto, false, &in_place),
         ] {
             let plan = cluster
                 .all_reduce_plan(
                     std::slice::from_ref(&node),
-                    &contexts,
+                    replicas,
                     ReduceOp::Mean,
                     Strategy::Tree,
                 )?
@@ -317,16 +350,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22}",
+                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22} {:>22}",
                 baseline * 1e6,
                 bus(bytes, baseline),
                 cells[0],
                 cells[1],
                 cells[2],
-                cells[3]
+                cells[3],
+                cells[4]
             );
         }
-        for ctx in contexts {
+        for ctx in contexts.into_iter().chain(in_place.into_iter().take(1)) {
             ctx.finalize()?;
         }
     }

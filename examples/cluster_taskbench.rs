@@ -15,6 +15,10 @@
 //!   one compute stream, `Cluster::send`/`Cluster::recv` of the boundary outputs each
 //!   timestep (the lower rank of a pair sends first), everything issued at once and
 //!   waited for at the end; the runtime orders the tasks after the transfers by itself.
+//! - `in place`: the same program with its context on the network stream
+//!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
+//!   transfers reading and writing the tasks' buffers in place, nothing handed between
+//!   streams (as the `mpi` runner's one thread does).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
 //! efficiency falls under a quarter) it times `--steps` timesteps, barrier to barrier, and
@@ -180,6 +184,7 @@ impl ClusterGraph {
         width: usize,
         iterations: u64,
         checks: &Arc<Checks>,
+        in_place: bool,
     ) -> tributary::Result<ClusterGraph> {
         let (rank, ranks) = (cluster.rank(), cluster.size());
         let (lo, hi) = block(width, ranks, rank);
@@ -234,7 +239,11 @@ impl ClusterGraph {
             })?
             .with_index("t")
         };
-        let mut ctx = cluster.context(0, 0)?;
+        let mut ctx = if in_place {
+            cluster.network_context()?
+        } else {
+            cluster.context(0, 0)?
+        };
         let mut link = |spec: RoutineSpec| -> tributary::Result<RoutineHandle> {
             let r = ctx.link(spec)?;
             ctx = r.context();
@@ -295,10 +304,14 @@ impl ClusterGraph {
         Ok(start.elapsed().as_secs_f64())
     }
 
-    fn finalize(self) -> tributary::Result<()> {
-        self.ctx.finalize()
+    /// Finalizes the graph's context and the transfer routines the cluster keeps under it.
+    fn finalize(self, cluster: &Cluster) -> tributary::Result<()> {
+        cluster.finalize(self.ctx.protocol_context())
     }
 }
+
+/// The runners, the baseline first.
+const RUNNERS: [&str; 3] = ["mpi", "cluster", "in place"];
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(1).spawn()?);
@@ -322,15 +335,19 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let checks = Arc::new(Checks::default());
     // (runner, iterations, seconds)
     let mut runs: Vec<(&str, u64, f64)> = Vec::new();
-    for runner in ["mpi", "cluster"] {
+    for runner in RUNNERS {
         let mut iterations = args.max_iterations.max(1);
         loop {
-            let graph = if runner == "cluster" {
-                Some(ClusterGraph::link(
-                    &cluster, args.width, iterations, &checks,
-                )?)
-            } else {
+            let graph = if runner == "mpi" {
                 None
+            } else {
+                Some(ClusterGraph::link(
+                    &cluster,
+                    args.width,
+                    iterations,
+                    &checks,
+                    runner == "in place",
+                )?)
             };
             let mut best = f64::INFINITY;
             for _ in 0..args.samples.max(1) {
@@ -349,7 +366,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 best = best.min(secs);
             }
             if let Some(g) = graph {
-                g.finalize()?;
+                g.finalize(&cluster)?;
             }
             // Every rank takes the mean of the ranks' times (barrier to barrier, so nearly
             // equal), so all decide alike when to stop.
@@ -380,7 +397,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.width, args.steps, args.samples
         );
         let mut metgs = Vec::new();
-        for runner in ["mpi", "cluster"] {
+        for runner in RUNNERS {
             let points: Vec<Point> = runs
                 .iter()
                 .filter(|r| r.0 == runner)

@@ -63,7 +63,7 @@ use tributary::{
     backend::Backend,
     kernels::{Access, RoutineSpec},
     protocol::Context,
-    ContextId, DType, Error, MemoryMode, MergeBufferUse, NodeId, Result, TensorNode,
+    ContextId, DType, DeviceId, Error, MemoryMode, MergeBufferUse, NodeId, Result, TensorNode,
 };
 
 use crate::{ContextHandle, RoutineHandle, System};
@@ -96,7 +96,8 @@ pub struct Cluster {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct TransferKey {
     node: NodeId,
-    context: ContextId,
+    /// Context ids are unique per device only.
+    context: (DeviceId, ContextId),
     peer: usize,
     send: bool,
 }
@@ -170,6 +171,29 @@ impl Cluster {
         self.sys.context(0, self.compute_streams)
     }
 
+    /// Finalizes `ctx` and the transfer routines the cluster keeps under it.
+    ///
+    /// A `send` or `recv` in place links its routine into the caller's context (once per
+    /// node, context and rank, kept for the next transfer), so such a context has children
+    /// of the cluster's and [`crate::System::finalize`] refuses it (`still has live child
+    /// contexts`); this finalizes those first. Any other context is finalized as the
+    /// system does.
+    pub fn finalize(&self, ctx: &Context) -> Result<()> {
+        let kept: Vec<RoutineHandle> = {
+            let mut transfers = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
+            let under: Vec<TransferKey> = transfers
+                .keys()
+                .filter(|k| k.context == (ctx.device(), ctx.id()) && self.on_network_stream(ctx))
+                .copied()
+                .collect();
+            under.iter().filter_map(|k| transfers.remove(k)).collect()
+        };
+        for routine in kept {
+            self.sys.finalize(routine.protocol_context())?;
+        }
+        self.sys.finalize(ctx)
+    }
+
     /// Whether `ctx` runs on the network stream (its cluster operations run in place).
     pub(crate) fn on_network_stream(&self, ctx: &Context) -> bool {
         ctx.stream() == self.net_root.protocol_context().stream()
@@ -208,13 +232,13 @@ impl Cluster {
     /// Sends the value of `node` in `ctx` to rank `to`, which issues the matching
     /// [`Cluster::recv`]. Returns at once; the ticket completes when the data left. From a
     /// context on the network stream ([`Cluster::network_context`]) the send reads the
-    /// context's buffer in place.
+    /// context's buffer in place (finalize that context with [`Cluster::finalize`]).
     pub fn send(&self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
         self.check_rank(to)?;
         let desc = transfer_desc(node, self.rank(), to);
         let key = TransferKey {
             node: node.id(),
-            context: ctx.id(),
+            context: (ctx.device(), ctx.id()),
             peer: to,
             send: true,
         };
@@ -292,7 +316,8 @@ impl Cluster {
     /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
     /// hold the node. Returns at once; reads of the node in `ctx` wait for the data. Into a
     /// context on the network stream ([`Cluster::network_context`]) the data lands in the
-    /// context's buffer itself (no copy from the network stream's).
+    /// context's buffer itself, no copy from the network stream's (finalize that context
+    /// with [`Cluster::finalize`]).
     pub fn recv(&self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
         self.check_rank(from)?;
         if !ctx.contains(node) {
@@ -304,7 +329,7 @@ impl Cluster {
         let desc = transfer_desc(node, from, self.rank());
         let key = TransferKey {
             node: node.id(),
-            context: ctx.id(),
+            context: (ctx.device(), ctx.id()),
             peer: from,
             send: false,
         };
