@@ -53,6 +53,11 @@ impl SystemCapture<'_> {
             .map(Ticket::pending))
     }
 
+    /// The step position the next recorded operation takes (`StepCapture::position`).
+    pub(crate) fn position(&self) -> u32 {
+        self.inner.position()
+    }
+
     /// [`AllReducePlan::run`], recorded: every step's copies and merges (its copies between
     /// devices become edges between their parts of the step). A replay checks the plan's
     /// routines like any other: after [`AllReducePlan::finalize`] it is invalidated.

@@ -117,6 +117,14 @@ impl<'d> StepCapture<'d> {
         self.build.all_reduce(self.dispatcher, call, Via::Caller)
     }
 
+    /// The step position the next recorded operation takes (positions number a step's
+    /// operations over every device in program order; a call may take several). With
+    /// [`DeviceStep::stream_positions`](crate::protocol::DeviceStep::stream_positions), a
+    /// caller finds where a call's operations run on their stream.
+    pub fn position(&self) -> u32 {
+        self.build.position
+    }
+
     /// Fences every device the step touched: answered once each decided (and recorded)
     /// everything the capture posted.
     pub fn fences(&self) -> Result<Vec<Answer<()>>> {

@@ -2,7 +2,9 @@
 //! `mpi`): data-parallel training whose steps after the first are replays, the all-reduce
 //! across ranks included, computes bit for bit what issuing every step computes, with every
 //! replica identical on every rank; a replay something invalidated fails on every rank
-//! with the typed error issuing gives, and the ranks stay in step.
+//! with the typed error issuing gives, and the ranks stay in step; a step of work on the
+//! network stream itself (compute, a halo exchange and an all-reduce, all in place) replays
+//! what issuing computes.
 //!
 //! Each test launches itself under `mpirun` (`tributary_testkit::cluster`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
@@ -17,9 +19,13 @@ mod bodies {
 
     use tributary::{
         collective::{ReduceOp, Strategy},
-        kernels, DType, Error, MemoryMode,
+        kernels::{self, Access, RoutineSpec},
+        DType, Error, MemoryMode, TensorNode,
     };
-    use tributary_actors::cluster::{Cluster, ClusterConfig, CrossRankAlgorithm};
+    use tributary_actors::{
+        cluster::{Cluster, ClusterAllReduce, ClusterCapture, ClusterConfig, CrossRankAlgorithm},
+        ContextHandle, RoutineHandle,
+    };
 
     use tributary_testkit::model;
 
@@ -71,6 +77,189 @@ mod bodies {
             parts.iter().map(|p| p * n).collect::<Vec<_>>(),
             "ranks hold different parameters"
         );
+    }
+
+    /// One rank's program of `in_place_steps`: on a context of the network stream, an
+    /// update of `x` from the halo `h` that also copies `x` into `s`, `s` sent to the next
+    /// rank and `h` received from the previous one, and the mean of `x` across ranks, in
+    /// place. A transfer's two sides name the node alike: `s` is labelled by its rank, and
+    /// `h` as the previous rank's `s`.
+    struct HaloProgram {
+        ctx: ContextHandle,
+        x: TensorNode,
+        h: TensorNode,
+        s: TensorNode,
+        update: RoutineHandle,
+        mean: ClusterAllReduce,
+    }
+
+    impl HaloProgram {
+        /// `x` starts at rank-dependent values, `h` at zero; labels end in `tag`, so the
+        /// issued and the replayed programs are distinct nodes (the same on every rank).
+        fn new(cluster: &Cluster, tag: &str) -> HaloProgram {
+            let (rank, n) = (cluster.rank(), 256);
+            let node = |label: String| {
+                TensorNode::new(label, DType::F64, [n])
+                    .with_mode(MemoryMode::on_device())
+                    .expect("node")
+            };
+            let prev = (rank + cluster.size() - 1) % cluster.size();
+            let (x, h, s) = (
+                node(format!("x.{tag}")),
+                node(format!("s{prev}.{tag}")),
+                node(format!("s{rank}.{tag}")),
+            );
+            let start: Vec<f64> = (0..n).map(|i| (rank * n + i) as f64).collect();
+            let init = cluster
+                .network_context()
+                .expect("network context")
+                .link(
+                    RoutineSpec::custom(
+                        "init",
+                        vec![
+                            (x.clone(), Access::Write),
+                            (h.clone(), Access::Write),
+                            (s.clone(), Access::Write),
+                        ],
+                        None,
+                        move |a| {
+                            a.output::<f64>(0)?.copy_from_slice(&start);
+                            a.output::<f64>(1)?.fill(0.0);
+                            a.output::<f64>(2)?.fill(0.0);
+                            Ok(())
+                        },
+                    )
+                    .expect("spec"),
+                )
+                .expect("linked");
+            init.schedule().expect("initialised");
+            let ctx = init.context();
+            let update = ctx
+                .link(
+                    RoutineSpec::custom(
+                        "update",
+                        vec![
+                            (h.clone(), Access::Read),
+                            (x.clone(), Access::ReadWrite),
+                            (s.clone(), Access::Write),
+                        ],
+                        None,
+                        |a| {
+                            let h = a.input::<f64>(0)?;
+                            let x = a.output::<f64>(1)?;
+                            for (x, h) in x.iter_mut().zip(h) {
+                                *x = 0.5 * *x + h + 1.0;
+                            }
+                            a.output::<f64>(2)?.copy_from_slice(x);
+                            Ok(())
+                        },
+                    )
+                    .expect("spec"),
+                )
+                .expect("linked");
+            let mean = cluster
+                .all_reduce_plan(
+                    std::slice::from_ref(&x),
+                    std::slice::from_ref(&ctx),
+                    ReduceOp::Mean,
+                    Strategy::Tree,
+                )
+                .expect("plan");
+            HaloProgram {
+                ctx,
+                x,
+                h,
+                s,
+                update,
+                mean,
+            }
+        }
+
+        /// The ring's neighbours, and whether this rank sends first (even ranks do, so
+        /// that every send meets its receive on an even number of ranks).
+        fn neighbours(cluster: &Cluster) -> (usize, usize, bool) {
+            let (rank, size) = (cluster.rank(), cluster.size());
+            ((rank + 1) % size, (rank + size - 1) % size, rank % 2 == 0)
+        }
+
+        fn issue(&self, cluster: &Cluster) {
+            let (next, prev, send_first) = Self::neighbours(cluster);
+            self.update.schedule().expect("update");
+            let ctx = self.ctx.protocol_context();
+            if send_first {
+                cluster.send(&self.s, ctx, next).expect("send");
+                cluster.recv(&self.h, ctx, prev).expect("recv");
+            } else {
+                cluster.recv(&self.h, ctx, prev).expect("recv");
+                cluster.send(&self.s, ctx, next).expect("send");
+            }
+            self.mean.run().expect("mean").wait().expect("step");
+        }
+
+        fn capture(&self, c: &mut ClusterCapture<'_, '_>) -> tributary::Result<()> {
+            let (next, prev, send_first) = Self::neighbours(c.cluster());
+            c.schedule(self.update.routine())?;
+            let ctx = self.ctx.protocol_context();
+            if send_first {
+                c.send(&self.s, ctx, next)?;
+                c.recv(&self.h, ctx, prev)?;
+            } else {
+                c.recv(&self.h, ctx, prev)?;
+                c.send(&self.s, ctx, next)?;
+            }
+            c.all_reduce(&self.mean)?;
+            Ok(())
+        }
+
+        fn values(&self) -> Vec<u64> {
+            let x = self.ctx.read::<f64>(&self.x).expect("read x");
+            let h = self.ctx.read::<f64>(&self.h).expect("read h");
+            x.iter().chain(&h).map(|v| v.to_bits()).collect()
+        }
+    }
+
+    /// Work on the network stream itself, captured and replayed: each step updates `x`
+    /// from the halo, exchanges halos around the ring and averages `x` across ranks, all in
+    /// place on the network stream (compute and network operations interleaved on its
+    /// lane). The replayed program's values equal the issued one's bit for bit after every
+    /// step, on every rank.
+    pub fn in_place_steps(cluster: &Arc<Cluster>) {
+        let (issued, replayed) = (
+            HaloProgram::new(cluster, "issued"),
+            HaloProgram::new(cluster, "replayed"),
+        );
+        let before = issued.values();
+        issued.issue(cluster);
+        let step = cluster.capture(|c| replayed.capture(c)).expect("captured");
+        assert_eq!(
+            step.network_operations(),
+            3,
+            "send, recv and the all-reduce"
+        );
+        cluster
+            .replay(&step)
+            .map(drop)
+            .expect("the first replay issued");
+        // The capture ran the step once and the replay once more: one issued step behind.
+        issued.issue(cluster);
+        assert_eq!(replayed.values(), issued.values(), "after two steps");
+        for t in 2..8 {
+            issued.issue(cluster);
+            cluster
+                .replay(&step)
+                .expect("issued")
+                .wait()
+                .expect("replayed");
+            assert_eq!(replayed.values(), issued.values(), "after step {t}");
+        }
+        assert_ne!(issued.values(), before, "the steps changed nothing");
+        for p in [issued, replayed] {
+            p.mean.finalize().expect("finalized");
+            p.update.context().finalize().expect("finalized");
+            cluster
+                .finalize(p.ctx.protocol_context())
+                .expect("finalized");
+        }
     }
 
     /// A step replayed after its context was finalized is refused on every rank: its
@@ -158,6 +347,13 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(2),
     bodies::replayed_training
+);
+
+cluster_test!(
+    work_on_the_network_stream_replays_what_issuing_computes,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(1),
+    bodies::in_place_steps
 );
 
 cluster_test!(

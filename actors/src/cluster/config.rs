@@ -34,7 +34,8 @@ pub struct ClusterConfig {
     pub deadline: Duration,
     /// How the cross-rank part of an all-reduce moves data (default `Auto`).
     pub algorithm: CrossRankAlgorithm,
-    /// `Auto` uses `Direct` up to this many bytes on the wire, `Ring` above (default 16 KiB).
+    /// `Auto` uses `Direct` up to this many bytes on the wire, `Ring` above (default 64 KiB:
+    /// `Direct` measured ahead of the ring up to there, BENCHMARKS.md).
     pub direct_max_bytes: usize,
     /// Largest message of the ring, in bytes (default 1 MiB).
     pub chunk_bytes: usize,
@@ -50,7 +51,7 @@ impl Default for ClusterConfig {
             compute_streams: 1,
             deadline: DEFAULT_DEADLINE,
             algorithm: CrossRankAlgorithm::Auto,
-            direct_max_bytes: 16 << 10,
+            direct_max_bytes: 64 << 10,
             chunk_bytes: 1 << 20,
             kernel_mode: KernelMode::Fast,
         }

@@ -69,6 +69,7 @@ use tributary::{
 use crate::{ContextHandle, RoutineHandle, System};
 use header::{OpDesc, OpKind};
 use network::{EntryTicket, Network};
+use plan::{noting, SystemCalls};
 
 /// This rank's part of a cluster: its [`System`], its network stream and MPI.
 ///
@@ -100,6 +101,13 @@ struct TransferKey {
     context: (DeviceId, ContextId),
     peer: usize,
     send: bool,
+}
+
+/// Which side of a transfer a call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transfer {
+    Send,
+    Recv,
 }
 
 /// What [`Cluster::with_mpi`] gives the code it runs on the network stream.
@@ -234,41 +242,83 @@ impl Cluster {
     /// context on the network stream ([`Cluster::network_context`]) the send reads the
     /// context's buffer in place (finalize that context with [`Cluster::finalize`]).
     pub fn send(&self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
-        self.check_rank(to)?;
-        let desc = transfer_desc(node, self.rank(), to);
-        let key = TransferKey {
-            node: node.id(),
-            context: (ctx.device(), ctx.id()),
-            peer: to,
-            send: true,
-        };
-        if self.on_network_stream(ctx) {
-            if !ctx.contains(node) {
-                return Err(Error::NodeNotInContext {
-                    node: node.to_string(),
-                    context: ctx.id(),
-                });
-            }
-            let routine = self.transfer_routine(key, ctx, || {
-                plan::send_in_place_spec(&self.net, &self.token, node)
-            })?;
-            return self.issue_in_place(desc, &routine);
+        self.transfer_on(&mut &self.sys, Transfer::Send, node, ctx, to, None)
+    }
+
+    /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
+    /// hold the node. Returns at once; reads of the node in `ctx` wait for the data. Into a
+    /// context on the network stream ([`Cluster::network_context`]) the data lands in the
+    /// context's buffer itself, no copy from the network stream's (finalize that context
+    /// with [`Cluster::finalize`]).
+    pub fn recv(&self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
+        self.transfer_on(&mut &self.sys, Transfer::Recv, node, ctx, from, None)
+    }
+
+    /// A send or receive of `node` in `ctx` with rank `peer`, its system calls made
+    /// through `sys` (the system, or a capture; `spans` then gets the positions of the
+    /// network routine's call). Queued on the issue queue, then scheduled: in place (the
+    /// routine linked into `ctx`, on the network stream), or through the network stream's
+    /// own context (a send streams from `ctx`, a receive is copied back into it).
+    pub(crate) fn transfer_on(
+        &self,
+        sys: &mut impl SystemCalls,
+        transfer: Transfer,
+        node: &TensorNode,
+        ctx: &Context,
+        peer: usize,
+        spans: Option<&mut plan::Spans>,
+    ) -> Result<ClusterTicket> {
+        self.check_rank(peer)?;
+        if !ctx.contains(node) {
+            return Err(Error::NodeNotInContext {
+                node: node.to_string(),
+                context: ctx.id(),
+            });
         }
-        let routine = self.transfer_routine(key, self.net_root.protocol_context(), || {
-            plan::send_spec(&self.net, &self.token, node)
+        let send = transfer == Transfer::Send;
+        let (desc, key) = (
+            if send {
+                transfer_desc(node, self.rank(), peer)
+            } else {
+                transfer_desc(node, peer, self.rank())
+            },
+            TransferKey {
+                node: node.id(),
+                context: (ctx.device(), ctx.id()),
+                peer,
+                send,
+            },
+        );
+        let in_place = self.on_network_stream(ctx);
+        let into = if in_place {
+            ctx
+        } else {
+            self.net_root.protocol_context()
+        };
+        let routine = self.transfer_routine(key, into, || match (send, in_place) {
+            (true, true) => plan::send_in_place_spec(&self.net, &self.token, node),
+            (true, false) => plan::send_spec(&self.net, &self.token, node),
+            (false, _) => plan::recv_spec(&self.net, node),
         })?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
-        let ticket = match self.sys.device_to_device(
-            node,
-            ctx,
-            routine.protocol_context(),
-            MergeBufferUse::StreamingFor(routine.routine().clone()),
-        ) {
+        let scheduled = noting(sys, spans, |sys| {
+            if send && !in_place {
+                sys.device_to_device(
+                    node,
+                    ctx,
+                    routine.protocol_context(),
+                    MergeBufferUse::StreamingFor(routine.routine().clone()),
+                )
+            } else {
+                sys.schedule(routine.routine()).map(Some)
+            }
+        });
+        let ticket = match scheduled {
             Ok(Some(t)) => t,
             Ok(None) => {
                 self.net.retract(&issued);
-                return Err(Error::Internal("a send planned nothing".into()));
+                return Err(Error::Internal("a transfer planned nothing".into()));
             }
             Err(e) => {
                 self.net.retract(&issued);
@@ -276,7 +326,12 @@ impl Cluster {
             }
         };
         let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
-        Ok(ClusterTicket::new(vec![issued], vec![ticket]))
+        if send || in_place {
+            return Ok(ClusterTicket::new(vec![issued], vec![ticket]));
+        }
+        let copy =
+            sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
+        Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
     }
 
     /// The transfer routine kept under `key`, linked into `into` (the network stream's
@@ -295,65 +350,6 @@ impl Cluster {
         let routine = self.sys.link(into, spec()?)?;
         kept.insert(key, routine.clone());
         Ok(routine)
-    }
-
-    /// Issues a transfer whose routine runs in place on the network stream: queued, then
-    /// scheduled (its ticket is the operation's).
-    fn issue_in_place(&self, desc: OpDesc, routine: &RoutineHandle) -> Result<ClusterTicket> {
-        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
-        let issued = self.net.issue(desc, 0);
-        let ticket = match routine.schedule() {
-            Ok(t) => t,
-            Err(e) => {
-                self.net.retract(&issued);
-                return Err(e);
-            }
-        };
-        let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
-        Ok(ClusterTicket::new(vec![issued], vec![ticket]))
-    }
-
-    /// Receives `node` from rank `from` (its [`Cluster::send`]) into `ctx`, which must
-    /// hold the node. Returns at once; reads of the node in `ctx` wait for the data. Into a
-    /// context on the network stream ([`Cluster::network_context`]) the data lands in the
-    /// context's buffer itself, no copy from the network stream's (finalize that context
-    /// with [`Cluster::finalize`]).
-    pub fn recv(&self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
-        self.check_rank(from)?;
-        if !ctx.contains(node) {
-            return Err(Error::NodeNotInContext {
-                node: node.to_string(),
-                context: ctx.id(),
-            });
-        }
-        let desc = transfer_desc(node, from, self.rank());
-        let key = TransferKey {
-            node: node.id(),
-            context: (ctx.device(), ctx.id()),
-            peer: from,
-            send: false,
-        };
-        if self.on_network_stream(ctx) {
-            let routine = self.transfer_routine(key, ctx, || plan::recv_spec(&self.net, node))?;
-            return self.issue_in_place(desc, &routine);
-        }
-        let routine = self.transfer_routine(key, self.net_root.protocol_context(), || {
-            plan::recv_spec(&self.net, node)
-        })?;
-        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
-        let issued = self.net.issue(desc, 0);
-        let ticket = match routine.schedule() {
-            Ok(t) => t,
-            Err(e) => {
-                self.net.retract(&issued);
-                return Err(e);
-            }
-        };
-        let _ = issued.event.set(EntryTicket::Issued(ticket));
-        let copy =
-            self.sys
-                .device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
-        Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
     }
 
     /// Issues a header-only network operation on the token and waits for it: every rank
@@ -510,7 +506,7 @@ impl Drop for Cluster {
     }
 }
 
-fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
+pub(crate) fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
     OpDesc {
         kind: OpKind::Transfer,
         label: node.label().to_string(),

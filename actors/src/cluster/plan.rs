@@ -139,6 +139,28 @@ pub(crate) trait SystemCalls {
     ) -> Result<Option<Ticket>>;
 
     fn schedule(&mut self, routine: &Routine) -> Result<Ticket>;
+
+    /// The step position the next call takes, when capturing (`None` when issuing): a
+    /// captured step finds its network routines on the network stream by it.
+    fn position(&self) -> Option<u32>;
+}
+
+/// The step positions a network routine's call took (from, to), noted while capturing.
+pub(crate) type Spans = Vec<(u32, u32)>;
+
+/// Runs `call` (the call that schedules one network routine), noting the positions it took
+/// in `spans` when capturing.
+pub(crate) fn noting<S: SystemCalls, T>(
+    sys: &mut S,
+    spans: Option<&mut Spans>,
+    call: impl FnOnce(&mut S) -> Result<T>,
+) -> Result<T> {
+    let before = sys.position();
+    let result = call(sys)?;
+    if let (Some(spans), Some(from), Some(to)) = (spans, before, sys.position()) {
+        spans.push((from, to));
+    }
+    Ok(result)
 }
 
 impl SystemCalls for &System {
@@ -155,6 +177,10 @@ impl SystemCalls for &System {
     fn schedule(&mut self, routine: &Routine) -> Result<Ticket> {
         System::schedule(self, routine)
     }
+
+    fn position(&self) -> Option<u32> {
+        None
+    }
 }
 
 impl SystemCalls for crate::SystemCapture<'_> {
@@ -170,6 +196,10 @@ impl SystemCalls for crate::SystemCapture<'_> {
 
     fn schedule(&mut self, routine: &Routine) -> Result<Ticket> {
         crate::SystemCapture::schedule(self, routine)
+    }
+
+    fn position(&self) -> Option<u32> {
+        Some(crate::SystemCapture::position(self))
     }
 }
 
@@ -310,7 +340,7 @@ impl ClusterAllReduce {
     /// Issues the all-reduce: the reduce inside the rank, the network routines, the
     /// broadcast. Returns once everything is issued; reads of the nodes wait by themselves.
     pub fn run(&self) -> Result<ClusterTicket> {
-        self.run_on(&mut &self.sys)
+        self.run_on(&mut &self.sys, None)
     }
 
     /// Whether `cluster` made this plan.
@@ -326,8 +356,13 @@ impl ClusterAllReduce {
     }
 
     /// [`ClusterAllReduce::run`], its system calls made through `sys` (the system, or a
-    /// capture that records them).
-    pub(crate) fn run_on(&self, sys: &mut impl SystemCalls) -> Result<ClusterTicket> {
+    /// capture that records them; `spans` then gets the positions of each network
+    /// routine's call).
+    pub(crate) fn run_on(
+        &self,
+        sys: &mut impl SystemCalls,
+        mut spans: Option<&mut Spans>,
+    ) -> Result<ClusterTicket> {
         for (step, streaming) in &self.reduce {
             let AllReduceStep::Reduce { chunk, src, dst } = *step else {
                 continue;
@@ -357,16 +392,18 @@ impl ClusterAllReduce {
         let mut tickets = Vec::new();
         for (node, (routine, desc)) in self.nodes.iter().zip(&self.network) {
             let issued = self.net.issue(desc.clone(), self.contexts.len());
-            let scheduled = if self.in_place {
-                sys.schedule(routine.routine()).map(Some)
-            } else {
-                sys.device_to_device(
-                    node,
-                    &self.contexts[0],
-                    routine.protocol_context(),
-                    MergeBufferUse::StreamingFor(routine.routine().clone()),
-                )
-            };
+            let scheduled = noting(sys, spans.as_deref_mut(), |sys| {
+                if self.in_place {
+                    sys.schedule(routine.routine()).map(Some)
+                } else {
+                    sys.device_to_device(
+                        node,
+                        &self.contexts[0],
+                        routine.protocol_context(),
+                        MergeBufferUse::StreamingFor(routine.routine().clone()),
+                    )
+                }
+            });
             let ticket = match scheduled {
                 Ok(Some(t)) => t,
                 Ok(None) => {

@@ -2,25 +2,28 @@
 //!
 //! A training step that spans ranks is the step users repeat most, so it is the one a
 //! replay should save the most on. [`Cluster::capture`] runs the step's calls for real
-//! through a [`SystemCapture`] (the rank's compute, and each cluster all-reduce: its reduce
-//! inside the rank, its network routines, its copies back), noting the network operations
-//! in issue order. [`Cluster::replay`] puts the same network operations on the issue queue
-//! (the sequence numbers and headers every rank checks against the others, as issuing
-//! would) and replays the system step: the network stream's part of a replay runs the
-//! step's network routines in order under consecutive sequence numbers, so the last one's
-//! ticket names every one of them. The network routines run exactly as when issued (the
-//! same header exchange, the same faults); every rank must replay the same steps in the
-//! same order as it would issue them.
+//! through a [`SystemCapture`] (the rank's compute, each cluster all-reduce: its reduce
+//! inside the rank, its network routines, its copies back, and sends and receives), noting
+//! the network operations in issue order and the step positions each one's call took.
+//! [`Cluster::replay`] puts the same network operations on the issue queue (the sequence
+//! numbers and headers every rank checks against the others, as issuing would) and replays
+//! the system step: the network stream's part of a replay runs its operations in order
+//! under consecutive sequence numbers, so each network operation's event is a known number
+//! of operations before that part's last ticket, found at capture from the positions
+//! (other work may run on the network stream too: work in place). The network routines
+//! run exactly as when issued (the same header exchange, the same faults); every rank must
+//! replay the same steps in the same order as it would issue them.
 
-use tributary::{protocol::Routine, replay::Step, Error, Result};
+use tributary::{protocol::Routine, replay::Step, Error, Result, TensorNode};
 
 use super::{
     header::OpDesc,
     network::EntryTicket,
-    plan::{ClusterAllReduce, ClusterTicket},
-    Cluster,
+    plan::{ClusterAllReduce, ClusterTicket, Spans},
+    Cluster, Transfer,
 };
 use crate::{SystemCapture, Ticket};
+use tributary::protocol::Context;
 
 /// The calls of a cluster step being captured ([`Cluster::capture`]): each runs for real,
 /// as the method of the same name, and is recorded.
@@ -28,6 +31,8 @@ pub struct ClusterCapture<'a, 's> {
     cluster: &'a Cluster,
     calls: &'a mut SystemCapture<'s>,
     network: Vec<(OpDesc, usize)>,
+    /// The step positions each network routine's call took, in issue order.
+    spans: Spans,
 }
 
 impl<'s> ClusterCapture<'_, 's> {
@@ -45,9 +50,51 @@ impl<'s> ClusterCapture<'_, 's> {
                 reason: "the plan was made by another cluster".into(),
             });
         }
-        let ticket = plan.run_on(self.calls)?;
+        let ticket = plan.run_on(self.calls, Some(&mut self.spans))?;
         self.network.extend(plan.network_ops());
         Ok(ticket)
+    }
+
+    /// [`Cluster::send`], recorded (in place from a context on the network stream).
+    pub fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> Result<ClusterTicket> {
+        self.transfer(Transfer::Send, node, ctx, to)
+    }
+
+    /// [`Cluster::recv`], recorded (in place into a context on the network stream).
+    pub fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> Result<ClusterTicket> {
+        self.transfer(Transfer::Recv, node, ctx, from)
+    }
+
+    fn transfer(
+        &mut self,
+        transfer: Transfer,
+        node: &TensorNode,
+        ctx: &Context,
+        peer: usize,
+    ) -> Result<ClusterTicket> {
+        let ticket = self.cluster.transfer_on(
+            self.calls,
+            transfer,
+            node,
+            ctx,
+            peer,
+            Some(&mut self.spans),
+        )?;
+        // The operation just queued is the one the call issued (the host issues one at a
+        // time, under the cluster's issuing lock).
+        self.network.push((
+            match transfer {
+                Transfer::Send => super::transfer_desc(node, self.cluster.rank(), peer),
+                Transfer::Recv => super::transfer_desc(node, peer, self.cluster.rank()),
+            },
+            0,
+        ));
+        Ok(ticket)
+    }
+
+    /// The cluster being captured.
+    pub fn cluster(&self) -> &Cluster {
+        self.cluster
     }
 
     /// The system capture underneath, for the other recorded calls of this rank
@@ -63,6 +110,9 @@ pub struct ClusterStep {
     step: Step,
     /// Its network operations in issue order, with this rank's contributions.
     network: Vec<(OpDesc, usize)>,
+    /// For each network operation, how many of the network stream's operations in a
+    /// replay run after it (other work may run on the network stream too).
+    backs: Vec<u64>,
     /// Where the network stream's ticket is among a replay's tickets (when it has network
     /// operations).
     network_ticket: Option<usize>,
@@ -111,45 +161,70 @@ impl Cluster {
         &self,
         calls: impl FnOnce(&mut ClusterCapture<'_, '_>) -> Result<()>,
     ) -> Result<ClusterStep> {
-        let mut network = Vec::new();
+        let (mut network, mut spans) = (Vec::new(), Vec::new());
         let step = self.sys.capture(|c| {
             let mut capture = ClusterCapture {
                 cluster: self,
                 calls: c,
                 network: Vec::new(),
+                spans: Vec::new(),
             };
             let r = calls(&mut capture);
-            network = capture.network;
+            (network, spans) = (capture.network, capture.spans);
             r
         })?;
         let device = self.net_root.protocol_context().device();
         let stream = self.compute_streams;
         let mut network_ticket = None;
-        let mut on_network = 0;
+        let mut positions = Vec::new();
         let mut k = 0;
         for d in step.devices() {
             for s in d.streams() {
                 if d.device() == device && s == stream {
                     network_ticket = Some(k);
-                    on_network = d.stream_operations(s);
+                    positions = d.stream_positions(s).collect();
                 }
                 k += 1;
             }
         }
-        if on_network != network.len() {
-            return Err(Error::InvalidRoutine {
-                routine: "cluster capture".into(),
-                reason: format!(
-                    "the step runs {on_network} operations on the network stream, of which \
-                     {} are the captured all-reduces' (network calls made outside the \
-                     capture are not replayed)",
-                    network.len()
-                ),
-            });
+        let refuse = |why: String| Error::InvalidRoutine {
+            routine: "cluster capture".into(),
+            reason: why,
+        };
+        if spans.len() != network.len() {
+            return Err(refuse(format!(
+                "{} network operations noted, {} calls: a cluster call inside the capture \
+                 failed and the step went on",
+                network.len(),
+                spans.len()
+            )));
+        }
+        // Each network routine is the one operation of the network stream's lane whose
+        // position its call took; a replay runs that lane in order under consecutive
+        // sequence numbers, so its event is `back` before the lane's last.
+        let mut backs = Vec::with_capacity(spans.len());
+        for (i, &(from, to)) in spans.iter().enumerate() {
+            let mut on_lane = positions
+                .iter()
+                .enumerate()
+                .filter(|(_, &p)| (from..to).contains(&p));
+            match (on_lane.next(), on_lane.next()) {
+                (Some((ordinal, _)), None) => {
+                    backs.push((positions.len() - 1 - ordinal) as u64);
+                }
+                _ => {
+                    return Err(refuse(format!(
+                        "network operation {i} ({}) is not one operation of the network \
+                         stream's part of the step",
+                        network[i].0.describe()
+                    )))
+                }
+            }
         }
         Ok(ClusterStep {
             step,
             network,
+            backs,
             network_ticket,
         })
     }
@@ -179,11 +254,10 @@ impl Cluster {
             }
         };
         if let Some(last) = step.network_ticket.and_then(|k| tickets.get(k)) {
-            let n = issued.len();
-            for (i, op) in issued.iter().enumerate() {
+            for (op, &back) in issued.iter().zip(&step.backs) {
                 let _ = op.event.set(EntryTicket::Replayed {
                     last: last.clone(),
-                    back: (n - 1 - i) as u64,
+                    back,
                 });
             }
         }

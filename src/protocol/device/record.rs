@@ -248,6 +248,18 @@ impl DeviceStep {
             .map_or(0, Vec::len)
     }
 
+    /// The step positions of the operations a replay issues on stream `stream` of this
+    /// device, in the order they run there (see `StepCapture::position`).
+    pub fn stream_positions(&self, stream: usize) -> impl Iterator<Item = u32> + '_ {
+        self.streams
+            .iter()
+            .position(|&(s, _)| s as usize == stream)
+            .and_then(|k| self.lanes.get(k))
+            .into_iter()
+            .flatten()
+            .filter_map(|&t| self.templates.get(t as usize).map(|t| t.position))
+    }
+
     /// Stream indices the step runs operations on, in order.
     pub fn streams(&self) -> impl Iterator<Item = usize> + '_ {
         self.streams.iter().map(|&(s, _)| s as usize)
