@@ -19,6 +19,9 @@
 //!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
 //!   transfers reading and writing the tasks' buffers in place, nothing handed between
 //!   streams (as the `mpi` runner's one thread does).
+//! - `in place replayed`: the same, with two timesteps captured once (`Cluster::capture`:
+//!   the tasks, sends and receives) and replayed for every later pair with the timestep
+//!   index shifted (`Cluster::replay_with`).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
 //! efficiency falls under a quarter) it times `--steps` timesteps, barrier to barrier, and
@@ -42,12 +45,13 @@ mod metg;
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
 use clap::Parser;
+use tributary::protocol::Context;
 use tributary::{
     kernels::{Access, RoutineSpec},
     DType, MemoryMode, TensorNode,
 };
 use tributary_actors::{
-    cluster::{mpi_crate::ffi, Cluster, RawComm},
+    cluster::{mpi_crate::ffi, Cluster, ClusterCapture, RawComm},
     ContextHandle, RoutineHandle,
 };
 
@@ -269,39 +273,60 @@ impl ClusterGraph {
         })
     }
 
-    /// Issues `steps` timesteps and waits for them; seconds, barrier to barrier.
-    fn run(&self, cluster: &Cluster, steps: usize) -> tributary::Result<f64> {
-        let rank = cluster.rank();
-        let ctx = self.ctx.protocol_context();
+    /// Issues `steps` timesteps and waits for them; seconds, barrier to barrier. With
+    /// `replay`, timesteps 1 and 2 are captured as one step and every later pair is a
+    /// replay of it (a last odd timestep is issued).
+    fn run(&self, cluster: &Cluster, steps: usize, replay: bool) -> tributary::Result<f64> {
         cluster.barrier()?;
         let start = Instant::now();
-        for t in 0..steps {
-            let p = t % 2;
-            if t == 0 {
-                for r in &self.first {
-                    r.schedule_with(&[("t", 0)])?;
-                }
-                continue;
+        for r in &self.first {
+            r.schedule_with(&[("t", 0)])?;
+        }
+        let mut t = 1;
+        if replay && steps >= 3 {
+            let step = cluster.capture(|c| {
+                self.timestep(c, 1)?;
+                self.timestep(c, 2)
+            })?;
+            let mut values = step.step().bindings();
+            t = 3;
+            while t + 2 <= steps {
+                values.shift("t", 2)?;
+                cluster.replay_with(&step, &values)?;
+                t += 2;
             }
-            // The outputs of t - 1 cross to the neighbours; the lower rank of a pair sends
-            // first (transfers between two ranks run in the order both issue them).
-            for (peer, column, ghost) in &self.ghosts[1 - p] {
-                let own = &self.out[1 - p][column - self.lo];
-                if rank < *peer {
-                    cluster.send(own, ctx, *peer)?;
-                    cluster.recv(ghost, ctx, *peer)?;
-                } else {
-                    cluster.recv(ghost, ctx, *peer)?;
-                    cluster.send(own, ctx, *peer)?;
-                }
-            }
-            for r in &self.tasks[p] {
-                r.schedule_with(&[("t", t as i64)])?;
-            }
+        }
+        let mut calls = cluster;
+        while t < steps {
+            self.timestep(&mut calls, t)?;
+            t += 1;
         }
         cluster.system().sync()?;
         cluster.barrier()?;
         Ok(start.elapsed().as_secs_f64())
+    }
+
+    /// Timestep `t ≥ 1`'s calls: the outputs of `t - 1` cross to the neighbours (the lower
+    /// rank of a pair sends first: transfers between two ranks run in the order both issue
+    /// them), then the rank's tasks.
+    fn timestep(&self, calls: &mut impl Calls, t: usize) -> tributary::Result<()> {
+        let p = t % 2;
+        let rank = calls.rank();
+        let ctx = self.ctx.protocol_context();
+        for (peer, column, ghost) in &self.ghosts[1 - p] {
+            let own = &self.out[1 - p][column - self.lo];
+            if rank < *peer {
+                calls.send(own, ctx, *peer)?;
+                calls.recv(ghost, ctx, *peer)?;
+            } else {
+                calls.recv(ghost, ctx, *peer)?;
+                calls.send(own, ctx, *peer)?;
+            }
+        }
+        for r in &self.tasks[p] {
+            calls.schedule_t(r, t as i64)?;
+        }
+        Ok(())
     }
 
     /// Finalizes the graph's context and the transfer routines the cluster keeps under it.
@@ -310,8 +335,48 @@ impl ClusterGraph {
     }
 }
 
+/// Where a timestep's calls go: the cluster, or a capture of it.
+trait Calls {
+    fn rank(&self) -> usize;
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()>;
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()>;
+    fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()>;
+}
+
+impl Calls for &Cluster {
+    fn rank(&self) -> usize {
+        Cluster::rank(self)
+    }
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()> {
+        Cluster::send(self, node, ctx, to).map(drop)
+    }
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()> {
+        Cluster::recv(self, node, ctx, from).map(drop)
+    }
+    fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
+        routine.schedule_with(&[("t", t)]).map(drop)
+    }
+}
+
+impl Calls for ClusterCapture<'_, '_> {
+    fn rank(&self) -> usize {
+        self.cluster().rank()
+    }
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()> {
+        ClusterCapture::send(self, node, ctx, to).map(drop)
+    }
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()> {
+        ClusterCapture::recv(self, node, ctx, from).map(drop)
+    }
+    fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
+        self.system()
+            .schedule_with(routine.routine(), &[("t", t)])
+            .map(drop)
+    }
+}
+
 /// The runners, the baseline first.
-const RUNNERS: [&str; 3] = ["mpi", "cluster", "in place"];
+const RUNNERS: [&str; 4] = ["mpi", "cluster", "in place", "in place replayed"];
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(1).spawn()?);
@@ -346,14 +411,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                     args.width,
                     iterations,
                     &checks,
-                    runner == "in place",
+                    runner.starts_with("in place"),
                 )?)
             };
             let mut best = f64::INFINITY;
             for _ in 0..args.samples.max(1) {
                 checks.reset();
                 let secs = match &graph {
-                    Some(g) => g.run(&cluster, args.steps)?,
+                    Some(g) => g.run(&cluster, args.steps, runner.ends_with("replayed"))?,
                     None => mpi_run(&cluster, args.width, args.steps, iterations, checks.clone())?,
                 };
                 if checks.inputs() != expected_inputs {

@@ -14,7 +14,11 @@
 //! run exactly as when issued (the same header exchange, the same faults); every rank must
 //! replay the same steps in the same order as it would issue them.
 
-use tributary::{protocol::Routine, replay::Step, Error, Result, TensorNode};
+use tributary::{
+    protocol::Routine,
+    replay::{Step, StepBindings},
+    Error, Result, TensorNode,
+};
 
 use super::{
     header::OpDesc,
@@ -236,6 +240,22 @@ impl Cluster {
     /// devices (the tickets fail with [`tributary::Error::ReplayInvalidated`]); its network
     /// operations then fail on every rank, as operations whose input failed.
     pub fn replay(&self, step: &ClusterStep) -> Result<ClusterTicket> {
+        self.replay_step(step, None)
+    }
+
+    /// [`Cluster::replay`] with other values of the step's routines' indices
+    /// ([`StepBindings`]: start from [`Step::bindings`] of [`ClusterStep::step`], e.g.
+    /// shift a timestep index by the step's length each replay), as
+    /// [`System::replay_with`](crate::System::replay_with) does.
+    pub fn replay_with(&self, step: &ClusterStep, values: &StepBindings) -> Result<ClusterTicket> {
+        self.replay_step(step, Some(values))
+    }
+
+    fn replay_step(
+        &self,
+        step: &ClusterStep,
+        values: Option<&StepBindings>,
+    ) -> Result<ClusterTicket> {
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued: Vec<_> = step
             .network
@@ -244,7 +264,11 @@ impl Cluster {
             .filter(|_| !mutant!("cluster_replay_unqueued"))
             .map(|(desc, contributions)| self.net.issue(desc.clone(), *contributions))
             .collect();
-        let tickets = match self.sys.replay(&step.step) {
+        let replayed = match values {
+            Some(v) => self.sys.replay_with(&step.step, v),
+            None => self.sys.replay(&step.step),
+        };
+        let tickets = match replayed {
             Ok(t) => t,
             Err(e) => {
                 for op in issued.iter().rev() {
