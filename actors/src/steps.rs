@@ -53,7 +53,9 @@ impl SystemCapture<'_> {
             .map(Ticket::pending))
     }
 
-    /// The step position the next recorded operation takes (`StepCapture::position`).
+    /// The step position the next recorded operation takes (`StepCapture::position`): the
+    /// cluster's captures find their network routines by it.
+    #[cfg(feature = "mpi")]
     pub(crate) fn position(&self) -> u32 {
         self.inner.position()
     }
