@@ -326,7 +326,7 @@ pub(crate) fn check_headers(
     this_rank: usize,
     mine: &Header,
     all: &[Header],
-    operation: &str,
+    operation: impl std::fmt::Display,
 ) -> Result<(), Error> {
     for (rank, theirs) in all.iter().enumerate() {
         if rank != this_rank && !mine.same_operation(theirs) {

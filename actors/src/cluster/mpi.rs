@@ -16,6 +16,7 @@ use std::{
 };
 
 use mpi::ffi;
+use smallvec::SmallVec;
 use tributary::{Error, Result};
 
 /// The cluster's communicator (a duplicate of `MPI_COMM_WORLD` that returns errors).
@@ -291,9 +292,10 @@ impl Mpi {
         requests: &mut [Request],
         deadline: Instant,
     ) -> std::result::Result<(), WaitError> {
-        let mut raw: Vec<ffi::MPI_Request> = requests.iter().map(|r| r.raw).collect();
-        let mut indices: Vec<c_int> = vec![0; raw.len()];
-        let mut done = vec![false; raw.len()];
+        // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation.
+        let mut raw: SmallVec<[ffi::MPI_Request; 8]> = requests.iter().map(|r| r.raw).collect();
+        let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
+        let mut done: SmallVec<[bool; 8]> = smallvec::smallvec![false; raw.len()];
         let mut left = raw.len();
         let mut idle_polls = 0u32;
         let result = loop {

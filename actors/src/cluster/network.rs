@@ -593,7 +593,7 @@ impl Network {
             })?;
             all.push(h);
         }
-        check_headers(rank, &mine, &all, &op.desc.describe())?;
+        check_headers(rank, &mine, &all, Describe(&op.desc))?;
         Ok(all)
     }
 
@@ -652,7 +652,7 @@ impl Network {
         let mut all = vec![mine.clone(), mine.clone()];
         all[if rank == from { 1 } else { 0 }] = theirs;
         let me = if rank == from { 0 } else { 1 };
-        check_headers(me, &mine, &all, &op.desc.describe()).map_err(|e| match e {
+        check_headers(me, &mine, &all, Describe(&op.desc)).map_err(|e| match e {
             Error::CollectiveMismatch {
                 call, ours, theirs, ..
             } => Error::CollectiveMismatch {
@@ -671,6 +671,16 @@ impl Network {
             },
             e => e,
         })
+    }
+}
+
+/// An operation's description, formatted only when an error names it (not on every
+/// header check).
+struct Describe<'a>(&'a OpDesc);
+
+impl std::fmt::Display for Describe<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.describe())
     }
 }
 
