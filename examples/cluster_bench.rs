@@ -182,6 +182,24 @@ fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
     Ok(())
 }
 
+/// A child of `root` in which `node` (f32) holds ones, written by a routine.
+fn ones(
+    root: &tributary_actors::ContextHandle,
+    node: &TensorNode,
+) -> tributary::Result<tributary_actors::ContextHandle> {
+    let r = root.link(RoutineSpec::custom(
+        "init",
+        vec![(node.clone(), Access::Write)],
+        None,
+        |a| {
+            a.output::<f32>(0)?.fill(1.0);
+            Ok(())
+        },
+    )?)?;
+    r.schedule()?;
+    Ok(r.context())
+}
+
 /// The median time of a send/recv round trip of `node` between ranks 0 and 1, the node
 /// in a child of `root`.
 fn time_pingpong(
@@ -192,17 +210,7 @@ fn time_pingpong(
     iters: usize,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let rank = cluster.rank();
-    let init = root.link(RoutineSpec::custom(
-        "init",
-        vec![(node.clone(), Access::Write)],
-        None,
-        |a| {
-            a.output::<f32>(0)?.fill(1.0);
-            Ok(())
-        },
-    )?)?;
-    init.schedule()?;
-    let ctx = init.context();
+    let ctx = ones(&root, node)?;
     let round_trip = |last: &mut Option<_>| -> tributary::Result<()> {
         match rank {
             0 => {
@@ -272,19 +280,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let iters = (args.budget / bytes.max(1)).clamp(3, 2000);
         let node = TensorNode::new(format!("g{bytes}"), DType::F32, [n])
             .with_mode(MemoryMode::on_device())?;
-        let init = |root: tributary_actors::ContextHandle| {
-            let r = root.link(RoutineSpec::custom(
-                "init",
-                vec![(node.clone(), Access::Write)],
-                None,
-                |a| {
-                    a.output::<f32>(0)?.fill(1.0);
-                    Ok(())
-                },
-            )?)?;
-            r.schedule()?;
-            Ok::<_, tributary::Error>(r.context())
-        };
+        let init = |root: tributary_actors::ContextHandle| ones(&root, &node);
         let mut contexts = Vec::new();
         // The same replicas with the first on the network stream (the all-reduce in place).
         let mut in_place = Vec::new();

@@ -137,21 +137,9 @@ impl Network {
         output: &mut [u8],
         scale: Option<f64>,
     ) {
-        for r in 0..self.size() {
-            let part = if r == self.rank() {
-                input
-            } else {
-                Network::payload(guard, r, input.len())
-            };
-            if r == 0 {
-                output.copy_from_slice(part);
-            } else {
-                reduce::add_into(wire, output, part);
-            }
-        }
-        if let Some(s) = scale {
-            reduce::scale(wire, output, s);
-        }
+        let (me, size) = (self.rank(), self.size());
+        let part = |r: usize| Network::payload(guard, r, input.len());
+        sum_in_rank_order(wire, me, size, input, part, output, scale);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -236,21 +224,8 @@ impl Network {
         }
         let keep = self.wait(guard, requests, keep, op, self.deadline())?;
         let all = bytemuck_bytes(&keep);
-        for r in 0..size {
-            let part = if r == rank {
-                input
-            } else {
-                &all[r * slot * 8..r * slot * 8 + bytes]
-            };
-            if r == 0 {
-                output.copy_from_slice(part);
-            } else {
-                reduce::add_into(wire, output, part);
-            }
-        }
-        if let Some(s) = scale {
-            reduce::scale(wire, output, s);
-        }
+        let part = |r: usize| &all[r * slot * 8..r * slot * 8 + bytes];
+        sum_in_rank_order(wire, rank, size, input, part, output, scale);
         guard.state.staging = keep;
         Ok(())
     }
@@ -415,6 +390,31 @@ impl Network {
         };
         self.wait(guard, vec![request], Vec::new(), op, self.deadline())
             .map(|_| ())
+    }
+}
+
+/// The sum of every rank's part into `output` in rank order (each element summed once, in
+/// one order, so every rank gets the same bits): rank `me`'s part is `input`, another
+/// rank's `part(r)`; then the mean's scale.
+fn sum_in_rank_order<'a>(
+    wire: Wire,
+    me: usize,
+    size: usize,
+    input: &'a [u8],
+    part: impl Fn(usize) -> &'a [u8],
+    output: &mut [u8],
+    scale: Option<f64>,
+) {
+    for r in 0..size {
+        let part = if r == me { input } else { part(r) };
+        if r == 0 {
+            output.copy_from_slice(part);
+        } else {
+            reduce::add_into(wire, output, part);
+        }
+    }
+    if let Some(s) = scale {
+        reduce::scale(wire, output, s);
     }
 }
 
