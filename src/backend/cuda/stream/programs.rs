@@ -6,21 +6,28 @@
 //! every time, so consecutive operations of a program that wait for no other stream form a
 //! *batch*, and the first replay of a batch captures its launches, memsets and copies into
 //! a CUDA graph (stream capture, thread-local mode: nothing but stream work inside it; every
-//! module is loaded before the capture begins). The graph is kept by (step, first template,
-//! length) with, per operation, the pools (weakly), offsets and sizes it was captured over
-//! and its index values; a later replay whose batch resolves to the same ones launches the
-//! graph (one `cuGraphLaunch` for the whole batch), after the batch's waits for other
-//! streams, then records one event, which every operation of the batch is decided and
-//! completed by. Anything else captures again.
+//! module is loaded before the capture begins) and instantiates it. The executable graph is
+//! kept by (step, first template, length) with, per operation, the pools (weakly), offsets
+//! and sizes it was captured over and its index values; a later replay whose batch resolves
+//! to the same ones launches it (one `cuGraphLaunch` for the whole batch), after the batch's
+//! waits for other streams, then records one event, which every operation of the batch is
+//! decided and completed by.
+//!
+//! A replay with other regions or values (Task Bench's replays carry a new timestep, a new
+//! kernel parameter, every time) captures the batch again into a new graph and gives the
+//! kept executable graph its parameters in place (`cuGraphExecUpdate`); only when the driver
+//! refuses the update (the topology changed) is the new graph instantiated. Instantiating
+//! costs far more than capturing, and capturing and instantiating on every replay is what
+//! an H100 run showed before this. A batch of one operation runs as a plan: as a graph it
+//! launches no faster.
 //!
 //! What is not plain device work takes the plan path, one operation at a time, with a
 //! plan's semantics: host transfers, staged or peer copies, operations failing without
 //! running, operations whose data dependency failed or lies on another device or a stopped
 //! stream, a lost device; so does a batch whose capture failed (and that batch's key from
-//! then on). Until this runs on a GPU (none was lent when it was written), the replay tests
-//! that cover it (`tests/engine/replay_backends.rs`, the data-parallel replay, the random
-//! programs on CUDA) skip here; `CudaConfig::replay_graphs = false` runs every replay as
-//! plans.
+//! then on). The replay tests that cover it (`tests/engine/replay_backends.rs`, the
+//! data-parallel replay, the random programs on CUDA) skip without a GPU and run in
+//! `scripts/gpu-check.sh`; `CudaConfig::replay_graphs = false` runs every replay as plans.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -28,7 +35,7 @@ use std::{
     time::Instant,
 };
 
-use cudarc::driver::{sys, CudaGraph, CudaModule};
+use cudarc::driver::{result, sys, CudaContext, CudaModule, DriverError};
 use smallvec::SmallVec;
 
 use super::{driver_error, Completion, Decision, Job, Keep, Submitted, Submitter, Watch};
@@ -67,14 +74,92 @@ pub(super) struct Graphs {
     since_sweep: u32,
 }
 
-/// A graph as the submit thread keeps it.
-struct OwnedGraph(CudaGraph);
+/// A captured graph, not instantiated: the parameters a kept executable graph is updated
+/// with, or what a new one is instantiated from. Destroyed when dropped.
+struct CapturedGraph {
+    graph: sys::CUgraph,
+    ctx: Arc<CudaContext>,
+}
 
-// SAFETY: a CUDA graph must not be used from two threads at once (cudarc's `CudaGraph` is
-// not `Send` for that reason). This one is created, launched and dropped by the submit
-// thread of its stream only (it lives in the thread's `Submitter`, which is moved to the
-// thread before any graph exists); moving it between threads is allowed.
-unsafe impl Send for OwnedGraph {}
+impl CapturedGraph {
+    /// Instantiates it.
+    fn instantiate(&self) -> Result<GraphExec, DriverError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `graph` is a live graph this value owns (ended capture, not destroyed);
+        // the executable graph made from it is independent of it and owned by the result.
+        let exec =
+            unsafe { result::graph::instantiate(self.graph, sys::CUgraphInstantiate_flags(0)) }?;
+        Ok(GraphExec {
+            exec,
+            ctx: self.ctx.clone(),
+        })
+    }
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: owned by this value, destroyed once; an executable graph instantiated from
+        // it or updated with it does not refer to it afterwards.
+        let _ = unsafe { result::graph::destroy(self.graph) };
+    }
+}
+
+/// An executable graph as the submit thread keeps it: instantiated once, given the
+/// parameters of later captures of its batch in place while the driver accepts them.
+struct GraphExec {
+    exec: sys::CUgraphExec,
+    ctx: Arc<CudaContext>,
+}
+
+impl GraphExec {
+    /// Enqueues one launch of it on `stream` (of its context).
+    fn launch(&self, stream: &cudarc::driver::CudaStream) -> Result<(), DriverError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `exec` is live (owned by this value) and was made in the stream's context;
+        // what its nodes use is held by the batch that launches it until it completed.
+        unsafe { result::graph::launch(self.exec, stream.cu_stream()) }
+    }
+
+    /// Gives it the parameters of `graph` (a new capture of the same batch) in place
+    /// (`cuGraphExecUpdate`); `false` when the driver refuses (the topology changed, or any
+    /// error): the caller instantiates `graph` instead.
+    fn update(&self, graph: &CapturedGraph) -> bool {
+        if self.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        let mut info = sys::CUgraphExecUpdateResultInfo {
+            result: sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_ERROR,
+            errorNode: std::ptr::null_mut(),
+            errorFromNode: std::ptr::null_mut(),
+        };
+        // SAFETY: both handles are live and of this context, `info` outlives the call. An
+        // update takes effect at the next launch: launches enqueued before it run with the
+        // parameters they were launched with (their batches hold what those name). Only
+        // this stream's submit thread touches the executable graph, so no launch of it runs
+        // concurrently with the call.
+        let r = unsafe { sys::cuGraphExecUpdate_v2(self.exec, graph.graph, &mut info) };
+        r == sys::CUresult::CUDA_SUCCESS
+            && info.result == sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: owned by this value and destroyed once, never launched after; one still
+        // in flight is freed by CUDA once its launches completed.
+        let _ = unsafe { result::graph::exec_destroy(self.exec) };
+    }
+}
+
+// SAFETY: a graph and an executable graph must not be used from two threads at once. These
+// are created, updated, launched and dropped by the submit thread of their stream only
+// (they live in the thread's `Submitter`, which is moved to the thread before any graph
+// exists); moving them between threads is allowed.
+unsafe impl Send for CapturedGraph {}
+// SAFETY: as for `CapturedGraph`.
+unsafe impl Send for GraphExec {}
 
 /// What one operation of a graph was captured over: its regions (pool weakly, offset,
 /// bytes) and its index values.
@@ -87,7 +172,7 @@ type CapturedOp = (
 struct Captured {
     /// The step: while it is held (weakly), no other step takes its address.
     step: Weak<DeviceStep>,
-    graph: OwnedGraph,
+    exec: GraphExec,
     /// Per operation, its regions in [`gpu_stream::device_locations`] order (pool weakly,
     /// offset, bytes) and its index values.
     ops: Vec<CapturedOp>,
@@ -214,9 +299,10 @@ impl Submitter {
         )?;
         let waits = self.device_waits(program, op, batch)?;
         if !waits.is_empty() && !batch.ops.is_empty() {
-            // Only the first operation of a batch waits for other streams.
-            if !matches!(self.flush(program, batch), Flushed::Launched) {
-                return Err("the batch before it ran as plans");
+            // Only the first operation of a batch waits for other streams. A batch that ran
+            // as plans (one operation, or refused) decided its operations all the same.
+            if matches!(self.flush(program, batch), Flushed::Lost) {
+                return Err("the device is lost");
             }
         }
         batch.waits.extend(waits);
@@ -266,9 +352,10 @@ impl Submitter {
                         Some(d) => d,
                         None => {
                             // Decide what this stream holds before waiting for another to
-                            // decide: it may be waiting for this one.
-                            if !matches!(self.flush(program, batch), Flushed::Launched) {
-                                return Err("the batch before it ran as plans");
+                            // decide: it may be waiting for this one (as a graph or as
+                            // plans, the batch's operations are decided after the flush).
+                            if matches!(self.flush(program, batch), Flushed::Lost) {
+                                return Err("the device is lost");
                             }
                             stream.decision(event.seq())
                         }
@@ -374,7 +461,8 @@ impl Submitter {
         key: GraphKey,
         keep: &mut Vec<Keep>,
     ) -> Result<(), Flushed> {
-        if self.graphs.refused.contains(&key) {
+        // One operation launches no faster as a graph than as a plan.
+        if batch.ops.len() < 2 || self.graphs.refused.contains(&key) {
             return Err(Flushed::AsPlans);
         }
         let hit = self
@@ -397,7 +485,7 @@ impl Submitter {
             keep.push(Keep::Event(event.clone()));
         }
         keep.extend(captured.modules.iter().cloned().map(Keep::Module));
-        if let Err(e) = captured.graph.0.launch() {
+        if let Err(e) = captured.exec.launch(&self.stream) {
             self.gpu
                 .mark_lost(&format!("cuGraphLaunch: {}", driver_error(e)));
             return Err(Flushed::Lost);
@@ -405,8 +493,10 @@ impl Submitter {
         Ok(())
     }
 
-    /// Captures `batch` into a graph kept under `key` (replacing what was kept there).
-    /// `Err(Flushed::AsPlans)` when it cannot be captured (the key then runs as plans).
+    /// Captures `batch` into a graph and keeps its executable graph under `key`: the one
+    /// kept there already, updated in place with the new capture's parameters, where the
+    /// driver accepts that; a new instantiation otherwise. `Err(Flushed::AsPlans)` when it
+    /// cannot be captured (the key then runs as plans).
     fn capture(
         &mut self,
         program: &StreamProgram,
@@ -478,7 +568,7 @@ impl Submitter {
             .iter()
             .try_for_each(|job| self.execute(job, &mut captured_keep));
         // Ends the capture whatever happened inside it (an error invalidates it).
-        let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let ended = self.end_capture();
         let graph = match (enqueued, ended) {
             (Ok(()), Ok(Some(graph))) => graph,
             (Err(why), _) => return Err(refuse(self, why)),
@@ -496,6 +586,23 @@ impl Submitter {
                 return Err(Flushed::AsPlans);
             }
         }
+        // The kept executable graph takes the new parameters if the driver lets it; a new
+        // one is instantiated otherwise. A graph replaced here may still run: its exec is
+        // freed once it completed (CUDA frees an in-flight graph exec asynchronously), and
+        // its batches hold its pools and modules until then.
+        let exec = match self.graphs.kept.remove(&key) {
+            Some(kept) if kept.exec.update(&graph) => kept.exec,
+            _ => match graph.instantiate() {
+                Ok(exec) => exec,
+                Err(e) => {
+                    return Err(refuse(
+                        self,
+                        format!("cuGraphInstantiate: {}", driver_error(e)),
+                    ))
+                }
+            },
+        };
+        drop(graph);
         modules.dedup_by(|a, b| Arc::ptr_eq(a, b));
         let ops = batch
             .ops
@@ -510,19 +617,29 @@ impl Submitter {
                 )
             })
             .collect();
-        // A graph replaced here may still run: its exec is freed once it completed (CUDA
-        // frees an in-flight graph exec asynchronously), and its batches hold its pools
-        // and modules until then.
         self.graphs.kept.insert(
             key,
             Captured {
                 step: Arc::downgrade(program.step()),
-                graph: OwnedGraph(graph),
+                exec,
                 ops,
                 modules,
             },
         );
         Ok(())
+    }
+
+    /// Ends the stream's capture (begun on this thread): the graph captured, if any.
+    fn end_capture(&self) -> Result<Option<CapturedGraph>, DriverError> {
+        // An error binding shows in ending the capture too.
+        let _ = self.gpu.ctx.bind_to_thread();
+        // SAFETY: the stream is this submitter's, alive, and capturing in thread-local mode
+        // (begun on this thread); the graph returned is owned by the result.
+        let graph = unsafe { result::stream::end_capture(self.stream.cu_stream()) }?;
+        Ok((!graph.is_null()).then(|| CapturedGraph {
+            graph,
+            ctx: self.gpu.ctx.clone(),
+        }))
     }
 
     /// Fails the operations of a batch on a lost device, in order.
