@@ -4,6 +4,11 @@
 //! sending side of the channel, [`SubmitChannel`], the decisions that other streams of the
 //! device wait on, the sorting of dependencies into device and host waits, and stopping the
 //! threads. See DESIGN.md §5, "CUDA".
+//!
+//! Stopping with a deadline bounds the teardown too: a stream stopped with a deadline
+//! records it in its backend's [`StopDeadline`], and the backend's last owner drops what
+//! may block on the device (a CUDA context's destruction waits until the whole GPU is idle,
+//! other devices' abandoned kernels included) with [`drop_by`] that deadline.
 
 use std::{
     collections::BTreeMap,
@@ -278,6 +283,64 @@ pub(crate) struct SubmitChannel<J, P = Infallible> {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// The backend's name (in a panicked thread's failure).
     backend: &'static str,
+    /// Where a stop with a deadline is recorded, if the backend asked for it.
+    stop_deadline: Option<Arc<StopDeadline>>,
+}
+
+/// The deadline a backend's streams were stopped by ([`StreamQueue::shutdown_within`]),
+/// recorded so that the backend's teardown keeps to it too ([`drop_by`]). Streams stopped
+/// without a deadline record nothing; of several deadlines the latest is kept.
+///
+/// [`StreamQueue::shutdown_within`]: crate::backend::StreamQueue::shutdown_within
+#[derive(Debug, Default)]
+pub(crate) struct StopDeadline(Mutex<Option<Instant>>);
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA backend records its stops
+impl StopDeadline {
+    /// Records that a stream was stopped with `deadline`.
+    pub(crate) fn record(&self, deadline: Instant) {
+        let mut d = lock(&self.0);
+        *d = Some(d.map_or(deadline, |old| old.max(deadline)));
+    }
+
+    /// The deadline recorded, if any.
+    pub(crate) fn get(&self) -> Option<Instant> {
+        *lock(&self.0)
+    }
+}
+
+/// Drops `value` within `deadline`: with none, in place (as [`crate::Engine`]'s drop stops
+/// its streams and waits); with one, on a thread of its own, waiting for that drop until the
+/// deadline and then returning, leaving the drop to finish on its thread. For what may block
+/// on a device beyond a bounded shutdown: destroying a CUDA context waits until the GPU is
+/// idle, kernels of devices the shutdown abandoned included. Where no thread can be
+/// started, the value is dropped in place.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA backend's teardown uses it
+pub(crate) fn drop_by<T: Send + 'static>(value: T, deadline: Option<Instant>) {
+    let Some(deadline) = deadline else {
+        drop(value);
+        return;
+    };
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+    let spawned = std::thread::Builder::new()
+        .name("tributary-teardown".into())
+        .spawn(move || {
+            drop(value);
+            let _ = done_tx.send(());
+        });
+    if let Err(e) = spawned {
+        // The closure, and the value with it, was dropped by the failed spawn.
+        tracing::warn!(%e, "no teardown thread: dropped in place");
+        return;
+    }
+    if mutant!("teardown_waits") {
+        // The mutant: the teardown is waited for whatever the deadline.
+        let _ = done_rx.recv();
+        return;
+    }
+    if done_rx.recv_deadline(deadline).is_err() {
+        tracing::debug!("teardown left running past the stop deadline");
+    }
 }
 
 impl<J: Send + 'static, P: Send + 'static> SubmitChannel<J, P> {
@@ -322,7 +385,15 @@ impl<J: Send + 'static, P: Send + 'static> SubmitChannel<J, P> {
             tx: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![submitting, done]),
             backend: names.backend,
+            stop_deadline: None,
         })
+    }
+
+    /// Records a stop with a deadline in `deadline` (the backend's).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA backend records its stops
+    pub(crate) fn recording_stops_in(mut self, deadline: Arc<StopDeadline>) -> Self {
+        self.stop_deadline = Some(deadline);
+        self
     }
 
     /// Checks that `plan` is this stream's ([`Plan::check_queue`]), lowers its work with
@@ -371,8 +442,12 @@ impl<J: Send + 'static, P: Send + 'static> SubmitChannel<J, P> {
     }
 
     /// Closes the channel and joins the threads ([`join_stream_threads`]); `false` when the
-    /// deadline passed first.
+    /// deadline passed first. A deadline is recorded where the backend asked
+    /// ([`SubmitChannel::recording_stops_in`]).
     pub(crate) fn stop(&self, deadline: Option<Instant>) -> bool {
+        if let (Some(d), Some(record)) = (deadline, &self.stop_deadline) {
+            record.record(d);
+        }
         drop(lock(&self.tx).take());
         join_stream_threads(
             &self.threads,
@@ -657,6 +732,75 @@ pub(crate) use stream_queue_over_channel;
 #[cfg(all(test, not(tributary_loom)))]
 mod tests {
     use super::*;
+
+    /// Bound on every wait of the test below: far above anything it waits for, there only so
+    /// that a failure (the mutant `teardown_waits`) ends the test instead of hanging it.
+    const GENEROUS: Duration = Duration::from_secs(30);
+
+    /// A value whose drop blocks until it is released, then says it finished.
+    struct BlockingDrop {
+        release: crossbeam_channel::Receiver<()>,
+        dropped: crossbeam_channel::Sender<()>,
+    }
+
+    impl Drop for BlockingDrop {
+        fn drop(&mut self) {
+            let _ = self.release.recv();
+            let _ = self.dropped.send(());
+        }
+    }
+
+    /// `drop_by` with a deadline returns at it while the drop still blocks, and the drop
+    /// finishes on its own thread once released; without a deadline it drops in place.
+    /// Synchronised by channels only: the deadline is already past when `drop_by` is called,
+    /// and the bound on each wait is only there to fail instead of hanging.
+    #[test]
+    fn drop_by_returns_at_the_deadline_and_the_drop_finishes_later() {
+        let (release_tx, release_rx) = crossbeam_channel::unbounded();
+        let (dropped_tx, dropped_rx) = crossbeam_channel::unbounded();
+        let value = BlockingDrop {
+            release: release_rx,
+            dropped: dropped_tx,
+        };
+        let (returned_tx, returned_rx) = crossbeam_channel::unbounded();
+        let caller = std::thread::spawn(move || {
+            drop_by(value, Some(Instant::now()));
+            let _ = returned_tx.send(());
+        });
+        let returned = returned_rx.recv_timeout(GENEROUS);
+        let dropped_early = dropped_rx.try_recv().is_ok();
+        // Released whatever happened, so that no thread is left blocked.
+        release_tx.send(()).expect("the drop is waiting");
+        assert!(
+            returned.is_ok(),
+            "drop_by did not return at its deadline while the drop was blocked"
+        );
+        assert!(!dropped_early, "the drop finished before it was released");
+        dropped_rx
+            .recv_timeout(GENEROUS)
+            .expect("the drop finishes once released");
+        caller.join().expect("the caller ran");
+
+        // No deadline: dropped in place, before drop_by returns.
+        let (release_tx, release_rx) = crossbeam_channel::unbounded();
+        let (dropped_tx, dropped_rx) = crossbeam_channel::unbounded();
+        release_tx.send(()).expect("the receiver is alive");
+        drop_by(
+            BlockingDrop {
+                release: release_rx,
+                dropped: dropped_tx,
+            },
+            None,
+        );
+        assert!(dropped_rx.try_recv().is_ok(), "dropped in place");
+
+        let deadline = StopDeadline::default();
+        assert_eq!(deadline.get(), None);
+        let (early, late) = (Instant::now(), Instant::now() + GENEROUS);
+        deadline.record(late);
+        deadline.record(early);
+        assert_eq!(deadline.get(), Some(late), "the latest deadline is kept");
+    }
 
     /// Both ways of waiting get every item in order, and end once the channel is closed
     /// and drained: parking at once (no window) and polling first (a window longer than the

@@ -17,7 +17,10 @@ use super::{
     CudaConfig, CudaInfo,
 };
 use crate::{
-    backend::{unsupported_kernel, Backend, DeviceInfo, StreamQueue},
+    backend::{
+        gpu_stream::{drop_by, StopDeadline},
+        unsupported_kernel, Backend, DeviceInfo, StreamQueue,
+    },
     error::{DeviceError, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
@@ -108,6 +111,19 @@ pub(super) struct Shared {
     /// `peer[dst][src]`: device `dst`'s context has peer access to `src`'s (by index).
     peer: Vec<Vec<bool>>,
     driver_version: i32,
+    /// The deadline its streams were stopped by, if any: the contexts are destroyed by it.
+    pub(super) stop_deadline: Arc<StopDeadline>,
+}
+
+impl Drop for Shared {
+    /// The last owner of the backend destroys the contexts (with the last `Gpu`s, unless a
+    /// stream thread still holds one). `cuCtxDestroy` waits until the whole GPU is idle,
+    /// kernels of other devices a bounded shutdown abandoned included (3-4 s past a 500 ms
+    /// `System::shutdown_within` on an H100), so after a stop with a deadline it runs on a
+    /// thread of its own, waited for only until that deadline ([`drop_by`]).
+    fn drop(&mut self) {
+        drop_by(std::mem::take(&mut self.gpus), self.stop_deadline.get());
+    }
 }
 
 impl Shared {
@@ -362,6 +378,7 @@ impl CudaBackend {
                 config,
                 peer,
                 driver_version: driver,
+                stop_deadline: Arc::default(),
             }),
             recorder: None,
         })

@@ -224,6 +224,7 @@ impl CudaStreamQueue {
             copy_failure: None,
         };
         let window = Duration::from_micros(backend.config.spin_us);
+        let stop_deadline = backend.stop_deadline.clone();
         // If the submit thread cannot start, the submitter (and its sender to the watcher)
         // is dropped with its closure: the watcher ends by itself.
         let channel = SubmitChannel::start(
@@ -231,7 +232,8 @@ impl CudaStreamQueue {
             CUDA_NAMES,
             move |rx| submitter.run(rx),
             move || watcher.run(watch_rx, window),
-        )?;
+        )?
+        .recording_stops_in(stop_deadline);
         Ok(CudaStreamQueue { backend, channel })
     }
 
