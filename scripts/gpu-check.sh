@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA backend on a machine with an NVIDIA GPU: every backend-parametric suite with CUDA
 # required (two logical devices on the GPU, i.e. two contexts, exercising the cross-device
-# paths), then the release benchmark beside raw cudarc calls and Task Bench on CUDA beside
-# hand-written cudarc streams. Without a GPU it stops at the probe with the reason and exit
-# status 2. Every step runs even when one before it failed; the summary names the failures
-# and the exit status is 1 if any.
+# paths; the backends, engine and System suites again with TRIBUTARY_CUDA_SHARE_CONTEXT=1,
+# both devices in the GPU's primary context), then the release benchmark beside raw cudarc
+# calls and Task Bench on CUDA beside hand-written cudarc streams. Without a GPU it stops at
+# the probe with the reason and exit status 2. Every step runs even when one before it
+# failed; the summary names the failures and the exit status is 1 if any.
 #
 #   scripts/gpu-check.sh                  # builds with `--features cuda`, then everything
 #   scripts/gpu-check.sh --quick          # the benchmarks' quick modes
@@ -77,6 +78,12 @@ done
 # The tests for_each_backend! makes for CUDA: <module>::cuda::<name>.
 for suite in backends engine system; do
   check "suite $suite (CUDA tests)" tests "$suite" cuda::
+done
+# Again with every logical device of the GPU in its primary context
+# (CudaConfig::share_context): the two devices then address each other's memory.
+for suite in backends engine system; do
+  TRIBUTARY_CUDA_SHARE_CONTEXT=1 check "suite $suite (CUDA tests, one context per GPU)" \
+    tests "$suite" cuda::
 done
 check "suite reliability (reliability_programs' CUDA runs)" tests reliability \
   reliability_programs::cuda_

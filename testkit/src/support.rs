@@ -177,8 +177,10 @@ impl Kind {
     }
 
     /// Whether a kernel on one device can read another device's memory in place
-    /// (`StreamingFor` across devices): always on the CPU, never across `VkDevice`s, where
-    /// peer access is on for CUDA (asked of a CUDA backend of two devices, once).
+    /// (`StreamingFor` across devices): always on the CPU, never across `VkDevice`s; for
+    /// CUDA, asked once of a backend of two devices configured as the tests' are
+    /// ([`cuda_configured`]): yes where peer access is on or the two share a context
+    /// (`TRIBUTARY_CUDA_SHARE_CONTEXT=1` on one GPU).
     pub fn streams_across_devices(self) -> bool {
         match self {
             Kind::Cpu => true,
@@ -186,7 +188,7 @@ impl Kind {
             Kind::Cuda => {
                 static ANSWER: OnceLock<bool> = OnceLock::new();
                 *ANSWER.get_or_init(|| {
-                    CudaBackend::new(DeviceId(0), CudaConfig::with_devices(2))
+                    CudaBackend::new(DeviceId(0), cuda_configured(2))
                         .is_ok_and(|b| b.can_stream(DeviceId(0), DeviceId(1)))
                 })
             }
@@ -262,8 +264,19 @@ fn require_cuda() -> bool {
     std::env::var("TRIBUTARY_REQUIRE_CUDA").is_ok_and(|v| v == "1")
 }
 
-/// The CUDA configuration with `devices` logical devices, or `None` after logging why the
-/// test is skipped (a failure instead under `TRIBUTARY_REQUIRE_CUDA=1`).
+/// The CUDA configuration the tests run with, `devices` logical devices: the default, with
+/// every logical device of a GPU in its primary context under
+/// `TRIBUTARY_CUDA_SHARE_CONTEXT=1` (`CudaConfig::share_context`).
+pub fn cuda_configured(devices: usize) -> CudaConfig {
+    CudaConfig {
+        share_context: std::env::var("TRIBUTARY_CUDA_SHARE_CONTEXT").is_ok_and(|v| v == "1"),
+        ..CudaConfig::with_devices(devices)
+    }
+}
+
+/// The CUDA configuration with `devices` logical devices ([`cuda_configured`]), or `None`
+/// after logging why the test is skipped (a failure instead under
+/// `TRIBUTARY_REQUIRE_CUDA=1`).
 pub fn cuda_config(devices: usize, test: &str) -> Option<CudaConfig> {
     if let Err(reason) = cuda_available() {
         assert!(
@@ -273,11 +286,17 @@ pub fn cuda_config(devices: usize, test: &str) -> Option<CudaConfig> {
         log(&format!("skipping CUDA ({test}): {reason}"));
         return None;
     }
+    let config = cuda_configured(devices);
     log(&format!(
-        "cuda: running {test} on {devices} logical devices ({})",
+        "cuda: running {test} on {devices} logical devices{} ({})",
+        if config.share_context {
+            " sharing a context per GPU"
+        } else {
+            ""
+        },
         cuda_available().unwrap_or_default()
     ));
-    Some(CudaConfig::with_devices(devices))
+    Some(config)
 }
 
 /// The backend of `kind` with `devices` devices, or `None` when it is not available.

@@ -290,7 +290,7 @@ fn streaming_for_reads_source_in_place_before_it_is_overwritten(kind: Kind) {
     let z = node("z", MemoryMode::on_device());
     let c0 = e.context(0, 0).unwrap();
     // Vulkan reads in place only on one device (separate VkDevices share no memory), CUDA
-    // only where peer access is on.
+    // only where peer access is on or the devices share a context (the backend says).
     let c1 = if !kind.streams_across_devices() {
         e.context(0, 1).unwrap()
     } else {

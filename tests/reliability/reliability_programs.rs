@@ -539,16 +539,17 @@ fn check_vulkan_steps(abs: &AbsProgram) -> Result<(), TestCaseError> {
 }
 
 /// The CUDA configuration for a program's setup: one logical device per program device
-/// (round-robin over the GPUs), every other program with copies across devices staged.
+/// (round-robin over the GPUs, sharing a context per GPU as the tests are configured to),
+/// every other program with copies across devices staged.
 fn cuda_for(setup: &Setup, staging: bool) -> CudaConfig {
     CudaConfig {
-        devices: Some(setup.devices),
         force_staging: staging,
-        ..CudaConfig::default()
+        ..support::cuda_configured(setup.devices)
     }
 }
 
-/// What CUDA computes: the CPU's values, streaming across devices only with peer access.
+/// What CUDA computes: the CPU's values, streaming across devices only where the backend
+/// can (peer access, or a shared context).
 fn cuda_reference() -> ReferenceRunner {
     if support::Kind::Cuda.streams_across_devices() {
         ReferenceRunner::default()

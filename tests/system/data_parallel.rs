@@ -80,8 +80,8 @@ fn all_reduce_lands_in_every_context_for_every_strategy(kind: Kind) {
                 (ReduceOp::Mean, Transfer::Auto),
             ] {
                 if !kind.streams_across_devices() && transfer == Transfer::Streaming {
-                    // Separate VkDevices (CUDA contexts without peer access) cannot read
-                    // each other's memory in place.
+                    // Separate VkDevices (CUDA contexts of their own without peer access,
+                    // as the backend answers) cannot read each other's memory in place.
                     continue;
                 }
                 let nodes = gradients(3, |c| 5 + c);

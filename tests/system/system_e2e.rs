@@ -117,8 +117,8 @@ fn cross_device_copies_in_all_three_modes(kind: Kind) {
         MergeBufferUse::StreamingFor(merge.routine().clone()),
     );
     if !kind.streams_across_devices() {
-        // Two VkDevices (CUDA contexts without peer access) cannot address each other's
-        // memory: refused, so copy instead.
+        // Two VkDevices (CUDA contexts of their own without peer access) cannot address
+        // each other's memory: refused, so copy instead.
         assert!(
             matches!(streamed, Err(Error::StreamingUnsupported { .. })),
             "{:?}",

@@ -214,7 +214,9 @@ fn attribute(ctx: &CudaContext, a: sys::CUdevice_attribute) -> Result<i32, Devic
     })
 }
 
-/// Creates the context of logical device `id` on GPU `ordinal` (primary when `primary`).
+/// Creates the context of logical device `id` on GPU `ordinal`: the GPU's primary context
+/// when `primary` (its first logical device, or every one with
+/// [`CudaConfig::share_context`]), a context of its own otherwise.
 fn open_gpu(id: DeviceId, ordinal: usize, primary: bool, driver: i32) -> Result<Gpu, DeviceError> {
     let unavailable = |what: &'static str| {
         move |e| DeviceError::Unavailable(format!("GPU {ordinal}: {what}: {}", driver_error(e)))
@@ -360,7 +362,7 @@ impl CudaBackend {
                 .and_then(|i| first.0.checked_add(i))
                 .map(DeviceId)
                 .ok_or_else(|| DeviceError::Unexpected("too many devices".into()))?;
-            let primary = i < ordinals.len();
+            let primary = config.share_context || i < ordinals.len();
             gpus.push(Arc::new(guarded("creating a CUDA context", || {
                 open_gpu(id, ordinal, primary, driver)
             })??));
