@@ -103,6 +103,8 @@ RANDOM_MUTANTS=(
   # Vulkan replays (src/backend/vulkan/stream/programs.rs): lavapipe, as the tests run it
   "vulkan_stale_recording:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"
   "vulkan_unheld_scratch:--test engine replay_backends::vulkan::replays_compute_what_issuing_computes_and_vulkan_records_once"
+  # GPU teardown bounded by a shutdown's deadline (src/backend/gpu_stream.rs)
+  "teardown_waits:--lib backend::gpu_stream::tests::drop_by_returns_at_the_deadline_and_the_drop_finishes_later"
 )
 
 MODE="${1:-all}"
