@@ -38,7 +38,7 @@ use tributary::{
     kernels::{Access, RoutineSpec},
     DType, MemoryMode, TensorNode,
 };
-use tributary_actors::cluster::{mpi_crate::ffi, Cluster, CrossRankAlgorithm};
+use tributary_actors::cluster::{mpi_crate::ffi, Cluster, ClusterTicket, CrossRankAlgorithm};
 
 #[derive(Parser, Debug)]
 #[command(about = "Cross-rank all-reduce bandwidth beside MPI_Allreduce (run under mpirun)")]
@@ -211,39 +211,49 @@ fn time_pingpong(
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     let ctx = ones(&root, node)?;
-    let round_trip = |last: &mut Option<_>| -> tributary::Result<()> {
-        match rank {
+    let round_trip = || -> tributary::Result<Option<ClusterTicket>> {
+        Ok(match rank {
             0 => {
                 cluster.send(node, &ctx, 1)?;
-                *last = Some(cluster.recv(node, &ctx, 1)?);
+                Some(cluster.recv(node, &ctx, 1)?)
             }
             1 => {
                 cluster.recv(node, &ctx, 0)?;
-                *last = Some(cluster.send(node, &ctx, 0)?);
+                Some(cluster.send(node, &ctx, 0)?)
             }
-            _ => {}
-        }
-        Ok(())
+            _ => None,
+        })
     };
-    let mut warm = None;
-    round_trip(&mut warm)?;
-    if let Some(w) = warm {
-        w.wait()?;
+    if let Some(warm) = round_trip()? {
+        warm.wait()?;
     }
+    let t = per_call(cluster, args.reps, iters, round_trip)?;
+    cluster.finalize(&ctx)?;
+    Ok(t)
+}
+
+/// The median over `reps` repetitions (every rank starting together) of the time per call
+/// of `issue`, called `iters` times back to back with only the last call's ticket waited
+/// for.
+fn per_call(
+    cluster: &Cluster,
+    reps: usize,
+    iters: usize,
+    mut issue: impl FnMut() -> tributary::Result<Option<ClusterTicket>>,
+) -> tributary::Result<f64> {
     let mut times = Vec::new();
-    for _ in 0..args.reps {
+    for _ in 0..reps {
         cluster.barrier()?;
         let t = Instant::now();
         let mut last = None;
         for _ in 0..iters {
-            round_trip(&mut last)?;
+            last = issue()?;
         }
         if let Some(l) = last {
             l.wait()?;
         }
         times.push(t.elapsed().as_secs_f64() / iters as f64);
     }
-    cluster.finalize(&ctx)?;
     Ok(median(times))
 }
 
@@ -313,31 +323,21 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                     Strategy::Tree,
                 )?
                 .with_algorithm(algorithm);
-            plan.run()?.wait()?; // warm-up: buffers allocated, pages touched
-                                 // Replayed: the all-reduce captured once (`Cluster::capture`), then replayed.
+            // Warm-up: buffers allocated, pages touched.
+            plan.run()?.wait()?;
+            // Replayed: the all-reduce captured once (`Cluster::capture`), then replayed.
             let step = if replayed {
                 Some(cluster.capture(|c| c.all_reduce(&plan).map(drop))?)
             } else {
                 None
             };
-            let mut times = Vec::new();
-            for _ in 0..args.reps {
-                cluster.barrier()?;
-                let t = Instant::now();
-                let mut last = None;
-                for _ in 0..iters {
-                    last = Some(match &step {
-                        Some(step) => cluster.replay(step)?,
-                        None => plan.run()?,
-                    });
-                }
-                if let Some(l) = last {
-                    l.wait()?;
-                }
-                times.push(t.elapsed().as_secs_f64() / iters as f64);
-            }
+            let t = per_call(&cluster, args.reps, iters, || {
+                Ok(Some(match &step {
+                    Some(step) => cluster.replay(step)?,
+                    None => plan.run()?,
+                }))
+            })?;
             plan.finalize()?;
-            let t = median(times);
             cells.push(format!(
                 "{:>7.2} GB/s ({:.2}x)",
                 bus(bytes, t),

@@ -187,14 +187,17 @@ impl Cluster {
     /// contexts`); this finalizes those first. Any other context is finalized as the
     /// system does.
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
-        let kept: Vec<RoutineHandle> = {
+        // Only a context on the network stream has the cluster's routines under it.
+        let kept: Vec<RoutineHandle> = if self.on_network_stream(ctx) {
             let mut transfers = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
             let under: Vec<TransferKey> = transfers
                 .keys()
-                .filter(|k| k.context == (ctx.device(), ctx.id()) && self.on_network_stream(ctx))
+                .filter(|k| k.context == (ctx.device(), ctx.id()))
                 .copied()
                 .collect();
             under.iter().filter_map(|k| transfers.remove(k)).collect()
+        } else {
+            Vec::new()
         };
         for routine in kept {
             self.sys.finalize(routine.protocol_context())?;

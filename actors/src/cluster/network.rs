@@ -20,7 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tributary::{Error, Event, EventStatus, Result};
+use tributary::{kernels::ArgError, Error, Event, EventStatus, Result};
 
 use crate::Ticket;
 
@@ -362,6 +362,20 @@ impl Network {
                 Err(text)
             }
         }
+    }
+
+    /// [`Network::execute`] of `body` on `view`, the kernel's view of the operation's data;
+    /// a view the kernel could not get is this rank's failed input (the other ranks are
+    /// told, as for an input whose event failed).
+    pub(crate) fn execute_on<V>(
+        &self,
+        view: std::result::Result<V, ArgError>,
+        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &Issued, V) -> Result<()>,
+    ) -> std::result::Result<(), String> {
+        self.execute(|net, guard, op| match view {
+            Ok(v) => body(net, guard, op, v),
+            Err(e) => net.input_failed(guard, op, e.to_string()),
+        })
     }
 
     /// Sends the header of an operation whose input failed here, so the others fail it too.

@@ -36,12 +36,12 @@ pub(crate) fn all_reduce_spec(net: &Arc<Network>, node: &TensorNode) -> Result<R
         vec![(node.clone(), Access::Write)],
         Some(node.clone()),
         move |args| {
-            net.execute(
-                |net, guard, op| match (args.merge_bytes(), args.output_bytes(0)) {
-                    (Ok(input), Ok(output)) => net.all_reduce(guard, op, input, output),
-                    (Err(e), _) | (_, Err(e)) => net.input_failed(guard, op, e.to_string()),
-                },
-            )
+            let views = args
+                .merge_bytes()
+                .and_then(|input| Ok((input, args.output_bytes(0)?)));
+            net.execute_on(views, |net, guard, op, (input, output)| {
+                net.all_reduce(guard, op, input, output)
+            })
         },
     )
 }
@@ -58,9 +58,8 @@ pub(crate) fn all_reduce_in_place_spec(
         vec![(node.clone(), Access::ReadWrite)],
         None,
         move |args| {
-            net.execute(|net, guard, op| match args.output_bytes(0) {
-                Ok(data) => net.all_reduce_in_place(guard, op, data),
-                Err(e) => net.input_failed(guard, op, e.to_string()),
+            net.execute_on(args.output_bytes(0), |net, guard, op, data| {
+                net.all_reduce_in_place(guard, op, data)
             })
         },
     )
@@ -79,9 +78,8 @@ pub(crate) fn send_in_place_spec(
         vec![(node.clone(), Access::Read), (token.clone(), Access::Write)],
         None,
         move |args| {
-            net.execute(|net, guard, op| match args.input_bytes(0) {
-                Ok(input) => net.send(guard, op, input),
-                Err(e) => net.input_failed(guard, op, e.to_string()),
+            net.execute_on(args.input_bytes(0), |net, guard, op, input| {
+                net.send(guard, op, input)
             })?;
             args.output_bytes(1)?.fill(1);
             Ok(())
@@ -101,9 +99,8 @@ pub(crate) fn send_spec(
         vec![(token.clone(), Access::Write)],
         Some(node.clone()),
         move |args| {
-            net.execute(|net, guard, op| match args.merge_bytes() {
-                Ok(input) => net.send(guard, op, input),
-                Err(e) => net.input_failed(guard, op, e.to_string()),
+            net.execute_on(args.merge_bytes(), |net, guard, op, input| {
+                net.send(guard, op, input)
             })?;
             args.output_bytes(0)?.fill(1);
             Ok(())
@@ -119,9 +116,8 @@ pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<Routine
         vec![(node.clone(), Access::Write)],
         None,
         move |args| {
-            net.execute(|net, guard, op| match args.output_bytes(0) {
-                Ok(output) => net.recv(guard, op, output),
-                Err(e) => net.input_failed(guard, op, e.to_string()),
+            net.execute_on(args.output_bytes(0), |net, guard, op, output| {
+                net.recv(guard, op, output)
             })
         },
     )
