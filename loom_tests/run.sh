@@ -10,7 +10,7 @@
 # 1. Builds the loom test binary (`--cfg tributary_loom`, release with debug assertions)
 #    and runs every model against the real engine. They must all pass.
 # 2. Builds the loom binary once more with every mutant compiled in (`TRIBUTARY_MUTANTS=1`,
-#    which build.rs turns into `--cfg tributary_mutants` for the engine crate only; see
+#    which the build scripts turn into `--cfg tributary_mutants` for the two crates only; see
 #    `mutant!` in src/lib.rs), then, for each mutant (a protocol or synchronisation rule
 #    switched off), runs the models listed for it below with that rule switched off
 #    (`TRIBUTARY_ACTIVE_MUTANT=<rule>`), each in its own process (`--exact`): loom must
@@ -19,14 +19,15 @@
 #    in src/ must appear in the table. One build for every mutant: before, each mutant
 #    rebuilt the engine and the loom binary (about 25 of CI's 40 minutes).
 #
-# The randomized tests' mutants (RANDOM_MUTANTS) run the same way, from one normal-target
-# build with every mutant. The actor crate's cluster mutants (CLUSTER_MUTANTS) are still
-# compiled one at a time (`TRIBUTARY_MUTANT=<rule>`, `--cfg tributary_mutant="<rule>"`):
-# their tests run under mpirun, whose ranks must all see the rule. Mutant builds of the
-# loom binary use their own target directory.
+# The randomized tests' mutants (RANDOM_MUTANTS) and the actor crate's cluster mutants
+# (CLUSTER_MUTANTS) run the same way, from one normal-target build with every mutant (the
+# actor crate's `build.rs` reads TRIBUTARY_MUTANTS as the engine's does); a cluster test's
+# ranks inherit TRIBUTARY_ACTIVE_MUTANT from `mpirun`. Models against mutants run LOOM_JOBS
+# at a time (each loom model is single-threaded), in the models' own build directory.
 #
-# Environment: LOOM_TARGET_DIR (default target-loom), LOOM_MUTANT_TARGET_DIR (default
-# target-loom-mutant), LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant,
+# Environment: LOOM_TARGET_DIR (default target-loom), LOOM_MUTANT_TARGET_DIR (default: the
+# same directory), LOOM_JOBS (models run at once against mutants, default the CPU count),
+# LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant,
 # default 300), LOOM_REMOVE_BUILDS (1: remove each loom target directory once its binary
 # has run, as CI does to keep its disk). LOOM_MAX_PREEMPTIONS must not be set: each model
 # has its own bound.
@@ -112,7 +113,11 @@ MODE="${1:-all}"
 ONLY=("$@")
 
 LOOM_TARGET_DIR="${LOOM_TARGET_DIR:-target-loom}"
-LOOM_MUTANT_TARGET_DIR="${LOOM_MUTANT_TARGET_DIR:-target-loom-mutant}"
+# The build with every mutant shares the models' target directory by default: only the
+# engine, the actor crate and the loom test rebuild (TRIBUTARY_MUTANTS changes their build
+# scripts' output, nothing else), not the whole release dependency graph a second time.
+LOOM_MUTANT_TARGET_DIR="${LOOM_MUTANT_TARGET_DIR:-$LOOM_TARGET_DIR}"
+LOOM_JOBS="${LOOM_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 LOOM_MUTANT_TIMEOUT="${LOOM_MUTANT_TIMEOUT:-300}"
 export RUSTFLAGS="--cfg tributary_loom -C debug-assertions=on"
 unset LOOM_MAX_PREEMPTIONS LOOM_CHECKPOINT_FILE TRIBUTARY_MUTANT TRIBUTARY_MUTANTS \
@@ -153,7 +158,10 @@ run_models() {
   say "running every model against the real engine"
   "$bin" --nocapture --test-threads 2
   say "models passed"
-  remove_build "$LOOM_TARGET_DIR"
+  # The mutants' build reuses this directory unless it has its own.
+  if [ "$MODE" = models ] || [ "$LOOM_MUTANT_TARGET_DIR" != "$LOOM_TARGET_DIR" ]; then
+    remove_build "$LOOM_TARGET_DIR"
+  fi
 }
 
 # Removes a loom target directory when LOOM_REMOVE_BUILDS=1 (its binary has run).
@@ -195,54 +203,79 @@ run_against() {
   return 0
 }
 
-run_mutants() {
-  check_table
-  say "mutation check: one build with every mutant ($LOOM_MUTANT_TARGET_DIR)"
-  local failed=0 entry rule models bin model
-  bin=$(TRIBUTARY_MUTANTS=1 build "$LOOM_MUTANT_TARGET_DIR")
+# Runs every (mutant, model) pair of MUTANTS against binary $1, LOOM_JOBS at a time (each
+# loom model runs on one thread); prints each result as it comes. Returns 1 if any pair
+# was not caught.
+run_model_pairs() {
+  local bin="$1" results entry rule models model n=0 running=0 failed=0 j
+  results=$(mktemp -d)
   for entry in "${MUTANTS[@]}"; do
     rule="${entry%%:*}"
     models="${entry#*:}"
     selected "$rule" || continue
     for model in $models; do
-      result=$(run_against "$bin" "$model" "$rule") || failed=1
-      say "mutant $rule / $model: $result"
+      n=$((n + 1))
+      (
+        if result=$(run_against "$bin" "$model" "$rule"); then status=0; else status=1; fi
+        say "mutant $rule / $model: $result"
+        echo "$status" >"$results/$n"
+      ) &
+      running=$((running + 1))
+      if [ "$running" -ge "$LOOM_JOBS" ]; then
+        wait -n || true
+        running=$((running - 1))
+      fi
     done
   done
+  wait
+  for j in $(seq 1 "$n"); do
+    [ "$(cat "$results/$j" 2>/dev/null)" = 0 ] || failed=1
+  done
+  rm -rf "$results"
+  return $failed
+}
+
+# Runs the randomized tests `$2…` (cargo test arguments) of a build with every mutant
+# (normal target directory) with rule $1 switched off; they must fail. Extra environment
+# for the run comes from RUN_ENV (e.g. TRIBUTARY_REQUIRE_MPI=1).
+run_random() {
+  local rule="$1"
+  shift
+  # The engine and the tests built with every mutant (the first entry builds the crates,
+  # the others reuse them), outside the timeout: a build that fails must not count as a
+  # caught mutant.
+  if ! TRIBUTARY_MUTANTS=1 RUSTFLAGS="" cargo test --no-run "$@" >/dev/null 2>&1; then
+    say "mutant $rule: the build with every mutant failed ($*)"
+    return 1
+  fi
+  # shellcheck disable=SC2086
+  if env ${RUN_ENV:-} TRIBUTARY_MUTANTS=1 TRIBUTARY_ACTIVE_MUTANT="$rule" RUSTFLAGS="" \
+    timeout "$LOOM_MUTANT_TIMEOUT" cargo test "$@" >/dev/null 2>&1; then
+    say "mutant $rule: NOT CAUGHT by $*"
+    return 1
+  fi
+  say "mutant $rule: caught by $*"
+}
+
+run_mutants() {
+  check_table
+  say "mutation check: one build with every mutant ($LOOM_MUTANT_TARGET_DIR), $LOOM_JOBS models at a time"
+  local failed=0 entry rule bin
+  bin=$(TRIBUTARY_MUTANTS=1 build "$LOOM_MUTANT_TARGET_DIR")
+  run_model_pairs "$bin" || failed=1
   remove_build "$LOOM_MUTANT_TARGET_DIR"
   for entry in "${RANDOM_MUTANTS[@]}"; do
     rule="${entry%%:*}"
     selected "$rule" || continue
-    # The engine and the test built with every mutant (normal target directory; the first
-    # entry builds the engine, the others reuse it), outside the timeout: a build that
-    # fails must not count as a caught mutant.
     # shellcheck disable=SC2086
-    if ! TRIBUTARY_MUTANTS=1 RUSTFLAGS="" cargo test --no-run ${entry#*:} >/dev/null 2>&1; then
-      say "mutant $rule: the build with every mutant failed"
-      failed=1
-      continue
-    fi
-    # shellcheck disable=SC2086
-    if TRIBUTARY_MUTANTS=1 TRIBUTARY_ACTIVE_MUTANT="$rule" RUSTFLAGS="" \
-      timeout "$LOOM_MUTANT_TIMEOUT" cargo test ${entry#*:} >/dev/null 2>&1; then
-      say "mutant $rule: NOT CAUGHT by ${entry#*:}"
-      failed=1
-    else
-      say "mutant $rule: caught by ${entry#*:}"
-    fi
+    run_random "$rule" ${entry#*:} || failed=1
   done
   if command -v mpirun >/dev/null 2>&1; then
     for entry in "${CLUSTER_MUTANTS[@]}"; do
       rule="${entry%%:*}"
       selected "$rule" || continue
       # shellcheck disable=SC2086
-      if TRIBUTARY_MUTANT="$rule" TRIBUTARY_REQUIRE_MPI=1 \
-        RUSTFLAGS="" timeout "$LOOM_MUTANT_TIMEOUT" cargo test ${entry#*:} >/dev/null 2>&1; then
-        say "mutant $rule: NOT CAUGHT by ${entry#*:}"
-        failed=1
-      else
-        say "mutant $rule: caught by ${entry#*:}"
-      fi
+      RUN_ENV="TRIBUTARY_REQUIRE_MPI=1" run_random "$rule" ${entry#*:} || failed=1
     done
   else
     say "cluster mutants skipped: no mpirun"

@@ -55,14 +55,25 @@
 
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 
-/// `mutant!("rule")` is true when this crate is compiled with
-/// `--cfg tributary_mutant="rule"` (`TRIBUTARY_MUTANT=rule`, through `build.rs`): the rule
-/// of that name is then switched off, so its test can prove it notices
-/// (`loom_tests/run.sh` lists every rule and the test that catches it).
+/// `mutant!("rule")` is true when the rule of that name is switched off, so its test can
+/// prove it notices (`loom_tests/run.sh` lists every rule and the test that catches it):
+/// when this crate is compiled with `--cfg tributary_mutant="rule"` (`TRIBUTARY_MUTANT=rule`,
+/// through `build.rs`), or, in a build with every mutant (`TRIBUTARY_MUTANTS=1`), when the
+/// process runs with `TRIBUTARY_ACTIVE_MUTANT=rule` (every rank of an `mpirun` inherits it).
+#[cfg(not(tributary_mutants))]
 #[allow(unused_macros)]
 macro_rules! mutant {
     ($rule:literal) => {
         cfg!(tributary_mutant = $rule)
+    };
+}
+
+/// See the other definition: the rule is also chosen when the process starts.
+#[cfg(tributary_mutants)]
+#[allow(unused_macros)]
+macro_rules! mutant {
+    ($rule:literal) => {
+        cfg!(tributary_mutant = $rule) || tributary::mutants::active($rule)
     };
 }
 
