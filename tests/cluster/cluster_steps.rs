@@ -4,7 +4,8 @@
 //! replica identical on every rank; a replay something invalidated fails on every rank
 //! with the typed error issuing gives, and the ranks stay in step; a step of work on the
 //! network stream itself (compute, a halo exchange and an all-reduce, all in place) replays
-//! what issuing computes.
+//! what issuing computes, and a failed input in one of its replays fails only that
+//! replay's transfer, on the two ranks it joins.
 //!
 //! Each test launches itself under `mpirun` (`tributary_testkit::cluster`); without the `mpi`
 //! feature or without `mpirun` it prints `skipping MPI (<test>): <reason>`.
@@ -262,6 +263,151 @@ mod bodies {
         }
     }
 
+    /// A step of work on the network stream (produce `s`, send it to the next rank, receive
+    /// the previous rank's into `h`, copy `h` into `out`) replayed while rank 0's `produce`
+    /// fails once: in that replay rank 0's ticket fails with its routine's error, rank 1's
+    /// with `RankInputFailed` naming rank 0 (its receive never got data), every other
+    /// rank's succeeds; the next replay succeeds everywhere with the values issuing gives.
+    /// Each transfer's event is found by its position on the network stream's lane, where
+    /// work runs after it: the mutant `cluster_replay_positions` (counting only the network
+    /// operations) takes a later operation's event for a transfer, and the skipped send is
+    /// run as the receive after it.
+    pub fn failed_input_in_a_replay(cluster: &Arc<Cluster>) {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let (next, prev, send_first) = HaloProgram::neighbours(cluster);
+        let n = 16;
+        let node = |label: String| {
+            TensorNode::new(label, DType::F64, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node")
+        };
+        // Rank r sends `s{r}`; its next rank receives it into its `h`, of the same label.
+        let (s, h, out) = (
+            node(format!("s{rank}")),
+            node(format!("s{prev}")),
+            node("out".into()),
+        );
+        let init = cluster
+            .network_context()
+            .expect("network context")
+            .link(
+                RoutineSpec::custom(
+                    "init",
+                    vec![
+                        (s.clone(), Access::Write),
+                        (h.clone(), Access::Write),
+                        (out.clone(), Access::Write),
+                    ],
+                    None,
+                    |a| {
+                        for i in 0..3 {
+                            a.output::<f64>(i)?.fill(0.0);
+                        }
+                        Ok(())
+                    },
+                )
+                .expect("spec"),
+            )
+            .expect("linked");
+        init.schedule().expect("initialised");
+        let ctx = init.context();
+        // `produce` writes how many times it ran (a failing run counts), so every rank's
+        // `s` holds the same number after the same steps.
+        let (runs, fail) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let produce = {
+            let (runs, fail) = (runs.clone(), fail.clone());
+            ctx.link(
+                RoutineSpec::custom(
+                    "produce",
+                    vec![(s.clone(), Access::Write)],
+                    None,
+                    move |a| {
+                        // Relaxed: the host sets `fail` before it issues the replay that
+                        // runs this; the stream's hand-off orders the two.
+                        let run = runs.fetch_add(1, Ordering::Relaxed) + 1;
+                        if fail.load(Ordering::Relaxed) {
+                            return Err("produce failed on purpose".into());
+                        }
+                        a.output::<f64>(0)?.fill(run as f64);
+                        Ok(())
+                    },
+                )
+                .expect("spec"),
+            )
+            .expect("linked")
+        };
+        let consume = ctx
+            .link(
+                RoutineSpec::custom(
+                    "consume",
+                    vec![(h.clone(), Access::Read), (out.clone(), Access::Write)],
+                    None,
+                    |a| {
+                        let h = a.input::<f64>(0)?.to_vec();
+                        a.output::<f64>(1)?.copy_from_slice(&h);
+                        Ok(())
+                    },
+                )
+                .expect("spec"),
+            )
+            .expect("linked");
+        let step = cluster
+            .capture(|c| {
+                let at = ctx.protocol_context();
+                c.schedule(produce.routine())?;
+                if send_first {
+                    c.send(&s, at, next)?;
+                    c.recv(&h, at, prev)?;
+                } else {
+                    c.recv(&h, at, prev)?;
+                    c.send(&s, at, next)?;
+                }
+                c.schedule(consume.routine())?;
+                Ok(())
+            })
+            .expect("captured");
+        assert_eq!(step.network_operations(), 2, "a send and a receive");
+        // The capture ran the step once (run 1); each replay runs it again.
+        let out_now = || ctx.read::<f64>(&out).expect("read out");
+        cluster
+            .replay(&step)
+            .expect("issued")
+            .wait()
+            .expect("replay 1");
+        assert_eq!(out_now(), vec![2.0; n], "after the first replay");
+
+        fail.store(rank == 0, Ordering::Relaxed);
+        let failed = cluster.replay(&step).expect("issued").wait();
+        match (rank, &failed) {
+            (0, Err(Error::Failed(f))) => {
+                assert!(f.message.contains("produce failed on purpose"), "{f}")
+            }
+            (1, Err(Error::RankInputFailed { rank: 0, .. })) => {}
+            (r, Ok(())) if r > 1 => {}
+            other => panic!("rank {rank} of {size}: the failing replay gave {other:?}"),
+        }
+        if rank > 1 {
+            assert_eq!(out_now(), vec![3.0; n], "rank {rank} after the failing replay");
+        }
+
+        fail.store(false, Ordering::Relaxed);
+        cluster
+            .replay(&step)
+            .expect("issued")
+            .wait()
+            .unwrap_or_else(|e| panic!("rank {rank}: the replay after the failure: {e}"));
+        assert_eq!(out_now(), vec![4.0; n], "rank {rank} after the failure");
+        assert_eq!(runs.load(Ordering::Relaxed), 4, "the capture and three replays");
+        for r in [produce, consume] {
+            r.context().finalize().expect("finalized");
+        }
+        cluster
+            .finalize(ctx.protocol_context())
+            .expect("finalized");
+    }
+
     /// A step replayed after its context was finalized is refused on every rank: its
     /// all-reduce fails with `ReplayInvalidated` here and `RankInputFailed` from the others
     /// (as an operation whose input failed), and the next all-reduce, issued, still sums
@@ -354,6 +500,13 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(1),
     bodies::in_place_steps
+);
+
+cluster_test!(
+    a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(1),
+    bodies::failed_input_in_a_replay
 );
 
 cluster_test!(
