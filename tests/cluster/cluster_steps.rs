@@ -315,7 +315,10 @@ mod bodies {
         let ctx = init.context();
         // `produce` writes how many times it ran (a failing run counts), so every rank's
         // `s` holds the same number after the same steps.
-        let (runs, fail) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let (runs, fail) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
         let produce = {
             let (runs, fail) = (runs.clone(), fail.clone());
             ctx.link(
@@ -389,7 +392,11 @@ mod bodies {
             other => panic!("rank {rank} of {size}: the failing replay gave {other:?}"),
         }
         if rank > 1 {
-            assert_eq!(out_now(), vec![3.0; n], "rank {rank} after the failing replay");
+            assert_eq!(
+                out_now(),
+                vec![3.0; n],
+                "rank {rank} after the failing replay"
+            );
         }
 
         fail.store(false, Ordering::Relaxed);
@@ -399,13 +406,15 @@ mod bodies {
             .wait()
             .unwrap_or_else(|e| panic!("rank {rank}: the replay after the failure: {e}"));
         assert_eq!(out_now(), vec![4.0; n], "rank {rank} after the failure");
-        assert_eq!(runs.load(Ordering::Relaxed), 4, "the capture and three replays");
+        assert_eq!(
+            runs.load(Ordering::Relaxed),
+            4,
+            "the capture and three replays"
+        );
         for r in [produce, consume] {
             r.context().finalize().expect("finalized");
         }
-        cluster
-            .finalize(ctx.protocol_context())
-            .expect("finalized");
+        cluster.finalize(ctx.protocol_context()).expect("finalized");
     }
 
     /// A step replayed after its context was finalized is refused on every rank: its
