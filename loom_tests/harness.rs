@@ -19,7 +19,7 @@ use tracing_subscriber::{fmt, util::SubscriberInitExt, EnvFilter};
 /// the bound (for a deeper run by hand), `LOOM_MAX_BRANCHES` the branch limit (10 000 here:
 /// the protocol models issue a few dozen synchronisation operations per thread), and
 /// `LOOM_CHECKPOINT_FILE`, `LOOM_CHECKPOINT_INTERVAL`, `LOOM_LOG`, `LOOM_LOCATION` work
-/// as documented in `loom_tests/README.md`.
+/// as loom documents them (see the crate documentation of `loom_tests/main.rs`).
 pub fn builder(bound: Option<usize>) -> Builder {
     let mut b = Builder::new();
     if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {

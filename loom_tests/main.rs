@@ -4,14 +4,15 @@
 //!
 //! ```text
 //! RUSTFLAGS="--cfg tributary_loom" CARGO_TARGET_DIR=target-loom \
-//!     cargo test --release --test loom -- --nocapture
+//!     cargo test --release -p tributary-loom-tests --test loom -- --nocapture
 //! ```
 //!
-//! `loom_tests/README.md` lists every model (the rule it guards, threads, preemption
-//! bound, time, the mutants it catches) and how to replay a failure:
-//! `LOOM_CHECKPOINT_FILE` + `LOOM_CHECKPOINT_INTERVAL=1` to record the failing
-//! interleaving, then `LOOM_LOG=trace LOOM_LOCATION=1` to replay it with a trace.
-//! `loom_tests/run.sh` runs the models and the mutation check.
+//! Each model's doc comment says the rule it guards and the mutant that breaks it; each run
+//! prints its preemption bound, interleavings and time (`harness::run_model`).
+//! `loom_tests/run.sh` runs the models and the mutation check, and lists every mutant with
+//! the models that must catch it. To replay a failure: `LOOM_CHECKPOINT_FILE` +
+//! `LOOM_CHECKPOINT_INTERVAL=1` record the failing interleaving, then `LOOM_LOG=trace
+//! LOOM_LOCATION=1` replays it with a trace (loom's documentation).
 #![cfg(tributary_loom)]
 
 mod actor_world;

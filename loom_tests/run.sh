@@ -131,7 +131,7 @@ say() { printf '[loom %4ss] %s\n' "$(($(now) - START))" "$*"; }
 # Builds the loom test binary into target dir $1 and prints its path.
 build() {
   local dir="$1" out
-  out=$(CARGO_TARGET_DIR="$dir" cargo test --release --test loom --no-run 2>&1) || {
+  out=$(CARGO_TARGET_DIR="$dir" cargo test --release -p tributary-loom-tests --test loom --no-run 2>&1) || {
     echo "$out" >&2
     return 1
   }

@@ -7,7 +7,8 @@
 //! checks; see DESIGN.md §7. The switch is `--cfg tributary_loom`, set through `RUSTFLAGS`:
 //!
 //! ```text
-//! RUSTFLAGS="--cfg tributary_loom" CARGO_TARGET_DIR=target-loom cargo test --release --test loom
+//! RUSTFLAGS="--cfg tributary_loom" CARGO_TARGET_DIR=target-loom \
+//!     cargo test --release -p tributary-loom-tests --test loom
 //! ```
 //!
 //! A crate-specific cfg leaves dependencies such as tokio alone. A cargo feature could be
