@@ -99,42 +99,21 @@ mod bodies {
         /// issued and the replayed programs are distinct nodes (the same on every rank).
         fn new(cluster: &Cluster, tag: &str) -> HaloProgram {
             let (rank, n) = (cluster.rank(), 256);
-            let node = |label: String| {
-                TensorNode::new(label, DType::F64, [n])
-                    .with_mode(MemoryMode::on_device())
-                    .expect("node")
-            };
             let prev = (rank + cluster.size() - 1) % cluster.size();
             let (x, h, s) = (
-                node(format!("x.{tag}")),
-                node(format!("s{prev}.{tag}")),
-                node(format!("s{rank}.{tag}")),
+                f64_node(format!("x.{tag}"), n),
+                f64_node(format!("s{prev}.{tag}"), n),
+                f64_node(format!("s{rank}.{tag}"), n),
             );
             let start: Vec<f64> = (0..n).map(|i| (rank * n + i) as f64).collect();
-            let init = cluster
-                .network_context()
-                .expect("network context")
-                .link(
-                    RoutineSpec::custom(
-                        "init",
-                        vec![
-                            (x.clone(), Access::Write),
-                            (h.clone(), Access::Write),
-                            (s.clone(), Access::Write),
-                        ],
-                        None,
-                        move |a| {
-                            a.output::<f64>(0)?.copy_from_slice(&start);
-                            a.output::<f64>(1)?.fill(0.0);
-                            a.output::<f64>(2)?.fill(0.0);
-                            Ok(())
-                        },
-                    )
-                    .expect("spec"),
-                )
-                .expect("linked");
-            init.schedule().expect("initialised");
-            let ctx = init.context();
+            let ctx = initialised_on_network_stream(
+                cluster,
+                vec![
+                    (x.clone(), start),
+                    (h.clone(), vec![0.0; n]),
+                    (s.clone(), vec![0.0; n]),
+                ],
+            );
             let update = ctx
                 .link(
                     RoutineSpec::custom(
@@ -219,6 +198,41 @@ mod bodies {
         }
     }
 
+    /// An f64 node of `n` elements in device memory.
+    fn f64_node(label: String, n: usize) -> TensorNode {
+        TensorNode::new(label, DType::F64, [n])
+            .with_mode(MemoryMode::on_device())
+            .expect("node")
+    }
+
+    /// A context on the network stream in which each node holds its values, written by one
+    /// routine.
+    fn initialised_on_network_stream(
+        cluster: &Cluster,
+        nodes: Vec<(TensorNode, Vec<f64>)>,
+    ) -> ContextHandle {
+        let args = nodes
+            .iter()
+            .map(|(x, _)| (x.clone(), Access::Write))
+            .collect();
+        let values: Vec<Vec<f64>> = nodes.into_iter().map(|(_, v)| v).collect();
+        let init = cluster
+            .network_context()
+            .expect("network context")
+            .link(
+                RoutineSpec::custom("init", args, None, move |a| {
+                    for (i, v) in values.iter().enumerate() {
+                        a.output::<f64>(i)?.copy_from_slice(v);
+                    }
+                    Ok(())
+                })
+                .expect("spec"),
+            )
+            .expect("linked");
+        init.schedule().expect("initialised");
+        init.context()
+    }
+
     /// Work on the network stream itself, captured and replayed: each step updates `x`
     /// from the halo, exchanges halos around the ring and averages `x` across ranks, all in
     /// place on the network stream (compute and network operations interleaved on its
@@ -278,41 +292,19 @@ mod bodies {
         let (rank, size) = (cluster.rank(), cluster.size());
         let (next, prev, send_first) = HaloProgram::neighbours(cluster);
         let n = 16;
-        let node = |label: String| {
-            TensorNode::new(label, DType::F64, [n])
-                .with_mode(MemoryMode::on_device())
-                .expect("node")
-        };
         // Rank r sends `s{r}`; its next rank receives it into its `h`, of the same label.
         let (s, h, out) = (
-            node(format!("s{rank}")),
-            node(format!("s{prev}")),
-            node("out".into()),
+            f64_node(format!("s{rank}"), n),
+            f64_node(format!("s{prev}"), n),
+            f64_node("out".into(), n),
         );
-        let init = cluster
-            .network_context()
-            .expect("network context")
-            .link(
-                RoutineSpec::custom(
-                    "init",
-                    vec![
-                        (s.clone(), Access::Write),
-                        (h.clone(), Access::Write),
-                        (out.clone(), Access::Write),
-                    ],
-                    None,
-                    |a| {
-                        for i in 0..3 {
-                            a.output::<f64>(i)?.fill(0.0);
-                        }
-                        Ok(())
-                    },
-                )
-                .expect("spec"),
-            )
-            .expect("linked");
-        init.schedule().expect("initialised");
-        let ctx = init.context();
+        let ctx = initialised_on_network_stream(
+            cluster,
+            [&s, &h, &out]
+                .into_iter()
+                .map(|x| (x.clone(), vec![0.0; n]))
+                .collect(),
+        );
         // `produce` writes how many times it ran (a failing run counts), so every rank's
         // `s` holds the same number after the same steps.
         let (runs, fail) = (
