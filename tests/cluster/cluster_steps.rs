@@ -35,6 +35,14 @@ mod bodies {
         crate::cluster_collectives::bodies::config(devices, CrossRankAlgorithm::Auto)
     }
 
+    /// [`config`] with another deadline: 10 s for a test whose mutant stalls a rank (the
+    /// check then ends at the deadline, not after a minute); no healthy run waits that long.
+    pub fn config_with_deadline(devices: usize, deadline: std::time::Duration) -> ClusterConfig {
+        let mut c = config(devices);
+        c.deadline = deadline;
+        c
+    }
+
     /// Two trainings of the same model on the same cluster, alternating: one issues every
     /// step, the other captures its first step and replays it. Their losses are bitwise
     /// equal after every step, and so are their parameters, on every replica and every rank.
@@ -506,7 +514,7 @@ cluster_test!(
 cluster_test!(
     a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more,
     [Launch::ranks(2), Launch::ranks(4)],
-    bodies::config(1),
+    bodies::config_with_deadline(1, std::time::Duration::from_secs(10)),
     bodies::failed_input_in_a_replay
 );
 
