@@ -26,11 +26,11 @@
 # at a time (each loom model is single-threaded), in the models' own build directory.
 #
 # Environment: LOOM_TARGET_DIR (default target-loom), LOOM_MUTANT_TARGET_DIR (default: the
-# same directory), LOOM_JOBS (models run at once against mutants, default the CPU count),
-# LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant,
-# default 300), LOOM_REMOVE_BUILDS (1: remove each loom target directory once its binary
-# has run, as CI does to keep its disk). LOOM_MAX_PREEMPTIONS must not be set: each model
-# has its own bound.
+# same directory), LOOM_JOBS (models run at once, alone and against mutants; default the
+# CPU count), LOOM_MUTANT_TIMEOUT (seconds per model run against a mutant, default 300),
+# LOOM_REMOVE_BUILDS (1: remove each loom target directory once its binary has run, as CI
+# does to keep its disk). LOOM_MAX_PREEMPTIONS must not be set: each model has its own
+# bound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -157,7 +157,7 @@ run_models() {
   local bin
   bin=$(build "$LOOM_TARGET_DIR")
   say "running every model against the real engine"
-  "$bin" --nocapture --test-threads 2
+  "$bin" --nocapture --test-threads "$LOOM_JOBS"
   say "models passed"
   # The mutants' build reuses this directory unless it has its own.
   if [ "$MODE" = models ] || [ "$LOOM_MUTANT_TARGET_DIR" != "$LOOM_TARGET_DIR" ]; then

@@ -289,7 +289,8 @@ mod bodies {
     /// the previous rank's into `h`, copy `h` into `out`) replayed while rank 0's `produce`
     /// fails once: in that replay rank 0's ticket fails with its routine's error, rank 1's
     /// with `RankInputFailed` naming rank 0 (its receive never got data), every other
-    /// rank's succeeds; the next replay succeeds everywhere with the values issuing gives.
+    /// rank's succeeds; the next replay succeeds everywhere, each rank's `out` holding the
+    /// previous rank's `produce` count.
     /// Each transfer's event is found by its position on the network stream's lane, where
     /// work runs after it: the mutant `cluster_replay_positions` (counting only the network
     /// operations) takes a later operation's event for a transfer, and the skipped send is

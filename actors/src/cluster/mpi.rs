@@ -289,9 +289,8 @@ impl Mpi {
     }
 
     /// Waits until every request in `requests` completed, polling ([`SPIN_POLLS`] polls, then
-    /// a yield of the core between polls); gives up at `deadline`
-    /// with [`Stalled`], naming the lowest rank a pending receive waits for (or a pending
-    /// send's destination). Completed requests become null; pending ones stay in the list.
+    /// a yield of the core between polls); gives up at `deadline` with [`Stalled`], naming
+    /// the lowest rank a pending receive waits for (or a pending send's destination). Completed requests become null; pending ones stay in the list.
     pub(crate) fn wait_all(
         &self,
         requests: &mut [Request],
