@@ -99,8 +99,7 @@ pub(crate) mod bodies {
             .and_then(|s| s.parse().ok())
             .unwrap_or(0x5eed);
         let mut rng = Rng(seed);
-        let (rank, ranks) = (cluster.rank(), cluster.size());
-        let devices = cluster.devices_per_rank()[rank];
+        let rank = cluster.rank();
         let total: usize = cluster.devices_per_rank().iter().sum();
         let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16];
         let cases = 14;
@@ -125,95 +124,138 @@ pub(crate) mod bodies {
             // Context 0 on the network stream (the all-reduce in place) on some ranks and
             // not on others: a local choice, the same operation across ranks.
             let in_place = (rng.next() + rank as u64) % 2 == 0;
-            let node = TensorNode::new(format!("g{case}"), dtype, [n])
-                .with_mode(MemoryMode::on_device())
-                .expect("node");
-            let mut contexts: Vec<ContextHandle> = Vec::new();
-            for d in 0..devices {
-                let values: Vec<f64> = (0..n).map(|i| value(case, rank, d, i)).collect();
-                let ctx = if in_place && d == 0 {
-                    cluster.network_context().expect("network context")
-                } else {
-                    cluster.context(d, 0).expect("context")
-                };
-                let ctx = match dtype {
-                    DType::F32 => init(
-                        ctx,
-                        &node,
-                        &values.iter().map(|v| *v as f32).collect::<Vec<_>>(),
-                    ),
-                    DType::F64 => init(ctx, &node, &values),
-                    DType::F16 => init(
-                        ctx,
-                        &node,
-                        &values.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>(),
-                    ),
-                    _ => init(
-                        ctx,
-                        &node,
-                        &values
-                            .iter()
-                            .map(|v| bf16::from_f64(*v))
-                            .collect::<Vec<_>>(),
-                    ),
-                }
-                .expect("init");
-                contexts.push(ctx);
-            }
-            let plan = cluster
-                .all_reduce_plan(std::slice::from_ref(&node), &contexts, op, strategy)
-                .expect("plan");
-            plan.run().expect("run").wait().expect("all-reduce");
-            let want: Vec<f64> = (0..n)
-                .map(|i| {
-                    let mut sum = 0.0;
-                    for r in 0..ranks {
-                        for d in 0..cluster.devices_per_rank()[r] {
-                            sum += value(case, r, d, i);
-                        }
-                    }
-                    if op == ReduceOp::Mean {
-                        sum / total as f64
-                    } else {
-                        sum
-                    }
-                })
-                .collect();
-            let what = format!(
-                "case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank} (in place: \
-                 {in_place})"
-            );
-            for ctx in &contexts {
-                match dtype {
-                    DType::F32 => check(
-                        &ctx.read::<f32>(&node).expect("read"),
-                        &want,
-                        |v| v as f32,
-                        &what,
-                    ),
-                    DType::F64 => {
-                        check(&ctx.read::<f64>(&node).expect("read"), &want, |v| v, &what)
-                    }
-                    DType::F16 => check(
-                        &ctx.read::<f16>(&node).expect("read"),
-                        &want,
-                        f16::from_f64,
-                        &what,
-                    ),
-                    _ => check(
-                        &ctx.read::<bf16>(&node).expect("read"),
-                        &want,
-                        bf16::from_f64,
-                        &what,
-                    ),
-                }
-            }
-            plan.finalize().expect("finalize");
-            for ctx in contexts {
-                ctx.finalize().expect("finalize");
-            }
-            println!("rank {rank}: {what} ok");
+            all_reduce_case(cluster, case, dtype, n, strategy, op, in_place);
         }
+    }
+
+    /// Around the frames of a header message (`FRAME_BYTES` = 4,032: a header of 96 bytes,
+    /// then 3,936 payload bytes in the first frame, 4,032 in each next) and the largest
+    /// payload that travels with the header (16 KiB): `Direct` all-reduces of f32 whose
+    /// payload fills one frame exactly, spills one element into a second, fills two frames
+    /// exactly, fills the piggyback limit (five frames) and passes it by one element (the
+    /// data after the headers). In place on the even ranks, from a compute stream on the odd ones.
+    pub fn frame_boundaries(cluster: &Arc<Cluster>) {
+        let total: usize = cluster.devices_per_rank().iter().sum();
+        let op = if total.is_power_of_two() {
+            ReduceOp::Mean
+        } else {
+            ReduceOp::Sum
+        };
+        let in_place = cluster.rank() % 2 == 0;
+        for (case, n) in [984, 985, 2000, 4096, 4097].into_iter().enumerate() {
+            all_reduce_case(
+                cluster,
+                100 + case,
+                DType::F32,
+                n,
+                Strategy::Tree,
+                op,
+                in_place,
+            );
+        }
+    }
+
+    /// One all-reduce of `n` elements of `dtype` (values from [`value`]), checked on every
+    /// context of this rank against the sequential sum of every (rank, device)
+    /// contribution. Context 0 is on the network stream when `in_place`.
+    fn all_reduce_case(
+        cluster: &Arc<Cluster>,
+        case: usize,
+        dtype: DType,
+        n: usize,
+        strategy: Strategy,
+        op: ReduceOp,
+        in_place: bool,
+    ) {
+        let (rank, ranks) = (cluster.rank(), cluster.size());
+        let devices = cluster.devices_per_rank()[rank];
+        let total: usize = cluster.devices_per_rank().iter().sum();
+        let node = TensorNode::new(format!("g{case}"), dtype, [n])
+            .with_mode(MemoryMode::on_device())
+            .expect("node");
+        let mut contexts: Vec<ContextHandle> = Vec::new();
+        for d in 0..devices {
+            let values: Vec<f64> = (0..n).map(|i| value(case, rank, d, i)).collect();
+            let ctx = if in_place && d == 0 {
+                cluster.network_context().expect("network context")
+            } else {
+                cluster.context(d, 0).expect("context")
+            };
+            let ctx = match dtype {
+                DType::F32 => init(
+                    ctx,
+                    &node,
+                    &values.iter().map(|v| *v as f32).collect::<Vec<_>>(),
+                ),
+                DType::F64 => init(ctx, &node, &values),
+                DType::F16 => init(
+                    ctx,
+                    &node,
+                    &values.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>(),
+                ),
+                _ => init(
+                    ctx,
+                    &node,
+                    &values
+                        .iter()
+                        .map(|v| bf16::from_f64(*v))
+                        .collect::<Vec<_>>(),
+                ),
+            }
+            .expect("init");
+            contexts.push(ctx);
+        }
+        let plan = cluster
+            .all_reduce_plan(std::slice::from_ref(&node), &contexts, op, strategy)
+            .expect("plan");
+        plan.run().expect("run").wait().expect("all-reduce");
+        let want: Vec<f64> = (0..n)
+            .map(|i| {
+                let mut sum = 0.0;
+                for r in 0..ranks {
+                    for d in 0..cluster.devices_per_rank()[r] {
+                        sum += value(case, r, d, i);
+                    }
+                }
+                if op == ReduceOp::Mean {
+                    sum / total as f64
+                } else {
+                    sum
+                }
+            })
+            .collect();
+        let what = format!(
+            "case {case}: {n} x {dtype} {op:?} {strategy:?} on rank {rank} (in place: \
+                 {in_place})"
+        );
+        for ctx in &contexts {
+            match dtype {
+                DType::F32 => check(
+                    &ctx.read::<f32>(&node).expect("read"),
+                    &want,
+                    |v| v as f32,
+                    &what,
+                ),
+                DType::F64 => check(&ctx.read::<f64>(&node).expect("read"), &want, |v| v, &what),
+                DType::F16 => check(
+                    &ctx.read::<f16>(&node).expect("read"),
+                    &want,
+                    f16::from_f64,
+                    &what,
+                ),
+                _ => check(
+                    &ctx.read::<bf16>(&node).expect("read"),
+                    &want,
+                    bf16::from_f64,
+                    &what,
+                ),
+            }
+        }
+        plan.finalize().expect("finalize");
+        for ctx in contexts {
+            ctx.finalize().expect("finalize");
+        }
+        println!("rank {rank}: {what} ok");
     }
 
     /// Random floats (sums not exact): every context of every rank holds the same bits
@@ -289,14 +331,21 @@ pub(crate) mod bodies {
     /// even ranks send first, so blocking transfers cannot wait on each other in a cycle).
     pub fn ring_of_transfers(cluster: &Arc<Cluster>) {
         let rank = cluster.rank();
-        // Data that travels with the header (8000 bytes) and data sent after it (32 KiB);
-        // from and into compute streams, in place on the network stream, and mixed (the
-        // sender in place on even ranks, the receiver on odd ones).
+        // Data that travels with the header (8000 bytes: two full frames) and data sent after
+        // it (32 KiB); from and into compute streams, in place on the network stream, and
+        // mixed (the sender in place on even ranks, the receiver on odd ones). Then around
+        // the frames: one frame filled exactly (492 f64 after the 96-byte header), one
+        // element into a second, the largest piggybacked payload (16 KiB, five frames) and
+        // one element past it.
         let rounds = [
             (1000, false, false),
             (4096, true, true),
             (1000, rank % 2 == 0, rank % 2 == 1),
             (4096, rank % 2 == 1, rank % 2 == 0),
+            (492, false, false),
+            (493, true, false),
+            (2048, false, true),
+            (2049, true, true),
         ];
         for (round, (n, send_in_place, recv_in_place)) in rounds.into_iter().enumerate() {
             transfer_round(cluster, round, n, send_in_place, recv_in_place);
@@ -467,6 +516,13 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
     bodies::random_all_reduces
+);
+
+cluster_test!(
+    all_reduces_around_the_frames_of_a_header_message,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::frame_boundaries
 );
 
 cluster_test!(

@@ -85,9 +85,11 @@ mod bodies {
 
     /// Rank 0 all-reduces `a` then `b`, every other rank `b` then `a`: the first of them
     /// (network call 1, after a barrier) is a `CollectiveMismatch` on every rank at once,
-    /// the second fails with it too.
+    /// the second fails with it too. `a`'s payload takes one frame of its header message,
+    /// `b`'s three (3,000 f32): a rank waits for the headers alone before it checks them, so
+    /// frames that were posted for and never come (or come unasked) delay nothing.
     pub fn mismatched_order(cluster: &Arc<Cluster>) {
-        let (a, b) = (node("a", 64), node("b", 64));
+        let (a, b) = (node("a", 64), node("b", 3000));
         let ctxs = filled(cluster, &[a.clone(), b.clone()], 1.0);
         let order = if cluster.rank() == 0 {
             [&a, &b]
@@ -234,7 +236,78 @@ mod bodies {
     /// Rank 1's gradient routine fails: its all-reduce fails with that root cause, the
     /// others' with `RankInputFailed` naming rank 1; the next all-reduce works everywhere.
     pub fn input_fails_on_one_rank(cluster: &Arc<Cluster>) {
-        let g = node("g", 256);
+        failed_all_reduce_input(cluster, 256);
+    }
+
+    /// As [`input_fails_on_one_rank`] with a payload of three frames (3,000 f32: 12,000
+    /// bytes after the 96-byte header, `Direct`): the failed rank still sends every frame
+    /// the others posted a receive for, so they fail the operation with `RankInputFailed`
+    /// at once, not with `RankUnreachable` at the deadline while waiting for frames that
+    /// never come, and the next all-reduce sums right. Then a transfer: rank 0's input of a
+    /// three-frame send to rank 1 fails, rank 1's receive fails with `RankInputFailed`
+    /// naming rank 0, and the next transfer between them arrives whole.
+    pub fn input_of_several_frames_fails_on_one_rank(cluster: &Arc<Cluster>) {
+        failed_all_reduce_input(cluster, 3000);
+        let rank = cluster.rank();
+        if rank > 1 {
+            return;
+        }
+        let t = node("t", 3000);
+        let ctx = filled(cluster, std::slice::from_ref(&t), 1.0).swap_remove(0);
+        let started = Instant::now();
+        let first = if rank == 0 {
+            let r = ctx
+                .link(
+                    RoutineSpec::custom("produce", vec![(t.clone(), Access::Write)], None, |_| {
+                        Err("the message failed".into())
+                    })
+                    .expect("spec"),
+                )
+                .expect("link");
+            r.schedule().expect("schedule");
+            let failed = r.context();
+            let result = cluster.send(&t, &failed, 1).expect("issued").wait();
+            match &result {
+                Err(Error::Failed(f)) => assert!(f.message.contains("the message failed"), "{f}"),
+                other => panic!("unexpected send outcome {other:?}"),
+            }
+            failed
+        } else {
+            let result = cluster.recv(&t, &ctx, 0).expect("issued").wait();
+            match &result {
+                Err(Error::RankInputFailed {
+                    rank: 0, call: 0, ..
+                }) => {}
+                other => panic!("unexpected receive outcome {other:?}"),
+            }
+            ctx
+        };
+        assert!(
+            started.elapsed() < DEADLINE,
+            "rank {rank}: the failed transfer took {:?}, past the deadline {DEADLINE:?}",
+            started.elapsed()
+        );
+        let healed =
+            filled_from(std::slice::from_ref(&first), &t, 5.0 + rank as f64).swap_remove(0);
+        if rank == 0 {
+            cluster
+                .send(&t, &healed, 1)
+                .expect("issued")
+                .wait()
+                .expect("sent");
+        } else {
+            cluster
+                .recv(&t, &healed, 0)
+                .expect("issued")
+                .wait()
+                .expect("received");
+            assert_eq!(healed.read::<f32>(&t).expect("read"), vec![5.0; 3000]);
+        }
+    }
+
+    /// Rank 1's routine writing the gradient (`n` f32) fails; see [`input_fails_on_one_rank`].
+    fn failed_all_reduce_input(cluster: &Arc<Cluster>, n: usize) {
+        let g = node("g", n);
         let ctxs = filled(cluster, std::slice::from_ref(&g), 1.0);
         let rank = cluster.rank();
         let broken: Vec<ContextHandle> = ctxs
@@ -294,7 +367,7 @@ mod bodies {
             .expect("second");
         assert_eq!(
             healed[1].read::<f32>(&g).expect("read"),
-            vec![2.0 * cluster.size() as f32; 256]
+            vec![2.0 * cluster.size() as f32; n]
         );
     }
 }
@@ -346,4 +419,11 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(),
     bodies::input_fails_on_one_rank
+);
+
+cluster_test!(
+    a_failed_input_of_several_frames_fails_that_operation_on_every_rank_and_no_more,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(),
+    bodies::input_of_several_frames_fails_on_one_rank
 );

@@ -35,18 +35,33 @@ use super::{
 };
 
 /// Payloads of at most this many bytes travel in their header's message: a `Direct`
-/// all-reduce's wire input, and a transfer's data. One message per peer then carries both,
-/// where a header exchange and then the data cost two one-way latencies (a 4 KiB all-reduce's
-/// or a small `send`'s largest fixed cost). Every header receive has room for a header and
-/// this much, so a message with a payload is taken whole even by a rank that expected a
-/// header alone (a mismatch, reported as such, never a truncation). The receiver uses the
-/// payload only once the headers agree: whether one travels is decided from the compared
-/// fields (algorithm, element count, dtype), so agreeing ranks decide alike. Above it the
-/// copy into the message would cost more than the latency it saves.
+/// all-reduce's wire input, and a transfer's data. One message per peer then carries both
+/// (cut into frames, [`FRAME_BYTES`]), where a header exchange and then the data cost two
+/// one-way latencies (a 4 KiB all-reduce's or a small `send`'s largest fixed cost). Every
+/// receive is posted with room for a whole frame, so a message is taken whole even by a
+/// rank that expected a header alone (a mismatch, reported as such, never a truncation).
+/// The receiver uses the payload only once the headers agree: whether one travels, and
+/// how many frames it takes, is decided from the compared fields (algorithm, element count,
+/// dtype), so agreeing ranks decide alike. Above it the copy into the message would cost
+/// more than the latency it saves.
 pub(crate) const PIGGYBACK_MAX_BYTES: usize = 16 * 1024;
 
-/// The bytes of one rank's message slot: a header, then room for a payload.
-pub(crate) const SLOT_BYTES: usize = HEADER_BYTES + PIGGYBACK_MAX_BYTES;
+/// The largest message of a header exchange. A header with its payload is cut into frames
+/// of this many bytes, sent back to back under one tag (MPI keeps their order), because
+/// Open MPI's shared-memory transport (`btl vader`) sends a message of up to its eager
+/// limit (4 KiB by default, its own match header included: 4,040 bytes of data, measured)
+/// in one copy through its queue, and a larger one by a rendezvous (a request, a
+/// `process_vm_readv` of the sender's memory, an acknowledgement) that cost ~2.5 µs more
+/// per message here: a raw `MPI_Send`/`MPI_Recv` round trip of 4,040 bytes took 1.6 µs, of
+/// 4,048 bytes 7.2 µs (BENCHMARKS.md, "Header messages in eager frames"). Every transport
+/// that has an eager path takes messages of this size on it (TCP: 64 KiB; UCX on shared
+/// memory: 8 KiB). A constant, not a setting: ranks that cut frames differently would
+/// agree on the headers and still misplace each other's payloads.
+pub(crate) const FRAME_BYTES: usize = 4032;
+
+/// The bytes of one rank's message slot: a header, then room for a payload, in whole frames.
+pub(crate) const SLOT_BYTES: usize =
+    (HEADER_BYTES + PIGGYBACK_MAX_BYTES).div_ceil(FRAME_BYTES) * FRAME_BYTES;
 const SLOT_WORDS: usize = SLOT_BYTES / 8;
 
 /// The cluster's network settings that every rank must share (they decide the algorithm).
@@ -56,6 +71,32 @@ pub(crate) struct NetworkConfig {
     pub(crate) algorithm: CrossRankAlgorithm,
     pub(crate) direct_max_bytes: usize,
     pub(crate) chunk_bytes: usize,
+}
+
+/// What follows this rank's header in its header message.
+#[derive(Clone, Copy)]
+pub(super) enum Payload<'a> {
+    /// These bytes (at most [`PIGGYBACK_MAX_BYTES`]; empty for none).
+    Bytes(&'a [u8]),
+    /// As many bytes as the operation's payload holds, which no receiver reads: a rank whose
+    /// input failed still sends every frame the others posted a receive for (a frame left
+    /// unreceived would be taken by a later operation whose tag wraps onto this one's).
+    Unread(usize),
+}
+
+impl Payload<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(b) => b.len(),
+            Payload::Unread(n) => *n,
+        }
+        .min(PIGGYBACK_MAX_BYTES)
+    }
+}
+
+/// The frames a header with `payload` bytes after it takes.
+fn frames(payload: usize) -> usize {
+    (HEADER_BYTES + payload.min(PIGGYBACK_MAX_BYTES)).div_ceil(FRAME_BYTES)
 }
 
 /// One network operation, from its issue to its completion.
@@ -392,13 +433,33 @@ impl Network {
             }
             _ => CrossRankAlgorithm::Direct,
         };
+        // Every frame its payload would have taken, unread, so that every receive the others
+        // posted is matched (the mutant sends the header alone).
+        let frames_of = |bytes: usize| {
+            if mutant!("cluster_unread_frames") {
+                0
+            } else {
+                bytes
+            }
+        };
         let result = match skipped.desc.kind {
-            OpKind::AllReduce | OpKind::Barrier => self
-                .exchange_headers(guard, skipped, algorithm, Status::InputFailed, 0, &[])
-                .map(|_| ()),
-            OpKind::Transfer => self
-                .transfer_headers(guard, skipped, Status::InputFailed, &[])
-                .map(|_| ()),
+            OpKind::AllReduce | OpKind::Barrier => {
+                let bytes = frames_of(self.piggyback_bytes(&skipped.desc, algorithm));
+                let unread = Payload::Unread(bytes);
+                self.exchange_headers(guard, skipped, algorithm, Status::InputFailed, 0, unread)
+                    .map(|_| ())
+            }
+            OpKind::Transfer => {
+                let (sent, expected) = self.transfer_payloads(&skipped.desc);
+                let sent = frames_of(sent);
+                self.transfer_headers(
+                    guard,
+                    skipped,
+                    Status::InputFailed,
+                    Payload::Unread(sent),
+                    expected,
+                )
+            }
             OpKind::Raw => Ok(()),
         };
         // The others learn of it through the header; this rank's own operation already
@@ -485,18 +546,20 @@ impl Network {
     ) -> Result<Vec<f64>> {
         match self.mpi.wait_all(&mut requests, deadline) {
             Ok(()) => Ok(keep),
-            Err(e) => {
-                guard.state.abandoned.push((requests, keep));
-                Err(match e {
-                    WaitError::Mpi(e) => e,
-                    WaitError::Stalled(s) => Error::RankUnreachable {
-                        rank: s.peer.unwrap_or(usize::MAX),
-                        call: op.seq,
-                        operation: op.desc.describe(),
-                        waited: self.config.deadline,
-                    },
-                })
-            }
+            Err(e) => Err(self.abandon(guard, requests, keep, self.fault(op, e))),
+        }
+    }
+
+    /// The typed fault of a wait for `op` that gave up.
+    fn fault(&self, op: &Issued, e: WaitError) -> Error {
+        match e {
+            WaitError::Mpi(e) => e,
+            WaitError::Stalled(s) => Error::RankUnreachable {
+                rank: s.peer.unwrap_or(usize::MAX),
+                call: op.seq,
+                operation: op.desc.describe(),
+                waited: self.config.deadline,
+            },
         }
     }
 
@@ -531,10 +594,44 @@ impl Network {
             .unwrap_or(&[])
     }
 
+    /// The payload bytes rank by rank of a collective header exchange (every rank sends as
+    /// many as it receives from each other): a `Direct` all-reduce's wire input of at most
+    /// [`PIGGYBACK_MAX_BYTES`] on more than one rank, else none. Decided from fields the
+    /// headers compare.
+    pub(super) fn piggyback_bytes(&self, desc: &OpDesc, algorithm: CrossRankAlgorithm) -> usize {
+        let bytes = wire_bytes(desc);
+        let travels = desc.kind == OpKind::AllReduce
+            && self.size() > 1
+            && matches!(algorithm, CrossRankAlgorithm::Direct)
+            && bytes <= PIGGYBACK_MAX_BYTES;
+        if travels {
+            bytes
+        } else {
+            0
+        }
+    }
+
+    /// `(sent, expected)`: the payload bytes this rank sends with its header of the transfer
+    /// `desc`, and those it receives with the peer's: the data, from the sender, when it is
+    /// at most [`PIGGYBACK_MAX_BYTES`] (decided from the element count and dtype, which the
+    /// headers compare).
+    pub(super) fn transfer_payloads(&self, desc: &OpDesc) -> (usize, usize) {
+        let bytes = transfer_bytes(desc);
+        let piggyback = if bytes <= PIGGYBACK_MAX_BYTES {
+            bytes
+        } else {
+            0
+        };
+        match desc.route {
+            Some((from, _)) if from == self.rank() => (piggyback, 0),
+            _ => (0, piggyback),
+        }
+    }
+
     /// Every rank's header of a collective (index = rank), after checking them against
     /// this rank's: a mismatch or a failed input elsewhere is an error here too. `payload`
-    /// (at most [`PIGGYBACK_MAX_BYTES`], empty for none) travels in this rank's header
-    /// message; the others' arrive in the guard's slots ([`Network::payload`]).
+    /// travels in this rank's header message; the others' (as many bytes: a collective's
+    /// payloads have one size) arrive in the guard's slots ([`Network::payload`]).
     fn exchange_headers(
         &self,
         guard: &mut ExecGuard<'_>,
@@ -542,149 +639,192 @@ impl Network {
         algorithm: CrossRankAlgorithm,
         status: Status,
         contributions: usize,
-        payload: &[u8],
+        payload: Payload<'_>,
     ) -> Result<Vec<Header>> {
         let (rank, size) = (self.rank(), self.size());
         let mut mine = Header::new(&op.desc, op.seq, rank, algorithm, status);
         mine.contributions = contributions.min(u16::MAX as usize) as u16;
-        let payload = &payload[..payload.len().min(PIGGYBACK_MAX_BYTES)];
-        // One buffer, never reallocated once posted: a slot per rank (this rank's slot
-        // holds the outgoing header and payload). `wait` keeps it while a request may use
-        // it.
+        // One slot per rank; this rank's holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, size);
-        {
-            let out = &mut bytemuck_bytes_mut(&mut keep)[rank * SLOT_BYTES..];
-            out[..HEADER_BYTES].copy_from_slice(&mine.encode());
-            out[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
-        }
-        let base = keep.as_mut_ptr().cast::<u8>();
+        write_slot(&mut keep, rank, &mine, payload);
+        let peers = (0..size).filter(|&p| p != rank).map(|p| (p, p));
         let t = tag(op.seq, phase::HEADER);
-        let mut requests = Vec::with_capacity(2 * size);
-        let posted = (|| {
-            for peer in (0..size).filter(|&p| p != rank) {
-                // SAFETY: slot `peer` of `keep` (SLOT_BYTES) is written only by this
-                // receive, slot `rank` is only read by the sends (HEADER_BYTES + payload
-                // bytes, inside it); `keep` is not reallocated and outlives the requests
-                // (`wait` and `abandon` keep it with them on a fault).
-                unsafe {
-                    requests.push(self.mpi.irecv(
-                        base.add(peer * SLOT_BYTES),
-                        SLOT_BYTES,
-                        peer,
-                        t,
-                    )?);
-                    requests.push(self.mpi.isend(
-                        base.add(rank * SLOT_BYTES),
-                        HEADER_BYTES + payload.len(),
-                        peer,
-                        t,
-                    )?);
+        let length = payload.len();
+        self.exchange_slots(guard, op, keep, rank, peers, length, length, t, |bytes| {
+            let mut all = Vec::with_capacity(size);
+            for r in 0..size {
+                if r == rank {
+                    all.push(mine.clone());
+                    continue;
                 }
+                let at = r * SLOT_BYTES;
+                let h = Header::decode(&bytes[at..at + HEADER_BYTES]).ok_or_else(|| {
+                    Error::CollectiveMismatch {
+                        call: op.seq,
+                        rank: r,
+                        this_rank: rank,
+                        ours: mine.describe(),
+                        theirs: "a message that is no tributary header".into(),
+                    }
+                })?;
+                all.push(h);
             }
-            Ok(())
-        })();
-        if let Err(e) = posted {
-            return Err(self.abandon(guard, requests, keep, e));
-        }
-        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        guard.state.slots = keep;
-        let bytes: &[u8] = bytemuck_bytes(&guard.state.slots);
-        let mut all = Vec::with_capacity(size);
-        for r in 0..size {
-            if r == rank {
-                all.push(mine.clone());
-                continue;
-            }
-            let at = r * SLOT_BYTES;
-            let h = Header::decode(&bytes[at..at + HEADER_BYTES]).ok_or_else(|| {
-                Error::CollectiveMismatch {
-                    call: op.seq,
-                    rank: r,
-                    this_rank: rank,
-                    ours: mine.describe(),
-                    theirs: "a message that is no tributary header".into(),
-                }
-            })?;
-            all.push(h);
-        }
-        check_headers(rank, &mine, &all, Describe(&op.desc))?;
-        Ok(all)
+            check_headers(rank, &mine, &all, Describe(&op.desc))?;
+            Ok(all)
+        })
     }
 
-    /// The header exchange of a transfer between its two ranks. `payload` (at most
-    /// [`PIGGYBACK_MAX_BYTES`], empty for none: the sender's data) travels in this rank's
-    /// header message; the peer's arrives in slot 0 ([`Network::payload`]).
+    /// The header exchange of a transfer between its two ranks. `payload` (the sender's
+    /// data, or nothing) travels in this rank's header message; the peer's `expected` bytes
+    /// arrive in slot 0 ([`Network::payload`]).
     fn transfer_headers(
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
         status: Status,
-        payload: &[u8],
+        payload: Payload<'_>,
+        expected: usize,
     ) -> Result<()> {
         let rank = self.rank();
         let (from, to) = op.desc.route.unwrap_or((rank, rank));
         let peer = if from == rank { to } else { from };
         let mine = Header::new(&op.desc, op.seq, rank, CrossRankAlgorithm::Direct, status);
-        let payload = &payload[..payload.len().min(PIGGYBACK_MAX_BYTES)];
+        // Slot 0 receives, slot 1 holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, 2);
-        {
-            let out = &mut bytemuck_bytes_mut(&mut keep)[SLOT_BYTES..];
-            out[..HEADER_BYTES].copy_from_slice(&mine.encode());
-            out[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
-        }
-        let base = keep.as_mut_ptr().cast::<u8>();
+        write_slot(&mut keep, 1, &mine, payload);
         let t = tag(op.seq, phase::TRANSFER_HEADER);
-        let mut requests = Vec::with_capacity(2);
+        let peers = std::iter::once((peer, 0));
+        let sent = payload.len();
+        self.exchange_slots(guard, op, keep, 1, peers, sent, expected, t, |bytes| {
+            let theirs = Header::decode(&bytes[..HEADER_BYTES]).ok_or_else(|| {
+                Error::CollectiveMismatch {
+                    call: op.seq,
+                    rank: peer,
+                    this_rank: rank,
+                    ours: mine.describe(),
+                    theirs: "a message that is no tributary header".into(),
+                }
+            })?;
+            let mut all = vec![mine.clone(), mine.clone()];
+            all[if rank == from { 1 } else { 0 }] = theirs;
+            let me = if rank == from { 0 } else { 1 };
+            check_headers(me, &mine, &all, Describe(&op.desc)).map_err(|e| match e {
+                Error::CollectiveMismatch {
+                    call, ours, theirs, ..
+                } => Error::CollectiveMismatch {
+                    call,
+                    rank: peer,
+                    this_rank: rank,
+                    ours,
+                    theirs,
+                },
+                Error::RankInputFailed {
+                    call, operation, ..
+                } => Error::RankInputFailed {
+                    rank: peer,
+                    call,
+                    operation,
+                },
+                e => e,
+            })
+        })
+    }
+
+    /// The messages of a header exchange: this rank's slot `own` (its header, then `sent`
+    /// payload bytes) to each `(rank, slot)` of `peers`, in frames, and each peer's header
+    /// and `expected` payload bytes into that peer's slot. Waits for the peers' first
+    /// frames (their headers), hands the slots' bytes to `check`, then waits for the
+    /// remaining frames. A `check` error that stops the cluster (a mismatch: the peer may
+    /// have sent other frames than were posted for) returns without waiting for them; any
+    /// other (a failed input elsewhere, whose rank sent every frame) waits for them first,
+    /// so nothing of this operation is left for a later one to receive. The slots are kept
+    /// for the payload reads ([`Network::payload`]) unless a fault abandoned them.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_slots<T>(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        mut keep: Vec<f64>,
+        own: usize,
+        peers: impl Iterator<Item = (usize, usize)>,
+        sent: usize,
+        expected: usize,
+        t: i32,
+        check: impl FnOnce(&[u8]) -> Result<T>,
+    ) -> Result<T> {
+        let deadline = self.deadline();
+        let end = HEADER_BYTES + sent.min(PIGGYBACK_MAX_BYTES);
+        let base = keep.as_mut_ptr().cast::<u8>();
+        let (mut heads, mut rest) = (Vec::new(), Vec::new());
         let posted = (|| {
-            // SAFETY: `keep` holds two slots of SLOT_BYTES and is not reallocated; the
-            // first receives, the second holds the outgoing header and payload; `wait` and
-            // `abandon` keep it while requests may use it.
-            unsafe {
-                requests.push(self.mpi.irecv(base, SLOT_BYTES, peer, t)?);
-                requests.push(self.mpi.isend(
-                    base.add(SLOT_BYTES),
-                    HEADER_BYTES + payload.len(),
-                    peer,
-                    t,
-                )?);
+            for (peer, slot) in peers {
+                for k in 0..frames(expected) {
+                    // SAFETY: frame `k` of slot `slot` lies inside `keep` (the slots hold
+                    // whole frames, [`SLOT_BYTES`]) and is written only by this receive; the
+                    // sends only read slot `own`, a different one. `keep` is not reallocated
+                    // and outlives the requests (`wait` and `abandon` keep it with them on a
+                    // fault).
+                    let r = unsafe {
+                        self.mpi.irecv(
+                            base.add(slot * SLOT_BYTES + k * FRAME_BYTES),
+                            FRAME_BYTES,
+                            peer,
+                            t,
+                        )?
+                    };
+                    if k == 0 {
+                        heads.push(r);
+                    } else {
+                        rest.push(r);
+                    }
+                }
+                for k in 0..frames(sent) {
+                    let at = k * FRAME_BYTES;
+                    // SAFETY: bytes `at..` up to `end` of slot `own` (inside it: `end` is at
+                    // most a header and PIGGYBACK_MAX_BYTES), only read while posted.
+                    rest.push(unsafe {
+                        self.mpi.isend(
+                            base.add(own * SLOT_BYTES + at),
+                            (end - at).min(FRAME_BYTES),
+                            peer,
+                            t,
+                        )?
+                    });
+                }
             }
             Ok(())
         })();
         if let Err(e) = posted {
-            return Err(self.abandon(guard, requests, keep, e));
+            heads.append(&mut rest);
+            return Err(self.abandon(guard, heads, keep, e));
         }
-        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
-        guard.state.slots = keep;
-        let theirs = Header::decode(&bytemuck_bytes(&guard.state.slots)[..HEADER_BYTES])
-            .ok_or_else(|| Error::CollectiveMismatch {
-                call: op.seq,
-                rank: peer,
-                this_rank: rank,
-                ours: mine.describe(),
-                theirs: "a message that is no tributary header".into(),
-            })?;
-        let mut all = vec![mine.clone(), mine.clone()];
-        all[if rank == from { 1 } else { 0 }] = theirs;
-        let me = if rank == from { 0 } else { 1 };
-        check_headers(me, &mine, &all, Describe(&op.desc)).map_err(|e| match e {
-            Error::CollectiveMismatch {
-                call, ours, theirs, ..
-            } => Error::CollectiveMismatch {
-                call,
-                rank: peer,
-                this_rank: rank,
-                ours,
-                theirs,
-            },
-            Error::RankInputFailed {
-                call, operation, ..
-            } => Error::RankInputFailed {
-                rank: peer,
-                call,
-                operation,
-            },
-            e => e,
-        })
+        if mutant!("cluster_frames_before_check") {
+            // The mutant waits for every frame before the check.
+            heads.append(&mut rest);
+        }
+        if let Err(e) = self.mpi.wait_all(&mut heads, deadline) {
+            heads.append(&mut rest);
+            let fault = self.fault(op, e);
+            return Err(self.abandon(guard, heads, keep, fault));
+        }
+        match check(bytemuck_bytes(&keep)) {
+            Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, rest, keep, e)),
+            checked => {
+                guard.state.slots = self.wait(guard, rest, keep, op, deadline)?;
+                checked
+            }
+        }
+    }
+}
+
+/// Writes `header` and `payload` into slot `slot` of `slots` (only the header for
+/// [`Payload::Unread`]: its bytes are never read).
+fn write_slot(slots: &mut [f64], slot: usize, header: &Header, payload: Payload<'_>) {
+    let out = &mut bytemuck_bytes_mut(slots)[slot * SLOT_BYTES..];
+    out[..HEADER_BYTES].copy_from_slice(&header.encode());
+    if let Payload::Bytes(b) = payload {
+        let b = &b[..b.len().min(PIGGYBACK_MAX_BYTES)];
+        out[HEADER_BYTES..HEADER_BYTES + b.len()].copy_from_slice(b);
     }
 }
 
@@ -706,6 +846,11 @@ pub(crate) struct ExecGuard<'a> {
 /// The wire bytes of an all-reduce of `desc`.
 pub(super) fn wire_bytes(desc: &OpDesc) -> usize {
     Wire::of(desc.dtype).map_or(0, |w| w.size()) * desc.elements() as usize
+}
+
+/// The bytes a transfer of `desc` moves.
+pub(super) fn transfer_bytes(desc: &OpDesc) -> usize {
+    desc.dtype.size_in_bytes() * desc.elements() as usize
 }
 
 pub(super) fn bytemuck_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {

@@ -4,9 +4,7 @@
 
 use tributary::{collective::ReduceOp, DType, Error, Result};
 
-use super::{
-    bytemuck_bytes, bytemuck_bytes_mut, phase, tag, ExecGuard, Issued, Network, PIGGYBACK_MAX_BYTES,
-};
+use super::{bytemuck_bytes, bytemuck_bytes_mut, phase, tag, ExecGuard, Issued, Network, Payload};
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
     mpi::Request,
@@ -16,8 +14,16 @@ use crate::cluster::{
 impl Network {
     /// A header exchange and nothing else.
     pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
-        self.exchange_headers(guard, op, CrossRankAlgorithm::Direct, Status::Ready, 0, &[])
-            .map(|_| ())
+        let none = Payload::Bytes(&[]);
+        self.exchange_headers(
+            guard,
+            op,
+            CrossRankAlgorithm::Direct,
+            Status::Ready,
+            0,
+            none,
+        )
+        .map(|_| ())
     }
 
     /// Tells the other ranks that this rank's input of `op` is unusable (a view error).
@@ -36,7 +42,7 @@ impl Network {
 
     /// The cross-rank all-reduce of `input` into `output` (same size; the storage dtype of
     /// the operation), the mean divided by the contributions of every rank. A `Direct`
-    /// all-reduce of at most [`PIGGYBACK_MAX_BYTES`] wire bytes sends its input in its
+    /// all-reduce of at most [`PIGGYBACK_MAX_BYTES`](super::PIGGYBACK_MAX_BYTES) wire bytes sends its input in its
     /// header's message: one message to every other rank, and the sum of the payloads once
     /// the headers agree.
     pub(crate) fn all_reduce(
@@ -64,19 +70,23 @@ impl Network {
             }
         };
         let wire_in: &[u8] = widened.as_deref().map_or(input, bytemuck_bytes);
+        if wire_in.len() != wire_bytes {
+            let why = format!(
+                "its view holds {} wire bytes where {n} elements take {wire_bytes}",
+                wire_in.len()
+            );
+            return self.input_failed(guard, op, why);
+        }
         // Decided from what the headers compare (algorithm, elements, dtype): ranks whose
         // headers agree decide alike.
-        let piggyback = self.size() > 1
-            && matches!(algorithm, CrossRankAlgorithm::Direct)
-            && wire_bytes <= PIGGYBACK_MAX_BYTES
-            && wire_in.len() == wire_bytes;
+        let piggyback = self.piggyback_bytes(&op.desc, algorithm) > 0;
         let headers = self.exchange_headers(
             guard,
             op,
             algorithm,
             Status::Ready,
             op.contributions,
-            if piggyback { wire_in } else { &[] },
+            Payload::Bytes(if piggyback { wire_in } else { &[] }),
         )?;
         let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
         let scale = match op.desc.op {
@@ -342,14 +352,19 @@ impl Network {
         Ok(())
     }
 
-    /// The sending side of a transfer: data of at most [`PIGGYBACK_MAX_BYTES`] travels in
+    /// The sending side of a transfer: data of at most [`PIGGYBACK_MAX_BYTES`](super::PIGGYBACK_MAX_BYTES) travels in
     /// the header's message, larger data after the headers agreed.
     pub(crate) fn send(&self, guard: &mut ExecGuard<'_>, op: &Issued, input: &[u8]) -> Result<()> {
         // Decided from the byte size, which the headers compare (elements and dtype).
-        if input.len() <= PIGGYBACK_MAX_BYTES {
-            return self.transfer_headers(guard, op, Status::Ready, input);
+        let (sent, _) = self.transfer_payloads(&op.desc);
+        if input.len() != super::transfer_bytes(&op.desc) {
+            let why = format!("its view holds {} bytes", input.len());
+            return self.input_failed(guard, op, why);
         }
-        self.transfer_headers(guard, op, Status::Ready, &[])?;
+        if sent > 0 {
+            return self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(input), 0);
+        }
+        self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(&[]), 0)?;
         let (_, to) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the input view outlives the request (module docs of `cluster`).
         let request = unsafe {
@@ -365,15 +380,20 @@ impl Network {
     }
 
     /// The receiving side of a transfer, into `output` (from the header's message when the
-    /// data is at most [`PIGGYBACK_MAX_BYTES`]).
+    /// data is at most [`PIGGYBACK_MAX_BYTES`](super::PIGGYBACK_MAX_BYTES)).
     pub(crate) fn recv(
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
         output: &mut [u8],
     ) -> Result<()> {
-        self.transfer_headers(guard, op, Status::Ready, &[])?;
-        if output.len() <= PIGGYBACK_MAX_BYTES {
+        let (_, expected) = self.transfer_payloads(&op.desc);
+        if output.len() != super::transfer_bytes(&op.desc) {
+            let why = format!("its view holds {} bytes", output.len());
+            return self.input_failed(guard, op, why);
+        }
+        self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(&[]), expected)?;
+        if expected > 0 {
             output.copy_from_slice(Network::payload(guard, 0, output.len()));
             return Ok(());
         }
