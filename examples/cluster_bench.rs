@@ -58,6 +58,9 @@ struct Args {
     /// Time send/recv round trips between ranks 0 and 1 instead of all-reduces.
     #[arg(long)]
     pingpong: bool,
+    /// Time only the all-reduces in place (issued and replayed), beside `MPI_Allreduce`.
+    #[arg(long)]
+    in_place_only: bool,
 }
 
 fn main() -> ExitCode {
@@ -271,7 +274,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.devices, args.reps
         );
         println!(
-            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22}",
+            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
             "bytes",
             "MPI_Allreduce",
             "GB/s",
@@ -279,7 +282,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "ring (ratio)",
             "mpi (ratio)",
             "ring replayed (ratio)",
-            "auto in place (ratio)"
+            "auto in place (ratio)",
+            "in place replayed"
         );
     }
     let bus = |bytes: usize, secs: f64| {
@@ -314,7 +318,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             (CrossRankAlgorithm::Mpi, false, &contexts),
             (CrossRankAlgorithm::Ring, true, &contexts),
             (CrossRankAlgorithm::Auto, false, &in_place),
+            (CrossRankAlgorithm::Auto, true, &in_place),
         ] {
+            if args.in_place_only && !std::ptr::eq(replicas, &in_place) {
+                cells.push(format!("{:>22}", "-"));
+                continue;
+            }
             let plan = cluster
                 .all_reduce_plan(
                     std::slice::from_ref(&node),
@@ -346,14 +355,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22} {:>22}",
+                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
                 baseline * 1e6,
                 bus(bytes, baseline),
                 cells[0],
                 cells[1],
                 cells[2],
                 cells[3],
-                cells[4]
+                cells[4],
+                cells[5]
             );
         }
         for ctx in contexts.into_iter().chain(in_place.into_iter().take(1)) {
