@@ -130,10 +130,10 @@ pub(crate) mod bodies {
 
     /// Around the frames of a header message (`FRAME_BYTES` = 4,032: a header of 96 bytes,
     /// then 3,936 payload bytes in the first frame, 4,032 in each next) and the largest
-    /// payload that travels with the header (16 KiB): `Direct` all-reduces of f32 whose
+    /// payload that travels with the header (64 KiB): `Direct` all-reduces of f32 whose
     /// payload fills one frame exactly, spills one element into a second, fills two frames
-    /// exactly, fills the piggyback limit (five frames) and passes it by one element (the
-    /// data after the headers). In place on the even ranks, from a compute stream on the odd ones.
+    /// exactly, fills the piggyback limit (seventeen frames) and passes it by one element
+    /// (the data after the headers). In place on the even ranks, from a compute stream on the odd ones.
     pub fn frame_boundaries(cluster: &Arc<Cluster>) {
         let total: usize = cluster.devices_per_rank().iter().sum();
         let op = if total.is_power_of_two() {
@@ -142,7 +142,7 @@ pub(crate) mod bodies {
             ReduceOp::Sum
         };
         let in_place = cluster.rank() % 2 == 0;
-        for (case, n) in [984, 985, 2000, 4096, 4097].into_iter().enumerate() {
+        for (case, n) in [984, 985, 2000, 16384, 16385].into_iter().enumerate() {
             all_reduce_case(
                 cluster,
                 100 + case,
@@ -332,20 +332,20 @@ pub(crate) mod bodies {
     pub fn ring_of_transfers(cluster: &Arc<Cluster>) {
         let rank = cluster.rank();
         // Data that travels with the header (8000 bytes: two full frames) and data sent after
-        // it (32 KiB); from and into compute streams, in place on the network stream, and
+        // it (128 KiB); from and into compute streams, in place on the network stream, and
         // mixed (the sender in place on even ranks, the receiver on odd ones). Then around
         // the frames: one frame filled exactly (492 f64 after the 96-byte header), one
-        // element into a second, the largest piggybacked payload (16 KiB, five frames) and
-        // one element past it.
+        // element into a second, the largest piggybacked payload (64 KiB, seventeen frames)
+        // and one element past it.
         let rounds = [
             (1000, false, false),
-            (4096, true, true),
+            (16384, true, true),
             (1000, rank % 2 == 0, rank % 2 == 1),
-            (4096, rank % 2 == 1, rank % 2 == 0),
+            (16384, rank % 2 == 1, rank % 2 == 0),
             (492, false, false),
             (493, true, false),
-            (2048, false, true),
-            (2049, true, true),
+            (8192, false, true),
+            (8193, true, true),
         ];
         for (round, (n, send_in_place, recv_in_place)) in rounds.into_iter().enumerate() {
             transfer_round(cluster, round, n, send_in_place, recv_in_place);

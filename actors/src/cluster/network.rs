@@ -37,14 +37,17 @@ use super::{
 /// Payloads of at most this many bytes travel in their header's message: a `Direct`
 /// all-reduce's wire input, and a transfer's data. One message per peer then carries both
 /// (cut into frames, [`FRAME_BYTES`]), where a header exchange and then the data cost two
-/// one-way latencies (a 4 KiB all-reduce's or a small `send`'s largest fixed cost). Every
-/// receive is posted with room for a whole frame, so a message is taken whole even by a
-/// rank that expected a header alone (a mismatch, reported as such, never a truncation).
-/// The receiver uses the payload only once the headers agree: whether one travels, and
-/// how many frames it takes, is decided from the compared fields (algorithm, element count,
-/// dtype), so agreeing ranks decide alike. Above it the copy into the message would cost
-/// more than the latency it saves.
-pub(crate) const PIGGYBACK_MAX_BYTES: usize = 16 * 1024;
+/// one-way latencies and, above Open MPI's eager limit, a rendezvous. Every receive is
+/// posted with room for a whole frame, so a message is taken whole even by a rank that
+/// expected a header alone (a mismatch, reported as such, never a truncation). The
+/// receiver uses the payload only once the headers agree: whether one travels, and how many
+/// frames it takes, is decided from the compared fields (algorithm, element count, dtype),
+/// so agreeing ranks decide alike. 64 KiB, the largest wire size the `Auto` algorithm sends
+/// `Direct` by default: up to it, seventeen eager frames measured faster than a header
+/// exchange and then one message of the data (in place on 2 ranks, 0.95x `MPI_Allreduce`
+/// at 32 KiB and 0.82x at 64 KiB against 0.76x and 0.71x with a 16 KiB limit; BENCHMARKS.md,
+/// "Header messages in eager frames"). Each rank keeps a slot of this size per rank.
+pub(crate) const PIGGYBACK_MAX_BYTES: usize = 64 * 1024;
 
 /// The largest message of a header exchange. A header with its payload is cut into frames
 /// of this many bytes, sent back to back under one tag (MPI keeps their order), because
