@@ -67,6 +67,10 @@ pub(crate) const SLOT_BYTES: usize =
     (HEADER_BYTES + PIGGYBACK_MAX_BYTES).div_ceil(FRAME_BYTES) * FRAME_BYTES;
 const SLOT_WORDS: usize = SLOT_BYTES / 8;
 
+/// The requests of one wait: inline up to 8 (a header exchange on 4 ranks, a transfer's
+/// frames), no allocation on a routine's start-to-post path.
+pub(crate) type Requests = smallvec::SmallVec<[Request; 8]>;
+
 /// The cluster's network settings that every rank must share (they decide the algorithm).
 #[derive(Clone, Debug)]
 pub(crate) struct NetworkConfig {
@@ -145,6 +149,33 @@ impl EntryTicket {
     /// Waits for its event.
     pub(crate) fn wait(&self) -> Result<()> {
         self.event()?.wait()
+    }
+
+    /// Its event (or the error that refused it) if its device decided it already; `None`
+    /// while undecided. Never waits.
+    fn try_event(&self) -> Option<Result<Event>> {
+        match self {
+            EntryTicket::Issued(t) => t.try_event(),
+            EntryTicket::Replayed { .. } => match self.last().try_event()? {
+                Ok(_) => Some(self.event()),
+                Err(e) => Some(Err(e)),
+            },
+        }
+    }
+
+    fn last(&self) -> &Ticket {
+        match self {
+            EntryTicket::Issued(t) | EntryTicket::Replayed { last: t, .. } => t,
+        }
+    }
+
+    /// Whether the operation's kernel will never run: its event failed, or its device
+    /// refused it.
+    fn never_runs(decided: Result<Event>) -> bool {
+        match decided {
+            Ok(e) => matches!(e.status(), EventStatus::Failed(_)),
+            Err(_) => true,
+        }
     }
 }
 
@@ -345,17 +376,36 @@ impl Network {
     fn front(&self, take: bool) -> (Vec<Arc<Issued>>, Option<Arc<Issued>>) {
         let mut skipped = Vec::new();
         loop {
-            let Some(first) = lock(&self.issue).queue.front().cloned() else {
+            let mut st = lock(&self.issue);
+            let Some(first) = st.queue.front() else {
                 return (skipped, None);
             };
             // Its device decided it before the running kernel's operation, issued after it
-            // (one device decides both, in issue order), so this wait ends at once; it is
-            // outside the lock all the same.
-            let never_runs = first.event.get().is_some_and(|t| match t.event() {
-                Ok(e) => matches!(e.status(), EventStatus::Failed(_)),
-                Err(_) => true,
-            });
-            let mut st = lock(&self.issue);
+            // (one device decides both, in issue order), so its decision is known: read here
+            // under the lock, in one acquisition (a routine's start-to-post path runs through
+            // here). A decision not visible yet is waited for outside the lock.
+            let never_runs = match first.event.get() {
+                None => Some(false),
+                Some(t) => t.try_event().map(EntryTicket::never_runs),
+            };
+            let never_runs = match never_runs {
+                Some(known) => known,
+                None => {
+                    let first = first.clone();
+                    drop(st);
+                    let known = first
+                        .event
+                        .get()
+                        .is_some_and(|t| EntryTicket::never_runs(t.event()));
+                    st = lock(&self.issue);
+                    if !st.queue.front().is_some_and(|f| Arc::ptr_eq(f, &first)) {
+                        // Not expected (only this thread takes from the front), but then
+                        // the decision read is not the front's: look again.
+                        continue;
+                    }
+                    known
+                }
+            };
             if never_runs {
                 if let Some(s) = st.queue.pop_front() {
                     skipped.push(s);
@@ -542,11 +592,12 @@ impl Network {
     fn wait(
         &self,
         guard: &mut ExecGuard<'_>,
-        mut requests: Vec<Request>,
+        requests: impl Into<Requests>,
         keep: Vec<f64>,
         op: &Issued,
         deadline: Instant,
     ) -> Result<Vec<f64>> {
+        let mut requests = requests.into();
         match self.mpi.wait_all(&mut requests, deadline) {
             Ok(()) => Ok(keep),
             Err(e) => Err(self.abandon(guard, requests, keep, self.fault(op, e))),
@@ -570,11 +621,14 @@ impl Network {
     fn abandon(
         &self,
         guard: &mut ExecGuard<'_>,
-        requests: Vec<Request>,
+        requests: impl Into<Requests>,
         keep: Vec<f64>,
         e: Error,
     ) -> Error {
-        guard.state.abandoned.push((requests, keep));
+        guard
+            .state
+            .abandoned
+            .push((requests.into().into_vec(), keep));
         e
     }
 
@@ -758,7 +812,7 @@ impl Network {
         let deadline = self.deadline();
         let end = HEADER_BYTES + sent.min(PIGGYBACK_MAX_BYTES);
         let base = keep.as_mut_ptr().cast::<u8>();
-        let (mut heads, mut rest) = (Vec::new(), Vec::new());
+        let (mut heads, mut rest) = (Requests::new(), Requests::new());
         let posted = (|| {
             for (peer, slot) in peers {
                 for k in 0..frames(expected) {
