@@ -88,11 +88,7 @@ impl Network {
             op.contributions,
             Payload::Bytes(if piggyback { wire_in } else { &[] }),
         )?;
-        let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
-        let scale = match op.desc.op {
-            Some(ReduceOp::Mean) => Some(1.0 / total.max(1) as f64),
-            _ => None,
-        };
+        let scale = mean_scale(op, &headers);
         let mut wide_out = match widened {
             Some(_) => vec![0f32; n],
             None => Vec::new(),
@@ -103,7 +99,7 @@ impl Network {
             &mut *output
         };
         if piggyback {
-            self.sum_payloads(guard, wire, wire_in, wire_out, scale);
+            self.sum_payloads(guard, wire, wire_out, scale);
         } else {
             self.all_reduce_wire(guard, op, algorithm, wire, n, wire_in, wire_out, scale)?;
         }
@@ -114,7 +110,9 @@ impl Network {
     }
 
     /// The cross-rank all-reduce of `data` in place (a context's own buffer on the network
-    /// stream). This rank's contribution is copied aside first (into a vector kept for the
+    /// stream). A piggybacked `Direct` all-reduce of f32 or f64 sends `data` in its header
+    /// message, whose slot keeps this rank's part for the sum: nothing else is copied.
+    /// Otherwise this rank's contribution is copied aside first (into a vector kept for the
     /// next one), then reduced as [`Network::all_reduce`] does into `data`; on an error the
     /// copy is kept with the abandoned buffers, since a send may still read it.
     pub(crate) fn all_reduce_in_place(
@@ -123,6 +121,23 @@ impl Network {
         op: &Issued,
         data: &mut [u8],
     ) -> Result<()> {
+        let dtype = op.desc.dtype;
+        let algorithm = self.algorithm_for(op.desc.algorithm, super::wire_bytes(&op.desc));
+        let piggybacked = self.piggyback_bytes(&op.desc, algorithm);
+        if let Ok(wire) = Wire::of(dtype) {
+            if wire.same_as_storage(dtype) && piggybacked > 0 && piggybacked == data.len() {
+                let headers = self.exchange_headers(
+                    guard,
+                    op,
+                    algorithm,
+                    Status::Ready,
+                    op.contributions,
+                    Payload::Bytes(data),
+                )?;
+                self.sum_payloads(guard, wire, data, mean_scale(op, &headers));
+                return Ok(());
+            }
+        }
         let mut own = std::mem::take(&mut guard.state.own);
         own.clear();
         own.resize(data.len().div_ceil(8), 0.0);
@@ -137,19 +152,19 @@ impl Network {
         result
     }
 
-    /// The sum, in rank order, of this rank's `input` and the payloads every other rank's
-    /// header brought (a piggybacked `Direct` all-reduce, once the headers agreed).
+    /// The sum, in rank order, of the payloads every rank's header message brought (this
+    /// rank's own in its own slot: a piggybacked `Direct` all-reduce, once the headers
+    /// agreed) into `output`, its length.
     fn sum_payloads(
         &self,
         guard: &ExecGuard<'_>,
         wire: Wire,
-        input: &[u8],
         output: &mut [u8],
         scale: Option<f64>,
     ) {
-        let (me, size) = (self.rank(), self.size());
-        let part = |r: usize| Network::payload(guard, r, input.len());
-        sum_in_rank_order(wire, me, size, input, part, output, scale);
+        let (me, size, len) = (self.rank(), self.size(), output.len());
+        let part = |r: usize| Network::payload(guard, r, len);
+        sum_in_rank_order(wire, me, size, part(me), part, output, scale);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -413,6 +428,16 @@ impl Network {
     }
 }
 
+/// The factor of a mean over the contributions every rank's header announced (`None` for
+/// a sum).
+fn mean_scale(op: &Issued, headers: &[crate::cluster::header::Header]) -> Option<f64> {
+    let total: usize = headers.iter().map(|h| usize::from(h.contributions)).sum();
+    match op.desc.op {
+        Some(ReduceOp::Mean) => Some(1.0 / total.max(1) as f64),
+        _ => None,
+    }
+}
+
 /// The sum of every rank's part into `output` in rank order (each element summed once, in
 /// one order, so every rank gets the same bits): rank `me`'s part is `input`, another
 /// rank's `part(r)`; then the mean's scale.
@@ -427,13 +452,15 @@ fn sum_in_rank_order<'a>(
 ) {
     for r in 0..size {
         let part = if r == me { input } else { part(r) };
-        if r == 0 {
-            output.copy_from_slice(part);
-        } else {
-            reduce::add_into(wire, output, part);
+        match (r, scale) {
+            (0, _) => output.copy_from_slice(part),
+            // The mean's scale in the last addition's pass: `(sum + part) * factor`, the
+            // same two roundings as adding, then scaling.
+            (r, Some(s)) if r == size - 1 => reduce::add_scaled_into(wire, output, part, s),
+            _ => reduce::add_into(wire, output, part),
         }
     }
-    if let Some(s) = scale {
+    if let (1, Some(s)) = (size, scale) {
         reduce::scale(wire, output, s);
     }
 }
