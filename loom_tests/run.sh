@@ -91,6 +91,7 @@ CLUSTER_MUTANTS=(
   "cluster_header_check:-p tributary-actors --features mpi --lib cluster::header::tests::every_difference_is_a_mismatch_on_every_rank"
   "cluster_catch_up:--features mpi --test cluster cluster_faults::a_failed_input_fails_that_operation_on_every_rank_and_no_more"
   "cluster_frames_before_check:--features mpi --test cluster cluster_faults::a_mismatched_call_order_is_an_error_on_every_rank"
+  "cluster_in_place_order:--features mpi --test cluster cluster_collectives::replicas_are_bitwise_identical_across_ranks"
   "cluster_unread_frames:--features mpi --test cluster cluster_faults::a_failed_input_of_several_frames_fails_that_operation_on_every_rank_and_no_more"
   "cluster_replay_unqueued:--features mpi --test cluster cluster_steps::replayed_training_steps_equal_issued_ones_on_every_rank"
   "cluster_replay_positions:--features mpi --test cluster cluster_steps::a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more"

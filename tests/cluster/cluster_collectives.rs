@@ -62,6 +62,14 @@ pub(crate) mod bodies {
         c
     }
 
+    /// [`config`] with a deadline of 10 s: a rank that fails its assertion leaves the
+    /// others waiting in the next operation that long (the mutant check's cost).
+    pub fn config_10s(devices: usize, algorithm: CrossRankAlgorithm) -> ClusterConfig {
+        let mut c = config(devices, algorithm);
+        c.deadline = Duration::from_secs(10);
+        c
+    }
+
     /// The value every (rank, device) holds at element `i`: small integers, so that sums
     /// (and means over a power of two) are exact in every dtype whatever the order.
     fn value(case: usize, rank: usize, device: usize, i: usize) -> f64 {
@@ -259,7 +267,8 @@ pub(crate) mod bodies {
     }
 
     /// Random floats (sums not exact): every context of every rank holds the same bits
-    /// (rank 0 sends its result to every rank, which compares).
+    /// (rank 0 sends its result to every rank, which compares), whether a rank reduced in
+    /// place or from a compute stream.
     pub fn replicas_bitwise_identical(cluster: &Arc<Cluster>) {
         let rank = cluster.rank();
         let devices = cluster.devices_per_rank()[rank];
@@ -267,11 +276,18 @@ pub(crate) mod bodies {
             let node = TensorNode::new(format!("w{case}"), DType::F32, [n])
                 .with_mode(MemoryMode::on_device())
                 .expect("node");
+            // Context 0 on the network stream (the all-reduce in place, which sums into the
+            // buffer holding this rank's part) on the odd ranks, then on the even ones.
+            let in_place = (rank + case as usize) % 2 == 1;
             let mut contexts = Vec::new();
             for d in 0..devices {
                 let mut rng = Rng((rank * 100 + d) as u64 + case);
                 let values: Vec<f32> = (0..n).map(|_| (rng.next() >> 40) as f32 / 7.0e5).collect();
-                let ctx = cluster.context(d, 0).expect("ctx");
+                let ctx = if in_place && d == 0 {
+                    cluster.network_context().expect("network context")
+                } else {
+                    cluster.context(d, 0).expect("ctx")
+                };
                 contexts.push(init(ctx, &node, &values).expect("init"));
             }
             cluster
@@ -528,7 +544,7 @@ cluster_test!(
 cluster_test!(
     replicas_are_bitwise_identical_across_ranks,
     [Launch::ranks(2), Launch::ranks(4)],
-    bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::config_10s(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
     bodies::replicas_bitwise_identical
 );
 

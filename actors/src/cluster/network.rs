@@ -83,18 +83,35 @@ pub(crate) struct NetworkConfig {
 /// What follows this rank's header in its header message.
 #[derive(Clone, Copy)]
 pub(super) enum Payload<'a> {
-    /// These bytes (at most [`PIGGYBACK_MAX_BYTES`]; empty for none).
-    Bytes(&'a [u8]),
+    /// These bytes (at most [`PIGGYBACK_MAX_BYTES`]; empty for none), copied into this
+    /// rank's slot: any buffer.
+    Copied(&'a [u8]),
+    /// These bytes, in memory that outlives every request abandoned at a fault: the part
+    /// that shares the first frame with the header is copied into the slot, the other frames
+    /// are sent from here (no copy of the rest). Made by [`Payload::kept`].
+    Kept(&'a [u8]),
     /// As many bytes as the operation's payload holds, which no receiver reads: a rank whose
     /// input failed still sends every frame the others posted a receive for (a frame left
     /// unreceived would be taken by a later operation whose tag wraps onto this one's).
     Unread(usize),
 }
 
-impl Payload<'_> {
+impl<'a> Payload<'a> {
+    /// A payload whose frames after the first are sent from `bytes` itself.
+    ///
+    /// # Safety
+    ///
+    /// `bytes` must stay readable until the requests of the exchange complete or, if a fault
+    /// abandons them, until MPI is finalized: a kernel's view into pool memory (the pools
+    /// outlive `MPI_Finalize`, module docs of `cluster`), or a vector the network stream
+    /// keeps with its abandoned buffers.
+    pub(super) unsafe fn kept(bytes: &'a [u8]) -> Payload<'a> {
+        Payload::Kept(bytes)
+    }
+
     fn len(&self) -> usize {
         match self {
-            Payload::Bytes(b) => b.len(),
+            Payload::Copied(b) | Payload::Kept(b) => b.len(),
             Payload::Unread(n) => *n,
         }
         .min(PIGGYBACK_MAX_BYTES)
@@ -707,7 +724,7 @@ impl Network {
         let peers = (0..size).filter(|&p| p != rank).map(|p| (p, p));
         let t = tag(op.seq, phase::HEADER);
         let length = payload.len();
-        self.exchange_slots(guard, op, keep, rank, peers, length, length, t, |bytes| {
+        self.exchange_slots(guard, op, keep, rank, peers, payload, length, t, |bytes| {
             let mut all = Vec::with_capacity(size);
             for r in 0..size {
                 if r == rank {
@@ -751,8 +768,7 @@ impl Network {
         write_slot(&mut keep, 1, &mine, payload);
         let t = tag(op.seq, phase::TRANSFER_HEADER);
         let peers = std::iter::once((peer, 0));
-        let sent = payload.len();
-        self.exchange_slots(guard, op, keep, 1, peers, sent, expected, t, |bytes| {
+        self.exchange_slots(guard, op, keep, 1, peers, payload, expected, t, |bytes| {
             let theirs = Header::decode(&bytes[..HEADER_BYTES]).ok_or_else(|| {
                 Error::CollectiveMismatch {
                     call: op.seq,
@@ -787,8 +803,9 @@ impl Network {
         })
     }
 
-    /// The messages of a header exchange: this rank's slot `own` (its header, then `sent`
-    /// payload bytes) to each `(rank, slot)` of `peers`, in frames, and each peer's header
+    /// The messages of a header exchange: this rank's slot `own` (its header, then `payload`,
+    /// written there by [`write_slot`]) to each `(rank, slot)` of `peers`, in frames (those
+    /// after the first from a [`Payload::Kept`] itself), and each peer's header
     /// and `expected` payload bytes into that peer's slot. Waits for the peers' first
     /// frames (their headers), hands the slots' bytes to `check`, then waits for the
     /// remaining frames. A `check` error that stops the cluster (a mismatch: the peer may
@@ -804,13 +821,18 @@ impl Network {
         mut keep: Vec<f64>,
         own: usize,
         peers: impl Iterator<Item = (usize, usize)>,
-        sent: usize,
+        payload: Payload<'_>,
         expected: usize,
         t: i32,
         check: impl FnOnce(&[u8]) -> Result<T>,
     ) -> Result<T> {
         let deadline = self.deadline();
-        let end = HEADER_BYTES + sent.min(PIGGYBACK_MAX_BYTES);
+        let sent = payload.len();
+        let end = HEADER_BYTES + sent;
+        let kept = match payload {
+            Payload::Kept(b) => Some(b.as_ptr()),
+            _ => None,
+        };
         let base = keep.as_mut_ptr().cast::<u8>();
         let (mut heads, mut rest) = (Requests::new(), Requests::new());
         let posted = (|| {
@@ -836,17 +858,22 @@ impl Network {
                     }
                 }
                 for k in 0..frames(sent) {
+                    // Slot bytes `at..at + len`: payload bytes `at - HEADER_BYTES..` after the
+                    // first frame.
                     let at = k * FRAME_BYTES;
-                    // SAFETY: bytes `at..` up to `end` of slot `own` (inside it: `end` is at
-                    // most a header and PIGGYBACK_MAX_BYTES), only read while posted.
-                    rest.push(unsafe {
-                        self.mpi.isend(
-                            base.add(own * SLOT_BYTES + at),
-                            (end - at).min(FRAME_BYTES),
-                            peer,
-                            t,
-                        )?
-                    });
+                    let len = (end - at).min(FRAME_BYTES);
+                    let src = match kept {
+                        // SAFETY: `at - HEADER_BYTES + len` is at most the payload's length
+                        // (`end` is a header and it), so the range lies inside it.
+                        Some(payload) if k > 0 => unsafe { payload.add(at - HEADER_BYTES) },
+                        // SAFETY: slot `own` holds SLOT_BYTES, `end` is inside it.
+                        _ => unsafe { base.add(own * SLOT_BYTES + at) },
+                    };
+                    // SAFETY: `src..src + len` is either inside slot `own` (only read while
+                    // posted; `keep` outlives the requests as above) or inside a
+                    // `Payload::Kept`, whose maker promised it outlives them
+                    // (`Payload::kept`).
+                    rest.push(unsafe { self.mpi.isend(src, len, peer, t)? });
                 }
             }
             Ok(())
@@ -874,15 +901,18 @@ impl Network {
     }
 }
 
-/// Writes `header` and `payload` into slot `slot` of `slots` (only the header for
-/// [`Payload::Unread`]: its bytes are never read).
+/// Writes `header` and what of `payload` the exchange sends from the slot into slot `slot`
+/// of `slots`: all of a [`Payload::Copied`], the first frame's part of a
+/// [`Payload::Kept`], nothing of a [`Payload::Unread`] (its bytes are never read).
 fn write_slot(slots: &mut [f64], slot: usize, header: &Header, payload: Payload<'_>) {
     let out = &mut bytemuck_bytes_mut(slots)[slot * SLOT_BYTES..];
     out[..HEADER_BYTES].copy_from_slice(&header.encode());
-    if let Payload::Bytes(b) = payload {
-        let b = &b[..b.len().min(PIGGYBACK_MAX_BYTES)];
-        out[HEADER_BYTES..HEADER_BYTES + b.len()].copy_from_slice(b);
-    }
+    let copied = match payload {
+        Payload::Copied(b) => &b[..payload.len()],
+        Payload::Kept(b) => &b[..payload.len().min(FRAME_BYTES - HEADER_BYTES)],
+        Payload::Unread(_) => &[],
+    };
+    out[HEADER_BYTES..HEADER_BYTES + copied.len()].copy_from_slice(copied);
 }
 
 /// An operation's description, formatted only when an error names it (not on every

@@ -43,64 +43,50 @@ impl Wire {
 /// `dst += src`, element-wise; both hold whole wire elements and are aligned to them (pool
 /// buffers and staging words are).
 pub(crate) fn add_into(wire: Wire, dst: &mut [u8], src: &[u8]) {
+    accumulate(wire, dst, src, None);
+}
+
+/// One addition of a sum in rank order, elementwise: `dst + src`, then times `scale` if any
+/// (the sum rounded, then the product: the bits of adding, then [`scale`], in one pass).
+/// IEEE addition is commutative, so a sum accumulated in `dst` from a part that comes
+/// before it in rank order has the same bits.
+pub(crate) fn accumulate(wire: Wire, dst: &mut [u8], src: &[u8], scale: Option<f64>) {
     match wire {
-        Wire::F32 => add_typed::<f32>(dst, src),
-        Wire::F64 => add_typed::<f64>(dst, src),
+        Wire::F32 => accumulate_typed::<f32>(dst, src, scale.map(|f| f as f32)),
+        Wire::F64 => accumulate_typed::<f64>(dst, src, scale),
     }
 }
 
-/// `dst = (dst + src) * factor` elementwise (the sum rounded, then the product: the bits of
-/// [`add_into`] then [`scale`], in one pass).
-pub(crate) fn add_scaled_into(wire: Wire, dst: &mut [u8], src: &[u8], factor: f64) {
-    match wire {
-        Wire::F32 => add_scaled_typed::<f32>(dst, src, factor as f32),
-        Wire::F64 => add_scaled_typed::<f64>(dst, src, factor),
-    }
-}
-
-fn add_scaled_typed<T>(dst: &mut [u8], src: &[u8], factor: T)
+fn accumulate_typed<T>(dst: &mut [u8], src: &[u8], scale: Option<T>)
 where
     T: bytemuck::Pod + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
 {
-    match (
-        bytemuck::try_cast_slice_mut::<u8, T>(dst),
-        bytemuck::try_cast_slice::<u8, T>(src),
-    ) {
-        (Ok(d), Ok(s)) => {
-            for (d, s) in d.iter_mut().zip(s) {
-                *d = (*d + *s) * factor;
+    // One loop per case, so each is a plain loop the compiler vectorises.
+    fn each<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
+        match (
+            bytemuck::try_cast_slice_mut::<u8, T>(dst),
+            bytemuck::try_cast_slice::<u8, T>(src),
+        ) {
+            (Ok(d), Ok(s)) => {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = f(*d, *s);
+                }
             }
-        }
-        _ => {
-            let n = std::mem::size_of::<T>();
-            for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
-                let a: T = bytemuck::pod_read_unaligned(d);
-                let b: T = bytemuck::pod_read_unaligned(s);
-                d.copy_from_slice(bytemuck::bytes_of(&((a + b) * factor)));
+            _ => {
+                let n = std::mem::size_of::<T>();
+                for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+                    let v = f(
+                        bytemuck::pod_read_unaligned(d),
+                        bytemuck::pod_read_unaligned(s),
+                    );
+                    d.copy_from_slice(bytemuck::bytes_of(&v));
+                }
             }
         }
     }
-}
-
-fn add_typed<T: bytemuck::Pod + std::ops::AddAssign>(dst: &mut [u8], src: &[u8]) {
-    match (
-        bytemuck::try_cast_slice_mut::<u8, T>(dst),
-        bytemuck::try_cast_slice::<u8, T>(src),
-    ) {
-        (Ok(d), Ok(s)) => {
-            for (d, s) in d.iter_mut().zip(s) {
-                *d += *s;
-            }
-        }
-        // Unaligned views (never for pool buffers or staging): element by element.
-        _ => {
-            let n = std::mem::size_of::<T>();
-            for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
-                let mut a: T = bytemuck::pod_read_unaligned(d);
-                a += bytemuck::pod_read_unaligned::<T>(s);
-                d.copy_from_slice(bytemuck::bytes_of(&a));
-            }
-        }
+    match scale {
+        None => each::<T>(dst, src, |d, s| d + s),
+        Some(f) => each::<T>(dst, src, |d, s| (d + s) * f),
     }
 }
 
@@ -126,19 +112,38 @@ pub(crate) fn scale(wire: Wire, x: &mut [u8], factor: f64) {
 }
 
 /// f16 / bf16 bytes as f32 values.
-pub(crate) fn widen(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
+/// `bytes` (f16 or bf16, `out.len()` of them) widened into `out`.
+pub(crate) fn widen_into(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    if bytes.len() != 2 * out.len() {
+        return Err(Error::InvalidSize {
+            node: "cross-rank all-reduce".into(),
+            reason: format!(
+                "{} bytes of 16-bit floats where {} elements take {}",
+                bytes.len(),
+                out.len(),
+                2 * out.len()
+            ),
+        });
+    }
     let words = bytes
         .chunks_exact(2)
         .map(|c| u16::from_le_bytes([c[0], c[1]]));
     match dtype {
-        DType::F16 => Ok(words.map(|w| half::f16::from_bits(w).to_f32()).collect()),
-        DType::BF16 => Ok(words.map(|w| half::bf16::from_bits(w).to_f32()).collect()),
-        other => Err(Error::DTypeMismatch {
-            node: "cross-rank all-reduce".into(),
-            expected: "f16 or bf16".into(),
-            found: other.to_string(),
-        }),
+        DType::F16 => words
+            .zip(out)
+            .for_each(|(w, o)| *o = half::f16::from_bits(w).to_f32()),
+        DType::BF16 => words
+            .zip(out)
+            .for_each(|(w, o)| *o = half::bf16::from_bits(w).to_f32()),
+        other => {
+            return Err(Error::DTypeMismatch {
+                node: "cross-rank all-reduce".into(),
+                expected: "f16 or bf16".into(),
+                found: other.to_string(),
+            })
+        }
     }
+    Ok(())
 }
 
 /// f32 values into f16 / bf16 bytes (round to nearest even, once).
@@ -177,9 +182,14 @@ mod tests {
         // each time and lose both halves; widening sums them first.
         let eps = half::f16::from_f32(1.0 / 2048.0).to_bits().to_le_bytes();
         let one = half::f16::ONE.to_bits().to_le_bytes();
-        let mut sum = widen(DType::F16, &one).expect("f16");
+        let widen = |bytes: &[u8]| {
+            let mut v = [0f32];
+            widen_into(DType::F16, bytes, &mut v).expect("f16");
+            v
+        };
+        let mut sum = widen(&one);
         for _ in 0..2 {
-            sum[0] += widen(DType::F16, &eps).expect("f16")[0];
+            sum[0] += widen(&eps)[0];
         }
         let mut out = [0u8; 2];
         narrow(DType::F16, &sum, &mut out).expect("f16");
@@ -191,7 +201,8 @@ mod tests {
     }
 
     /// The fused pass gives the bits of adding, then scaling, for f32 and f64, on aligned
-    /// and unaligned bytes (every rank's mean must hold the same bits whichever it ran).
+    /// and unaligned bytes, its operands in either order (every rank's mean must hold the
+    /// same bits whichever path it ran: an in-place sum adds rank 0's part to rank 1's).
     #[test]
     fn the_fused_add_and_scale_rounds_as_the_two_passes() {
         let mut state = 0x2545_f491_4f6c_dd1du64;
@@ -226,12 +237,13 @@ mod tests {
                     let mut two = a.clone();
                     add_into(wire, &mut two, &b);
                     scale(wire, &mut two, factor);
-                    add_scaled_into(wire, &mut buf[offset..], &b, factor);
-                    assert_eq!(
-                        &buf[offset..],
-                        &two[..],
-                        "{wire:?} x {factor}, offset {offset}"
-                    );
+                    accumulate(wire, &mut buf[offset..], &b, Some(factor));
+                    let what = format!("{wire:?} x {factor}, offset {offset}");
+                    assert_eq!(&buf[offset..], &two[..], "{what}");
+                    // The operands the other way round (a part before the running sum).
+                    let mut swapped = b.clone();
+                    accumulate(wire, &mut swapped, &a, Some(factor));
+                    assert_eq!(swapped, two, "{what}, swapped");
                 }
             }
         }

@@ -14,7 +14,7 @@ use crate::cluster::{
 impl Network {
     /// A header exchange and nothing else.
     pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
-        let none = Payload::Bytes(&[]);
+        let none = Payload::Copied(&[]);
         self.exchange_headers(
             guard,
             op,
@@ -42,9 +42,14 @@ impl Network {
 
     /// The cross-rank all-reduce of `input` into `output` (same size; the storage dtype of
     /// the operation), the mean divided by the contributions of every rank. A `Direct`
-    /// all-reduce of at most [`PIGGYBACK_MAX_BYTES`](super::PIGGYBACK_MAX_BYTES) wire bytes sends its input in its
-    /// header's message: one message to every other rank, and the sum of the payloads once
-    /// the headers agree.
+    /// all-reduce of at most [`PIGGYBACK_MAX_BYTES`](super::PIGGYBACK_MAX_BYTES) wire bytes
+    /// sends its input in its header's message: one message to every other rank, and the sum
+    /// of the payloads once the headers agree.
+    ///
+    /// `input` must outlive a fault's abandoned requests, as every buffer MPI reads does: the
+    /// kernel's view into pool memory, or a vector the network stream keeps with its
+    /// abandoned buffers (module docs of `cluster`). f16 and bf16 are accumulated in f32
+    /// vectors of this function's, kept so at a fault.
     pub(crate) fn all_reduce(
         &self,
         guard: &mut ExecGuard<'_>,
@@ -57,64 +62,99 @@ impl Network {
             Ok(w) => w,
             Err(e) => return self.input_failed(guard, op, e.to_string()),
         };
+        if wire.same_as_storage(dtype) {
+            return self.all_reduce_on_wire(guard, op, wire, input, output);
+        }
+        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums), in vectors of
+        // f64 words that a fault keeps with the abandoned buffers (a send may still read the
+        // widened input, a receive write the output).
+        let n = op.desc.elements() as usize;
+        let bytes = n * wire.size();
+        let mut wide_in = vec![0f64; bytes.div_ceil(8)];
+        let widened = reduce::widen_into(
+            dtype,
+            input,
+            &mut bytemuck::cast_slice_mut::<f64, f32>(&mut wide_in)[..n],
+        );
+        if let Err(e) = widened {
+            return self.input_failed(guard, op, e.to_string());
+        }
+        let mut wide_out = vec![0f64; bytes.div_ceil(8)];
+        let result = self.all_reduce_on_wire(
+            guard,
+            op,
+            wire,
+            &bytemuck_bytes(&wide_in)[..bytes],
+            &mut bytemuck_bytes_mut(&mut wide_out)[..bytes],
+        );
+        match result {
+            Ok(()) => reduce::narrow(
+                dtype,
+                &bytemuck::cast_slice::<f64, f32>(&wide_out)[..n],
+                output,
+            ),
+            Err(e) => {
+                guard.state.abandoned.push((Vec::new(), wide_in));
+                guard.state.abandoned.push((Vec::new(), wide_out));
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Network::all_reduce`] of `input` into `output` in the wire type (`input` outlives
+    /// abandoned requests: see there).
+    fn all_reduce_on_wire(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        wire: Wire,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
         let n = op.desc.elements() as usize;
         let wire_bytes = n * wire.size();
-        let algorithm = self.algorithm_for(op.desc.algorithm, wire_bytes);
-        // f16 / bf16: accumulated in f32 (the wire carries f32 partial sums).
-        let widened = if wire.same_as_storage(dtype) {
-            None
-        } else {
-            match reduce::widen(dtype, input) {
-                Ok(w) => Some(w),
-                Err(e) => return self.input_failed(guard, op, e.to_string()),
-            }
-        };
-        let wire_in: &[u8] = widened.as_deref().map_or(input, bytemuck_bytes);
-        if wire_in.len() != wire_bytes {
+        if input.len() != wire_bytes || output.len() != wire_bytes {
             let why = format!(
-                "its view holds {} wire bytes where {n} elements take {wire_bytes}",
-                wire_in.len()
+                "its views hold {} and {} wire bytes where {n} elements take {wire_bytes}",
+                input.len(),
+                output.len()
             );
             return self.input_failed(guard, op, why);
         }
+        let algorithm = self.algorithm_for(op.desc.algorithm, wire_bytes);
         // Decided from what the headers compare (algorithm, elements, dtype): ranks whose
         // headers agree decide alike.
         let piggyback = self.piggyback_bytes(&op.desc, algorithm) > 0;
+        let payload = if piggyback {
+            // SAFETY: `input` outlives abandoned requests (the contract of `all_reduce`).
+            unsafe { Payload::kept(input) }
+        } else {
+            Payload::Copied(&[])
+        };
         let headers = self.exchange_headers(
             guard,
             op,
             algorithm,
             Status::Ready,
             op.contributions,
-            Payload::Bytes(if piggyback { wire_in } else { &[] }),
+            payload,
         )?;
         let scale = mean_scale(op, &headers);
-        let mut wide_out = match widened {
-            Some(_) => vec![0f32; n],
-            None => Vec::new(),
-        };
-        let wire_out: &mut [u8] = if widened.is_some() {
-            bytemuck_bytes_mut(&mut wide_out)
-        } else {
-            &mut *output
-        };
         if piggyback {
-            self.sum_payloads(guard, wire, wire_out, scale);
+            self.sum_payloads(guard, wire, input, output, scale);
+            Ok(())
         } else {
-            self.all_reduce_wire(guard, op, algorithm, wire, n, wire_in, wire_out, scale)?;
+            self.all_reduce_wire(guard, op, algorithm, wire, n, input, output, scale)
         }
-        if widened.is_some() {
-            reduce::narrow(dtype, &wide_out, output)?;
-        }
-        Ok(())
     }
 
     /// The cross-rank all-reduce of `data` in place (a context's own buffer on the network
     /// stream). A piggybacked `Direct` all-reduce of f32 or f64 sends `data` in its header
-    /// message, whose slot keeps this rank's part for the sum: nothing else is copied.
-    /// Otherwise this rank's contribution is copied aside first (into a vector kept for the
-    /// next one), then reduced as [`Network::all_reduce`] does into `data`; on an error the
-    /// copy is kept with the abandoned buffers, since a send may still read it.
+    /// message and sums into it in rank order, reading this rank's part where it is: nothing
+    /// is copied aside. Otherwise this rank's contribution is copied aside first (into a
+    /// vector kept for the next one), then reduced as [`Network::all_reduce`] does into
+    /// `data`; on an error the copy is kept with the abandoned buffers, since a send may
+    /// still read it.
     pub(crate) fn all_reduce_in_place(
         &self,
         guard: &mut ExecGuard<'_>,
@@ -126,15 +166,20 @@ impl Network {
         let piggybacked = self.piggyback_bytes(&op.desc, algorithm);
         if let Ok(wire) = Wire::of(dtype) {
             if wire.same_as_storage(dtype) && piggybacked > 0 && piggybacked == data.len() {
+                // SAFETY: `data` is the kernel's view into pool memory, which outlives
+                // abandoned requests (module docs of `cluster`).
+                let payload = unsafe { Payload::kept(data) };
                 let headers = self.exchange_headers(
                     guard,
                     op,
                     algorithm,
                     Status::Ready,
                     op.contributions,
-                    Payload::Bytes(data),
+                    payload,
                 )?;
-                self.sum_payloads(guard, wire, data, mean_scale(op, &headers));
+                let (me, size, len) = (self.rank(), self.size(), data.len());
+                let part = |r: usize| Network::payload(guard, r, len);
+                sum_in_place(wire, me, size, part, data, mean_scale(op, &headers));
                 return Ok(());
             }
         }
@@ -152,19 +197,19 @@ impl Network {
         result
     }
 
-    /// The sum, in rank order, of the payloads every rank's header message brought (this
-    /// rank's own in its own slot: a piggybacked `Direct` all-reduce, once the headers
-    /// agreed) into `output`, its length.
+    /// The sum, in rank order, of this rank's `input` and the payloads every other rank's
+    /// header message brought (a piggybacked `Direct` all-reduce, once the headers agreed).
     fn sum_payloads(
         &self,
         guard: &ExecGuard<'_>,
         wire: Wire,
+        input: &[u8],
         output: &mut [u8],
         scale: Option<f64>,
     ) {
-        let (me, size, len) = (self.rank(), self.size(), output.len());
-        let part = |r: usize| Network::payload(guard, r, len);
-        sum_in_rank_order(wire, me, size, part(me), part, output, scale);
+        let (me, size) = (self.rank(), self.size());
+        let part = |r: usize| Network::payload(guard, r, input.len());
+        sum_in_rank_order(wire, me, size, input, part, output, scale);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -377,9 +422,12 @@ impl Network {
             return self.input_failed(guard, op, why);
         }
         if sent > 0 {
-            return self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(input), 0);
+            // SAFETY: the input view is pool memory, which outlives abandoned requests
+            // (module docs of `cluster`).
+            let payload = unsafe { Payload::kept(input) };
+            return self.transfer_headers(guard, op, Status::Ready, payload, 0);
         }
-        self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(&[]), 0)?;
+        self.transfer_headers(guard, op, Status::Ready, Payload::Copied(&[]), 0)?;
         let (_, to) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the input view outlives the request (module docs of `cluster`).
         let request = unsafe {
@@ -407,7 +455,7 @@ impl Network {
             let why = format!("its view holds {} bytes", output.len());
             return self.input_failed(guard, op, why);
         }
-        self.transfer_headers(guard, op, Status::Ready, Payload::Bytes(&[]), expected)?;
+        self.transfer_headers(guard, op, Status::Ready, Payload::Copied(&[]), expected)?;
         if expected > 0 {
             output.copy_from_slice(Network::payload(guard, 0, output.len()));
             return Ok(());
@@ -456,12 +504,62 @@ fn sum_in_rank_order<'a>(
             (0, _) => output.copy_from_slice(part),
             // The mean's scale in the last addition's pass: `(sum + part) * factor`, the
             // same two roundings as adding, then scaling.
-            (r, Some(s)) if r == size - 1 => reduce::add_scaled_into(wire, output, part, s),
+            (r, Some(s)) if r == size - 1 => reduce::accumulate(wire, output, part, Some(s)),
             _ => reduce::add_into(wire, output, part),
         }
     }
     if let (1, Some(s)) = (size, scale) {
         reduce::scale(wire, output, s);
+    }
+}
+
+/// [`sum_in_rank_order`] into `data`, which holds rank `me`'s own part and nothing else
+/// does: the same bits, this rank's part read where it is. On rank 0 and rank 1 `data` is
+/// the running sum from the start (rank 1 adds rank 0's part first: addition is
+/// commutative); a later rank sums blockwise through a small buffer (every element is
+/// summed on its own, so blocks give the same bits).
+fn sum_in_place<'a>(
+    wire: Wire,
+    me: usize,
+    size: usize,
+    part: impl Fn(usize) -> &'a [u8],
+    data: &mut [u8],
+    scale: Option<f64>,
+) {
+    if me > 1 {
+        const BLOCK: usize = 2048;
+        let mut sum = [0u8; BLOCK];
+        let mut at = 0;
+        while at < data.len() {
+            let end = (at + BLOCK).min(data.len());
+            let block = &mut sum[..end - at];
+            let own = &data[at..end];
+            if mutant!("cluster_in_place_order") {
+                // The mutant adds the others' parts to this rank's, out of rank order.
+                block.copy_from_slice(own);
+                for r in (0..size).filter(|&r| r != me) {
+                    let last = if r == size - 1 { scale } else { None };
+                    reduce::accumulate(wire, block, &part(r)[at..end], last);
+                }
+            } else {
+                sum_in_rank_order(wire, me, size, own, |r| &part(r)[at..end], block, scale);
+            }
+            data[at..end].copy_from_slice(block);
+            at = end;
+        }
+        return;
+    }
+    // The last part added: the last rank, or the one before it when that is this one.
+    let last = if me + 1 == size {
+        me.wrapping_sub(1)
+    } else {
+        size - 1
+    };
+    for r in (0..size).filter(|&r| r != me) {
+        reduce::accumulate(wire, data, part(r), if r == last { scale } else { None });
+    }
+    if let (1, Some(s)) = (size, scale) {
+        reduce::scale(wire, data, s);
     }
 }
 
