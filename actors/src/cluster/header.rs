@@ -229,12 +229,16 @@ impl Header {
 
     /// `None` for bytes that are no header (another program's message).
     pub(crate) fn decode(b: &[u8]) -> Option<Header> {
-        let word = |r: std::ops::Range<usize>| b.get(r).map(|s| s.to_vec());
+        // Read in place (no copy: every network operation decodes a header per peer).
         let u64_at = |at: usize| {
-            word(at..at + 8).map(|v| u64::from_le_bytes(v.try_into().unwrap_or([0; 8])))
+            b.get(at..at + 8)
+                .and_then(|s| <[u8; 8]>::try_from(s).ok())
+                .map(u64::from_le_bytes)
         };
         let u32_at = |at: usize| {
-            word(at..at + 4).map(|v| u32::from_le_bytes(v.try_into().unwrap_or([0; 4])))
+            b.get(at..at + 4)
+                .and_then(|s| <[u8; 4]>::try_from(s).ok())
+                .map(u32::from_le_bytes)
         };
         if b.len() < HEADER_BYTES || u32_at(0)? != MAGIC {
             return None;

@@ -151,16 +151,17 @@ impl EntryTicket {
     pub(crate) fn event(&self) -> Result<Event> {
         match self {
             EntryTicket::Issued(t) => t.event(),
-            EntryTicket::Replayed { last, back } => {
-                let last = last.event()?;
-                last.before(*back).ok_or_else(|| {
-                    Error::Internal(format!(
-                        "a replayed network operation {back} before {last:?}, its stream's \
-                         last"
-                    ))
-                })
-            }
+            EntryTicket::Replayed { last, back } => Self::before(last.event()?, *back),
         }
+    }
+
+    /// The event `back` operations before `last` on its stream.
+    fn before(last: Event, back: u64) -> Result<Event> {
+        last.before(back).ok_or_else(|| {
+            Error::Internal(format!(
+                "a replayed network operation {back} before {last:?}, its stream's last"
+            ))
+        })
     }
 
     /// Waits for its event.
@@ -173,16 +174,9 @@ impl EntryTicket {
     fn try_event(&self) -> Option<Result<Event>> {
         match self {
             EntryTicket::Issued(t) => t.try_event(),
-            EntryTicket::Replayed { .. } => match self.last().try_event()? {
-                Ok(_) => Some(self.event()),
-                Err(e) => Some(Err(e)),
-            },
-        }
-    }
-
-    fn last(&self) -> &Ticket {
-        match self {
-            EntryTicket::Issued(t) | EntryTicket::Replayed { last: t, .. } => t,
+            EntryTicket::Replayed { last, back } => {
+                Some(last.try_event()?.and_then(|e| Self::before(e, *back)))
+            }
         }
     }
 
