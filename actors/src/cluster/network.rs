@@ -28,6 +28,8 @@ mod wire;
 
 pub(crate) use wire::check_dtype;
 
+use smallvec::{smallvec, SmallVec};
+
 use super::{
     header::{check_headers, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES},
     mpi::{Mpi, Request, WaitError},
@@ -718,22 +720,19 @@ impl Network {
         let peers = (0..size).filter(|&p| p != rank).map(|p| (p, p));
         let t = tag(op.seq, phase::HEADER);
         let length = payload.len();
-        self.exchange_slots(guard, op, keep, rank, peers, payload, length, t, |bytes| {
+        self.exchange_slots(guard, op, keep, rank, peers, payload, length, t, |heads| {
             let mut all = Vec::with_capacity(size);
-            for r in 0..size {
+            for (r, bytes) in heads.iter().enumerate() {
                 if r == rank {
                     all.push(mine.clone());
                     continue;
                 }
-                let at = r * SLOT_BYTES;
-                let h = Header::decode(&bytes[at..at + HEADER_BYTES]).ok_or_else(|| {
-                    Error::CollectiveMismatch {
-                        call: op.seq,
-                        rank: r,
-                        this_rank: rank,
-                        ours: mine.describe(),
-                        theirs: "a message that is no tributary header".into(),
-                    }
+                let h = Header::decode(bytes).ok_or_else(|| Error::CollectiveMismatch {
+                    call: op.seq,
+                    rank: r,
+                    this_rank: rank,
+                    ours: mine.describe(),
+                    theirs: "a message that is no tributary header".into(),
                 })?;
                 all.push(h);
             }
@@ -762,15 +761,13 @@ impl Network {
         write_slot(&mut keep, 1, &mine, payload);
         let t = tag(op.seq, phase::TRANSFER_HEADER);
         let peers = std::iter::once((peer, 0));
-        self.exchange_slots(guard, op, keep, 1, peers, payload, expected, t, |bytes| {
-            let theirs = Header::decode(&bytes[..HEADER_BYTES]).ok_or_else(|| {
-                Error::CollectiveMismatch {
-                    call: op.seq,
-                    rank: peer,
-                    this_rank: rank,
-                    ours: mine.describe(),
-                    theirs: "a message that is no tributary header".into(),
-                }
+        self.exchange_slots(guard, op, keep, 1, peers, payload, expected, t, |heads| {
+            let theirs = Header::decode(&heads[0]).ok_or_else(|| Error::CollectiveMismatch {
+                call: op.seq,
+                rank: peer,
+                this_rank: rank,
+                ours: mine.describe(),
+                theirs: "a message that is no tributary header".into(),
             })?;
             let mut all = vec![mine.clone(), mine.clone()];
             all[if rank == from { 1 } else { 0 }] = theirs;
@@ -801,7 +798,7 @@ impl Network {
     /// written there by [`write_slot`]) to each `(rank, slot)` of `peers`, in frames (those
     /// after the first from a [`Payload::Kept`] itself), and each peer's header
     /// and `expected` payload bytes into that peer's slot. Waits for the peers' first
-    /// frames (their headers), hands the slots' bytes to `check`, then waits for the
+    /// frames, hands every slot's header bytes (index = slot) to `check`, then waits for the
     /// remaining frames. A `check` error that stops the cluster (a mismatch: the peer may
     /// have sent other frames than were posted for) returns without waiting for them; any
     /// other (a failed input elsewhere, whose rank sent every frame) waits for them first,
@@ -818,7 +815,7 @@ impl Network {
         payload: Payload<'_>,
         expected: usize,
         t: i32,
-        check: impl FnOnce(&[u8]) -> Result<T>,
+        check: impl FnOnce(&[[u8; HEADER_BYTES]]) -> Result<T>,
     ) -> Result<T> {
         let deadline = self.deadline();
         let sent = payload.len();
@@ -885,7 +882,22 @@ impl Network {
             let fault = self.fault(op, e);
             return Err(self.abandon(guard, heads, keep, fault));
         }
-        match check(bytemuck_bytes(&keep)) {
+        // Only the first frames are complete (later ones may still be arriving): the headers
+        // are copied out through the raw pointer, no reference to the rest of `keep` is made.
+        let slots = keep.len() * 8 / SLOT_BYTES;
+        let mut headers: SmallVec<[[u8; HEADER_BYTES]; 4]> = smallvec![[0; HEADER_BYTES]; slots];
+        for (s, h) in headers.iter_mut().enumerate() {
+            // SAFETY: slot `s`'s first HEADER_BYTES lie inside `keep`; no request writes them
+            // now (the first frames' receives completed, and no MPI call runs meanwhile).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    base.add(s * SLOT_BYTES),
+                    h.as_mut_ptr(),
+                    HEADER_BYTES,
+                )
+            };
+        }
+        match check(&headers) {
             Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, rest, keep, e)),
             checked => {
                 guard.state.slots = self.wait(guard, rest, keep, op, deadline)?;
