@@ -131,21 +131,28 @@ impl Network {
         } else {
             Payload::Copied(&[])
         };
-        let headers = self.exchange_headers(
-            guard,
-            op,
-            algorithm,
-            Status::Ready,
-            op.contributions,
-            payload,
-        )?;
-        let scale = mean_scale(op, &headers);
+        let scale = self.contribute(guard, op, algorithm, payload)?;
         if piggyback {
             self.sum_payloads(guard, wire, input, output, scale);
             Ok(())
         } else {
             self.all_reduce_wire(guard, op, algorithm, wire, n, input, output, scale)
         }
+    }
+
+    /// The header exchange of an all-reduce this rank takes part in with `payload` and its
+    /// contributions; the mean's factor over every rank's contributions (`None` for a sum).
+    fn contribute(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        op: &Issued,
+        algorithm: CrossRankAlgorithm,
+        payload: Payload<'_>,
+    ) -> Result<Option<f64>> {
+        let status = Status::Ready;
+        let headers =
+            self.exchange_headers(guard, op, algorithm, status, op.contributions, payload)?;
+        Ok(mean_scale(op, &headers))
     }
 
     /// The cross-rank all-reduce of `data` in place (a context's own buffer on the network
@@ -169,17 +176,10 @@ impl Network {
                 // SAFETY: `data` is the kernel's view into pool memory, which outlives
                 // abandoned requests (module docs of `cluster`).
                 let payload = unsafe { Payload::kept(data) };
-                let headers = self.exchange_headers(
-                    guard,
-                    op,
-                    algorithm,
-                    Status::Ready,
-                    op.contributions,
-                    payload,
-                )?;
+                let scale = self.contribute(guard, op, algorithm, payload)?;
                 let (me, size, len) = (self.rank(), self.size(), data.len());
                 let part = |r: usize| Network::payload(guard, r, len);
-                sum_in_place(wire, me, size, part, data, mean_scale(op, &headers));
+                sum_in_place(wire, me, size, part, data, scale);
                 return Ok(());
             }
         }
