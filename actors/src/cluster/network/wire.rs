@@ -501,7 +501,11 @@ fn sum_in_rank_order<'a>(
     for r in 0..size {
         let part = if r == me { input } else { part(r) };
         match (r, scale) {
-            (0, _) => output.copy_from_slice(part),
+            (0, _) => {
+                // Every part is as long as the output (a shorter one would leave the rest).
+                let n = part.len().min(output.len());
+                output[..n].copy_from_slice(&part[..n]);
+            }
             // The mean's scale in the last addition's pass: `(sum + part) * factor`, the
             // same two roundings as adding, then scaling.
             (r, Some(s)) if r == size - 1 => reduce::accumulate(wire, output, part, Some(s)),
@@ -539,10 +543,11 @@ fn sum_in_place<'a>(
                 block.copy_from_slice(own);
                 for r in (0..size).filter(|&r| r != me) {
                     let last = if r == size - 1 { scale } else { None };
-                    reduce::accumulate(wire, block, &part(r)[at..end], last);
+                    reduce::accumulate(wire, block, span(part(r), at, end), last);
                 }
             } else {
-                sum_in_rank_order(wire, me, size, own, |r| &part(r)[at..end], block, scale);
+                let parts = |r: usize| span(part(r), at, end);
+                sum_in_rank_order(wire, me, size, own, parts, block, scale);
             }
             data[at..end].copy_from_slice(block);
             at = end;
@@ -561,6 +566,11 @@ fn sum_in_place<'a>(
     if let (1, Some(s)) = (size, scale) {
         reduce::scale(wire, data, s);
     }
+}
+
+/// Bytes `at..end` of `part` (none if it is shorter: every part is as long as the sum).
+fn span(part: &[u8], at: usize, end: usize) -> &[u8] {
+    part.get(at..end).unwrap_or(&[])
 }
 
 /// Whether `dtype` can be all-reduced across ranks (f32, f64, and f16/bf16 through f32).
