@@ -85,10 +85,9 @@ pub(crate) struct NetworkConfig {
 /// What follows this rank's header in its header message.
 #[derive(Clone, Copy)]
 pub(super) enum Payload<'a> {
-    /// These bytes (at most [`PIGGYBACK_MAX_BYTES`]; empty for none), copied into this
-    /// rank's slot: any buffer.
-    Copied(&'a [u8]),
-    /// These bytes, in memory that outlives every request abandoned at a fault: the part
+    /// No payload: the header alone.
+    None,
+    /// These bytes (at most [`PIGGYBACK_MAX_BYTES`]), in memory that outlives every request abandoned at a fault: the part
     /// that shares the first frame with the header is copied into the slot, the other frames
     /// are sent from here (no copy of the rest). Made by [`Payload::kept`].
     Kept(&'a [u8]),
@@ -113,7 +112,8 @@ impl<'a> Payload<'a> {
 
     fn len(&self) -> usize {
         match self {
-            Payload::Copied(b) | Payload::Kept(b) => b.len(),
+            Payload::None => 0,
+            Payload::Kept(b) => b.len(),
             Payload::Unread(n) => *n,
         }
         .min(PIGGYBACK_MAX_BYTES)
@@ -908,15 +908,14 @@ impl Network {
 }
 
 /// Writes `header` and what of `payload` the exchange sends from the slot into slot `slot`
-/// of `slots`: all of a [`Payload::Copied`], the first frame's part of a
-/// [`Payload::Kept`], nothing of a [`Payload::Unread`] (its bytes are never read).
+/// of `slots`: the first frame's part of a [`Payload::Kept`], nothing else (a
+/// [`Payload::Unread`]'s bytes are never read).
 fn write_slot(slots: &mut [f64], slot: usize, header: &Header, payload: Payload<'_>) {
     let out = &mut bytemuck_bytes_mut(slots)[slot * SLOT_BYTES..];
     out[..HEADER_BYTES].copy_from_slice(&header.encode());
     let copied = match payload {
-        Payload::Copied(b) => &b[..payload.len()],
         Payload::Kept(b) => &b[..payload.len().min(FRAME_BYTES - HEADER_BYTES)],
-        Payload::Unread(_) => &[],
+        Payload::None | Payload::Unread(_) => &[],
     };
     out[HEADER_BYTES..HEADER_BYTES + copied.len()].copy_from_slice(copied);
 }

@@ -14,16 +14,9 @@ use crate::cluster::{
 impl Network {
     /// A header exchange and nothing else.
     pub(crate) fn barrier(&self, guard: &mut ExecGuard<'_>, op: &Issued) -> Result<()> {
-        let none = Payload::Copied(&[]);
-        self.exchange_headers(
-            guard,
-            op,
-            CrossRankAlgorithm::Direct,
-            Status::Ready,
-            0,
-            none,
-        )
-        .map(|_| ())
+        let direct = CrossRankAlgorithm::Direct;
+        self.exchange_headers(guard, op, direct, Status::Ready, 0, Payload::None)
+            .map(|_| ())
     }
 
     /// Tells the other ranks that this rank's input of `op` is unusable (a view error).
@@ -129,7 +122,7 @@ impl Network {
             // SAFETY: `input` outlives abandoned requests (the contract of `all_reduce`).
             unsafe { Payload::kept(input) }
         } else {
-            Payload::Copied(&[])
+            Payload::None
         };
         let scale = self.contribute(guard, op, algorithm, payload)?;
         if piggyback {
@@ -427,7 +420,7 @@ impl Network {
             let payload = unsafe { Payload::kept(input) };
             return self.transfer_headers(guard, op, Status::Ready, payload, 0);
         }
-        self.transfer_headers(guard, op, Status::Ready, Payload::Copied(&[]), 0)?;
+        self.transfer_headers(guard, op, Status::Ready, Payload::None, 0)?;
         let (_, to) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the input view outlives the request (module docs of `cluster`).
         let request = unsafe {
@@ -455,7 +448,7 @@ impl Network {
             let why = format!("its view holds {} bytes", output.len());
             return self.input_failed(guard, op, why);
         }
-        self.transfer_headers(guard, op, Status::Ready, Payload::Copied(&[]), expected)?;
+        self.transfer_headers(guard, op, Status::Ready, Payload::None, expected)?;
         if expected > 0 {
             output.copy_from_slice(Network::payload(guard, 0, output.len()));
             return Ok(());
