@@ -429,6 +429,141 @@ pub(crate) mod bodies {
         assert_eq!(src.read::<f64>(&node).expect("read"), mine, "{what}");
     }
 
+    /// Every rank sends a node to the next rank and receives another from the previous in
+    /// one `sendrecv` (on 2 ranks both directions between the same pair, issued in the
+    /// order the pair shares; on 4 a ring, which blocking sends and receives issued in this
+    /// order would wait on forever): data with the header (1,000 f64, two frames; 492,
+    /// one full frame) and after it (16,384 f64), in place on the network stream, from a
+    /// compute stream, and mixed; then a round whose odd ranks match the sendrecv with a
+    /// `recv` and a `send`. Then a captured step (an update of the sent node and the
+    /// sendrecv, in place) replayed three times moves each replay's values.
+    pub fn sendrecv_rings(cluster: &Arc<Cluster>) {
+        let rank = cluster.rank();
+        let rounds = [
+            (1000, Some(true), false),
+            (16384, Some(true), false),
+            (1000, Some(false), false),
+            (16384, None, false),
+            (492, None, false),
+            (8193, Some(true), true),
+            (1000, Some(false), true),
+        ];
+        for (round, (n, in_place, split)) in rounds.into_iter().enumerate() {
+            let in_place = in_place.unwrap_or(rank % 2 == 0);
+            sendrecv_round(cluster, round, n, in_place, split && rank % 2 == 1);
+        }
+        replayed_sendrecv(cluster);
+    }
+
+    /// The nodes of a sendrecv round, in one context (on the network stream or a compute
+    /// stream): this rank's own, holding its values, and the halo, zeros, that receives
+    /// the previous rank's. A node is named after the rank that owns it (`v{round}.{rank}`),
+    /// so a transfer moves a node of one label from its owner to its neighbour.
+    fn sendrecv_nodes(
+        cluster: &Arc<Cluster>,
+        round: usize,
+        n: usize,
+        in_place: bool,
+    ) -> (TensorNode, TensorNode, ContextHandle) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let owned_by = |r: usize| {
+            TensorNode::new(format!("v{round}.{r}"), DType::F64, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node")
+        };
+        let (own, halo) = (owned_by(rank), owned_by((rank + size - 1) % size));
+        let root = if in_place {
+            cluster.network_context()
+        } else {
+            cluster.context(0, 0)
+        }
+        .expect("ctx");
+        let mine: Vec<f64> = (0..n).map(|i| (rank * n + i + round) as f64).collect();
+        let ctx = init(root, &own, &mine).expect("init");
+        let ctx = init(ctx, &halo, &vec![0f64; n]).expect("init");
+        (own, halo, ctx)
+    }
+
+    /// One round of `sendrecv_rings`; `split`: a `recv` from the previous rank, then a
+    /// `send` to the next, instead of the sendrecv.
+    fn sendrecv_round(cluster: &Arc<Cluster>, round: usize, n: usize, in_place: bool, split: bool) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let what = format!(
+            "sendrecv round {round} on rank {rank}: {n} f64, in place {in_place}, split {split}"
+        );
+        let (own, halo, ctx) = sendrecv_nodes(cluster, round, n, in_place);
+        let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
+        if split {
+            let r = cluster.recv(&halo, &ctx, from).expect("recv");
+            let s = cluster.send(&own, &ctx, to).expect("send");
+            r.wait().expect(&what);
+            s.wait().expect(&what);
+        } else {
+            cluster
+                .sendrecv(&own, to, &halo, from, &ctx)
+                .expect("sendrecv")
+                .wait()
+                .expect(&what);
+        }
+        let want: Vec<f64> = (0..n).map(|i| (from * n + i + round) as f64).collect();
+        assert_eq!(ctx.read::<f64>(&halo).expect("read"), want, "{what}");
+        let mine: Vec<f64> = (0..n).map(|i| (rank * n + i + round) as f64).collect();
+        assert_eq!(
+            ctx.read::<f64>(&own).expect("read"),
+            mine,
+            "{what}: sent node"
+        );
+        cluster.finalize(&ctx).expect("finalize");
+    }
+
+    /// A step of work in place, captured: add 1 to the sent node, then the sendrecv. Each
+    /// replay sends the updated values: after `k` steps the halo holds the previous rank's
+    /// values plus `k`.
+    fn replayed_sendrecv(cluster: &Arc<Cluster>) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let n = 700;
+        let (own, halo, ctx) = sendrecv_nodes(cluster, 100, n, true);
+        let bump = ctx
+            .link(
+                tributary::kernels::RoutineSpec::custom(
+                    "bump",
+                    vec![(own.clone(), tributary::kernels::Access::ReadWrite)],
+                    None,
+                    |args| {
+                        for v in args.output::<f64>(0)? {
+                            *v += 1.0;
+                        }
+                        Ok(())
+                    },
+                )
+                .expect("spec"),
+            )
+            .expect("link");
+        let ctx = bump.context();
+        let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
+        let step = cluster
+            .capture(|c| {
+                c.schedule(bump.routine())?;
+                c.sendrecv(&own, to, &halo, from, &ctx)?;
+                Ok(())
+            })
+            .expect("captured");
+        for k in 2..5 {
+            cluster
+                .replay(&step)
+                .expect("replay")
+                .wait()
+                .expect("replayed");
+            let want: Vec<f64> = (0..n).map(|i| (from * n + i + 100 + k) as f64).collect();
+            assert_eq!(
+                ctx.read::<f64>(&halo).expect("read"),
+                want,
+                "rank {rank}: halo after {k} steps"
+            );
+        }
+        cluster.finalize(&ctx).expect("finalize");
+    }
+
     /// A bucketed all-reduce of ten small gradients (several per bucket) sums every
     /// replica of every rank into every gradient of every context.
     pub fn bucketed_all_reduce(cluster: &Arc<Cluster>) {
@@ -553,6 +688,13 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(2, tributary_actors::cluster::CrossRankAlgorithm::Auto),
     bodies::ring_of_transfers
+);
+
+cluster_test!(
+    sendrecv_moves_both_directions_at_once,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config_10s(1, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::sendrecv_rings
 );
 
 cluster_test!(

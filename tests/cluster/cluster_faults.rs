@@ -305,6 +305,90 @@ mod bodies {
         }
     }
 
+    /// A ring of sendrecvs (every rank sends `f{case}.{rank}`, 3,000 f32 in three frames, to
+    /// the next rank and receives the previous rank's into `f{case}.{from}`, in place on
+    /// the network stream) whose sent node's producer fails: first on rank 0 alone, then on
+    /// every rank. A rank whose routine was skipped still posts both parts' headers, with
+    /// `InputFailed`, together (one after the other, a ring of them would wait on itself):
+    /// the failed rank gets its producer's error, its neighbours `RankInputFailed` naming
+    /// it for the part it joins, the others their data, all within the deadline; then a
+    /// healthy sendrecv moves every rank's values.
+    pub fn failed_sendrecv_inputs(cluster: &Arc<Cluster>) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
+        let round = |case: usize, fails: bool| {
+            let (own, halo) = (
+                node(&format!("f{case}.{rank}"), 3000),
+                node(&format!("f{case}.{from}"), 3000),
+            );
+            let mut ctx = cluster.network_context().expect("ctx");
+            for n in [&halo, &own] {
+                let r = ctx
+                    .link(kernels::fill(n, 0.0).expect("spec"))
+                    .expect("link");
+                r.schedule().expect("schedule");
+                ctx = r.context();
+            }
+            let value = (rank + 1) as f32;
+            let r = ctx
+                .link(
+                    RoutineSpec::custom("produce", vec![(own.clone(), Access::Write)], None, {
+                        move |args| {
+                            if fails {
+                                return Err("the message failed".into());
+                            }
+                            args.output::<f32>(0)?.fill(value);
+                            Ok(())
+                        }
+                    })
+                    .expect("spec"),
+                )
+                .expect("link");
+            r.schedule().expect("schedule");
+            let ctx = r.context();
+            let started = Instant::now();
+            let result = cluster
+                .sendrecv(&own, to, &halo, from, &ctx)
+                .expect("issued")
+                .wait();
+            assert!(
+                started.elapsed() < DEADLINE,
+                "rank {rank}, case {case}: the sendrecv took {:?}, past the deadline {DEADLINE:?}",
+                started.elapsed()
+            );
+            (result, ctx, halo)
+        };
+        // Rank 0's input fails.
+        let (result, ctx, halo) = round(0, rank == 0);
+        match (&result, rank) {
+            (Err(Error::Failed(f)), 0) => assert!(f.message.contains("the message failed"), "{f}"),
+            (Err(Error::RankInputFailed { rank: 0, .. }), r) if r == 1 || r == size - 1 => {}
+            (Ok(()), r) if r != 0 && r != 1 && r != size - 1 => {
+                assert_eq!(
+                    ctx.read::<f32>(&halo).expect("read"),
+                    vec![from as f32 + 1.0; 3000]
+                );
+            }
+            other => panic!("rank {rank}: unexpected outcome {other:?} with rank 0's input failed"),
+        }
+        cluster.finalize(&ctx).expect("finalize");
+        // Every rank's input fails.
+        let (result, ctx, _) = round(1, true);
+        match &result {
+            Err(Error::Failed(f)) => assert!(f.message.contains("the message failed"), "{f}"),
+            other => panic!("rank {rank}: unexpected outcome {other:?} with every input failed"),
+        }
+        cluster.finalize(&ctx).expect("finalize");
+        // Still in step.
+        let (result, ctx, halo) = round(2, false);
+        result.expect("a healthy sendrecv");
+        assert_eq!(
+            ctx.read::<f32>(&halo).expect("read"),
+            vec![from as f32 + 1.0; 3000]
+        );
+        cluster.finalize(&ctx).expect("finalize");
+    }
+
     /// Rank 1's routine writing the gradient (`n` f32) fails; see [`input_fails_on_one_rank`].
     fn failed_all_reduce_input(cluster: &Arc<Cluster>, n: usize) {
         let g = node("g", n);
@@ -426,4 +510,11 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config(),
     bodies::input_of_several_frames_fails_on_one_rank
+);
+
+cluster_test!(
+    a_failed_sendrecv_input_fails_the_transfers_it_joins_and_no_more,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config(),
+    bodies::failed_sendrecv_inputs
 );

@@ -93,7 +93,8 @@ pub struct Cluster {
     transfers: Mutex<HashMap<TransferKey, RoutineHandle>>,
 }
 
-/// What a kept transfer routine moves: a node, from or into a context, to or from a rank.
+/// What a kept transfer routine moves: a node, from or into a context, to or from a rank;
+/// or, for a sendrecv, a node to one rank and another from one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct TransferKey {
     node: NodeId,
@@ -101,6 +102,9 @@ struct TransferKey {
     context: (DeviceId, ContextId),
     peer: usize,
     send: bool,
+    /// A sendrecv's received node and the rank it comes from (`node` and `peer` are the
+    /// sent node and its destination).
+    received: Option<(NodeId, usize)>,
 }
 
 /// Which side of a transfer a call is.
@@ -290,6 +294,7 @@ impl Cluster {
                 context: (ctx.device(), ctx.id()),
                 peer,
                 send,
+                received: None,
             },
         );
         let in_place = self.on_network_stream(ctx);
@@ -335,6 +340,147 @@ impl Cluster {
         let copy =
             sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
         Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
+    }
+
+    /// Sends the value of `send` in `ctx` to rank `to` and receives `recv` from rank `from`
+    /// into `ctx`, as one network operation: both transfers' messages are posted at once
+    /// (`MPI_Sendrecv`), so a sendrecv costs one exchange's latency where a
+    /// [`Cluster::send`] then a [`Cluster::recv`] cost two, and a ring of them (every rank
+    /// sending to the next and receiving from the previous) cannot wait on itself as
+    /// blocking sends would. The peers match it with their own sendrecv or with a
+    /// [`Cluster::recv`] and a [`Cluster::send`]: it is the two transfers, issued in the
+    /// order both ranks of a pair share — the one from the lower rank first (DESIGN.md §9,
+    /// "Sendrecv"). In place on the network stream when `ctx` is there
+    /// ([`Cluster::network_context`]); otherwise `send` is copied to the network stream
+    /// and `recv` back. `send` and `recv` must be different nodes; as for `send` and
+    /// `recv`, a transfer moves a node of one label (the SPMD contract), so the node a rank
+    /// receives bears the label of the node its peer sends.
+    ///
+    /// ```no_run
+    /// use tributary::{kernels, DType, MemoryMode};
+    /// use tributary_actors::cluster::Cluster;
+    /// // mpirun -np 2 <this program>: a halo exchange between the two ranks; each node is
+    /// // named after the rank that owns it.
+    /// let cluster = Cluster::builder().cpu_devices(1).spawn()?;
+    /// let (rank, peer) = (cluster.rank(), 1 - cluster.rank());
+    /// let node = |r: usize| cluster.system().node(format!("x{r}"), DType::F32, [16]).with_mode(MemoryMode::on_device());
+    /// let (own, halo) = (node(rank)?, node(peer)?);
+    /// let ctx = cluster.network_context()?;
+    /// let fill = ctx.link(kernels::fill(&own, rank as f64)?)?;
+    /// fill.schedule()?;
+    /// let fill_halo = fill.context().link(kernels::fill(&halo, 0.0)?)?;
+    /// fill_halo.schedule()?;
+    /// let ctx = fill_halo.context();
+    /// cluster.sendrecv(&own, peer, &halo, peer, &ctx)?.wait()?;
+    /// assert_eq!(ctx.read::<f32>(&halo)?, vec![peer as f32; 16]);
+    /// cluster.finalize(&ctx)?;
+    /// cluster.shutdown()?;
+    /// # Ok::<(), tributary::Error>(())
+    /// ```
+    pub fn sendrecv(
+        &self,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+    ) -> Result<ClusterTicket> {
+        self.sendrecv_on(&mut &self.sys, send, to, recv, from, ctx, None)
+    }
+
+    /// [`Cluster::sendrecv`], its system calls made through `sys` (the system, or a capture;
+    /// `spans` then gets the positions of the routine's call, once per transfer).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sendrecv_on(
+        &self,
+        sys: &mut impl SystemCalls,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+        spans: Option<&mut plan::Spans>,
+    ) -> Result<ClusterTicket> {
+        self.check_rank(to)?;
+        self.check_rank(from)?;
+        for node in [send, recv] {
+            if !ctx.contains(node) {
+                return Err(Error::NodeNotInContext {
+                    node: node.to_string(),
+                    context: ctx.id(),
+                });
+            }
+        }
+        if send.id() == recv.id() {
+            return Err(Error::InvalidRoutine {
+                routine: "cluster sendrecv".into(),
+                reason: format!(
+                    "{send} is both sent and received: a sendrecv needs two nodes (the \
+                     receive would overwrite what the send reads)"
+                ),
+            });
+        }
+        let rank = self.rank();
+        let (out, into) = (
+            transfer_desc(send, rank, to),
+            transfer_desc(recv, from, rank),
+        );
+        // The order both ranks of a pair share: the transfer from the lower rank first (the
+        // mutant: this rank's send first, whatever the peer does).
+        let recv_first = to == from && from < rank && !mutant!("cluster_sendrecv_order");
+        let (first, second) = if recv_first { (into, out) } else { (out, into) };
+        let in_place = self.on_network_stream(ctx);
+        let net_ctx = if in_place {
+            ctx
+        } else {
+            self.net_root.protocol_context()
+        };
+        let key = TransferKey {
+            node: send.id(),
+            context: (ctx.device(), ctx.id()),
+            peer: to,
+            send: true,
+            received: Some((recv.id(), from)),
+        };
+        let routine = self.transfer_routine(key, net_ctx, || {
+            plan::sendrecv_spec(&self.net, send, recv, in_place)
+        })?;
+        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        if !in_place {
+            sys.device_to_device(send, ctx, routine.protocol_context(), MergeBufferUse::No)?;
+        }
+        let issued = self.net.issue_pair(first, second);
+        let mut spans = spans;
+        let scheduled = noting(sys, spans.as_deref_mut(), |sys| {
+            sys.schedule(routine.routine())
+        });
+        let ticket = match scheduled {
+            Ok(t) => t,
+            Err(e) => {
+                for op in issued.iter().rev() {
+                    self.net.retract(op);
+                }
+                return Err(e);
+            }
+        };
+        // One routine runs both transfers: each is found at its call's positions.
+        if let Some(spans) = spans {
+            if let Some(&last) = spans.last() {
+                spans.push(last);
+            }
+        }
+        for op in &issued {
+            let _ = op.event.set(EntryTicket::Issued(ticket.clone()));
+        }
+        if in_place {
+            return Ok(ClusterTicket::new(issued.into(), vec![ticket]));
+        }
+        let copy =
+            sys.device_to_device(recv, routine.protocol_context(), ctx, MergeBufferUse::No)?;
+        Ok(ClusterTicket::new(
+            issued.into(),
+            std::iter::once(ticket).chain(copy).collect(),
+        ))
     }
 
     /// The transfer routine kept under `key`, linked into `into` (the network stream's

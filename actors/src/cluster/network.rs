@@ -120,6 +120,92 @@ impl<'a> Payload<'a> {
     }
 }
 
+/// One peer's side of a header exchange ([`Network::exchange_slots`]): this rank's header
+/// message, from slot `own` (its header, then `payload`), to `peer`, and that peer's header
+/// and `expected` payload bytes into slot `slot`, under tag `tag`.
+#[derive(Clone, Copy)]
+struct Leg<'p> {
+    peer: usize,
+    slot: usize,
+    own: usize,
+    tag: i32,
+    payload: Payload<'p>,
+    expected: usize,
+}
+
+/// The legs of one exchange: inline up to one per peer of an 8-rank cluster.
+type Legs<'p> = SmallVec<[Leg<'p>; 8]>;
+
+/// One transfer of a sendrecv as this rank runs it ([`Network::transfer_pair_headers`]):
+/// its entry, the status its header carries, what travels with it, and the payload bytes
+/// expected with the peer's header.
+pub(super) struct PairPart<'a> {
+    pub(super) op: &'a Issued,
+    pub(super) status: Status,
+    pub(super) payload: Payload<'a>,
+    pub(super) expected: usize,
+}
+
+/// The data of a transfer that does not travel with its header: a request
+/// [`Network::transfer_parts`] posts once the part's headers agreed.
+pub(super) enum DataLeg {
+    Send {
+        ptr: *const u8,
+        len: usize,
+        peer: usize,
+        tag: i32,
+    },
+    Recv {
+        ptr: *mut u8,
+        len: usize,
+        peer: usize,
+        tag: i32,
+    },
+}
+
+impl DataLeg {
+    /// A send of `bytes` to `peer` under `tag`.
+    ///
+    /// # Safety
+    ///
+    /// `bytes` must stay readable and unwritten until the exchange's requests complete or,
+    /// if a fault abandons them, until MPI is finalized (a kernel's view into pool memory,
+    /// module docs of `cluster`), and no receive of the exchange may write them.
+    pub(super) unsafe fn send(bytes: &[u8], peer: usize, tag: i32) -> DataLeg {
+        DataLeg::Send {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            peer,
+            tag,
+        }
+    }
+
+    /// A receive into `bytes` from `peer` under `tag`.
+    ///
+    /// # Safety
+    ///
+    /// As [`DataLeg::send`], and nothing else may read or write `bytes` meanwhile.
+    pub(super) unsafe fn recv(bytes: &mut [u8], peer: usize, tag: i32) -> DataLeg {
+        DataLeg::Recv {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            peer,
+            tag,
+        }
+    }
+}
+
+impl PairPart<'_> {
+    /// The other rank of the transfer.
+    fn peer(&self, rank: usize) -> usize {
+        match self.op.desc.route {
+            Some((from, to)) if from == rank => to,
+            Some((from, _)) => from,
+            None => rank,
+        }
+    }
+}
+
 /// The frames a header with `payload` bytes after it takes.
 fn frames(payload: usize) -> usize {
     (HEADER_BYTES + payload.min(PIGGYBACK_MAX_BYTES)).div_ceil(FRAME_BYTES)
@@ -131,6 +217,9 @@ pub(crate) struct Issued {
     pub(crate) desc: OpDesc,
     /// How many contributions this rank adds (its contexts; all-reduce only).
     pub(crate) contributions: usize,
+    /// This transfer and the next entry of the queue are one routine's (a sendrecv): they
+    /// run, and are caught up, together ([`Network::execute_pair`]).
+    pub(crate) fused: bool,
     /// The ticket of its routine, set right after it was scheduled or replayed (the host
     /// does not wait for the device's decision).
     pub(crate) event: OnceLock<EntryTicket>,
@@ -328,10 +417,41 @@ impl Network {
     /// Appends an operation to the issue queue and gives it its sequence number (the
     /// collective counter, or the counter of transfers between its two ranks).
     pub(crate) fn issue(&self, desc: OpDesc, contributions: usize) -> Arc<Issued> {
+        self.issue_with(desc, contributions, false)
+    }
+
+    /// The two transfers of a sendrecv, issued back to back as one routine's (the first
+    /// marked `fused`): their kernel takes both entries ([`Network::execute_pair`]).
+    pub(crate) fn issue_pair(&self, first: OpDesc, second: OpDesc) -> [Arc<Issued>; 2] {
         let mut st = lock(&self.issue);
+        [
+            Self::push_issued(&mut st, self.rank(), first, 0, true),
+            Self::push_issued(&mut st, self.rank(), second, 0, false),
+        ]
+    }
+
+    /// [`Network::issue`], `fused` as [`Issued::fused`] (a replay re-issues a captured
+    /// sendrecv's entries so).
+    pub(crate) fn issue_with(
+        &self,
+        desc: OpDesc,
+        contributions: usize,
+        fused: bool,
+    ) -> Arc<Issued> {
+        let mut st = lock(&self.issue);
+        Self::push_issued(&mut st, self.rank(), desc, contributions, fused)
+    }
+
+    fn push_issued(
+        st: &mut IssueState,
+        rank: usize,
+        desc: OpDesc,
+        contributions: usize,
+        fused: bool,
+    ) -> Arc<Issued> {
         let seq = match (desc.kind, desc.route) {
             (OpKind::Transfer, Some((from, to))) => {
-                let (counters, peer) = if from == self.rank() {
+                let (counters, peer) = if from == rank {
                     (&mut st.sent, to)
                 } else {
                     (&mut st.received, from)
@@ -353,6 +473,7 @@ impl Network {
             seq,
             desc,
             contributions,
+            fused,
             event: OnceLock::new(),
             error: OnceLock::new(),
         });
@@ -445,19 +566,64 @@ impl Network {
         let mut guard = ExecGuard {
             state: lock(&self.exec),
         };
-        for s in &skipped {
-            self.catch_up(&mut guard, s);
-        }
+        self.catch_up_all(&mut guard, &skipped);
         let Some(me) = me else {
             return Err("a network routine ran that the cluster did not issue".into());
         };
-        let result = if self.closed.load(Ordering::Acquire) {
-            Err(Error::ShutDown("the cluster is shut down".into()))
-        } else if let Some(b) = &guard.state.broken {
-            Err(b.clone())
-        } else {
-            body(self, &mut guard, &me)
+        let result = match self.refused(&guard) {
+            Some(e) => Err(e),
+            None => body(self, &mut guard, &me),
         };
+        Self::record(&mut guard, &me, result)
+    }
+
+    /// [`Network::execute`] for the kernel of a sendrecv, which runs two queued transfers
+    /// ([`Network::issue_pair`]): takes both entries, runs `body` on them, and records each
+    /// one's result on it (the kernel fails if either did).
+    pub(crate) fn execute_pair(
+        &self,
+        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &Issued, &Issued) -> [Result<()>; 2],
+    ) -> std::result::Result<(), String> {
+        let (skipped, first) = self.front(true);
+        let mut guard = ExecGuard {
+            state: lock(&self.exec),
+        };
+        self.catch_up_all(&mut guard, &skipped);
+        // The second entry is the same routine's, issued right after the first: it runs,
+        // so nothing is skipped before it.
+        let second = match &first {
+            Some(f) if f.fused => self.front(true).1,
+            _ => None,
+        };
+        let (Some(first), Some(second)) = (first, second) else {
+            return Err("a sendrecv routine ran that the cluster did not issue as one".into());
+        };
+        let results = match self.refused(&guard) {
+            Some(e) => [Err(e.clone()), Err(e)],
+            None => body(self, &mut guard, &first, &second),
+        };
+        let [a, b] = results;
+        let a = Self::record(&mut guard, &first, a);
+        let b = Self::record(&mut guard, &second, b);
+        a.and(b)
+    }
+
+    /// Why no operation runs now (the cluster is shut down or broken), if so.
+    fn refused(&self, guard: &ExecGuard<'_>) -> Option<Error> {
+        if self.closed.load(Ordering::Acquire) {
+            Some(Error::ShutDown("the cluster is shut down".into()))
+        } else {
+            guard.state.broken.clone()
+        }
+    }
+
+    /// Records `result` on `me` (its typed error), breaking the cluster on a fault; the
+    /// kernel's result.
+    fn record(
+        guard: &mut ExecGuard<'_>,
+        me: &Issued,
+        result: Result<()>,
+    ) -> std::result::Result<(), String> {
         match result {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -467,6 +633,24 @@ impl Network {
                 let text = e.to_string();
                 let _ = me.error.set(e);
                 Err(text)
+            }
+        }
+    }
+
+    /// Catches up `skipped` in order: a sendrecv's two entries together
+    /// ([`Network::catch_up_pair`]), every other one alone.
+    fn catch_up_all(&self, guard: &mut ExecGuard<'_>, skipped: &[Arc<Issued>]) {
+        let mut i = 0;
+        while i < skipped.len() {
+            match (skipped[i].fused, skipped.get(i + 1)) {
+                (true, Some(second)) => {
+                    self.catch_up_pair(guard, &skipped[i], second);
+                    i += 2;
+                }
+                _ => {
+                    self.catch_up(guard, &skipped[i]);
+                    i += 1;
+                }
             }
         }
     }
@@ -537,6 +721,42 @@ impl Network {
         }
     }
 
+    /// Sends the headers of a sendrecv whose kernel was skipped (an input failed here): both
+    /// parts' exchanges posted together, as the kernel would have posted them (one after the
+    /// other, a ring of sendrecvs whose inputs all failed would wait on itself).
+    fn catch_up_pair(&self, guard: &mut ExecGuard<'_>, first: &Issued, second: &Issued) {
+        if guard.state.broken.is_some()
+            || self.closed.load(Ordering::Acquire)
+            || mutant!("cluster_catch_up")
+        {
+            return;
+        }
+        let parts = [self.failed_part(first), self.failed_part(second)];
+        // Only a fault matters (this rank's own operations failed already).
+        if let Err(e) = self.transfer_pair(guard, [&parts[0], &parts[1]], [None, None]) {
+            if breaks_cluster(&e) {
+                guard.state.broken = Some(e);
+            }
+        }
+    }
+
+    /// A skipped sendrecv's part: its header with `InputFailed` and every frame its payload
+    /// would have taken, unread (the mutant `cluster_unread_frames`: the header alone).
+    fn failed_part<'a>(&self, op: &'a Issued) -> PairPart<'a> {
+        let (sent, expected) = self.transfer_payloads(&op.desc);
+        let sent = if mutant!("cluster_unread_frames") {
+            0
+        } else {
+            sent
+        };
+        PairPart {
+            op,
+            status: Status::InputFailed,
+            payload: Payload::Unread(sent),
+            expected,
+        }
+    }
+
     /// Catches up skipped operations at the end (the last ones may have failed with nothing
     /// after them), then marks the network closed. Called by the cluster's shutdown after
     /// the network stream drained.
@@ -545,9 +765,7 @@ impl Network {
         let mut guard = ExecGuard {
             state: lock(&self.exec),
         };
-        for s in &skipped {
-            self.catch_up(&mut guard, s);
-        }
+        self.catch_up_all(&mut guard, &skipped);
         self.closed.store(true, Ordering::Release);
     }
 
@@ -664,6 +882,21 @@ impl Network {
             .unwrap_or(&[])
     }
 
+    /// Copies the payload that came with slot `slot`'s header in the last exchange into
+    /// `out` (as many bytes).
+    pub(super) fn copy_payload(guard: &ExecGuard<'_>, slot: usize, out: &mut [u8]) -> Result<()> {
+        let payload = Self::payload(guard, slot, out.len());
+        if payload.len() != out.len() {
+            return Err(Error::Internal(format!(
+                "a payload of {} bytes where {} were expected",
+                payload.len(),
+                out.len()
+            )));
+        }
+        out.copy_from_slice(payload);
+        Ok(())
+    }
+
     /// The payload bytes rank by rank of a collective header exchange (every rank sends as
     /// many as it receives from each other): a `Direct` all-reduce's wire input of at most
     /// [`PIGGYBACK_MAX_BYTES`] on more than one rank, else none. Decided from fields the
@@ -717,10 +950,19 @@ impl Network {
         // One slot per rank; this rank's holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, size);
         write_slot(&mut keep, rank, &mine, payload);
-        let peers = (0..size).filter(|&p| p != rank).map(|p| (p, p));
         let t = tag(op.seq, phase::HEADER);
-        let length = payload.len();
-        self.exchange_slots(guard, op, keep, rank, peers, payload, length, t, |heads| {
+        let legs: Legs<'_> = (0..size)
+            .filter(|&p| p != rank)
+            .map(|p| Leg {
+                peer: p,
+                slot: p,
+                own: rank,
+                tag: t,
+                payload,
+                expected: payload.len(),
+            })
+            .collect();
+        self.exchange_slots(guard, op, keep, &legs, |heads| {
             let mut all = Vec::with_capacity(size);
             for (r, bytes) in heads.iter().enumerate() {
                 if r == rank {
@@ -759,81 +1001,332 @@ impl Network {
         // Slot 0 receives, slot 1 holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, 2);
         write_slot(&mut keep, 1, &mine, payload);
-        let t = tag(op.seq, phase::TRANSFER_HEADER);
-        let peers = std::iter::once((peer, 0));
-        self.exchange_slots(guard, op, keep, 1, peers, payload, expected, t, |heads| {
-            let theirs = Header::decode(&heads[0]).ok_or_else(|| Error::CollectiveMismatch {
-                call: op.seq,
-                rank: peer,
-                this_rank: rank,
-                ours: mine.describe(),
-                theirs: "a message that is no tributary header".into(),
-            })?;
-            let mut all = vec![mine.clone(), mine.clone()];
-            all[if rank == from { 1 } else { 0 }] = theirs;
-            let me = if rank == from { 0 } else { 1 };
-            check_headers(me, &mine, &all, Describe(&op.desc)).map_err(|e| match e {
-                Error::CollectiveMismatch {
-                    call, ours, theirs, ..
-                } => Error::CollectiveMismatch {
-                    call,
-                    rank: peer,
-                    this_rank: rank,
-                    ours,
-                    theirs,
-                },
-                Error::RankInputFailed {
-                    call, operation, ..
-                } => Error::RankInputFailed {
-                    rank: peer,
-                    call,
-                    operation,
-                },
-                e => e,
-            })
+        let leg = Leg {
+            peer,
+            slot: 0,
+            own: 1,
+            tag: tag(op.seq, phase::TRANSFER_HEADER),
+            payload,
+            expected,
+        };
+        self.exchange_slots(guard, op, keep, &[leg], |heads| {
+            self.check_transfer(op, &mine, &heads[0])
         })
     }
 
-    /// The messages of a header exchange: this rank's slot `own` (its header, then `payload`,
-    /// written there by [`write_slot`]) to each `(rank, slot)` of `peers`, in frames (those
-    /// after the first from a [`Payload::Kept`] itself), and each peer's header
-    /// and `expected` payload bytes into that peer's slot. Waits for the peers' first
+    /// The transfers of a sendrecv ([`Network::issue_pair`]; catch-up and the mutant give
+    /// one or two), their header messages posted together: each part's header message (and
+    /// payload) to its peer and the peer's into a slot of its own (slots `2i` and `2i + 1`
+    /// for part `i`). Then part by part, in issue order: wait for the peer's first frame,
+    /// check its header, and post the part's data that does not travel with the header
+    /// (`data[i]`) if it agreed. Last, every remaining frame and the data are waited for
+    /// together. Part by part, because a peer may run the two transfers as a `recv` and
+    /// then a `send` (the same transfers, one routine each): its second header leaves only
+    /// once its first transfer's data arrived, so the first part's data must not wait for
+    /// the second part's header. The parts are in issue order, which both ranks of a pair
+    /// share (the transfer from the lower rank first, [`crate::cluster::Cluster::sendrecv`]),
+    /// so even where two parts' tags coincide each rank posts, and MPI matches, the first
+    /// part's messages before the second's. `Err` is a fault that stops the cluster (every
+    /// part fails with it); otherwise each part's own check (a failed input on the other
+    /// side fails that part alone).
+    pub(super) fn transfer_parts(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        parts: &[&PairPart<'_>],
+        data: &[Option<DataLeg>],
+    ) -> Result<SmallVec<[Result<()>; 2]>> {
+        let rank = self.rank();
+        let deadline = self.deadline();
+        let mine: SmallVec<[Header; 2]> = parts
+            .iter()
+            .map(|p| {
+                Header::new(
+                    &p.op.desc,
+                    p.op.seq,
+                    rank,
+                    CrossRankAlgorithm::Direct,
+                    p.status,
+                )
+            })
+            .collect();
+        let mut keep = Self::take_slots(guard, 2 * parts.len());
+        let legs: Legs<'_> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                write_slot(&mut keep, 2 * i + 1, &mine[i], p.payload);
+                Leg {
+                    peer: p.peer(rank),
+                    slot: 2 * i,
+                    own: 2 * i + 1,
+                    tag: tag(p.op.seq, phase::TRANSFER_HEADER),
+                    payload: p.payload,
+                    expected: p.expected,
+                }
+            })
+            .collect();
+        // The mutant posts each part's messages only once the part before finished.
+        let sequential = mutant!("cluster_sendrecv_sequential");
+        let (mut heads, mut waiting) = (Requests::new(), Requests::new());
+        let mut results = SmallVec::new();
+        for (i, part) in parts.iter().enumerate() {
+            if i == 0 || sequential {
+                let legs = if sequential { &legs[i..=i] } else { &legs[..] };
+                // SAFETY: `keep` is neither moved, reallocated nor touched until the
+                // requests complete (the waits below) or are abandoned with it, but for the
+                // header bytes of a slot whose first frame's receive completed.
+                let (h, mut rest, posted) = unsafe { self.post_legs(&mut keep, legs) };
+                heads.extend(h);
+                waiting.append(&mut rest);
+                if let Err(e) = posted {
+                    waiting.append(&mut heads);
+                    return Err(self.abandon(guard, waiting, keep, e));
+                }
+            }
+            if heads.is_empty() {
+                waiting.append(&mut heads);
+                let e = Error::Internal("a sendrecv part without its header's receive".into());
+                return Err(self.abandon(guard, waiting, keep, e));
+            }
+            let mut head = [heads.remove(0)];
+            if let Err(e) = self.mpi.wait_all(&mut head, deadline) {
+                waiting.extend(head);
+                waiting.append(&mut heads);
+                let fault = self.fault(part.op, e);
+                return Err(self.abandon(guard, waiting, keep, fault));
+            }
+            let mut theirs = [0u8; HEADER_BYTES];
+            let base = keep.as_mut_ptr().cast::<u8>();
+            // SAFETY: slot `2i`'s first HEADER_BYTES lie inside `keep` (`2 * parts.len()`
+            // slots); no request writes them now (their receive completed, and no MPI call
+            // runs meanwhile).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    base.add(2 * i * SLOT_BYTES),
+                    theirs.as_mut_ptr(),
+                    HEADER_BYTES,
+                )
+            };
+            let checked = self.check_transfer(part.op, &mine[i], &theirs);
+            if let Err(e) = &checked {
+                if breaks_cluster(e) {
+                    let e = e.clone();
+                    waiting.append(&mut heads);
+                    return Err(self.abandon(guard, waiting, keep, e));
+                }
+            }
+            if let (Ok(()), Some(Some(leg))) = (&checked, data.get(i)) {
+                // SAFETY: the leg's maker promised its memory ([`DataLeg::send`],
+                // [`DataLeg::recv`]).
+                match unsafe { self.post_data(leg) } {
+                    Ok(r) => waiting.push(r),
+                    Err(e) => {
+                        waiting.append(&mut heads);
+                        return Err(self.abandon(guard, waiting, keep, e));
+                    }
+                }
+            }
+            if sequential {
+                keep = self.wait(guard, std::mem::take(&mut waiting), keep, part.op, deadline)?;
+            }
+            results.push(checked);
+        }
+        guard.state.slots = self.wait(guard, waiting, keep, parts[0].op, deadline)?;
+        Ok(results)
+    }
+
+    /// [`Network::transfer_parts`] of a sendrecv's two parts (in issue order), with their
+    /// data requests.
+    pub(super) fn transfer_pair(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        parts: [&PairPart<'_>; 2],
+        data: [Option<DataLeg>; 2],
+    ) -> Result<[Result<()>; 2]> {
+        let mut both = self.transfer_parts(guard, &parts, &data)?;
+        let missing = || Err(Error::Internal("a sendrecv part without its result".into()));
+        let b = both.pop().unwrap_or_else(missing);
+        Ok([both.pop().unwrap_or_else(missing), b])
+    }
+
+    /// Posts the request of a [`DataLeg`].
+    ///
+    /// # Safety
+    ///
+    /// The leg's memory is as [`DataLeg::send`] and [`DataLeg::recv`] require.
+    unsafe fn post_data(&self, leg: &DataLeg) -> Result<Request> {
+        // SAFETY: the leg's memory stays valid and untouched until the request completes or
+        // is abandoned (this function's contract).
+        unsafe {
+            match *leg {
+                DataLeg::Send {
+                    ptr,
+                    len,
+                    peer,
+                    tag,
+                } => self.mpi.isend(ptr, len, peer, tag),
+                DataLeg::Recv {
+                    ptr,
+                    len,
+                    peer,
+                    tag,
+                } => self.mpi.irecv(ptr, len, peer, tag),
+            }
+        }
+    }
+
+    /// Checks the peer's header of the transfer `op` (`theirs`, as received) against this
+    /// rank's (`mine`): a mismatch names the peer, as does a failed input there.
+    fn check_transfer(
+        &self,
+        op: &Issued,
+        mine: &Header,
+        theirs: &[u8; HEADER_BYTES],
+    ) -> Result<()> {
+        let rank = self.rank();
+        let (from, to) = op.desc.route.unwrap_or((rank, rank));
+        let peer = if from == rank { to } else { from };
+        let theirs = Header::decode(theirs).ok_or_else(|| Error::CollectiveMismatch {
+            call: op.seq,
+            rank: peer,
+            this_rank: rank,
+            ours: mine.describe(),
+            theirs: "a message that is no tributary header".into(),
+        })?;
+        let mut all = [mine.clone(), mine.clone()];
+        all[if rank == from { 1 } else { 0 }] = theirs;
+        let me = if rank == from { 0 } else { 1 };
+        check_headers(me, mine, &all, Describe(&op.desc)).map_err(|e| match e {
+            Error::CollectiveMismatch {
+                call, ours, theirs, ..
+            } => Error::CollectiveMismatch {
+                call,
+                rank: peer,
+                this_rank: rank,
+                ours,
+                theirs,
+            },
+            Error::RankInputFailed {
+                call, operation, ..
+            } => Error::RankInputFailed {
+                rank: peer,
+                call,
+                operation,
+            },
+            e => e,
+        })
+    }
+
+    /// The messages of a header exchange, one [`Leg`] per peer: this rank's slot `own`
+    /// (its header, then `payload`, written there by [`write_slot`]) to the leg's peer, in
+    /// frames (those after the first from a [`Payload::Kept`] itself), and that peer's
+    /// header and `expected` payload bytes into the leg's slot. Waits for the peers' first
     /// frames, hands every slot's header bytes (index = slot) to `check`, then waits for the
     /// remaining frames. A `check` error that stops the cluster (a mismatch: the peer may
     /// have sent other frames than were posted for) returns without waiting for them; any
     /// other (a failed input elsewhere, whose rank sent every frame) waits for them first,
     /// so nothing of this operation is left for a later one to receive. The slots are kept
-    /// for the payload reads ([`Network::payload`]) unless a fault abandoned them.
-    #[allow(clippy::too_many_arguments)]
+    /// for the payload reads ([`Network::payload`]) unless a fault abandoned them. Legs
+    /// receive into different slots and send only from slots no leg receives into.
     fn exchange_slots<T>(
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
-        mut keep: Vec<f64>,
-        own: usize,
-        peers: impl Iterator<Item = (usize, usize)>,
-        payload: Payload<'_>,
-        expected: usize,
-        t: i32,
+        keep: Vec<f64>,
+        legs: &[Leg<'_>],
         check: impl FnOnce(&[[u8; HEADER_BYTES]]) -> Result<T>,
     ) -> Result<T> {
         let deadline = self.deadline();
-        let sent = payload.len();
-        let end = HEADER_BYTES + sent;
-        let kept = match payload {
-            Payload::Kept(b) => Some(b.as_ptr()),
-            _ => None,
-        };
+        let mut keep = keep;
+        // SAFETY: `keep` is neither moved, reallocated nor touched until the requests
+        // complete (the waits below) or are abandoned with it, but for the header bytes of
+        // slots whose first frames' receives completed.
+        let (mut heads, mut rest, posted) = unsafe { self.post_legs(&mut keep, legs) };
+        if let Err(e) = posted {
+            heads.append(&mut rest);
+            return Err(self.abandon(guard, heads, keep, e));
+        }
+        let slots = keep.len() * 8 / SLOT_BYTES;
         let base = keep.as_mut_ptr().cast::<u8>();
+        if mutant!("cluster_frames_before_check") {
+            // The mutant waits for every frame before the check.
+            heads.append(&mut rest);
+        }
+        if let Err(e) = self.mpi.wait_all(&mut heads, deadline) {
+            heads.append(&mut rest);
+            let fault = self.fault(op, e);
+            return Err(self.abandon(guard, heads, keep, fault));
+        }
+        // Only the first frames are complete (later ones may still be arriving): the headers
+        // are copied out through the raw pointer, no reference to the rest of `keep` is made.
+        let mut headers: SmallVec<[[u8; HEADER_BYTES]; 4]> = smallvec![[0; HEADER_BYTES]; slots];
+        for (s, h) in headers.iter_mut().enumerate() {
+            // SAFETY: slot `s`'s first HEADER_BYTES lie inside `keep`; no request writes them
+            // now (the first frames' receives completed, and no MPI call runs meanwhile).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    base.add(s * SLOT_BYTES),
+                    h.as_mut_ptr(),
+                    HEADER_BYTES,
+                )
+            };
+        }
+        match check(&headers) {
+            Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, rest, keep, e)),
+            checked => {
+                guard.state.slots = self.wait(guard, rest, keep, op, deadline)?;
+                checked
+            }
+        }
+    }
+
+    /// Posts every leg's receives (one per frame expected, into the leg's slot of `keep`)
+    /// and sends (its own slot's header and payload, in frames; those after the first from
+    /// a [`Payload::Kept`] itself): the requests posted (each leg's first frame's receive,
+    /// in leg order, then the rest), and the error that stopped the posting, if one did.
+    /// Legs must receive into different slots of `keep` and send only from slots no leg
+    /// receives into; an exchange that does not is refused before anything is posted.
+    ///
+    /// # Safety
+    ///
+    /// `keep` must not be moved, reallocated, read or written until the requests complete or
+    /// are abandoned with it, except the header bytes of a slot whose first frame's receive
+    /// completed.
+    unsafe fn post_legs(
+        &self,
+        keep: &mut [f64],
+        legs: &[Leg<'_>],
+    ) -> (Requests, Requests, Result<()>) {
         let (mut heads, mut rest) = (Requests::new(), Requests::new());
+        let slots = keep.len() * 8 / SLOT_BYTES;
+        let receiving = |s: usize| legs.iter().any(|l| l.slot == s);
+        let sound = legs.iter().enumerate().all(|(i, l)| {
+            l.slot < slots
+                && l.own < slots
+                && !receiving(l.own)
+                && legs[..i].iter().all(|o| o.slot != l.slot)
+        });
+        if !sound {
+            let e = "a header exchange whose receive slots overlap or lie outside its slots";
+            return (heads, rest, Err(Error::Internal(e.into())));
+        }
+        let base = keep.as_mut_ptr().cast::<u8>();
         let posted = (|| {
-            for (peer, slot) in peers {
-                for k in 0..frames(expected) {
-                    // SAFETY: frame `k` of slot `slot` lies inside `keep` (the slots hold
-                    // whole frames, [`SLOT_BYTES`]) and is written only by this receive; the
-                    // sends only read slot `own`, a different one. `keep` is not reallocated
-                    // and outlives the requests (`wait` and `abandon` keep it with them on a
-                    // fault).
+            for leg in legs {
+                let (peer, slot, own, t) = (leg.peer, leg.slot, leg.own, leg.tag);
+                let sent = leg.payload.len();
+                let end = HEADER_BYTES + sent;
+                let kept = match leg.payload {
+                    Payload::Kept(b) => Some(b.as_ptr()),
+                    _ => None,
+                };
+                for k in 0..frames(leg.expected) {
+                    // SAFETY: frame `k` of slot `slot` lies inside `keep` (`slot < slots`,
+                    // checked above; the slots hold whole frames, [`SLOT_BYTES`]) and is
+                    // written only by this receive (no two legs receive into one slot); the
+                    // sends only read own slots, which no leg receives into (checked above).
+                    // `keep` stays put and untouched until the requests complete or are
+                    // abandoned with it (this function's contract).
                     let r = unsafe {
                         self.mpi.irecv(
                             base.add(slot * SLOT_BYTES + k * FRAME_BYTES),
@@ -857,11 +1350,11 @@ impl Network {
                         // SAFETY: `at - HEADER_BYTES + len` is at most the payload's length
                         // (`end` is a header and it), so the range lies inside it.
                         Some(payload) if k > 0 => unsafe { payload.add(at - HEADER_BYTES) },
-                        // SAFETY: slot `own` holds SLOT_BYTES, `end` is inside it.
+                        // SAFETY: slot `own < slots` holds SLOT_BYTES, `end` is inside it.
                         _ => unsafe { base.add(own * SLOT_BYTES + at) },
                     };
                     // SAFETY: `src..src + len` is either inside slot `own` (only read while
-                    // posted; `keep` outlives the requests as above) or inside a
+                    // posted; `keep` outlives the requests, as above) or inside a
                     // `Payload::Kept`, whose maker promised it outlives them
                     // (`Payload::kept`).
                     rest.push(unsafe { self.mpi.isend(src, len, peer, t)? });
@@ -869,41 +1362,7 @@ impl Network {
             }
             Ok(())
         })();
-        if let Err(e) = posted {
-            heads.append(&mut rest);
-            return Err(self.abandon(guard, heads, keep, e));
-        }
-        if mutant!("cluster_frames_before_check") {
-            // The mutant waits for every frame before the check.
-            heads.append(&mut rest);
-        }
-        if let Err(e) = self.mpi.wait_all(&mut heads, deadline) {
-            heads.append(&mut rest);
-            let fault = self.fault(op, e);
-            return Err(self.abandon(guard, heads, keep, fault));
-        }
-        // Only the first frames are complete (later ones may still be arriving): the headers
-        // are copied out through the raw pointer, no reference to the rest of `keep` is made.
-        let slots = keep.len() * 8 / SLOT_BYTES;
-        let mut headers: SmallVec<[[u8; HEADER_BYTES]; 4]> = smallvec![[0; HEADER_BYTES]; slots];
-        for (s, h) in headers.iter_mut().enumerate() {
-            // SAFETY: slot `s`'s first HEADER_BYTES lie inside `keep`; no request writes them
-            // now (the first frames' receives completed, and no MPI call runs meanwhile).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    base.add(s * SLOT_BYTES),
-                    h.as_mut_ptr(),
-                    HEADER_BYTES,
-                )
-            };
-        }
-        match check(&headers) {
-            Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, rest, keep, e)),
-            checked => {
-                guard.state.slots = self.wait(guard, rest, keep, op, deadline)?;
-                checked
-            }
-        }
+        (heads, rest, posted)
     }
 }
 

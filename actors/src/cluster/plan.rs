@@ -123,6 +123,33 @@ pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<Routine
     )
 }
 
+/// The network routine of a sendrecv: reads `send` and writes `recv`, both in the context
+/// it is linked into (the caller's on the network stream, or the network stream's root).
+pub(crate) fn sendrecv_spec(
+    net: &Arc<Network>,
+    send: &TensorNode,
+    recv: &TensorNode,
+    in_place: bool,
+) -> Result<RoutineSpec> {
+    let net = net.clone();
+    let name = if in_place {
+        "sendrecv_in_place"
+    } else {
+        "sendrecv"
+    };
+    RoutineSpec::custom(
+        format!("cluster.{name}({}, {})", send.label(), recv.label()),
+        vec![(send.clone(), Access::Read), (recv.clone(), Access::Write)],
+        None,
+        move |args| {
+            let (input, output) = (args.input_bytes(0), args.output_bytes(1));
+            net.execute_pair(|net, guard, first, second| {
+                net.sendrecv(guard, first, second, input, output)
+            })
+        },
+    )
+}
+
 /// Where a cluster operation's system calls go: the system, or a capture that issues and
 /// records them ([`crate::SystemCapture`]).
 pub(crate) trait SystemCalls {
@@ -212,6 +239,11 @@ impl ClusterTicket {
         ClusterTicket { ops, tickets }
     }
 
+    /// Its network operations, in issue order.
+    pub(crate) fn network_ops(&self) -> &[Arc<Issued>] {
+        &self.ops
+    }
+
     pub(crate) fn with_ticket(mut self, t: Ticket) -> ClusterTicket {
         self.tickets.push(t);
         self
@@ -220,7 +252,11 @@ impl ClusterTicket {
     /// Waits for the operation. A failed network operation returns its typed error
     /// (`RankUnreachable`, `CollectiveMismatch`, `RankInputFailed`, ...); a failed local
     /// step returns its `Error::Failed`.
+    ///
+    /// Of a sendrecv, whose two transfers fail together when either does (one routine runs
+    /// both), the typed error of the transfer that failed.
     pub fn wait(&self) -> Result<()> {
+        let mut untyped = None;
         for op in &self.ops {
             let r = match op.event.get() {
                 Some(t) => t.wait(),
@@ -228,7 +264,14 @@ impl ClusterTicket {
                     "a network operation was never scheduled".into(),
                 )),
             };
-            op.outcome(r)?;
+            match op.outcome(r) {
+                Err(e) if op.error.get().is_some() => return Err(e),
+                Err(e) => untyped = untyped.or(Some(e)),
+                Ok(()) => {}
+            }
+        }
+        if let Some(e) = untyped {
+            return Err(e);
         }
         for t in &self.tickets {
             t.wait()?;

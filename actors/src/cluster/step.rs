@@ -34,7 +34,7 @@ use tributary::protocol::Context;
 pub struct ClusterCapture<'a, 's> {
     cluster: &'a Cluster,
     calls: &'a mut SystemCapture<'s>,
-    network: Vec<(OpDesc, usize)>,
+    network: Vec<NetworkOp>,
     /// The step positions each network routine's call took, in issue order.
     spans: Spans,
 }
@@ -55,7 +55,12 @@ impl<'s> ClusterCapture<'_, 's> {
             });
         }
         let ticket = plan.run_on(self.calls, Some(&mut self.spans))?;
-        self.network.extend(plan.network_ops());
+        self.network
+            .extend(plan.network_ops().map(|(desc, contributions)| NetworkOp {
+                desc,
+                contributions,
+                fused: false,
+            }));
         Ok(ticket)
     }
 
@@ -86,13 +91,43 @@ impl<'s> ClusterCapture<'_, 's> {
         )?;
         // The operation just queued is the one the call issued (the host issues one at a
         // time, under the cluster's issuing lock).
-        self.network.push((
-            match transfer {
+        self.network.push(NetworkOp {
+            desc: match transfer {
                 Transfer::Send => super::transfer_desc(node, self.cluster.rank(), peer),
                 Transfer::Recv => super::transfer_desc(node, peer, self.cluster.rank()),
             },
-            0,
-        ));
+            contributions: 0,
+            fused: false,
+        });
+        Ok(ticket)
+    }
+
+    /// [`Cluster::sendrecv`], recorded (both transfers, replayed as one routine's).
+    pub fn sendrecv(
+        &mut self,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+    ) -> Result<ClusterTicket> {
+        let ticket = self.cluster.sendrecv_on(
+            self.calls,
+            send,
+            to,
+            recv,
+            from,
+            ctx,
+            Some(&mut self.spans),
+        )?;
+        // The two entries the call queued, in its order: the first carries `fused`.
+        for op in ticket.network_ops() {
+            self.network.push(NetworkOp {
+                desc: op.desc.clone(),
+                contributions: 0,
+                fused: op.fused,
+            });
+        }
         Ok(ticket)
     }
 
@@ -109,11 +144,20 @@ impl<'s> ClusterCapture<'_, 's> {
     }
 }
 
+/// A network operation of a captured step, as a replay issues it again.
+struct NetworkOp {
+    desc: OpDesc,
+    /// This rank's contributions (an all-reduce's contexts).
+    contributions: usize,
+    /// The first of a sendrecv's two transfers ([`super::network::Issued::fused`]).
+    fused: bool,
+}
+
 /// A step captured on a cluster ([`Cluster::capture`]), to [`Cluster::replay`].
 pub struct ClusterStep {
     step: Step,
-    /// Its network operations in issue order, with this rank's contributions.
-    network: Vec<(OpDesc, usize)>,
+    /// Its network operations in issue order.
+    network: Vec<NetworkOp>,
     /// For each network operation, how many of the network stream's operations in a
     /// replay run after it (other work may run on the network stream too).
     backs: Vec<u64>,
@@ -225,7 +269,7 @@ impl Cluster {
                     return Err(refuse(format!(
                         "network operation {i} ({}) is not one operation of the network \
                          stream's part of the step",
-                        network[i].0.describe()
+                        network[i].desc.describe()
                     )))
                 }
             }
@@ -267,7 +311,10 @@ impl Cluster {
             .iter()
             // Mutant: a replay that does not queue its network operations again.
             .filter(|_| !mutant!("cluster_replay_unqueued"))
-            .map(|(desc, contributions)| self.net.issue(desc.clone(), *contributions))
+            .map(|op| {
+                self.net
+                    .issue_with(op.desc.clone(), op.contributions, op.fused)
+            })
             .collect();
         let replayed = match values {
             Some(v) => self.sys.replay_with(&step.step, v),

@@ -2,9 +2,12 @@
 //! ranks agreed on it in `network.rs`. A barrier, the direct and ring all-reduces, and
 //! point-to-point sends and receives.
 
-use tributary::{collective::ReduceOp, DType, Error, Result};
+use tributary::{collective::ReduceOp, kernels::ArgError, DType, Error, Result};
 
-use super::{bytemuck_bytes, bytemuck_bytes_mut, phase, tag, ExecGuard, Issued, Network, Payload};
+use super::{
+    bytemuck_bytes, bytemuck_bytes_mut, phase, tag, DataLeg, ExecGuard, Issued, Network, PairPart,
+    Payload,
+};
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
     mpi::Request,
@@ -450,8 +453,7 @@ impl Network {
         }
         self.transfer_headers(guard, op, Status::Ready, Payload::None, expected)?;
         if expected > 0 {
-            output.copy_from_slice(Network::payload(guard, 0, output.len()));
-            return Ok(());
+            return Network::copy_payload(guard, 0, output);
         }
         let (from, _) = op.desc.route.unwrap_or((0, 0));
         // SAFETY: the output view outlives the request (module docs of `cluster`) and
@@ -466,6 +468,130 @@ impl Network {
         };
         self.wait(guard, vec![request], Vec::new(), op, self.deadline())
             .map(|_| ())
+    }
+}
+
+impl Network {
+    /// A sendrecv: the send of `input` and the receive into `output` of two transfers issued
+    /// as one routine's ([`Network::issue_pair`]; `first` and `second` in issue order), run
+    /// at once: both header exchanges posted together
+    /// ([`Network::transfer_pair_headers`]), then the data of both parts that did not travel
+    /// with their headers, waited for together. So a sendrecv costs one exchange's latency
+    /// where a send then a receive cost two, and a ring of sendrecvs cannot wait on itself.
+    /// A view that is missing or of another size than its transfer moves fails that part
+    /// here and on its peer (as a failed input does); the results are in issue order.
+    pub(crate) fn sendrecv(
+        &self,
+        guard: &mut ExecGuard<'_>,
+        first: &Issued,
+        second: &Issued,
+        input: std::result::Result<&[u8], ArgError>,
+        output: std::result::Result<&mut [u8], ArgError>,
+    ) -> [Result<()>; 2] {
+        let rank = self.rank();
+        let sends_first = first.desc.route.is_some_and(|(from, _)| from == rank);
+        let (send_op, recv_op) = if sends_first {
+            (first, second)
+        } else {
+            (second, first)
+        };
+        let sized = |view: std::result::Result<usize, ArgError>, op: &Issued| match view {
+            Ok(n) if n == super::transfer_bytes(&op.desc) => None,
+            Ok(n) => Some(format!("its view holds {n} bytes")),
+            Err(e) => Some(e.to_string()),
+        };
+        let input_failed = sized(
+            input.as_ref().map(|i| i.len()).map_err(Clone::clone),
+            send_op,
+        );
+        let output_failed = sized(
+            output.as_ref().map(|o| o.len()).map_err(Clone::clone),
+            recv_op,
+        );
+        let (sent, _) = self.transfer_payloads(&send_op.desc);
+        let (_, expected) = self.transfer_payloads(&recv_op.desc);
+        let send_part = PairPart {
+            op: send_op,
+            status: status_of(&input_failed),
+            payload: match (&input, &input_failed) {
+                // SAFETY: the input view is pool memory, which outlives abandoned requests
+                // (module docs of `cluster`).
+                (Ok(i), None) if sent > 0 => unsafe { Payload::kept(i) },
+                (_, None) => Payload::None,
+                (_, Some(_)) => Payload::Unread(sent),
+            },
+            expected: 0,
+        };
+        let recv_part = PairPart {
+            op: recv_op,
+            status: status_of(&output_failed),
+            payload: Payload::None,
+            expected,
+        };
+        // The data that does not travel with the headers, posted by each part once its
+        // headers agreed (`Network::transfer_parts`).
+        let (_, to) = send_op.desc.route.unwrap_or((0, 0));
+        let (from, _) = recv_op.desc.route.unwrap_or((0, 0));
+        let mut output = output.ok();
+        let send_data = match (&input, &input_failed, sent) {
+            // SAFETY: the input view is pool memory, which outlives abandoned requests
+            // (module docs of `cluster`), and unwritten while this routine runs; the
+            // receive below writes another node's buffer (a sendrecv's two nodes differ).
+            (Ok(i), None, 0) => {
+                Some(unsafe { DataLeg::send(i, to, tag(send_op.seq, phase::TRANSFER_DATA)) })
+            }
+            _ => None,
+        };
+        let recv_data = match (output.as_deref_mut(), &output_failed, expected) {
+            // SAFETY: the output view is pool memory, which outlives abandoned requests, and
+            // nothing else reads or writes it while this routine runs.
+            (Some(o), None, 0) => {
+                Some(unsafe { DataLeg::recv(o, from, tag(recv_op.seq, phase::TRANSFER_DATA)) })
+            }
+            _ => None,
+        };
+        let (parts, data) = if sends_first {
+            ([&send_part, &recv_part], [send_data, recv_data])
+        } else {
+            ([&recv_part, &send_part], [recv_data, send_data])
+        };
+        let [a, b] = match self.transfer_pair(guard, parts, data) {
+            Ok(checked) => checked,
+            Err(fault) => return [Err(fault.clone()), Err(fault)],
+        };
+        let (mut sent_ok, mut recv_ok) = if sends_first { (a, b) } else { (b, a) };
+        // This rank's own failed input is its part's error (the peer was told by the header).
+        let own = |why: Option<String>, op: &Issued| {
+            why.map(|why| {
+                Err(Error::Internal(format!(
+                    "the input of {} could not be read on this rank: {why}",
+                    op.desc.describe()
+                )))
+            })
+        };
+        if let Some(e) = own(input_failed, send_op) {
+            sent_ok = e;
+        }
+        if let Some(e) = own(output_failed, recv_op) {
+            recv_ok = e;
+        }
+        // Data that travelled with the header: in the receiving part's slot.
+        if let (Ok(()), Some(out), true) = (&recv_ok, output, expected > 0) {
+            recv_ok = Network::copy_payload(guard, if sends_first { 2 } else { 0 }, out);
+        }
+        if sends_first {
+            [sent_ok, recv_ok]
+        } else {
+            [recv_ok, sent_ok]
+        }
+    }
+}
+
+/// The status a part's header carries: `InputFailed` when its view failed here.
+fn status_of(failed: &Option<String>) -> Status {
+    match failed {
+        None => Status::Ready,
+        Some(_) => Status::InputFailed,
     }
 }
 
