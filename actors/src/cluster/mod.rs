@@ -363,7 +363,7 @@ impl Cluster {
     /// // named after the rank that owns it.
     /// let cluster = Cluster::builder().cpu_devices(1).spawn()?;
     /// let (rank, peer) = (cluster.rank(), 1 - cluster.rank());
-    /// let node = |r: usize| cluster.system().node(format!("x{r}"), DType::F32, [16]).with_mode(MemoryMode::on_device());
+    /// let node = |r: usize| cluster.system().node(&format!("x{r}"), DType::F32, [16]).with_mode(MemoryMode::on_device());
     /// let (own, halo) = (node(rank)?, node(peer)?);
     /// let ctx = cluster.network_context()?;
     /// let fill = ctx.link(kernels::fill(&own, rank as f64)?)?;

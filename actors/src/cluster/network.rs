@@ -7,9 +7,10 @@
 //! peer instead of two: [`PIGGYBACK_MAX_BYTES`]); nothing received is used before the
 //! headers agree. An entry still queued with a failed event had its kernel skipped.
 //! The next kernel first sends that entry's header with [`Status::InputFailed`], and
-//! [`Network::flush`] does the same at shutdown. `network/wire.rs` holds what each operation
-//! sends and receives once the ranks agreed. See DESIGN.md §9, "Issue order and failed
-//! inputs" and "Faults".
+//! [`Network::flush`] does the same at shutdown. A sendrecv's kernel runs two queued
+//! transfers at once ([`Network::execute_pair`], [`Network::transfer_parts`]).
+//! `network/wire.rs` holds what each operation sends and receives once the ranks agreed.
+//! See DESIGN.md §9, "Issue order and failed inputs", "Faults" and "Sendrecv".
 
 use std::{
     collections::VecDeque,
