@@ -12,15 +12,15 @@
 //!   `MPI_Waitall`, then the rank's tasks in order, nothing allocated in the loop. It runs
 //!   on the cluster's network stream (`Cluster::with_mpi`), in the same processes.
 //! - `cluster`: the tributary program a user writes: a CPU routine per column and parity on
-//!   one compute stream, `Cluster::send`/`Cluster::recv` of the boundary outputs each
-//!   timestep (the lower rank of a pair sends first), everything issued at once and
-//!   waited for at the end; the runtime orders the tasks after the transfers by itself.
+//!   one compute stream, a `Cluster::sendrecv` of the boundary outputs with each neighbour
+//!   each timestep (both directions at once, as `MPI_Sendrecv`), everything issued at once
+//!   and waited for at the end; the runtime orders the tasks after the transfers by itself.
 //! - `in place`: the same program with its context on the network stream
 //!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
 //!   transfers reading and writing the tasks' buffers in place, nothing handed between
 //!   streams (as the `mpi` runner's one thread does).
 //! - `in place replayed`: the same, with two timesteps captured once (`Cluster::capture`:
-//!   the tasks, sends and receives) and replayed for every later pair with the timestep
+//!   the tasks and sendrecvs) and replayed for every later pair with the timestep
 //!   index shifted (`Cluster::replay_with`).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
@@ -73,6 +73,10 @@ struct Args {
     /// Runs per granularity (the best is kept).
     #[arg(long, default_value_t = 3)]
     samples: usize,
+    /// Only these tributary runners (comma separated: cluster, "in place", "in place
+    /// replayed"); the `mpi` baseline always runs.
+    #[arg(long, value_delimiter = ',')]
+    runners: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -169,7 +173,7 @@ fn mpi_run(
 }
 
 /// A tributary cluster running the graph: a routine per local column and parity (and for
-/// the first timestep), the boundary outputs moved by `send`/`recv`.
+/// the first timestep), the boundary outputs moved by `sendrecv`.
 struct ClusterGraph {
     ctx: ContextHandle,
     first: Vec<RoutineHandle>,
@@ -306,22 +310,22 @@ impl ClusterGraph {
         Ok(start.elapsed().as_secs_f64())
     }
 
-    /// Timestep `t ≥ 1`'s calls: the outputs of `t - 1` cross to the neighbours (the lower
-    /// rank of a pair sends first: transfers between two ranks run in the order both issue
-    /// them), then the rank's tasks.
+    /// Timestep `t ≥ 1`'s calls: the outputs of `t - 1` cross to the neighbours, one
+    /// `sendrecv` per neighbour (both directions at once), then the rank's tasks. An even
+    /// rank exchanges with its right neighbour first, an odd one with its left: the pairs
+    /// (0, 1), (2, 3), … exchange together, then (1, 2), (3, 4), …, instead of each rank
+    /// waiting for its left neighbour's exchanges down to rank 0.
     fn timestep(&self, calls: &mut impl Calls, t: usize) -> tributary::Result<()> {
         let p = t % 2;
         let rank = calls.rank();
         let ctx = self.ctx.protocol_context();
-        for (peer, column, ghost) in &self.ghosts[1 - p] {
+        let mut neighbours: Vec<_> = self.ghosts[1 - p].iter().collect();
+        if rank % 2 == 0 {
+            neighbours.reverse();
+        }
+        for (peer, column, ghost) in neighbours {
             let own = &self.out[1 - p][column - self.lo];
-            if rank < *peer {
-                calls.send(own, ctx, *peer)?;
-                calls.recv(ghost, ctx, *peer)?;
-            } else {
-                calls.recv(ghost, ctx, *peer)?;
-                calls.send(own, ctx, *peer)?;
-            }
+            calls.sendrecv(own, ghost, *peer, ctx)?;
         }
         for r in &self.tasks[p] {
             calls.schedule_t(r, t as i64)?;
@@ -338,8 +342,14 @@ impl ClusterGraph {
 /// Where a timestep's calls go: the cluster, or a capture of it.
 trait Calls {
     fn rank(&self) -> usize;
-    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()>;
-    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()>;
+    /// Sends `own` to `peer` and receives `ghost` from it.
+    fn sendrecv(
+        &mut self,
+        own: &TensorNode,
+        ghost: &TensorNode,
+        peer: usize,
+        ctx: &Context,
+    ) -> tributary::Result<()>;
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()>;
 }
 
@@ -347,11 +357,14 @@ impl Calls for &Cluster {
     fn rank(&self) -> usize {
         Cluster::rank(self)
     }
-    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()> {
-        Cluster::send(self, node, ctx, to).map(drop)
-    }
-    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()> {
-        Cluster::recv(self, node, ctx, from).map(drop)
+    fn sendrecv(
+        &mut self,
+        own: &TensorNode,
+        ghost: &TensorNode,
+        peer: usize,
+        ctx: &Context,
+    ) -> tributary::Result<()> {
+        Cluster::sendrecv(self, own, peer, ghost, peer, ctx).map(drop)
     }
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
         routine.schedule_with(&[("t", t)]).map(drop)
@@ -362,11 +375,14 @@ impl Calls for ClusterCapture<'_, '_> {
     fn rank(&self) -> usize {
         self.cluster().rank()
     }
-    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> tributary::Result<()> {
-        ClusterCapture::send(self, node, ctx, to).map(drop)
-    }
-    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> tributary::Result<()> {
-        ClusterCapture::recv(self, node, ctx, from).map(drop)
+    fn sendrecv(
+        &mut self,
+        own: &TensorNode,
+        ghost: &TensorNode,
+        peer: usize,
+        ctx: &Context,
+    ) -> tributary::Result<()> {
+        ClusterCapture::sendrecv(self, own, peer, ghost, peer, ctx).map(drop)
     }
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
         self.system()
@@ -401,6 +417,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // (runner, iterations, seconds)
     let mut runs: Vec<(&str, u64, f64)> = Vec::new();
     for runner in RUNNERS {
+        if runner != "mpi" && !args.runners.is_empty() && !args.runners.iter().any(|r| r == runner)
+        {
+            continue;
+        }
         let mut iterations = args.max_iterations.max(1);
         loop {
             let graph = if runner == "mpi" {
@@ -462,7 +482,10 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.width, args.steps, args.samples
         );
         let mut metgs = Vec::new();
-        for runner in RUNNERS {
+        for runner in RUNNERS
+            .into_iter()
+            .filter(|r| runs.iter().any(|x| x.0 == *r))
+        {
             let points: Vec<Point> = runs
                 .iter()
                 .filter(|r| r.0 == runner)
