@@ -457,9 +457,7 @@ impl Cluster {
         let ticket = match scheduled {
             Ok(t) => t,
             Err(e) => {
-                for op in issued.iter().rev() {
-                    self.net.retract(op);
-                }
+                self.net.retract_all(&issued);
                 return Err(e);
             }
         };

@@ -503,6 +503,14 @@ impl Network {
         }
     }
 
+    /// [`Network::retract`] of operations the host issued last, in `issued` order (the
+    /// newest last): each is taken back newest first.
+    pub(crate) fn retract_all(&self, issued: &[Arc<Issued>]) {
+        for op in issued.iter().rev() {
+            self.retract(op);
+        }
+    }
+
     /// The operations whose kernel will never run (their event failed, or their device
     /// refused them) before the first that may still run, taken off the queue, then that
     /// one (left queued unless `take`). Only one thread takes from the front at a time (the

@@ -323,9 +323,7 @@ impl Cluster {
         let tickets = match replayed {
             Ok(t) => t,
             Err(e) => {
-                for op in issued.iter().rev() {
-                    self.net.retract(op);
-                }
+                self.net.retract_all(&issued);
                 return Err(e);
             }
         };
