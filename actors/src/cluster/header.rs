@@ -6,7 +6,10 @@
 //! [`Status::InputFailed`] and becomes [`Error::RankInputFailed`] on the other ranks. See
 //! DESIGN.md §9, "The SPMD contract and its check".
 
-use std::hash::{Hash, Hasher};
+use std::{
+    hash::{Hash, Hasher},
+    sync::Arc,
+};
 
 use tributary::{collective::ReduceOp, DType, Error};
 
@@ -68,8 +71,10 @@ impl CrossRankAlgorithm {
 pub(crate) struct OpDesc {
     pub(crate) kind: OpKind,
     /// The node's label (the same on every rank in an SPMD program; ids are not).
-    pub(crate) label: String,
-    pub(crate) shape: Vec<usize>,
+    /// Shared, as the shape: an operation's description is cloned onto the issue queue at
+    /// every call, which must not allocate.
+    pub(crate) label: Arc<str>,
+    pub(crate) shape: Arc<[usize]>,
     pub(crate) dtype: DType,
     /// All-reduce only.
     pub(crate) op: Option<ReduceOp>,
@@ -363,7 +368,7 @@ mod tests {
         OpDesc {
             kind: OpKind::AllReduce,
             label: label.into(),
-            shape: shape.to_vec(),
+            shape: shape.into(),
             dtype,
             op: Some(op),
             route: None,

@@ -90,7 +90,17 @@ pub struct Cluster {
     /// Transfer routines linked once and kept for the next transfer of the same node
     /// between the same context and rank, until the cluster shuts down (linking and
     /// finalizing per call cost two round trips to the device actor each).
-    transfers: Mutex<HashMap<TransferKey, RoutineHandle>>,
+    transfers: Mutex<HashMap<TransferKey, KeptTransfer>>,
+}
+
+/// A kept transfer routine and the descriptions of the transfers it runs (one, or a
+/// sendrecv's two in issue order), cloned onto the issue queue at every call without
+/// allocating.
+#[derive(Clone)]
+struct KeptTransfer {
+    routine: RoutineHandle,
+    first: OpDesc,
+    second: Option<OpDesc>,
 }
 
 /// What a kept transfer routine moves: a node, from or into a context, to or from a rank;
@@ -192,7 +202,7 @@ impl Cluster {
     /// system does.
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
         // Only a context on the network stream has the cluster's routines under it.
-        let kept: Vec<RoutineHandle> = if self.on_network_stream(ctx) {
+        let kept: Vec<KeptTransfer> = if self.on_network_stream(ctx) {
             let mut transfers = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
             let under: Vec<TransferKey> = transfers
                 .keys()
@@ -203,7 +213,7 @@ impl Cluster {
         } else {
             Vec::new()
         };
-        for routine in kept {
+        for KeptTransfer { routine, .. } in kept {
             self.sys.finalize(routine.protocol_context())?;
         }
         self.sys.finalize(ctx)
@@ -283,31 +293,37 @@ impl Cluster {
             });
         }
         let send = transfer == Transfer::Send;
-        let (desc, key) = (
-            if send {
-                transfer_desc(node, self.rank(), peer)
-            } else {
-                transfer_desc(node, peer, self.rank())
-            },
-            TransferKey {
-                node: node.id(),
-                context: (ctx.device(), ctx.id()),
-                peer,
-                send,
-                received: None,
-            },
-        );
+        let key = TransferKey {
+            node: node.id(),
+            context: (ctx.device(), ctx.id()),
+            peer,
+            send,
+            received: None,
+        };
         let in_place = self.on_network_stream(ctx);
         let into = if in_place {
             ctx
         } else {
             self.net_root.protocol_context()
         };
-        let routine = self.transfer_routine(key, into, || match (send, in_place) {
+        let spec = || match (send, in_place) {
             (true, true) => plan::send_in_place_spec(&self.net, &self.token, node),
             (true, false) => plan::send_spec(&self.net, &self.token, node),
             (false, _) => plan::recv_spec(&self.net, node),
-        })?;
+        };
+        let descs = || {
+            let desc = if send {
+                transfer_desc(node, self.rank(), peer)
+            } else {
+                transfer_desc(node, peer, self.rank())
+            };
+            (desc, None)
+        };
+        let KeptTransfer {
+            routine,
+            first: desc,
+            ..
+        } = self.transfer_routine(key, into, spec, descs)?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let scheduled = noting(sys, spans, |sys| {
@@ -335,11 +351,11 @@ impl Cluster {
         };
         let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
         if send || in_place {
-            return Ok(ClusterTicket::new(vec![issued], vec![ticket]));
+            return Ok(ClusterTicket::new([issued], [ticket]));
         }
         let copy =
             sys.device_to_device(node, routine.protocol_context(), ctx, MergeBufferUse::No)?;
-        Ok(ClusterTicket::new(vec![issued], copy.into_iter().collect()))
+        Ok(ClusterTicket::new([issued], copy))
     }
 
     /// Sends the value of `send` in `ctx` to rank `to` and receives `recv` from rank `from`
@@ -421,14 +437,17 @@ impl Cluster {
             });
         }
         let rank = self.rank();
-        let (out, into) = (
-            transfer_desc(send, rank, to),
-            transfer_desc(recv, from, rank),
-        );
-        // The order both ranks of a pair share: the transfer from the lower rank first (the
-        // mutant: this rank's send first, whatever the peer does).
-        let recv_first = to == from && from < rank && !mutant!("cluster_sendrecv_order");
-        let (first, second) = if recv_first { (into, out) } else { (out, into) };
+        let descs = || {
+            let (out, into) = (
+                transfer_desc(send, rank, to),
+                transfer_desc(recv, from, rank),
+            );
+            // The order both ranks of a pair share: the transfer from the lower rank first
+            // (the mutant: this rank's send first, whatever the peer does).
+            let recv_first = to == from && from < rank && !mutant!("cluster_sendrecv_order");
+            let (first, second) = if recv_first { (into, out) } else { (out, into) };
+            (first, Some(second))
+        };
         let in_place = self.on_network_stream(ctx);
         let net_ctx = if in_place {
             ctx
@@ -442,9 +461,14 @@ impl Cluster {
             send: true,
             received: Some((recv.id(), from)),
         };
-        let routine = self.transfer_routine(key, net_ctx, || {
-            plan::sendrecv_spec(&self.net, send, recv, in_place)
-        })?;
+        let spec = || plan::sendrecv_spec(&self.net, send, recv, in_place);
+        let KeptTransfer {
+            routine,
+            first,
+            second,
+        } = self.transfer_routine(key, net_ctx, spec, descs)?;
+        let second = second
+            .ok_or_else(|| Error::Internal("a kept sendrecv routine with one transfer".into()))?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         if !in_place {
             sys.device_to_device(send, ctx, routine.protocol_context(), MergeBufferUse::No)?;
@@ -471,32 +495,39 @@ impl Cluster {
             let _ = op.event.set(EntryTicket::Issued(ticket.clone()));
         }
         if in_place {
-            return Ok(ClusterTicket::new(issued.into(), vec![ticket]));
+            return Ok(ClusterTicket::new(issued, [ticket]));
         }
         let copy =
             sys.device_to_device(recv, routine.protocol_context(), ctx, MergeBufferUse::No)?;
         Ok(ClusterTicket::new(
-            issued.into(),
-            std::iter::once(ticket).chain(copy).collect(),
+            issued,
+            std::iter::once(ticket).chain(copy),
         ))
     }
 
     /// The transfer routine kept under `key`, linked into `into` (the network stream's
     /// root context, or the caller's context on the network stream) from `spec` the
-    /// first time.
+    /// first time, with the descriptions `descs` gives then.
     fn transfer_routine(
         &self,
         key: TransferKey,
         into: &Context,
         spec: impl FnOnce() -> Result<RoutineSpec>,
-    ) -> Result<RoutineHandle> {
+        descs: impl FnOnce() -> (OpDesc, Option<OpDesc>),
+    ) -> Result<KeptTransfer> {
         let mut kept = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = kept.get(&key) {
-            return Ok(r.clone());
+        if let Some(k) = kept.get(&key) {
+            return Ok(k.clone());
         }
         let routine = self.sys.link(into, spec()?)?;
-        kept.insert(key, routine.clone());
-        Ok(routine)
+        let (first, second) = descs();
+        let k = KeptTransfer {
+            routine,
+            first,
+            second,
+        };
+        kept.insert(key, k.clone());
+        Ok(k)
     }
 
     /// Issues a header-only network operation on the token and waits for it: every rank
@@ -505,7 +536,7 @@ impl Cluster {
         let desc = OpDesc {
             kind: OpKind::Barrier,
             label: "barrier".into(),
-            shape: vec![1],
+            shape: [1].into(),
             dtype: DType::U8,
             op: None,
             route: None,
@@ -523,7 +554,7 @@ impl Cluster {
         let desc = OpDesc {
             kind: OpKind::AllReduce,
             label: "cluster.sum_host".into(),
-            shape: vec![values.len()],
+            shape: [values.len()].into(),
             dtype: DType::F64,
             op: Some(tributary::collective::ReduceOp::Sum),
             route: None,
@@ -572,7 +603,7 @@ impl Cluster {
             match routine.schedule() {
                 Ok(t) => {
                     let _ = issued.event.set(EntryTicket::Issued(t));
-                    ClusterTicket::new(vec![issued], Vec::new())
+                    ClusterTicket::new([issued], [])
                 }
                 Err(e) => {
                     self.net.retract(&issued);
@@ -599,7 +630,7 @@ impl Cluster {
         let desc = OpDesc {
             kind: OpKind::Raw,
             label: "with_mpi".into(),
-            shape: vec![1],
+            shape: [1].into(),
             dtype: DType::U8,
             op: None,
             route: None,
@@ -656,8 +687,8 @@ impl Drop for Cluster {
 pub(crate) fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
     OpDesc {
         kind: OpKind::Transfer,
-        label: node.label().to_string(),
-        shape: node.shape().dims().to_vec(),
+        label: node.label().into(),
+        shape: node.shape().dims().into(),
         dtype: node.dtype(),
         op: None,
         route: Some((from, to)),

@@ -134,6 +134,9 @@ struct Leg<'p> {
     expected: usize,
 }
 
+/// Every rank's header of a collective (index = rank): inline up to 4 ranks.
+pub(super) type Headers = SmallVec<[Header; 4]>;
+
 /// The legs of one exchange: inline up to one per peer of an 8-rank cluster.
 type Legs<'p> = SmallVec<[Leg<'p>; 8]>;
 
@@ -952,7 +955,7 @@ impl Network {
         status: Status,
         contributions: usize,
         payload: Payload<'_>,
-    ) -> Result<Vec<Header>> {
+    ) -> Result<Headers> {
         let (rank, size) = (self.rank(), self.size());
         let mut mine = Header::new(&op.desc, op.seq, rank, algorithm, status);
         mine.contributions = contributions.min(u16::MAX as usize) as u16;
@@ -972,7 +975,7 @@ impl Network {
             })
             .collect();
         self.exchange_slots(guard, op, keep, &legs, |heads| {
-            let mut all = Vec::with_capacity(size);
+            let mut all = Headers::with_capacity(size);
             for (r, bytes) in heads.iter().enumerate() {
                 if r == rank {
                     all.push(mine.clone());

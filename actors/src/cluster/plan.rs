@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
 use tributary::{
     backend::Backend,
     collective::{self, AllReduceStep, ReduceOp, Strategy},
@@ -230,13 +231,21 @@ impl SystemCalls for crate::SystemCapture<'_> {
 /// operations and the tickets of its last writes. [`ClusterTicket::wait`] gives the network
 /// operations' typed errors.
 pub struct ClusterTicket {
-    ops: Vec<Arc<Issued>>,
-    tickets: Vec<Ticket>,
+    ops: SmallVec<[Arc<Issued>; 4]>,
+    tickets: SmallVec<[Ticket; 4]>,
 }
 
 impl ClusterTicket {
-    pub(crate) fn new(ops: Vec<Arc<Issued>>, tickets: Vec<Ticket>) -> ClusterTicket {
-        ClusterTicket { ops, tickets }
+    /// Inline up to four operations (a replayed halo-exchange step's two sendrecvs) and four
+    /// tickets: a call allocates no ticket of its own.
+    pub(crate) fn new(
+        ops: impl IntoIterator<Item = Arc<Issued>>,
+        tickets: impl IntoIterator<Item = Ticket>,
+    ) -> ClusterTicket {
+        ClusterTicket {
+            ops: ops.into_iter().collect(),
+            tickets: tickets.into_iter().collect(),
+        }
     }
 
     /// Its network operations, in issue order.
@@ -355,8 +364,8 @@ impl ClusterAllReduce {
             };
             let desc = OpDesc {
                 kind: OpKind::AllReduce,
-                label: node.label().to_string(),
-                shape: node.shape().dims().to_vec(),
+                label: node.label().into(),
+                shape: node.shape().dims().into(),
                 dtype: node.dtype(),
                 op: Some(op),
                 route: None,
@@ -427,8 +436,8 @@ impl ClusterAllReduce {
                 sys.schedule(&routine)?;
             }
         }
-        let mut ops = Vec::with_capacity(self.nodes.len());
-        let mut tickets = Vec::new();
+        let mut ops = SmallVec::<[Arc<Issued>; 4]>::new();
+        let mut tickets = SmallVec::<[Ticket; 4]>::new();
         for (node, (routine, desc)) in self.nodes.iter().zip(&self.network) {
             let issued = self.net.issue(desc.clone(), self.contexts.len());
             let scheduled = noting(sys, spans.as_deref_mut(), |sys| {

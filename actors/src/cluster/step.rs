@@ -89,16 +89,7 @@ impl<'s> ClusterCapture<'_, 's> {
             peer,
             Some(&mut self.spans),
         )?;
-        // The operation just queued is the one the call issued (the host issues one at a
-        // time, under the cluster's issuing lock).
-        self.network.push(NetworkOp {
-            desc: match transfer {
-                Transfer::Send => super::transfer_desc(node, self.cluster.rank(), peer),
-                Transfer::Recv => super::transfer_desc(node, peer, self.cluster.rank()),
-            },
-            contributions: 0,
-            fused: false,
-        });
+        self.note(&ticket);
         Ok(ticket)
     }
 
@@ -120,7 +111,13 @@ impl<'s> ClusterCapture<'_, 's> {
             ctx,
             Some(&mut self.spans),
         )?;
-        // The two entries the call queued, in its order: the first carries `fused`.
+        self.note(&ticket);
+        Ok(ticket)
+    }
+
+    /// Notes the network operations a transfer call queued, in its order (a sendrecv's
+    /// first carries `fused`).
+    fn note(&mut self, ticket: &ClusterTicket) {
         for op in ticket.network_ops() {
             self.network.push(NetworkOp {
                 desc: op.desc.clone(),
@@ -128,7 +125,6 @@ impl<'s> ClusterCapture<'_, 's> {
                 fused: op.fused,
             });
         }
-        Ok(ticket)
     }
 
     /// The cluster being captured.
@@ -306,7 +302,7 @@ impl Cluster {
         values: Option<&StepBindings>,
     ) -> Result<ClusterTicket> {
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
-        let issued: Vec<_> = step
+        let issued: smallvec::SmallVec<[_; 4]> = step
             .network
             .iter()
             // Mutant: a replay that does not queue its network operations again.
@@ -335,6 +331,6 @@ impl Cluster {
                 });
             }
         }
-        Ok(ClusterTicket::new(issued, tickets.into_vec()))
+        Ok(ClusterTicket::new(issued, tickets))
     }
 }
