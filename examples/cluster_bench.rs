@@ -19,7 +19,13 @@
 //! mpirun -np 2 target/release/examples/cluster_bench --devices 2     # hierarchical 2 x 2
 //! mpirun -np 4 target/release/examples/cluster_bench                 # flat 4 x 1
 //! mpirun -np 2 target/release/examples/cluster_bench --pingpong      # send/recv round trips
+//! mpirun -np 2 target/release/examples/cluster_bench --exchange      # sendrecv halo exchanges
 //! ```
+//!
+//! `--exchange` times halo exchanges between partner ranks (0 and 1, 2 and 3, ...), each
+//! sending a node of `--sizes` bytes and receiving the other's in one `Cluster::sendrecv`,
+//! `iters` of them issued back to back and waited for at the end, beside `MPI_Sendrecv` of
+//! the same bytes on the network stream, from a context on a compute stream and in place.
 //!
 //! `--pingpong` times instead round trips of a node of `--sizes` bytes between ranks 0 and 1
 //! (`Cluster::send` then `Cluster::recv` on rank 0, the reverse on rank 1, `iters` of them
@@ -61,6 +67,11 @@ struct Args {
     /// Time only the all-reduces in place (issued and replayed), beside `MPI_Allreduce`.
     #[arg(long)]
     in_place_only: bool,
+    /// Time halo exchanges instead: ranks 0 and 1 (2 and 3, ...) each send a node of
+    /// `--sizes` bytes to the other and receive the other's, `Cluster::sendrecv` beside
+    /// `MPI_Sendrecv`.
+    #[arg(long)]
+    exchange: bool,
 }
 
 fn main() -> ExitCode {
@@ -185,6 +196,120 @@ fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
     Ok(())
 }
 
+/// The partner of this rank in the exchanges (ranks 0 and 1, 2 and 3, ...), if it has one.
+fn partner(cluster: &Cluster) -> Option<usize> {
+    let peer = cluster.rank() ^ 1;
+    (peer < cluster.size()).then_some(peer)
+}
+
+/// Seconds per exchange of `n` f32 with the partner rank by `MPI_Sendrecv` (what a careful
+/// engineer writes for a halo exchange: one blocking call, both directions at once), on the
+/// network stream.
+fn mpi_exchange(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tributary::Error> {
+    let peer = partner(cluster);
+    cluster.with_mpi(move |comm| {
+        let (send, mut recv) = (vec![1f32; n], vec![0f32; n]);
+        let count = n as i32;
+        // SAFETY: `send` and `recv` hold `n` f32 each and live through the blocking calls;
+        // the communicator is the cluster's, used on the network stream (`with_mpi`).
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            let t = Instant::now();
+            if let Some(peer) = peer {
+                for _ in 0..iters {
+                    ffi::MPI_Sendrecv(
+                        send.as_ptr().cast(),
+                        count,
+                        ffi::RSMPI_FLOAT,
+                        peer as i32,
+                        7,
+                        recv.as_mut_ptr().cast(),
+                        count,
+                        ffi::RSMPI_FLOAT,
+                        peer as i32,
+                        7,
+                        comm.raw(),
+                        ffi::RSMPI_STATUS_IGNORE,
+                    );
+                }
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        }
+    })
+}
+
+/// Halo exchanges of each size between partner ranks through `Cluster::sendrecv`, beside
+/// `MPI_Sendrecv`.
+fn exchange(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let rank = cluster.rank();
+    if rank == 0 {
+        println!(
+            "halo exchanges between partner ranks (0 and 1, ...); median of {} repetitions",
+            args.reps
+        );
+        println!(
+            "{:>10} {:>14} {:>22} {:>8} {:>22} {:>8}",
+            "bytes", "MPI_Sendrecv", "sendrecv", "ratio", "in place", "ratio"
+        );
+    }
+    for &bytes in &args.sizes {
+        let n = (bytes / 4).max(1);
+        let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
+        let baseline = median(
+            (0..args.reps)
+                .map(|_| mpi_exchange(cluster, n, iters))
+                .collect::<Result<_, _>>()?,
+        );
+        let mut times = Vec::new();
+        for root in [cluster.context(0, 0)?, cluster.network_context()?] {
+            times.push(time_exchange(cluster, args, bytes, root, iters)?);
+        }
+        if rank == 0 {
+            println!(
+                "{bytes:>10} {:>11.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
+                baseline * 1e6,
+                times[0] * 1e6,
+                times[0] / baseline,
+                times[1] * 1e6,
+                times[1] / baseline
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The median time of a sendrecv of `bytes` with the partner rank, the nodes in a child of
+/// `root`: this rank's `h{bytes}.{rank}` sent, the partner's received (a node is named
+/// after the rank that owns it).
+fn time_exchange(
+    cluster: &Cluster,
+    args: &Args,
+    bytes: usize,
+    root: tributary_actors::ContextHandle,
+    iters: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let n = (bytes / 4).max(1);
+    let owned_by = |r: usize| {
+        TensorNode::new(format!("h{bytes}.{r}"), DType::F32, [n]).with_mode(MemoryMode::on_device())
+    };
+    let own = owned_by(cluster.rank())?;
+    let ctx = ones(&root, &own)?;
+    let Some(peer) = partner(cluster) else {
+        let t = per_call(cluster, args.reps, iters, || Ok(None))?;
+        cluster.finalize(&ctx)?;
+        return Ok(t);
+    };
+    let halo = owned_by(peer)?;
+    let ctx = ones(&ctx, &halo)?;
+    let step = || -> tributary::Result<Option<ClusterTicket>> {
+        Ok(Some(cluster.sendrecv(&own, peer, &halo, peer, &ctx)?))
+    };
+    step()?.map(|t| t.wait()).transpose()?;
+    let t = per_call(cluster, args.reps, iters, step)?;
+    cluster.finalize(&ctx)?;
+    Ok(t)
+}
+
 /// A child of `root` in which `node` (f32) holds ones, written by a routine.
 fn ones(
     root: &tributary_actors::ContextHandle,
@@ -264,6 +389,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
     if args.pingpong {
         pingpong(&cluster, &args)?;
+        cluster.shutdown()?;
+        return Ok(());
+    }
+    if args.exchange {
+        exchange(&cluster, &args)?;
         cluster.shutdown()?;
         return Ok(());
     }
