@@ -453,6 +453,53 @@ pub(crate) mod bodies {
             sendrecv_round(cluster, round, n, in_place, split && rank % 2 == 1);
         }
         replayed_sendrecv(cluster);
+        refused_sendrecvs(cluster);
+    }
+
+    /// Calls refused before anything is issued, with the offending value, and the next
+    /// sendrecv still in step: one node both sent and received, a rank past the last, this
+    /// rank as its own peer, a node the context does not hold.
+    fn refused_sendrecvs(cluster: &Arc<Cluster>) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let (own, halo, ctx) = sendrecv_nodes(cluster, 200, 8, true);
+        let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
+        match cluster.sendrecv(&own, to, &own, from, &ctx) {
+            Err(tributary::Error::InvalidRoutine { reason, .. }) => {
+                assert!(reason.contains("both sent and received"), "{reason}")
+            }
+            other => panic!("one node both ways: {:?}", other.map(drop)),
+        }
+        match cluster.sendrecv(&own, size, &halo, from, &ctx) {
+            Err(tributary::Error::NoSuchRank { rank: r, size: s }) => {
+                assert_eq!((r, s), (size, size))
+            }
+            other => panic!("a rank past the last: {:?}", other.map(drop)),
+        }
+        assert!(
+            matches!(
+                cluster.sendrecv(&own, rank, &halo, from, &ctx),
+                Err(tributary::Error::InvalidRoutine { .. })
+            ),
+            "this rank as its own peer"
+        );
+        let stranger = TensorNode::new("stranger", DType::F64, [8])
+            .with_mode(MemoryMode::on_device())
+            .expect("node");
+        assert!(
+            matches!(
+                cluster.sendrecv(&own, to, &stranger, from, &ctx),
+                Err(tributary::Error::NodeNotInContext { .. })
+            ),
+            "a node the context does not hold"
+        );
+        cluster
+            .sendrecv(&own, to, &halo, from, &ctx)
+            .expect("sendrecv")
+            .wait()
+            .expect("the sendrecv after the refused ones");
+        let want: Vec<f64> = (0..8).map(|i| (from * 8 + i + 200) as f64).collect();
+        assert_eq!(ctx.read::<f64>(&halo).expect("read"), want);
+        cluster.finalize(&ctx).expect("finalize");
     }
 
     /// The nodes of a sendrecv round, in one context (on the network stream or a compute
