@@ -97,6 +97,7 @@ CLUSTER_MUTANTS=(
   "cluster_replay_positions:--features mpi --test cluster cluster_steps::a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more"
   "cluster_sendrecv_order:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"
   "cluster_sendrecv_sequential:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"
+  "cluster_exchange_heads_in_order:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"
 )
 
 # Rules checked by randomized tests (no loom model reaches them: the engine's single-owner

@@ -23,7 +23,7 @@ pub(crate) mod bodies {
         DType, Element, MemoryMode, TensorNode,
     };
     use tributary_actors::{
-        cluster::{Cluster, ClusterConfig, CrossRankAlgorithm},
+        cluster::{Cluster, ClusterConfig, CrossRankAlgorithm, Exchange},
         ContextHandle, System,
     };
 
@@ -450,10 +450,153 @@ pub(crate) mod bodies {
         ];
         for (round, (n, in_place, split)) in rounds.into_iter().enumerate() {
             let in_place = in_place.unwrap_or(rank % 2 == 0);
-            sendrecv_round(cluster, round, n, in_place, split && rank % 2 == 1);
+            let split = if split && rank % 2 == 1 {
+                Split::RecvFirst
+            } else {
+                Split::No
+            };
+            sendrecv_round(cluster, round, n, in_place, split);
+        }
+        // On 3 ranks or more, only rank 0 runs a sendrecv and the others a blocking send
+        // then a receive: a ring that completes only because rank 0 posts its receive with
+        // its send (its send waits for rank 1, which waits for rank 2, ..., which waits for
+        // rank 0's receive).
+        if cluster.size() >= 3 {
+            for (round, n) in [(50, 1000), (51, 16384)] {
+                let split = if rank == 0 {
+                    Split::No
+                } else {
+                    Split::SendFirst
+                };
+                sendrecv_round(cluster, round, n, true, split);
+            }
         }
         replayed_sendrecv(cluster);
         refused_sendrecvs(cluster);
+    }
+
+    /// Every rank exchanges with both neighbours of a ring in one `exchange`: its low
+    /// boundary `e{round}.{rank}.lo` to the previous rank and its high one to the next,
+    /// receiving theirs (on 2 ranks both go to the one peer: four transfers between one
+    /// pair, ordered by label whatever order each side lists them in; odd ranks list
+    /// theirs reversed). In place and from a compute stream, with data with the header and
+    /// after it. Then, on 3 ranks or more, one node sent to both neighbours, and a captured
+    /// step of an update and the exchange replayed.
+    pub fn exchange_rings(cluster: &Arc<Cluster>) {
+        let (rank, size) = (cluster.rank(), cluster.size());
+        let (left, right) = ((rank + size - 1) % size, (rank + 1) % size);
+        for (round, (n, in_place)) in [(600, true), (9000, true), (600, false), (9000, false)]
+            .into_iter()
+            .enumerate()
+        {
+            let what =
+                format!("exchange round {round} on rank {rank}: {n} f64, in place {in_place}");
+            let node = |r: usize, side: &str| {
+                TensorNode::new(format!("e{round}.{r}.{side}"), DType::F64, [n])
+                    .with_mode(MemoryMode::on_device())
+                    .expect("node")
+            };
+            let values = |r: usize, side: usize| -> Vec<f64> {
+                (0..n)
+                    .map(|i| (((r * 2 + side) * n + i) * 10 + round) as f64)
+                    .collect()
+            };
+            let (lo, hi) = (node(rank, "lo"), node(rank, "hi"));
+            let (ghost_lo, ghost_hi) = (node(left, "hi"), node(right, "lo"));
+            let root = if in_place {
+                cluster.network_context()
+            } else {
+                cluster.context(0, 0)
+            }
+            .expect("ctx");
+            let ctx = init(root, &lo, &values(rank, 0)).expect("init");
+            let ctx = init(ctx, &hi, &values(rank, 1)).expect("init");
+            let ctx = init(ctx, &ghost_lo, &vec![0f64; n]).expect("init");
+            let ctx = init(ctx, &ghost_hi, &vec![0f64; n]).expect("init");
+            let mut parts = vec![
+                Exchange::Send(&lo, left),
+                Exchange::Send(&hi, right),
+                Exchange::Recv(&ghost_lo, left),
+                Exchange::Recv(&ghost_hi, right),
+            ];
+            if rank % 2 == 1 {
+                parts.reverse();
+            }
+            cluster
+                .exchange(&ctx, &parts)
+                .expect("exchange")
+                .wait()
+                .expect(&what);
+            assert_eq!(
+                ctx.read::<f64>(&ghost_lo).expect("read"),
+                values(left, 1),
+                "{what}: low ghost"
+            );
+            assert_eq!(
+                ctx.read::<f64>(&ghost_hi).expect("read"),
+                values(right, 0),
+                "{what}: high ghost"
+            );
+            assert_eq!(
+                ctx.read::<f64>(&lo).expect("read"),
+                values(rank, 0),
+                "{what}: sent node"
+            );
+            cluster.finalize(&ctx).expect("finalize");
+        }
+        if size < 3 {
+            return;
+        }
+        // One node to both neighbours, then a captured step replayed.
+        let n = 300;
+        let m = |r: usize| {
+            TensorNode::new(format!("m.{r}"), DType::F64, [n])
+                .with_mode(MemoryMode::on_device())
+                .expect("node")
+        };
+        let (mine, from_left, from_right) = (m(rank), m(left), m(right));
+        let ctx = init(
+            cluster.network_context().expect("ctx"),
+            &mine,
+            &vec![rank as f64; n],
+        )
+        .expect("init");
+        let ctx = init(ctx, &from_left, &vec![0f64; n]).expect("init");
+        let ctx = init(ctx, &from_right, &vec![0f64; n]).expect("init");
+        let bump = bump(&ctx, &mine, 100.0);
+        let ctx = bump.context();
+        let parts = [
+            Exchange::Recv(&from_right, right),
+            Exchange::Send(&mine, left),
+            Exchange::Recv(&from_left, left),
+            Exchange::Send(&mine, right),
+        ];
+        let step = cluster
+            .capture(|c| {
+                c.schedule(bump.routine())?;
+                c.exchange(&ctx, &parts)?;
+                Ok(())
+            })
+            .expect("captured");
+        for k in 2..4 {
+            cluster
+                .replay(&step)
+                .expect("replay")
+                .wait()
+                .expect("replayed");
+            let bumped = |r: usize| vec![r as f64 + 100.0 * k as f64; n];
+            assert_eq!(
+                ctx.read::<f64>(&from_left).expect("read"),
+                bumped(left),
+                "rank {rank}, step {k}"
+            );
+            assert_eq!(
+                ctx.read::<f64>(&from_right).expect("read"),
+                bumped(right),
+                "rank {rank}, step {k}"
+            );
+        }
+        cluster.finalize(&ctx).expect("finalize");
     }
 
     /// Calls refused before anything is issued, with the offending value, and the next
@@ -533,16 +676,27 @@ pub(crate) mod bodies {
 
     /// One round of `sendrecv_rings`; `split`: a `recv` from the previous rank, then a
     /// `send` to the next, instead of the sendrecv.
-    fn sendrecv_round(cluster: &Arc<Cluster>, round: usize, n: usize, in_place: bool, split: bool) {
+    fn sendrecv_round(
+        cluster: &Arc<Cluster>,
+        round: usize,
+        n: usize,
+        in_place: bool,
+        split: Split,
+    ) {
         let (rank, size) = (cluster.rank(), cluster.size());
         let what = format!(
-            "sendrecv round {round} on rank {rank}: {n} f64, in place {in_place}, split {split}"
+            "sendrecv round {round} on rank {rank}: {n} f64, in place {in_place}, {split:?}"
         );
         let (own, halo, ctx) = sendrecv_nodes(cluster, round, n, in_place);
         let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
-        if split {
+        if split == Split::RecvFirst {
             let r = cluster.recv(&halo, &ctx, from).expect("recv");
             let s = cluster.send(&own, &ctx, to).expect("send");
+            r.wait().expect(&what);
+            s.wait().expect(&what);
+        } else if split == Split::SendFirst {
+            let s = cluster.send(&own, &ctx, to).expect("send");
+            let r = cluster.recv(&halo, &ctx, from).expect("recv");
             r.wait().expect(&what);
             s.wait().expect(&what);
         } else {
@@ -563,6 +717,34 @@ pub(crate) mod bodies {
         cluster.finalize(&ctx).expect("finalize");
     }
 
+    /// A routine of a child of `ctx` adding `by` to every element of `node` (f64).
+    fn bump(ctx: &ContextHandle, node: &TensorNode, by: f64) -> tributary_actors::RoutineHandle {
+        let spec = tributary::kernels::RoutineSpec::custom(
+            "bump",
+            vec![(node.clone(), tributary::kernels::Access::ReadWrite)],
+            None,
+            move |args| {
+                for v in args.output::<f64>(0)? {
+                    *v += by;
+                }
+                Ok(())
+            },
+        )
+        .expect("spec");
+        ctx.link(spec).expect("link")
+    }
+
+    /// How a rank runs its part of a sendrecv round.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Split {
+        /// A sendrecv.
+        No,
+        /// A `recv` from the previous rank, then a `send` to the next.
+        RecvFirst,
+        /// A `send` to the next rank, then a `recv` from the previous.
+        SendFirst,
+    }
+
     /// A step of work in place, captured: add 1 to the sent node, then the sendrecv. Each
     /// replay sends the updated values: after `k` steps the halo holds the previous rank's
     /// values plus `k`.
@@ -570,22 +752,7 @@ pub(crate) mod bodies {
         let (rank, size) = (cluster.rank(), cluster.size());
         let n = 700;
         let (own, halo, ctx) = sendrecv_nodes(cluster, 100, n, true);
-        let bump = ctx
-            .link(
-                tributary::kernels::RoutineSpec::custom(
-                    "bump",
-                    vec![(own.clone(), tributary::kernels::Access::ReadWrite)],
-                    None,
-                    |args| {
-                        for v in args.output::<f64>(0)? {
-                            *v += 1.0;
-                        }
-                        Ok(())
-                    },
-                )
-                .expect("spec"),
-            )
-            .expect("link");
+        let bump = bump(&ctx, &own, 1.0);
         let ctx = bump.context();
         let (to, from) = ((rank + 1) % size, (rank + size - 1) % size);
         let step = cluster
@@ -742,6 +909,13 @@ cluster_test!(
     [Launch::ranks(2), Launch::ranks(4)],
     bodies::config_10s(1, tributary_actors::cluster::CrossRankAlgorithm::Auto),
     bodies::sendrecv_rings
+);
+
+cluster_test!(
+    an_exchange_moves_every_transfer_at_once,
+    [Launch::ranks(2), Launch::ranks(4)],
+    bodies::config_10s(1, tributary_actors::cluster::CrossRankAlgorithm::Auto),
+    bodies::exchange_rings
 );
 
 cluster_test!(

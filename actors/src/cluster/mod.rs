@@ -66,10 +66,11 @@ use tributary::{
     ContextId, DType, DeviceId, Error, MemoryMode, MergeBufferUse, NodeId, Result, TensorNode,
 };
 
-use crate::{ContextHandle, RoutineHandle, System};
+use crate::{ContextHandle, RoutineHandle, System, Ticket};
 use header::{OpDesc, OpKind};
 use network::{EntryTicket, Network};
 use plan::{noting, SystemCalls};
+use smallvec::SmallVec;
 
 /// This rank's part of a cluster: its [`System`], its network stream and MPI.
 ///
@@ -99,23 +100,57 @@ pub struct Cluster {
 #[derive(Clone)]
 struct KeptTransfer {
     routine: RoutineHandle,
-    first: OpDesc,
-    second: Option<OpDesc>,
+    descs: SmallVec<[OpDesc; 4]>,
 }
 
 /// What a kept transfer routine moves: a node, from or into a context, to or from a rank;
-/// or, for a sendrecv, a node to one rank and another from one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// or, for an exchange, its transfers as the call lists them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct TransferKey {
-    node: NodeId,
     /// Context ids are unique per device only.
     context: (DeviceId, ContextId),
-    peer: usize,
-    send: bool,
-    /// A sendrecv's received node and the rank it comes from (`node` and `peer` are the
-    /// sent node and its destination).
-    received: Option<(NodeId, usize)>,
+    moves: Moves,
 }
+
+/// The transfers of a kept routine: `(node, peer, sent)`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Moves {
+    /// A `send` (`true`) or `recv` routine.
+    One(NodeId, usize, bool),
+    /// An exchange's routine (a sendrecv's, or more).
+    Exchange(SmallVec<[(NodeId, usize, bool); 4]>),
+}
+
+/// One transfer of a [`Cluster::exchange`].
+#[derive(Clone, Copy, Debug)]
+pub enum Exchange<'a> {
+    /// Send this node to this rank.
+    Send(&'a TensorNode, usize),
+    /// Receive this node from this rank.
+    Recv(&'a TensorNode, usize),
+}
+
+impl Exchange<'_> {
+    fn node(&self) -> &TensorNode {
+        match self {
+            Exchange::Send(n, _) | Exchange::Recv(n, _) => n,
+        }
+    }
+
+    fn peer(&self) -> usize {
+        match self {
+            Exchange::Send(_, p) | Exchange::Recv(_, p) => *p,
+        }
+    }
+
+    fn sends(&self) -> bool {
+        matches!(self, Exchange::Send(..))
+    }
+}
+
+/// The most transfers one exchange runs (each takes two message slots of the network
+/// stream's, [`network::SLOT_BYTES`] each, while it runs).
+pub const EXCHANGE_MAX_TRANSFERS: usize = 16;
 
 /// Which side of a transfer a call is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -207,7 +242,7 @@ impl Cluster {
             let under: Vec<TransferKey> = transfers
                 .keys()
                 .filter(|k| k.context == (ctx.device(), ctx.id()))
-                .copied()
+                .cloned()
                 .collect();
             under.iter().filter_map(|k| transfers.remove(k)).collect()
         } else {
@@ -294,11 +329,8 @@ impl Cluster {
         }
         let send = transfer == Transfer::Send;
         let key = TransferKey {
-            node: node.id(),
             context: (ctx.device(), ctx.id()),
-            peer,
-            send,
-            received: None,
+            moves: Moves::One(node.id(), peer, send),
         };
         let in_place = self.on_network_stream(ctx);
         let into = if in_place {
@@ -312,18 +344,17 @@ impl Cluster {
             (false, _) => plan::recv_spec(&self.net, node),
         };
         let descs = || {
-            let desc = if send {
+            smallvec::smallvec![if send {
                 transfer_desc(node, self.rank(), peer)
             } else {
                 transfer_desc(node, peer, self.rank())
-            };
-            (desc, None)
+            }]
         };
-        let KeptTransfer {
-            routine,
-            first: desc,
-            ..
-        } = self.transfer_routine(key, into, spec, descs)?;
+        let KeptTransfer { routine, descs } = self.transfer_routine(key, into, spec, descs)?;
+        let desc = descs
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Internal("a kept transfer routine with no transfer".into()))?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let scheduled = noting(sys, spans, |sys| {
@@ -366,7 +397,7 @@ impl Cluster {
     /// blocking sends would. The peers match it with their own sendrecv or with a
     /// [`Cluster::recv`] and a [`Cluster::send`]: it is the two transfers, issued in the
     /// order both ranks of a pair share — the one from the lower rank first (DESIGN.md §9,
-    /// "Sendrecv"). In place on the network stream when `ctx` is there
+    /// "Sendrecv and exchange"). In place on the network stream when `ctx` is there
     /// ([`Cluster::network_context`]); otherwise `send` is copied to the network stream
     /// and `recv` back. `send` and `recv` must be different nodes; as for `send` and
     /// `recv`, a transfer moves a node of one label (the SPMD contract), so the node a rank
@@ -401,53 +432,66 @@ impl Cluster {
         from: usize,
         ctx: &Context,
     ) -> Result<ClusterTicket> {
-        self.sendrecv_on(&mut &self.sys, send, to, recv, from, ctx, None)
+        let parts = [Exchange::Send(send, to), Exchange::Recv(recv, from)];
+        self.exchange_on(&mut &self.sys, ctx, &parts, None)
     }
 
-    /// [`Cluster::sendrecv`], its system calls made through `sys` (the system, or a capture;
-    /// `spans` then gets the positions of the routine's call, once per transfer).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn sendrecv_on(
+    /// Runs `parts` (sends of nodes of `ctx` to ranks, receives of nodes into `ctx` from
+    /// ranks) as one network operation, every transfer's messages posted at once: a
+    /// [`Cluster::sendrecv`] with any number of transfers, e.g. a stencil's halo exchange
+    /// with both neighbours (`MPI_Isend`/`MPI_Irecv` of every boundary and one
+    /// `MPI_Waitall`). Each is the transfer a `send` or `recv` would be, so the peers match
+    /// them with exchanges of their own or with `send`s and `recv`s. Between two ranks, both
+    /// issue their transfers in the order the pair shares, whatever order `parts` lists
+    /// them in: those from the lower rank first, each group by node label (the two sides of
+    /// a transfer name its node alike; DESIGN.md §9, "Sendrecv and exchange"); a peer using
+    /// `send` and `recv` issues them in that order. A node may be sent to several ranks; a
+    /// received node is received once and not sent by the same exchange. At most
+    /// [`EXCHANGE_MAX_TRANSFERS`] transfers.
+    pub fn exchange(&self, ctx: &Context, parts: &[Exchange<'_>]) -> Result<ClusterTicket> {
+        self.exchange_on(&mut &self.sys, ctx, parts, None)
+    }
+
+    /// [`Cluster::exchange`], its system calls made through `sys` (the system, or a
+    /// capture; `spans` then gets the positions of the routine's call, once per transfer).
+    pub(crate) fn exchange_on(
         &self,
         sys: &mut impl SystemCalls,
-        send: &TensorNode,
-        to: usize,
-        recv: &TensorNode,
-        from: usize,
         ctx: &Context,
+        parts: &[Exchange<'_>],
         spans: Option<&mut plan::Spans>,
     ) -> Result<ClusterTicket> {
-        self.check_rank(to)?;
-        self.check_rank(from)?;
-        for node in [send, recv] {
+        let refuse = |reason: String| Error::InvalidRoutine {
+            routine: "cluster exchange".into(),
+            reason,
+        };
+        if parts.is_empty() || parts.len() > EXCHANGE_MAX_TRANSFERS {
+            return Err(refuse(format!(
+                "{} transfers: an exchange runs 1 to {EXCHANGE_MAX_TRANSFERS}",
+                parts.len()
+            )));
+        }
+        for (i, part) in parts.iter().enumerate() {
+            self.check_rank(part.peer())?;
+            let node = part.node();
             if !ctx.contains(node) {
                 return Err(Error::NodeNotInContext {
                     node: node.to_string(),
                     context: ctx.id(),
                 });
             }
-        }
-        if send.id() == recv.id() {
-            return Err(Error::InvalidRoutine {
-                routine: "cluster sendrecv".into(),
-                reason: format!(
-                    "{send} is both sent and received: a sendrecv needs two nodes (the \
-                     receive would overwrite what the send reads)"
-                ),
-            });
+            let clash = parts[..i]
+                .iter()
+                .any(|p| p.node().id() == node.id() && (!p.sends() || !part.sends()));
+            if clash {
+                return Err(refuse(format!(
+                    "{node} is both sent and received, or received twice: an exchange \
+                     receives a node once and sends none it receives (a receive would \
+                     overwrite what a send reads)"
+                )));
+            }
         }
         let rank = self.rank();
-        let descs = || {
-            let (out, into) = (
-                transfer_desc(send, rank, to),
-                transfer_desc(recv, from, rank),
-            );
-            // The order both ranks of a pair share: the transfer from the lower rank first
-            // (the mutant: this rank's send first, whatever the peer does).
-            let recv_first = to == from && from < rank && !mutant!("cluster_sendrecv_order");
-            let (first, second) = if recv_first { (into, out) } else { (out, into) };
-            (first, Some(second))
-        };
         let in_place = self.on_network_stream(ctx);
         let net_ctx = if in_place {
             ctx
@@ -455,25 +499,53 @@ impl Cluster {
             self.net_root.protocol_context()
         };
         let key = TransferKey {
-            node: send.id(),
             context: (ctx.device(), ctx.id()),
-            peer: to,
-            send: true,
-            received: Some((recv.id(), from)),
+            moves: Moves::Exchange(
+                parts
+                    .iter()
+                    .map(|p| (p.node().id(), p.peer(), p.sends()))
+                    .collect(),
+            ),
         };
-        let spec = || plan::sendrecv_spec(&self.net, send, recv, in_place);
-        let KeptTransfer {
-            routine,
-            first,
-            second,
-        } = self.transfer_routine(key, net_ctx, spec, descs)?;
-        let second = second
-            .ok_or_else(|| Error::Internal("a kept sendrecv routine with one transfer".into()))?;
+        // Issue order: by peer; between two ranks the transfers from the lower rank first
+        // (the mutant: this rank's sends first, whatever the peer does), then by label,
+        // which both sides of a transfer share (not the order each side lists them in).
+        let order = || {
+            let key = |i: usize| {
+                let p = &parts[i];
+                let from_lower = if mutant!("cluster_sendrecv_order") {
+                    p.sends()
+                } else {
+                    p.sends() == (rank < p.peer())
+                };
+                (p.peer(), !from_lower, p.node().label())
+            };
+            let mut order: SmallVec<[usize; 4]> = (0..parts.len()).collect();
+            order.sort_by(|&a, &b| key(a).cmp(&key(b)));
+            order
+        };
+        let spec = || plan::exchange_spec(&self.net, parts, &order(), in_place);
+        let descs = || {
+            order()
+                .iter()
+                .map(|&i| match parts[i] {
+                    Exchange::Send(node, to) => transfer_desc(node, rank, to),
+                    Exchange::Recv(node, from) => transfer_desc(node, from, rank),
+                })
+                .collect()
+        };
+        let KeptTransfer { routine, descs } = self.transfer_routine(key, net_ctx, spec, descs)?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         if !in_place {
-            sys.device_to_device(send, ctx, routine.protocol_context(), MergeBufferUse::No)?;
+            for (i, part) in parts.iter().enumerate() {
+                let first_send = parts[..i].iter().all(|p| p.node().id() != part.node().id());
+                if part.sends() && first_send {
+                    let into = routine.protocol_context();
+                    sys.device_to_device(part.node(), ctx, into, MergeBufferUse::No)?;
+                }
+            }
         }
-        let issued = self.net.issue_pair(first, second);
+        let issued = self.net.issue_group(&descs);
         let mut spans = spans;
         let scheduled = noting(sys, spans.as_deref_mut(), |sys| {
             sys.schedule(routine.routine())
@@ -485,24 +557,23 @@ impl Cluster {
                 return Err(e);
             }
         };
-        // One routine runs both transfers: each is found at its call's positions.
+        // One routine runs every transfer: each is found at its call's positions.
         if let Some(spans) = spans {
             if let Some(&last) = spans.last() {
-                spans.push(last);
+                spans.extend(std::iter::repeat_n(last, issued.len() - 1));
             }
         }
         for op in &issued {
             let _ = op.event.set(EntryTicket::Issued(ticket.clone()));
         }
-        if in_place {
-            return Ok(ClusterTicket::new(issued, [ticket]));
+        let mut tickets: SmallVec<[Ticket; 4]> = smallvec::smallvec![ticket];
+        if !in_place {
+            for part in parts.iter().filter(|p| !p.sends()) {
+                let from = routine.protocol_context();
+                tickets.extend(sys.device_to_device(part.node(), from, ctx, MergeBufferUse::No)?);
+            }
         }
-        let copy =
-            sys.device_to_device(recv, routine.protocol_context(), ctx, MergeBufferUse::No)?;
-        Ok(ClusterTicket::new(
-            issued,
-            std::iter::once(ticket).chain(copy),
-        ))
+        Ok(ClusterTicket::new(issued, tickets))
     }
 
     /// The transfer routine kept under `key`, linked into `into` (the network stream's
@@ -513,18 +584,16 @@ impl Cluster {
         key: TransferKey,
         into: &Context,
         spec: impl FnOnce() -> Result<RoutineSpec>,
-        descs: impl FnOnce() -> (OpDesc, Option<OpDesc>),
+        descs: impl FnOnce() -> SmallVec<[OpDesc; 4]>,
     ) -> Result<KeptTransfer> {
         let mut kept = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.get(&key) {
             return Ok(k.clone());
         }
         let routine = self.sys.link(into, spec()?)?;
-        let (first, second) = descs();
         let k = KeptTransfer {
             routine,
-            first,
-            second,
+            descs: descs(),
         };
         kept.insert(key, k.clone());
         Ok(k)

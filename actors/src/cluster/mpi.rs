@@ -296,11 +296,31 @@ impl Mpi {
         requests: &mut [Request],
         deadline: Instant,
     ) -> std::result::Result<(), WaitError> {
+        self.wait_for(requests, deadline, false)
+    }
+
+    /// [`Mpi::wait_all`] until at least one of the pending requests completed (or none is
+    /// pending): the caller finds which with [`Request::is_done`].
+    pub(crate) fn wait_any(
+        &self,
+        requests: &mut [Request],
+        deadline: Instant,
+    ) -> std::result::Result<(), WaitError> {
+        self.wait_for(requests, deadline, true)
+    }
+
+    fn wait_for(
+        &self,
+        requests: &mut [Request],
+        deadline: Instant,
+        any: bool,
+    ) -> std::result::Result<(), WaitError> {
         // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation.
         let mut raw: SmallVec<[ffi::MPI_Request; 8]> = requests.iter().map(|r| r.raw).collect();
         let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
-        let mut done: SmallVec<[bool; 8]> = smallvec::smallvec![false; raw.len()];
-        let mut left = raw.len();
+        // Requests that completed before (null) count as done.
+        let mut done: SmallVec<[bool; 8]> = requests.iter().map(Request::is_done).collect();
+        let mut left = done.iter().filter(|d| !**d).count();
         let mut idle_polls = 0u32;
         let result = loop {
             if left == 0 {
@@ -333,6 +353,9 @@ impl Mpi {
                 }
             }
             if outcount > 0 {
+                if any {
+                    break Ok(());
+                }
                 idle_polls = 0;
                 continue;
             }
@@ -399,6 +422,14 @@ pub(crate) struct Request {
     /// The rank it sends to or receives from (`usize::MAX` for a collective).
     peer: usize,
     receive: bool,
+}
+
+impl Request {
+    /// Whether it completed (a wait made it null).
+    pub(crate) fn is_done(&self) -> bool {
+        // SAFETY: reading the library's constant.
+        self.raw == unsafe { ffi::RSMPI_REQUEST_NULL }
+    }
 }
 
 // SAFETY: a request handle is a value of the MPI library, used under the serialized

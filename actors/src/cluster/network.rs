@@ -8,9 +8,10 @@
 //! headers agree. An entry still queued with a failed event had its kernel skipped.
 //! The next kernel first sends that entry's header with [`Status::InputFailed`], and
 //! [`Network::flush`] does the same at shutdown. A sendrecv's kernel runs two queued
-//! transfers at once ([`Network::execute_pair`], [`Network::transfer_parts`]).
+//! transfers at once, and an exchange any number ([`Network::execute_group`],
+//! [`Network::transfer_parts`]).
 //! `network/wire.rs` holds what each operation sends and receives once the ranks agreed.
-//! See DESIGN.md §9, "Issue order and failed inputs", "Faults" and "Sendrecv".
+//! See DESIGN.md §9, "Issue order and failed inputs", "Faults" and "Sendrecv and exchange".
 
 use std::{
     collections::VecDeque,
@@ -27,7 +28,7 @@ use crate::Ticket;
 
 mod wire;
 
-pub(crate) use wire::check_dtype;
+pub(crate) use wire::{check_dtype, View};
 
 use smallvec::{smallvec, SmallVec};
 
@@ -69,6 +70,13 @@ pub(crate) const FRAME_BYTES: usize = 4032;
 pub(crate) const SLOT_BYTES: usize =
     (HEADER_BYTES + PIGGYBACK_MAX_BYTES).div_ceil(FRAME_BYTES) * FRAME_BYTES;
 const SLOT_WORDS: usize = SLOT_BYTES / 8;
+
+/// Each part's result of an exchange, in issue order.
+pub(crate) type Results = SmallVec<[Result<()>; 4]>;
+
+/// The entries of one exchange's transfers, in issue order: inline up to four (both
+/// neighbours' sends and receives).
+pub(crate) type IssuedGroup = SmallVec<[Arc<Issued>; 4]>;
 
 /// The requests of one wait: inline up to 8 (a header exchange on 4 ranks, a transfer's
 /// frames), no allocation on a routine's start-to-post path.
@@ -140,7 +148,7 @@ pub(super) type Headers = SmallVec<[Header; 4]>;
 /// The legs of one exchange: inline up to one per peer of an 8-rank cluster.
 type Legs<'p> = SmallVec<[Leg<'p>; 8]>;
 
-/// One transfer of a sendrecv as this rank runs it ([`Network::transfer_pair_headers`]):
+/// One transfer of an exchange as this rank runs it ([`Network::transfer_parts`]):
 /// its entry, the status its header carries, what travels with it, and the payload bytes
 /// expected with the peer's header.
 pub(super) struct PairPart<'a> {
@@ -221,8 +229,8 @@ pub(crate) struct Issued {
     pub(crate) desc: OpDesc,
     /// How many contributions this rank adds (its contexts; all-reduce only).
     pub(crate) contributions: usize,
-    /// This transfer and the next entry of the queue are one routine's (a sendrecv): they
-    /// run, and are caught up, together ([`Network::execute_pair`]).
+    /// This transfer and the next entry of the queue are one routine's (a sendrecv's or an
+    /// exchange's): they run, and are caught up, together ([`Network::execute_group`]).
     pub(crate) fused: bool,
     /// The ticket of its routine, set right after it was scheduled or replayed (the host
     /// does not wait for the device's decision).
@@ -424,14 +432,17 @@ impl Network {
         self.issue_with(desc, contributions, false)
     }
 
-    /// The two transfers of a sendrecv, issued back to back as one routine's (the first
-    /// marked `fused`): their kernel takes both entries ([`Network::execute_pair`]).
-    pub(crate) fn issue_pair(&self, first: OpDesc, second: OpDesc) -> [Arc<Issued>; 2] {
+    /// The transfers of an exchange (a sendrecv's two, or more), issued back to back as one
+    /// routine's (each but the last marked `fused`): their kernel takes them all
+    /// ([`Network::execute_group`]).
+    pub(crate) fn issue_group(&self, descs: &[OpDesc]) -> IssuedGroup {
         let mut st = lock(&self.issue);
-        [
-            Self::push_issued(&mut st, self.rank(), first, 0, true),
-            Self::push_issued(&mut st, self.rank(), second, 0, false),
-        ]
+        let n = descs.len();
+        descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Self::push_issued(&mut st, self.rank(), d.clone(), 0, i + 1 < n))
+            .collect()
     }
 
     /// [`Network::issue`], `fused` as [`Issued::fused`] (a replay re-issues a captured
@@ -589,35 +600,45 @@ impl Network {
         Self::record(&mut guard, &me, result)
     }
 
-    /// [`Network::execute`] for the kernel of a sendrecv, which runs two queued transfers
-    /// ([`Network::issue_pair`]): takes both entries, runs `body` on them, and records each
-    /// one's result on it (the kernel fails if either did).
-    pub(crate) fn execute_pair(
+    /// [`Network::execute`] for the kernel of an exchange (a sendrecv, or more), which runs
+    /// the transfers [`Network::issue_group`] queued together: takes them all, runs `body`
+    /// on them (in issue order), and records each one's result on it (the kernel fails if
+    /// any did).
+    pub(crate) fn execute_group(
         &self,
-        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &Issued, &Issued) -> [Result<()>; 2],
+        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &[Arc<Issued>]) -> Results,
     ) -> std::result::Result<(), String> {
         let (skipped, first) = self.front(true);
         let mut guard = ExecGuard {
             state: lock(&self.exec),
         };
         self.catch_up_all(&mut guard, &skipped);
-        // The second entry is the same routine's, issued right after the first: it runs,
-        // so nothing is skipped before it.
-        let second = match &first {
-            Some(f) if f.fused => self.front(true).1,
-            _ => None,
-        };
-        let (Some(first), Some(second)) = (first, second) else {
-            return Err("a sendrecv routine ran that the cluster did not issue as one".into());
-        };
+        let mut group = IssuedGroup::new();
+        let mut next = first;
+        // The later entries are the same routine's, issued right after the first: they
+        // run, so nothing is skipped before them.
+        while let Some(op) = next.take() {
+            next = if op.fused { self.front(true).1 } else { None };
+            group.push(op);
+        }
+        if group.last().is_none_or(|op| op.fused) {
+            return Err("an exchange routine ran that the cluster did not issue as one".into());
+        }
         let results = match self.refused(&guard) {
-            Some(e) => [Err(e.clone()), Err(e)],
-            None => body(self, &mut guard, &first, &second),
+            Some(e) => group.iter().map(|_| Err(e.clone())).collect(),
+            None => body(self, &mut guard, &group),
         };
-        let [a, b] = results;
-        let a = Self::record(&mut guard, &first, a);
-        let b = Self::record(&mut guard, &second, b);
-        a.and(b)
+        let mut outcome = Ok(());
+        for (i, op) in group.iter().enumerate() {
+            let result = results.get(i).cloned().unwrap_or_else(|| {
+                Err(Error::Internal(
+                    "an exchange part without its result".into(),
+                ))
+            });
+            let recorded = Self::record(&mut guard, op, result);
+            outcome = outcome.and(recorded);
+        }
+        outcome
     }
 
     /// Why no operation runs now (the cluster is shut down or broken), if so.
@@ -649,21 +670,21 @@ impl Network {
         }
     }
 
-    /// Catches up `skipped` in order: a sendrecv's two entries together
-    /// ([`Network::catch_up_pair`]), every other one alone.
+    /// Catches up `skipped` in order: an exchange's entries together
+    /// ([`Network::catch_up_group`]), every other one alone.
     fn catch_up_all(&self, guard: &mut ExecGuard<'_>, skipped: &[Arc<Issued>]) {
         let mut i = 0;
         while i < skipped.len() {
-            match (skipped[i].fused, skipped.get(i + 1)) {
-                (true, Some(second)) => {
-                    self.catch_up_pair(guard, &skipped[i], second);
-                    i += 2;
-                }
-                _ => {
-                    self.catch_up(guard, &skipped[i]);
-                    i += 1;
-                }
+            let mut end = i;
+            while skipped[end].fused && end + 1 < skipped.len() {
+                end += 1;
             }
+            if end > i {
+                self.catch_up_group(guard, &skipped[i..=end]);
+            } else {
+                self.catch_up(guard, &skipped[i]);
+            }
+            i = end + 1;
         }
     }
 
@@ -733,26 +754,29 @@ impl Network {
         }
     }
 
-    /// Sends the headers of a sendrecv whose kernel was skipped (an input failed here): both
-    /// parts' exchanges posted together, as the kernel would have posted them (one after the
-    /// other, a ring of sendrecvs whose inputs all failed would wait on itself).
-    fn catch_up_pair(&self, guard: &mut ExecGuard<'_>, first: &Issued, second: &Issued) {
+    /// Sends the headers of an exchange whose kernel was skipped (an input failed here): all
+    /// its parts' exchanges posted together, as the kernel would have posted them (one after
+    /// the other, a ring of sendrecvs whose inputs all failed would wait on itself).
+    fn catch_up_group(&self, guard: &mut ExecGuard<'_>, ops: &[Arc<Issued>]) {
         if guard.state.broken.is_some()
             || self.closed.load(Ordering::Acquire)
             || mutant!("cluster_catch_up")
         {
             return;
         }
-        let parts = [self.failed_part(first), self.failed_part(second)];
+        let parts: SmallVec<[PairPart<'_>; 4]> =
+            ops.iter().map(|op| self.failed_part(op)).collect();
+        let refs: SmallVec<[&PairPart<'_>; 4]> = parts.iter().collect();
+        let data: SmallVec<[Option<DataLeg>; 4]> = ops.iter().map(|_| None).collect();
         // Only a fault matters (this rank's own operations failed already).
-        if let Err(e) = self.transfer_pair(guard, [&parts[0], &parts[1]], [None, None]) {
+        if let Err(e) = self.transfer_parts(guard, &refs, &data) {
             if breaks_cluster(&e) {
                 guard.state.broken = Some(e);
             }
         }
     }
 
-    /// A skipped sendrecv's part: its header with `InputFailed` and every frame its payload
+    /// A skipped exchange's part: its header with `InputFailed` and every frame its payload
     /// would have taken, unread (the mutant `cluster_unread_frames`: the header alone).
     fn failed_part<'a>(&self, op: &'a Issued) -> PairPart<'a> {
         let (sent, expected) = self.transfer_payloads(&op.desc);
@@ -1026,8 +1050,8 @@ impl Network {
         })
     }
 
-    /// The transfers of a sendrecv ([`Network::issue_pair`]; catch-up and the mutant give
-    /// one or two), their header messages posted together: each part's header message (and
+    /// The transfers of an exchange ([`Network::issue_group`], in issue order), their
+    /// header messages posted together: each part's header message (and
     /// payload) to its peer and the peer's into a slot of its own (slots `2i` and `2i + 1`
     /// for part `i`). Then part by part, in issue order: wait for the peer's first frame,
     /// check its header, and post the part's data that does not travel with the header
@@ -1046,7 +1070,7 @@ impl Network {
         guard: &mut ExecGuard<'_>,
         parts: &[&PairPart<'_>],
         data: &[Option<DataLeg>],
-    ) -> Result<SmallVec<[Result<()>; 2]>> {
+    ) -> Result<Results> {
         let rank = self.rank();
         let deadline = self.deadline();
         let mine: SmallVec<[Header; 2]> = parts
@@ -1079,86 +1103,96 @@ impl Network {
             .collect();
         // The mutant posts each part's messages only once the part before finished.
         let sequential = mutant!("cluster_sendrecv_sequential");
+        let n = parts.len();
         let (mut heads, mut waiting) = (Requests::new(), Requests::new());
-        let mut results = SmallVec::new();
-        for (i, part) in parts.iter().enumerate() {
-            if i == 0 || sequential {
-                let legs = if sequential { &legs[i..=i] } else { &legs[..] };
+        let mut results: Results = (0..n).map(|_| Ok(())).collect();
+        let mut checked: SmallVec<[bool; 4]> = smallvec![false; n];
+        let mut posted_legs = 0;
+        while checked.iter().any(|c| !c) {
+            if posted_legs == 0 || (sequential && posted_legs < n && checked[posted_legs - 1]) {
+                let legs = if sequential {
+                    &legs[posted_legs..=posted_legs]
+                } else {
+                    &legs[..]
+                };
                 // SAFETY: `keep` is neither moved, reallocated nor touched until the
                 // requests complete (the waits below) or are abandoned with it, but for the
                 // header bytes of a slot whose first frame's receive completed.
                 let (h, mut rest, posted) = unsafe { self.post_legs(&mut keep, legs) };
                 heads.extend(h);
                 waiting.append(&mut rest);
+                posted_legs += legs.len();
                 if let Err(e) = posted {
                     waiting.append(&mut heads);
                     return Err(self.abandon(guard, waiting, keep, e));
                 }
             }
-            if heads.is_empty() {
+            // Whichever peer's header arrives first is checked first: a part must not wait
+            // for another part's header to post its data (that header may leave only once
+            // this part's data arrived, from a peer running one transfer after the other).
+            if let Err(e) = self.mpi.wait_any(&mut heads, deadline) {
+                let stalled = heads.iter().position(|h| !h.is_done()).unwrap_or(0);
+                let fault = self.fault(parts.get(stalled).map_or(parts[0].op, |p| p.op), e);
                 waiting.append(&mut heads);
-                let e = Error::Internal("a sendrecv part without its header's receive".into());
-                return Err(self.abandon(guard, waiting, keep, e));
-            }
-            let mut head = [heads.remove(0)];
-            if let Err(e) = self.mpi.wait_all(&mut head, deadline) {
-                waiting.extend(head);
-                waiting.append(&mut heads);
-                let fault = self.fault(part.op, e);
                 return Err(self.abandon(guard, waiting, keep, fault));
             }
-            let mut theirs = [0u8; HEADER_BYTES];
             let base = keep.as_mut_ptr().cast::<u8>();
-            // SAFETY: slot `2i`'s first HEADER_BYTES lie inside `keep` (`2 * parts.len()`
-            // slots); no request writes them now (their receive completed, and no MPI call
-            // runs meanwhile).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    base.add(2 * i * SLOT_BYTES),
-                    theirs.as_mut_ptr(),
-                    HEADER_BYTES,
-                )
-            };
-            let checked = self.check_transfer(part.op, &mine[i], &theirs);
-            if let Err(e) = &checked {
-                if breaks_cluster(e) {
-                    let e = e.clone();
-                    waiting.append(&mut heads);
-                    return Err(self.abandon(guard, waiting, keep, e));
+            for i in 0..heads.len() {
+                if checked[i] {
+                    continue;
                 }
-            }
-            if let (Ok(()), Some(Some(leg))) = (&checked, data.get(i)) {
-                // SAFETY: the leg's maker promised its memory ([`DataLeg::send`],
-                // [`DataLeg::recv`]).
-                match unsafe { self.post_data(leg) } {
-                    Ok(r) => waiting.push(r),
-                    Err(e) => {
+                if !heads[i].is_done() {
+                    // The mutant checks the parts in issue order only.
+                    if mutant!("cluster_exchange_heads_in_order") {
+                        break;
+                    }
+                    continue;
+                }
+                checked[i] = true;
+                let mut theirs = [0u8; HEADER_BYTES];
+                // SAFETY: slot `2i`'s first HEADER_BYTES lie inside `keep` (`2 * n` slots);
+                // no request writes them now (their receive completed, and no MPI call runs
+                // meanwhile).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        base.add(2 * i * SLOT_BYTES),
+                        theirs.as_mut_ptr(),
+                        HEADER_BYTES,
+                    )
+                };
+                let check = self.check_transfer(parts[i].op, &mine[i], &theirs);
+                if let Err(e) = &check {
+                    if breaks_cluster(e) {
+                        let e = e.clone();
                         waiting.append(&mut heads);
                         return Err(self.abandon(guard, waiting, keep, e));
                     }
                 }
+                if let (Ok(()), Some(Some(leg))) = (&check, data.get(i)) {
+                    // SAFETY: the leg's maker promised its memory ([`DataLeg::send`],
+                    // [`DataLeg::recv`]).
+                    match unsafe { self.post_data(leg) } {
+                        Ok(r) => waiting.push(r),
+                        Err(e) => {
+                            waiting.append(&mut heads);
+                            return Err(self.abandon(guard, waiting, keep, e));
+                        }
+                    }
+                }
+                results[i] = check;
+                if sequential {
+                    keep = self.wait(
+                        guard,
+                        std::mem::take(&mut waiting),
+                        keep,
+                        parts[i].op,
+                        deadline,
+                    )?;
+                }
             }
-            if sequential {
-                keep = self.wait(guard, std::mem::take(&mut waiting), keep, part.op, deadline)?;
-            }
-            results.push(checked);
         }
         guard.state.slots = self.wait(guard, waiting, keep, parts[0].op, deadline)?;
         Ok(results)
-    }
-
-    /// [`Network::transfer_parts`] of a sendrecv's two parts (in issue order), with their
-    /// data requests.
-    pub(super) fn transfer_pair(
-        &self,
-        guard: &mut ExecGuard<'_>,
-        parts: [&PairPart<'_>; 2],
-        data: [Option<DataLeg>; 2],
-    ) -> Result<[Result<()>; 2]> {
-        let mut both = self.transfer_parts(guard, &parts, &data)?;
-        let missing = || Err(Error::Internal("a sendrecv part without its result".into()));
-        let b = both.pop().unwrap_or_else(missing);
-        Ok([both.pop().unwrap_or_else(missing), b])
     }
 
     /// Posts the request of a [`DataLeg`].

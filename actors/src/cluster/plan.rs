@@ -20,8 +20,8 @@ use tributary::{
 
 use super::{
     header::{CrossRankAlgorithm, OpDesc, OpKind},
-    network::{check_dtype, EntryTicket, Issued, Network},
-    Cluster,
+    network::{check_dtype, EntryTicket, Issued, Network, View},
+    Cluster, Exchange,
 };
 use crate::{
     collective::{check_replicas, Buckets},
@@ -124,29 +124,60 @@ pub(crate) fn recv_spec(net: &Arc<Network>, node: &TensorNode) -> Result<Routine
     )
 }
 
-/// The network routine of a sendrecv: reads `send` and writes `recv`, both in the context
-/// it is linked into (the caller's on the network stream, or the network stream's root).
-pub(crate) fn sendrecv_spec(
+/// The network routine of an exchange (a sendrecv's, or more): reads the nodes it sends
+/// and writes those it receives, all in the context it is linked into (the caller's on the
+/// network stream, or the network stream's root). `order` lists `parts` in issue order,
+/// which the kernel hands its views in.
+pub(crate) fn exchange_spec(
     net: &Arc<Network>,
-    send: &TensorNode,
-    recv: &TensorNode,
+    parts: &[Exchange<'_>],
+    order: &[usize],
     in_place: bool,
 ) -> Result<RoutineSpec> {
     let net = net.clone();
+    // One parameter per node (a node sent to several ranks is read once).
+    let mut params: Vec<(TensorNode, Access)> = Vec::new();
+    let mut views: SmallVec<[(usize, bool); 4]> = SmallVec::new();
+    for &i in order {
+        let part = parts
+            .get(i)
+            .ok_or_else(|| Error::Internal("an exchange's order past its parts".into()))?;
+        let (node, sends) = match *part {
+            Exchange::Send(n, _) => (n, true),
+            Exchange::Recv(n, _) => (n, false),
+        };
+        let arg = match params.iter().position(|(n, _)| n.id() == node.id()) {
+            Some(arg) => arg,
+            None => {
+                let access = if sends { Access::Read } else { Access::Write };
+                params.push((node.clone(), access));
+                params.len() - 1
+            }
+        };
+        views.push((arg, sends));
+    }
+    let labels: Vec<&str> = params.iter().map(|(n, _)| n.label()).collect();
     let name = if in_place {
-        "sendrecv_in_place"
+        "exchange_in_place"
     } else {
-        "sendrecv"
+        "exchange"
     };
     RoutineSpec::custom(
-        format!("cluster.{name}({}, {})", send.label(), recv.label()),
-        vec![(send.clone(), Access::Read), (recv.clone(), Access::Write)],
+        format!("cluster.{name}({})", labels.join(", ")),
+        params,
         None,
         move |args| {
-            let (input, output) = (args.input_bytes(0), args.output_bytes(1));
-            net.execute_pair(|net, guard, first, second| {
-                net.sendrecv(guard, first, second, input, output)
-            })
+            let views = views
+                .iter()
+                .map(|&(arg, sends)| {
+                    if sends {
+                        View::Send(args.input_bytes(arg))
+                    } else {
+                        View::Recv(args.output_bytes(arg))
+                    }
+                })
+                .collect();
+            net.execute_group(|net, guard, ops| net.exchange(guard, ops, views))
         },
     )
 }

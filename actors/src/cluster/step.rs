@@ -24,7 +24,7 @@ use super::{
     header::OpDesc,
     network::EntryTicket,
     plan::{ClusterAllReduce, ClusterTicket, Spans},
-    Cluster, Transfer,
+    Cluster, Exchange, Transfer,
 };
 use crate::{SystemCapture, Ticket};
 use tributary::protocol::Context;
@@ -102,15 +102,13 @@ impl<'s> ClusterCapture<'_, 's> {
         from: usize,
         ctx: &Context,
     ) -> Result<ClusterTicket> {
-        let ticket = self.cluster.sendrecv_on(
-            self.calls,
-            send,
-            to,
-            recv,
-            from,
-            ctx,
-            Some(&mut self.spans),
-        )?;
+        self.exchange(ctx, &[Exchange::Send(send, to), Exchange::Recv(recv, from)])
+    }
+
+    /// [`Cluster::exchange`], recorded (every transfer, replayed as one routine's).
+    pub fn exchange(&mut self, ctx: &Context, parts: &[Exchange<'_>]) -> Result<ClusterTicket> {
+        let spans = Some(&mut self.spans);
+        let ticket = self.cluster.exchange_on(self.calls, ctx, parts, spans)?;
         self.note(&ticket);
         Ok(ticket)
     }

@@ -4,9 +4,13 @@
 
 use tributary::{collective::ReduceOp, kernels::ArgError, DType, Error, Result};
 
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
 use super::{
     bytemuck_bytes, bytemuck_bytes_mut, phase, tag, DataLeg, ExecGuard, Issued, Network, PairPart,
-    Payload,
+    Payload, Results,
 };
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
@@ -471,119 +475,115 @@ impl Network {
     }
 }
 
+/// What an exchange's kernel gives each of its transfers, in issue order: the view it
+/// sends, or the view it receives into (the kernel's error when it could not get one).
+pub(crate) enum View<'a> {
+    Send(std::result::Result<&'a [u8], ArgError>),
+    Recv(std::result::Result<&'a mut [u8], ArgError>),
+}
+
 impl Network {
-    /// A sendrecv: the send of `input` and the receive into `output` of two transfers issued
-    /// as one routine's ([`Network::issue_pair`]; `first` and `second` in issue order), run
-    /// at once: both header exchanges posted together
-    /// ([`Network::transfer_pair_headers`]), then the data of both parts that did not travel
-    /// with their headers, waited for together. So a sendrecv costs one exchange's latency
-    /// where a send then a receive cost two, and a ring of sendrecvs cannot wait on itself.
-    /// A view that is missing or of another size than its transfer moves fails that part
-    /// here and on its peer (as a failed input does); the results are in issue order.
-    pub(crate) fn sendrecv(
+    /// An exchange (a sendrecv's send and receive, or more): the transfers `ops` that
+    /// [`Network::issue_group`] queued as one routine's, each with its `views` entry (in
+    /// issue order), run at once ([`Network::transfer_parts`]): every header message posted
+    /// together, each part's data that does not travel with its header posted once that
+    /// part's headers agreed, everything waited for together. So a sendrecv costs one
+    /// exchange's latency where a send then a receive cost two, and a ring of them cannot
+    /// wait on itself. A view that is missing or of another size than its transfer moves
+    /// fails that part here and on its peer (as a failed input does).
+    pub(crate) fn exchange(
         &self,
         guard: &mut ExecGuard<'_>,
-        first: &Issued,
-        second: &Issued,
-        input: std::result::Result<&[u8], ArgError>,
-        output: std::result::Result<&mut [u8], ArgError>,
-    ) -> [Result<()>; 2] {
+        ops: &[Arc<Issued>],
+        views: SmallVec<[View<'_>; 4]>,
+    ) -> Results {
         let rank = self.rank();
-        let sends_first = first.desc.route.is_some_and(|(from, _)| from == rank);
-        let (send_op, recv_op) = if sends_first {
-            (first, second)
-        } else {
-            (second, first)
-        };
-        let sized = |view: std::result::Result<usize, ArgError>, op: &Issued| match view {
-            Ok(n) if n == super::transfer_bytes(&op.desc) => None,
-            Ok(n) => Some(format!("its view holds {n} bytes")),
-            Err(e) => Some(e.to_string()),
-        };
-        let input_failed = sized(
-            input.as_ref().map(|i| i.len()).map_err(Clone::clone),
-            send_op,
-        );
-        let output_failed = sized(
-            output.as_ref().map(|o| o.len()).map_err(Clone::clone),
-            recv_op,
-        );
-        let (sent, _) = self.transfer_payloads(&send_op.desc);
-        let (_, expected) = self.transfer_payloads(&recv_op.desc);
-        let send_part = PairPart {
-            op: send_op,
-            status: status_of(&input_failed),
-            payload: match (&input, &input_failed) {
+        if views.len() != ops.len() {
+            let e = Error::Internal(format!(
+                "an exchange of {} transfers given {} views",
+                ops.len(),
+                views.len()
+            ));
+            return ops.iter().map(|_| Err(e.clone())).collect();
+        }
+        // Why each part's own view is unusable here, if it is.
+        let mut views = views;
+        let failed: SmallVec<[Option<String>; 4]> = ops
+            .iter()
+            .zip(&views)
+            .map(|(op, view)| {
+                let sends = op.desc.route.is_some_and(|(from, _)| from == rank);
+                let len = match (view, sends) {
+                    (View::Send(v), true) => v.as_ref().map(|v| v.len()),
+                    (View::Recv(v), false) => v.as_ref().map(|v| v.len()),
+                    _ => return Some("the routine's view is the other direction's".into()),
+                };
+                match len {
+                    Ok(n) if n == super::transfer_bytes(&op.desc) => None,
+                    Ok(n) => Some(format!("its view holds {n} bytes")),
+                    Err(e) => Some(e.to_string()),
+                }
+            })
+            .collect();
+        let mut parts: SmallVec<[PairPart<'_>; 4]> = SmallVec::new();
+        let mut data: SmallVec<[Option<DataLeg>; 4]> = SmallVec::new();
+        for ((op, view), why) in ops.iter().zip(views.iter_mut()).zip(&failed) {
+            let (sent, expected) = self.transfer_payloads(&op.desc);
+            let (from, to) = op.desc.route.unwrap_or((rank, rank));
+            let t = tag(op.seq, phase::TRANSFER_DATA);
+            let (payload, leg) = match (view, why) {
+                (_, Some(_)) => (Payload::Unread(sent), None),
                 // SAFETY: the input view is pool memory, which outlives abandoned requests
                 // (module docs of `cluster`).
-                (Ok(i), None) if sent > 0 => unsafe { Payload::kept(i) },
-                (_, None) => Payload::None,
-                (_, Some(_)) => Payload::Unread(sent),
-            },
-            expected: 0,
-        };
-        let recv_part = PairPart {
-            op: recv_op,
-            status: status_of(&output_failed),
-            payload: Payload::None,
-            expected,
-        };
-        // The data that does not travel with the headers, posted by each part once its
-        // headers agreed (`Network::transfer_parts`).
-        let (_, to) = send_op.desc.route.unwrap_or((0, 0));
-        let (from, _) = recv_op.desc.route.unwrap_or((0, 0));
-        let mut output = output.ok();
-        let send_data = match (&input, &input_failed, sent) {
-            // SAFETY: the input view is pool memory, which outlives abandoned requests
-            // (module docs of `cluster`), and unwritten while this routine runs; the
-            // receive below writes another node's buffer (a sendrecv's two nodes differ).
-            (Ok(i), None, 0) => {
-                Some(unsafe { DataLeg::send(i, to, tag(send_op.seq, phase::TRANSFER_DATA)) })
-            }
-            _ => None,
-        };
-        let recv_data = match (output.as_deref_mut(), &output_failed, expected) {
-            // SAFETY: the output view is pool memory, which outlives abandoned requests, and
-            // nothing else reads or writes it while this routine runs.
-            (Some(o), None, 0) => {
-                Some(unsafe { DataLeg::recv(o, from, tag(recv_op.seq, phase::TRANSFER_DATA)) })
-            }
-            _ => None,
-        };
-        let (parts, data) = if sends_first {
-            ([&send_part, &recv_part], [send_data, recv_data])
-        } else {
-            ([&recv_part, &send_part], [recv_data, send_data])
-        };
-        let [a, b] = match self.transfer_pair(guard, parts, data) {
+                (View::Send(Ok(i)), None) if sent > 0 => (unsafe { Payload::kept(i) }, None),
+                // SAFETY: as above, and unwritten while this routine runs: the exchange's
+                // receives write other nodes' buffers (a node is not both sent and received
+                // by one exchange, `Cluster::exchange`).
+                (View::Send(Ok(i)), None) => {
+                    (Payload::None, Some(unsafe { DataLeg::send(i, to, t) }))
+                }
+                // SAFETY: the output view is pool memory, which outlives abandoned requests,
+                // and nothing else reads or writes it while this routine runs.
+                (View::Recv(Ok(o)), None) if expected == 0 => {
+                    (Payload::None, Some(unsafe { DataLeg::recv(o, from, t) }))
+                }
+                _ => (Payload::None, None),
+            };
+            parts.push(PairPart {
+                op,
+                status: status_of(why),
+                payload,
+                expected,
+            });
+            data.push(leg);
+        }
+        let refs: SmallVec<[&PairPart<'_>; 4]> = parts.iter().collect();
+        let mut results = match self.transfer_parts(guard, &refs, &data) {
             Ok(checked) => checked,
-            Err(fault) => return [Err(fault.clone()), Err(fault)],
+            Err(fault) => return ops.iter().map(|_| Err(fault.clone())).collect(),
         };
-        let (mut sent_ok, mut recv_ok) = if sends_first { (a, b) } else { (b, a) };
-        // This rank's own failed input is its part's error (the peer was told by the header).
-        let own = |why: Option<String>, op: &Issued| {
-            why.map(|why| {
-                Err(Error::Internal(format!(
-                    "the input of {} could not be read on this rank: {why}",
+        drop(refs);
+        drop(parts);
+        for (i, ((op, view), why)) in ops.iter().zip(views).zip(failed).enumerate() {
+            let Some(result) = results.get_mut(i) else {
+                break;
+            };
+            if let Some(why) = why {
+                // This rank's own failed view is its part's error (the peer was told by
+                // the header).
+                *result = Err(Error::Internal(format!(
+                    "the view of {} could not be used on this rank: {why}",
                     op.desc.describe()
-                )))
-            })
-        };
-        if let Some(e) = own(input_failed, send_op) {
-            sent_ok = e;
+                )));
+                continue;
+            }
+            // Data that travelled with the header: in the part's slot.
+            let (_, expected) = self.transfer_payloads(&op.desc);
+            if let (Ok(()), View::Recv(Ok(out)), true) = (&*result, view, expected > 0) {
+                *result = Network::copy_payload(guard, 2 * i, out);
+            }
         }
-        if let Some(e) = own(output_failed, recv_op) {
-            recv_ok = e;
-        }
-        // Data that travelled with the header: in the receiving part's slot.
-        if let (Ok(()), Some(out), true) = (&recv_ok, output, expected > 0) {
-            recv_ok = Network::copy_payload(guard, if sends_first { 2 } else { 0 }, out);
-        }
-        if sends_first {
-            [sent_ok, recv_ok]
-        } else {
-            [recv_ok, sent_ok]
-        }
+        results
     }
 }
 
