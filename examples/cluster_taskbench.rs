@@ -12,15 +12,16 @@
 //!   `MPI_Waitall`, then the rank's tasks in order, nothing allocated in the loop. It runs
 //!   on the cluster's network stream (`Cluster::with_mpi`), in the same processes.
 //! - `cluster`: the tributary program a user writes: a CPU routine per column and parity on
-//!   one compute stream, a `Cluster::sendrecv` of the boundary outputs with each neighbour
-//!   each timestep (both directions at once, as `MPI_Sendrecv`), everything issued at once
-//!   and waited for at the end; the runtime orders the tasks after the transfers by itself.
+//!   one compute stream, one `Cluster::exchange` of the boundary outputs with the
+//!   neighbours each timestep (every send and receive at once, as the `mpi` runner's
+//!   `MPI_Isend`/`MPI_Irecv` and `MPI_Waitall`), everything issued at once and waited for
+//!   at the end; the runtime orders the tasks after the transfers by itself.
 //! - `in place`: the same program with its context on the network stream
 //!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
 //!   transfers reading and writing the tasks' buffers in place, nothing handed between
 //!   streams (as the `mpi` runner's one thread does).
 //! - `in place replayed`: the same, with two timesteps captured once (`Cluster::capture`:
-//!   the tasks and sendrecvs) and replayed for every later pair with the timestep
+//!   the tasks and exchanges) and replayed for every later pair with the timestep
 //!   index shifted (`Cluster::replay_with`).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
@@ -51,7 +52,7 @@ use tributary::{
     DType, MemoryMode, TensorNode,
 };
 use tributary_actors::{
-    cluster::{mpi_crate::ffi, Cluster, ClusterCapture, RawComm},
+    cluster::{mpi_crate::ffi, Cluster, ClusterCapture, Exchange, RawComm},
     ContextHandle, RoutineHandle,
 };
 
@@ -173,7 +174,7 @@ fn mpi_run(
 }
 
 /// A tributary cluster running the graph: a routine per local column and parity (and for
-/// the first timestep), the boundary outputs moved by `sendrecv`.
+/// the first timestep), the boundary outputs moved by one `exchange` per timestep.
 struct ClusterGraph {
     ctx: ContextHandle,
     first: Vec<RoutineHandle>,
@@ -310,22 +311,19 @@ impl ClusterGraph {
         Ok(start.elapsed().as_secs_f64())
     }
 
-    /// Timestep `t ≥ 1`'s calls: the outputs of `t - 1` cross to the neighbours, one
-    /// `sendrecv` per neighbour (both directions at once), then the rank's tasks. An even
-    /// rank exchanges with its right neighbour first, an odd one with its left: the pairs
-    /// (0, 1), (2, 3), … exchange together, then (1, 2), (3, 4), …, instead of each rank
-    /// waiting for its left neighbour's exchanges down to rank 0.
+    /// Timestep `t ≥ 1`'s calls: the outputs of `t - 1` cross to the neighbours in one
+    /// `exchange` (every boundary sent and received at once, as `MPI_Isend`/`MPI_Irecv`
+    /// and one `MPI_Waitall`), then the rank's tasks.
     fn timestep(&self, calls: &mut impl Calls, t: usize) -> tributary::Result<()> {
         let p = t % 2;
-        let rank = calls.rank();
         let ctx = self.ctx.protocol_context();
-        let mut neighbours: Vec<_> = self.ghosts[1 - p].iter().collect();
-        if rank % 2 == 0 {
-            neighbours.reverse();
+        let mut parts = Vec::new();
+        for (peer, column, ghost) in &self.ghosts[1 - p] {
+            parts.push(Exchange::Send(&self.out[1 - p][column - self.lo], *peer));
+            parts.push(Exchange::Recv(ghost, *peer));
         }
-        for (peer, column, ghost) in neighbours {
-            let own = &self.out[1 - p][column - self.lo];
-            calls.sendrecv(own, ghost, *peer, ctx)?;
+        if !parts.is_empty() {
+            calls.exchange(&parts, ctx)?;
         }
         for r in &self.tasks[p] {
             calls.schedule_t(r, t as i64)?;
@@ -341,30 +339,14 @@ impl ClusterGraph {
 
 /// Where a timestep's calls go: the cluster, or a capture of it.
 trait Calls {
-    fn rank(&self) -> usize;
-    /// Sends `own` to `peer` and receives `ghost` from it.
-    fn sendrecv(
-        &mut self,
-        own: &TensorNode,
-        ghost: &TensorNode,
-        peer: usize,
-        ctx: &Context,
-    ) -> tributary::Result<()>;
+    /// Runs `parts` as one exchange.
+    fn exchange(&mut self, parts: &[Exchange<'_>], ctx: &Context) -> tributary::Result<()>;
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()>;
 }
 
 impl Calls for &Cluster {
-    fn rank(&self) -> usize {
-        Cluster::rank(self)
-    }
-    fn sendrecv(
-        &mut self,
-        own: &TensorNode,
-        ghost: &TensorNode,
-        peer: usize,
-        ctx: &Context,
-    ) -> tributary::Result<()> {
-        Cluster::sendrecv(self, own, peer, ghost, peer, ctx).map(drop)
+    fn exchange(&mut self, parts: &[Exchange<'_>], ctx: &Context) -> tributary::Result<()> {
+        Cluster::exchange(self, ctx, parts).map(drop)
     }
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
         routine.schedule_with(&[("t", t)]).map(drop)
@@ -372,17 +354,8 @@ impl Calls for &Cluster {
 }
 
 impl Calls for ClusterCapture<'_, '_> {
-    fn rank(&self) -> usize {
-        self.cluster().rank()
-    }
-    fn sendrecv(
-        &mut self,
-        own: &TensorNode,
-        ghost: &TensorNode,
-        peer: usize,
-        ctx: &Context,
-    ) -> tributary::Result<()> {
-        ClusterCapture::sendrecv(self, own, peer, ghost, peer, ctx).map(drop)
+    fn exchange(&mut self, parts: &[Exchange<'_>], ctx: &Context) -> tributary::Result<()> {
+        ClusterCapture::exchange(self, ctx, parts).map(drop)
     }
     fn schedule_t(&mut self, routine: &RoutineHandle, t: i64) -> tributary::Result<()> {
         self.system()
