@@ -149,7 +149,7 @@ impl Exchange<'_> {
 }
 
 /// The most transfers one exchange runs (each takes two message slots of the network
-/// stream's, [`network::SLOT_BYTES`] each, while it runs).
+/// stream's, 67 KiB each, while it runs).
 pub const EXCHANGE_MAX_TRANSFERS: usize = 16;
 
 /// Which side of a transfer a call is.
