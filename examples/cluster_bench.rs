@@ -157,39 +157,56 @@ fn mpi_pingpong(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tribut
 /// Round trips of a node of each size between ranks 0 and 1 through `Cluster::send` and
 /// `Cluster::recv`, beside `MPI_Send`/`MPI_Recv`.
 fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let title = "round trips between ranks 0 and 1";
+    let columns = ["MPI_Send/MPI_Recv", "send/recv"];
+    let baseline = |n, iters| mpi_pingpong(cluster, n, iters);
+    let timed = |bytes, root, iters| time_pingpong(cluster, args, bytes, root, iters);
+    point_to_point(cluster, args, title, columns, baseline, timed)
+}
+
+/// For each of `--sizes`: the median of `baseline` (raw MPI, seconds per call for `n` f32
+/// and `iters` calls), then `timed` from a context on a compute stream and in place on the
+/// network stream; rank 0 prints them with their ratios to the baseline.
+fn point_to_point(
+    cluster: &Cluster,
+    args: &Args,
+    title: &str,
+    [mpi, tributary]: [&str; 2],
+    baseline: impl Fn(usize, usize) -> Result<f64, tributary::Error>,
+    timed: impl Fn(
+        usize,
+        tributary_actors::ContextHandle,
+        usize,
+    ) -> Result<f64, Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     if rank == 0 {
-        println!(
-            "round trips between ranks 0 and 1; median of {} repetitions",
-            args.reps
-        );
+        println!("{title}; median of {} repetitions", args.reps);
         println!(
             "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8}",
-            "bytes", "MPI_Send/MPI_Recv", "send/recv", "ratio", "in place", "ratio"
+            "bytes", mpi, tributary, "ratio", "in place", "ratio"
         );
     }
     for &bytes in &args.sizes {
         let n = (bytes / 4).max(1);
         let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
-        let node = TensorNode::new(format!("x{bytes}"), DType::F32, [n])
-            .with_mode(MemoryMode::on_device())?;
-        let baseline = median(
+        let base = median(
             (0..args.reps)
-                .map(|_| mpi_pingpong(cluster, n, iters))
+                .map(|_| baseline(n, iters))
                 .collect::<Result<_, _>>()?,
         );
         let mut times = Vec::new();
         for root in [cluster.context(0, 0)?, cluster.network_context()?] {
-            times.push(time_pingpong(cluster, args, &node, root, iters)?);
+            times.push(timed(bytes, root, iters)?);
         }
         if rank == 0 {
             println!(
                 "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
-                baseline * 1e6,
+                base * 1e6,
                 times[0] * 1e6,
-                times[0] / baseline,
+                times[0] / base,
                 times[1] * 1e6,
-                times[1] / baseline
+                times[1] / base
             );
         }
     }
@@ -241,41 +258,11 @@ fn mpi_exchange(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tribut
 /// Halo exchanges of each size between partner ranks through `Cluster::sendrecv`, beside
 /// `MPI_Sendrecv`.
 fn exchange(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let rank = cluster.rank();
-    if rank == 0 {
-        println!(
-            "halo exchanges between partner ranks (0 and 1, ...); median of {} repetitions",
-            args.reps
-        );
-        println!(
-            "{:>10} {:>14} {:>22} {:>8} {:>22} {:>8}",
-            "bytes", "MPI_Sendrecv", "sendrecv", "ratio", "in place", "ratio"
-        );
-    }
-    for &bytes in &args.sizes {
-        let n = (bytes / 4).max(1);
-        let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
-        let baseline = median(
-            (0..args.reps)
-                .map(|_| mpi_exchange(cluster, n, iters))
-                .collect::<Result<_, _>>()?,
-        );
-        let mut times = Vec::new();
-        for root in [cluster.context(0, 0)?, cluster.network_context()?] {
-            times.push(time_exchange(cluster, args, bytes, root, iters)?);
-        }
-        if rank == 0 {
-            println!(
-                "{bytes:>10} {:>11.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
-                baseline * 1e6,
-                times[0] * 1e6,
-                times[0] / baseline,
-                times[1] * 1e6,
-                times[1] / baseline
-            );
-        }
-    }
-    Ok(())
+    let title = "halo exchanges between partner ranks (0 and 1, ...)";
+    let columns = ["MPI_Sendrecv", "sendrecv"];
+    let baseline = |n, iters| mpi_exchange(cluster, n, iters);
+    let timed = |bytes, root, iters| time_exchange(cluster, args, bytes, root, iters);
+    point_to_point(cluster, args, title, columns, baseline, timed)
 }
 
 /// The median time of a sendrecv of `bytes` with the partner rank, the nodes in a child of
@@ -328,16 +315,18 @@ fn ones(
     Ok(r.context())
 }
 
-/// The median time of a send/recv round trip of `node` between ranks 0 and 1, the node
-/// in a child of `root`.
+/// The median time of a send/recv round trip of `bytes` (node `x{bytes}`, f32) between
+/// ranks 0 and 1, the node in a child of `root`.
 fn time_pingpong(
     cluster: &Cluster,
     args: &Args,
-    node: &TensorNode,
+    bytes: usize,
     root: tributary_actors::ContextHandle,
     iters: usize,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let rank = cluster.rank();
+    let node = &TensorNode::new(format!("x{bytes}"), DType::F32, [(bytes / 4).max(1)])
+        .with_mode(MemoryMode::on_device())?;
     let ctx = ones(&root, node)?;
     let round_trip = || -> tributary::Result<Option<ClusterTicket>> {
         Ok(match rank {

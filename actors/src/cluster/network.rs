@@ -151,7 +151,7 @@ type Legs<'p> = SmallVec<[Leg<'p>; 8]>;
 /// One transfer of an exchange as this rank runs it ([`Network::transfer_parts`]):
 /// its entry, the status its header carries, what travels with it, and the payload bytes
 /// expected with the peer's header.
-pub(super) struct PairPart<'a> {
+pub(super) struct ExchangePart<'a> {
     pub(super) op: &'a Issued,
     pub(super) status: Status,
     pub(super) payload: Payload<'a>,
@@ -207,7 +207,7 @@ impl DataLeg {
     }
 }
 
-impl PairPart<'_> {
+impl ExchangePart<'_> {
     /// The other rank of the transfer.
     fn peer(&self, rank: usize) -> usize {
         match self.op.desc.route {
@@ -764,9 +764,9 @@ impl Network {
         {
             return;
         }
-        let parts: SmallVec<[PairPart<'_>; 4]> =
+        let parts: SmallVec<[ExchangePart<'_>; 4]> =
             ops.iter().map(|op| self.failed_part(op)).collect();
-        let refs: SmallVec<[&PairPart<'_>; 4]> = parts.iter().collect();
+        let refs: SmallVec<[&ExchangePart<'_>; 4]> = parts.iter().collect();
         let data: SmallVec<[Option<DataLeg>; 4]> = ops.iter().map(|_| None).collect();
         // Only a fault matters (this rank's own operations failed already).
         if let Err(e) = self.transfer_parts(guard, &refs, &data) {
@@ -778,14 +778,14 @@ impl Network {
 
     /// A skipped exchange's part: its header with `InputFailed` and every frame its payload
     /// would have taken, unread (the mutant `cluster_unread_frames`: the header alone).
-    fn failed_part<'a>(&self, op: &'a Issued) -> PairPart<'a> {
+    fn failed_part<'a>(&self, op: &'a Issued) -> ExchangePart<'a> {
         let (sent, expected) = self.transfer_payloads(&op.desc);
         let sent = if mutant!("cluster_unread_frames") {
             0
         } else {
             sent
         };
-        PairPart {
+        ExchangePart {
             op,
             status: Status::InputFailed,
             payload: Payload::Unread(sent),
@@ -1068,12 +1068,15 @@ impl Network {
     pub(super) fn transfer_parts(
         &self,
         guard: &mut ExecGuard<'_>,
-        parts: &[&PairPart<'_>],
+        parts: &[&ExchangePart<'_>],
         data: &[Option<DataLeg>],
     ) -> Result<Results> {
+        let Some(first) = parts.first() else {
+            return Ok(Results::new());
+        };
         let rank = self.rank();
         let deadline = self.deadline();
-        let mine: SmallVec<[Header; 2]> = parts
+        let mine: SmallVec<[Header; 4]> = parts
             .iter()
             .map(|p| {
                 Header::new(
@@ -1132,7 +1135,7 @@ impl Network {
             // this part's data arrived, from a peer running one transfer after the other).
             if let Err(e) = self.mpi.wait_any(&mut heads, deadline) {
                 let stalled = heads.iter().position(|h| !h.is_done()).unwrap_or(0);
-                let fault = self.fault(parts.get(stalled).map_or(parts[0].op, |p| p.op), e);
+                let fault = self.fault(parts.get(stalled).map_or(first.op, |p| p.op), e);
                 waiting.append(&mut heads);
                 return Err(self.abandon(guard, waiting, keep, fault));
             }
@@ -1191,7 +1194,7 @@ impl Network {
                 }
             }
         }
-        guard.state.slots = self.wait(guard, waiting, keep, parts[0].op, deadline)?;
+        guard.state.slots = self.wait(guard, waiting, keep, first.op, deadline)?;
         Ok(results)
     }
 

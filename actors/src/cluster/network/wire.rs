@@ -9,8 +9,8 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use super::{
-    bytemuck_bytes, bytemuck_bytes_mut, phase, tag, DataLeg, ExecGuard, Issued, Network, PairPart,
-    Payload, Results,
+    bytemuck_bytes, bytemuck_bytes_mut, phase, tag, DataLeg, ExchangePart, ExecGuard, Issued,
+    Network, Payload, Results,
 };
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
@@ -525,7 +525,7 @@ impl Network {
                 }
             })
             .collect();
-        let mut parts: SmallVec<[PairPart<'_>; 4]> = SmallVec::new();
+        let mut parts: SmallVec<[ExchangePart<'_>; 4]> = SmallVec::new();
         let mut data: SmallVec<[Option<DataLeg>; 4]> = SmallVec::new();
         for ((op, view), why) in ops.iter().zip(views.iter_mut()).zip(&failed) {
             let (sent, expected) = self.transfer_payloads(&op.desc);
@@ -549,7 +549,7 @@ impl Network {
                 }
                 _ => (Payload::None, None),
             };
-            parts.push(PairPart {
+            parts.push(ExchangePart {
                 op,
                 status: status_of(why),
                 payload,
@@ -557,7 +557,7 @@ impl Network {
             });
             data.push(leg);
         }
-        let refs: SmallVec<[&PairPart<'_>; 4]> = parts.iter().collect();
+        let refs: SmallVec<[&ExchangePart<'_>; 4]> = parts.iter().collect();
         let mut results = match self.transfer_parts(guard, &refs, &data) {
             Ok(checked) => checked,
             Err(fault) => return ops.iter().map(|_| Err(fault.clone())).collect(),
