@@ -34,6 +34,8 @@ for (g, n) in sorted(med):
         show(g, n, "raw_handoff")
     elif g == "slab" and n.startswith("pool"):
         show(g, n, "system_alloc_free_8")
+    elif g == "slab" and n.endswith("64MiB_first_page") and not n.startswith("calloc"):
+        show(g, n, "calloc_64MiB_first_page")
     elif g == "bandwidth" and n.startswith("d2d_copy"):
         size = n.removeprefix("d2d_copy_")
         mib = int(size.removesuffix("MiB"))

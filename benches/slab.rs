@@ -4,7 +4,7 @@ use std::hint::black_box;
 
 use criterion::Criterion;
 use tributary::{
-    memory::{DevicePools, PoolConfig, PoolOp, UseEvent},
+    memory::{AlignedBuffer, DevicePools, PoolConfig, PoolOp, UseEvent},
     DeviceId, StreamId,
 };
 
@@ -64,6 +64,41 @@ pub fn bench(c: &mut Criterion) {
                 if !p.is_null() {
                     // SAFETY: `p` came from `alloc` with this very layout and is freed once.
                     unsafe { std::alloc::dealloc(black_box(p), layout) };
+                }
+            }
+        })
+    });
+    // A CPU pool's memory, created, its first 4 KiB page written, dropped: what a new pool
+    // costs the stream that needs it. Baseline: the zeroed buffer a user would make,
+    // `vec![0u8; n]` (calloc). Beside them, `alloc_zeroed` at the pool's 64-byte alignment,
+    // which was `AlignedBuffer::new` before it went through calloc's alignment (a memset of
+    // every byte).
+    const POOL: usize = 64 << 20;
+    g.bench_function("cpu_pool_64MiB_first_page", |b| {
+        b.iter(|| {
+            let buffer = AlignedBuffer::new(POOL, 64).expect("pool");
+            // SAFETY: nobody else uses `buffer`.
+            unsafe { buffer.bytes_mut(0, 4096) }.expect("page").fill(1);
+            black_box(buffer);
+        })
+    });
+    g.bench_function("calloc_64MiB_first_page", |b| {
+        b.iter(|| {
+            let mut buffer = vec![0u8; POOL];
+            buffer[..4096].fill(1);
+            black_box(buffer);
+        })
+    });
+    g.bench_function("alloc_zeroed_aligned_64MiB_first_page", |b| {
+        let layout = std::alloc::Layout::from_size_align(POOL, 64).expect("layout");
+        b.iter(|| {
+            // SAFETY: `layout` has a non-zero size; the pointer is freed below with it.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            if !p.is_null() {
+                // SAFETY: `p` holds `POOL` bytes; it is freed once, with its layout.
+                unsafe {
+                    std::ptr::write_bytes(p, 1, 4096);
+                    std::alloc::dealloc(black_box(p), layout);
                 }
             }
         })

@@ -36,10 +36,25 @@ impl From<OutOfBounds> for DeviceError {
 /// drop.
 ///
 /// Length 0 allocates nothing (the pointer is dangling but aligned).
+///
+/// An alignment above [`ZEROED_ALIGN`] is reached by allocating `align` bytes more at
+/// `ZEROED_ALIGN` and starting inside: the system allocator zeroes such a request with
+/// `calloc`, whose large blocks are fresh pages the kernel zeroes when first touched, where
+/// a request aligned above it is zeroed by a `memset` of every byte at once. A 64 MiB slab
+/// pool costs a few microseconds instead of the ~10 ms of writing it (BENCHMARKS.md, "the
+/// host runs ahead").
 pub struct AlignedBuffer {
+    /// Where the bytes start: `base` rounded up to `align`.
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    align: usize,
+    /// The allocation itself (`None` for length 0), freed on drop.
+    base: Option<(NonNull<u8>, Layout)>,
 }
+
+/// The largest alignment at which the system allocator zeroes by `calloc` (its minimum
+/// alignment on the 64-bit targets tributary builds for).
+const ZEROED_ALIGN: usize = 16;
 
 /// SAFETY: `AlignedBuffer` owns its allocation exclusively (like a `Box<[u8]>`); nothing in
 /// it is tied to the thread that created it, so moving it to another thread is sound.
@@ -65,33 +80,60 @@ impl AlignedBuffer {
             )));
         }
         let requested = u64::try_from(len).unwrap_or(u64::MAX);
-        let layout = Layout::from_size_align(len, align)
-            .map_err(|_| DeviceError::OutOfMemory { requested })?;
+        let oom = DeviceError::OutOfMemory { requested };
+        // What a caller could ask of `Layout`: refused here too, whatever the padding.
+        Layout::from_size_align(len, align).map_err(|_| oom.clone())?;
         if len == 0 {
             // A non-null, aligned pointer without provenance: valid for zero-sized accesses.
             let dangling = ptr::null_mut::<u8>().wrapping_add(align);
-            let ptr = NonNull::new(dangling).ok_or(DeviceError::OutOfMemory { requested })?;
-            return Ok(Self { ptr, layout });
+            let ptr = NonNull::new(dangling).ok_or(oom)?;
+            return Ok(Self {
+                ptr,
+                len,
+                align,
+                base: None,
+            });
         }
-        // SAFETY: `layout` has a non-zero size (checked above) and a valid alignment.
+        let (padded, at) = if align <= ZEROED_ALIGN {
+            (len, align)
+        } else {
+            (len.checked_add(align).ok_or(oom.clone())?, ZEROED_ALIGN)
+        };
+        let layout = Layout::from_size_align(padded, at).map_err(|_| oom.clone())?;
+        // SAFETY: `layout` has a non-zero size (`len > 0`) and a valid alignment.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(DeviceError::OutOfMemory { requested })?;
-        Ok(Self { ptr, layout })
+        let base = NonNull::new(raw).ok_or(oom)?;
+        let skip = raw.align_offset(align);
+        debug_assert!(
+            skip <= padded - len,
+            "the padding holds the way to alignment"
+        );
+        // SAFETY: `skip < align` when `align > at` (an `at`-aligned pointer is at most
+        // `align - at` bytes short of the next multiple of `align`), so `skip + len <=
+        // padded` and the result stays inside the allocation; `skip` is 0 otherwise.
+        let start = unsafe { raw.add(skip) };
+        let ptr = NonNull::new(start).ok_or(DeviceError::OutOfMemory { requested })?;
+        Ok(Self {
+            ptr,
+            len,
+            align,
+            base: Some((base, layout)),
+        })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     /// Whether the buffer has length 0.
     pub fn is_empty(&self) -> bool {
-        self.layout.size() == 0
+        self.len == 0
     }
 
     /// The alignment of the start of the buffer.
     pub fn align(&self) -> usize {
-        self.layout.align()
+        self.align
     }
 
     /// The start of the buffer. Writing through it is subject to the same rules as
@@ -182,10 +224,10 @@ impl AlignedBuffer {
 
 impl Drop for AlignedBuffer {
     fn drop(&mut self) {
-        if self.layout.size() != 0 {
-            // SAFETY: the pointer came from `alloc_zeroed` with exactly this layout and is
-            // freed only here, once.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        if let Some((base, layout)) = self.base {
+            // SAFETY: `base` came from `alloc_zeroed` with exactly this layout and is freed
+            // only here, once.
+            unsafe { alloc::dealloc(base.as_ptr(), layout) };
         }
     }
 }
@@ -214,14 +256,21 @@ mod tests {
 
     #[test]
     fn zeroed_and_aligned() {
-        for align in [1, 8, 64, 4096] {
-            let b = AlignedBuffer::new(1000, align).unwrap();
-            assert_eq!(b.len(), 1000);
-            assert_eq!(b.align(), align);
-            assert_eq!(b.as_ptr() as usize % align, 0);
-            // SAFETY: nobody else uses `b`.
-            let bytes = unsafe { b.bytes(0, 1000) }.unwrap();
-            assert!(bytes.iter().all(|&x| x == 0));
+        // Small and large (a large block is fresh pages from calloc), at alignments up to
+        // calloc's and past it (the start moved inside a padded block).
+        for len in [1000, 3 << 20] {
+            for align in [1, 8, 16, 64, 4096] {
+                let mut b = AlignedBuffer::new(len, align).unwrap();
+                assert_eq!(b.len(), len);
+                assert_eq!(b.align(), align);
+                assert_eq!(b.as_ptr() as usize % align, 0);
+                // SAFETY: nobody else uses `b`.
+                let bytes = unsafe { b.bytes(0, len) }.unwrap();
+                assert!(bytes.iter().all(|&x| x == 0));
+                // Every byte up to the last is the buffer's own to write.
+                b.as_mut_slice().fill(0xA5);
+                assert!(b.as_mut_slice().iter().all(|&x| x == 0xA5));
+            }
         }
     }
 
