@@ -44,7 +44,10 @@ use tributary::{
     kernels::{Access, RoutineSpec},
     DType, MemoryMode, TensorNode,
 };
-use tributary_actors::cluster::{mpi_crate::ffi, Cluster, ClusterTicket, CrossRankAlgorithm};
+use tributary::protocol::Context;
+use tributary_actors::cluster::{
+    mpi_crate::ffi, Cluster, ClusterCapture, ClusterTicket, CrossRankAlgorithm,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Cross-rank all-reduce bandwidth beside MPI_Allreduce (run under mpirun)")]
@@ -67,6 +70,11 @@ struct Args {
     /// Time only the all-reduces in place (issued and replayed), beside `MPI_Allreduce`.
     #[arg(long)]
     in_place_only: bool,
+    /// Calls per captured step in the "replayed, steps of K" columns: all-reduces of as many
+    /// distinct nodes (a training step's gradient buckets), or round trips, or exchanges;
+    /// the time is reported per call.
+    #[arg(long, default_value_t = 8)]
+    step_calls: usize,
     /// Time halo exchanges instead: ranks 0 and 1 (2 and 3, ...) each send a node of
     /// `--sizes` bytes to the other and receive the other's, `Cluster::sendrecv` beside
     /// `MPI_Sendrecv`.
@@ -160,13 +168,17 @@ fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
     let title = "round trips between ranks 0 and 1";
     let columns = ["MPI_Send/MPI_Recv", "send/recv"];
     let baseline = |n, iters| mpi_pingpong(cluster, n, iters);
-    let timed = |bytes, root, iters| time_pingpong(cluster, args, bytes, root, iters);
+    let timed = |bytes, root, iters, step_calls| {
+        time_pingpong(cluster, args, bytes, root, iters, step_calls)
+    };
     point_to_point(cluster, args, title, columns, baseline, timed)
 }
 
 /// For each of `--sizes`: the median of `baseline` (raw MPI, seconds per call for `n` f32
-/// and `iters` calls), then `timed` from a context on a compute stream and in place on the
-/// network stream; rank 0 prints them with their ratios to the baseline.
+/// and `iters` calls), then `timed` (`bytes`, the root context, `iters`, calls per
+/// captured step or 0 to issue each call) from a context on a compute stream, in place on
+/// the network stream, and in place replayed in steps of `--step-calls`; rank 0 prints
+/// them with their ratios to the baseline.
 fn point_to_point(
     cluster: &Cluster,
     args: &Args,
@@ -177,14 +189,22 @@ fn point_to_point(
         usize,
         tributary_actors::ContextHandle,
         usize,
+        usize,
     ) -> Result<f64, Box<dyn std::error::Error>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     if rank == 0 {
         println!("{title}; median of {} repetitions", args.reps);
         println!(
-            "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8}",
-            "bytes", mpi, tributary, "ratio", "in place", "ratio"
+            "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8} {:>22} {:>8}",
+            "bytes",
+            mpi,
+            tributary,
+            "ratio",
+            "in place",
+            "ratio",
+            format!("replayed, steps of {}", args.step_calls),
+            "ratio"
         );
     }
     for &bytes in &args.sizes {
@@ -196,17 +216,23 @@ fn point_to_point(
                 .collect::<Result<_, _>>()?,
         );
         let mut times = Vec::new();
-        for root in [cluster.context(0, 0)?, cluster.network_context()?] {
-            times.push(timed(bytes, root, iters)?);
+        for (root, step_calls) in [
+            (cluster.context(0, 0)?, 0),
+            (cluster.network_context()?, 0),
+            (cluster.network_context()?, args.step_calls.max(1)),
+        ] {
+            times.push(timed(bytes, root, iters, step_calls)?);
         }
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
+                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
                 base * 1e6,
                 times[0] * 1e6,
                 times[0] / base,
                 times[1] * 1e6,
-                times[1] / base
+                times[1] / base,
+                times[2] * 1e6,
+                times[2] / base
             );
         }
     }
@@ -261,7 +287,9 @@ fn exchange(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Er
     let title = "halo exchanges between partner ranks (0 and 1, ...)";
     let columns = ["MPI_Sendrecv", "sendrecv"];
     let baseline = |n, iters| mpi_exchange(cluster, n, iters);
-    let timed = |bytes, root, iters| time_exchange(cluster, args, bytes, root, iters);
+    let timed = |bytes, root, iters, step_calls| {
+        time_exchange(cluster, args, bytes, root, iters, step_calls)
+    };
     point_to_point(cluster, args, title, columns, baseline, timed)
 }
 
@@ -274,6 +302,7 @@ fn time_exchange(
     bytes: usize,
     root: tributary_actors::ContextHandle,
     iters: usize,
+    step_calls: usize,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let n = (bytes / 4).max(1);
     let owned_by = |r: usize| {
@@ -288,13 +317,86 @@ fn time_exchange(
     };
     let halo = owned_by(peer)?;
     let ctx = ones(&ctx, &halo)?;
-    let step = || -> tributary::Result<Option<ClusterTicket>> {
-        Ok(Some(cluster.sendrecv(&own, peer, &halo, peer, &ctx)?))
-    };
-    step()?.map(|t| t.wait()).transpose()?;
-    let t = per_call(cluster, args.reps, iters, step)?;
+    let p = ctx.protocol_context();
+    let t = time_calls(cluster, args, iters, step_calls, |c| {
+        c.sendrecv(&own, peer, &halo, peer, p)
+    })?;
     cluster.finalize(&ctx)?;
     Ok(t)
+}
+
+/// The calls a point-to-point benchmark makes, to the cluster or to a capture of it.
+trait PointCalls {
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult;
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult;
+    fn sendrecv(
+        &mut self,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+    ) -> CallResult;
+}
+
+type CallResult = tributary::Result<ClusterTicket>;
+
+impl PointCalls for &Cluster {
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult {
+        Cluster::send(self, node, ctx, to)
+    }
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult {
+        Cluster::recv(self, node, ctx, from)
+    }
+    fn sendrecv(
+        &mut self,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+    ) -> CallResult {
+        Cluster::sendrecv(self, send, to, recv, from, ctx)
+    }
+}
+
+impl PointCalls for ClusterCapture<'_, '_> {
+    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult {
+        ClusterCapture::send(self, node, ctx, to)
+    }
+    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult {
+        ClusterCapture::recv(self, node, ctx, from)
+    }
+    fn sendrecv(
+        &mut self,
+        send: &TensorNode,
+        to: usize,
+        recv: &TensorNode,
+        from: usize,
+        ctx: &Context,
+    ) -> CallResult {
+        ClusterCapture::sendrecv(self, send, to, recv, from, ctx)
+    }
+}
+
+/// Seconds per `call` (which returns the ticket of its last operation), warmed up once:
+/// `iters` calls issued back to back (`step_calls` 0), or `step_calls` of them captured as
+/// one step and replayed for `iters` calls' worth, the time divided by the calls.
+fn time_calls(
+    cluster: &Cluster,
+    args: &Args,
+    iters: usize,
+    step_calls: usize,
+    call: impl Fn(&mut dyn PointCalls) -> CallResult,
+) -> tributary::Result<f64> {
+    call(&mut &*cluster)?.wait()?;
+    if step_calls == 0 {
+        return per_call(cluster, args.reps, iters, || Ok(Some(call(&mut &*cluster)?)));
+    }
+    let step = cluster.capture(|c| (0..step_calls).try_for_each(|_| call(c).map(drop)))?;
+    let replays = iters.div_ceil(step_calls);
+    let t = per_call(cluster, args.reps, replays, || Ok(Some(cluster.replay(&step)?)))?;
+    Ok(t / step_calls as f64)
 }
 
 /// A child of `root` in which `node` (f32) holds ones, written by a routine.
@@ -323,30 +425,87 @@ fn time_pingpong(
     bytes: usize,
     root: tributary_actors::ContextHandle,
     iters: usize,
+    step_calls: usize,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     let node = &TensorNode::new(format!("x{bytes}"), DType::F32, [(bytes / 4).max(1)])
         .with_mode(MemoryMode::on_device())?;
     let ctx = ones(&root, node)?;
-    let round_trip = || -> tributary::Result<Option<ClusterTicket>> {
-        Ok(match rank {
-            0 => {
-                cluster.send(node, &ctx, 1)?;
-                Some(cluster.recv(node, &ctx, 1)?)
+    let p = ctx.protocol_context();
+    let t = if rank < 2 && cluster.size() >= 2 {
+        let peer = 1 - rank;
+        time_calls(cluster, args, iters, step_calls, |c| {
+            if rank == 0 {
+                c.send(node, p, peer)?;
+                c.recv(node, p, peer)
+            } else {
+                c.recv(node, p, peer)?;
+                c.send(node, p, peer)
             }
-            1 => {
-                cluster.recv(node, &ctx, 0)?;
-                Some(cluster.send(node, &ctx, 0)?)
-            }
-            _ => None,
-        })
+        })?
+    } else {
+        per_call(cluster, args.reps, iters, || Ok(None))?
     };
-    if let Some(warm) = round_trip()? {
-        warm.wait()?;
-    }
-    let t = per_call(cluster, args.reps, iters, round_trip)?;
     cluster.finalize(&ctx)?;
     Ok(t)
+}
+
+/// Seconds per all-reduce of `--step-calls` nodes of `bytes` each (a training step's
+/// gradient buckets), in place (the first replica on the network stream), captured as one
+/// step of one all-reduce per node and replayed: the median over `--reps` of `iters`
+/// all-reduces' worth of replays, divided by the all-reduces.
+fn time_step_reduces(
+    cluster: &Cluster,
+    args: &Args,
+    bytes: usize,
+    iters: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let k = args.step_calls.max(1);
+    let n = (bytes / 4).max(1);
+    let mut nodes = Vec::new();
+    for j in 0..k {
+        nodes.push(
+            TensorNode::new(format!("g{bytes}.{j}"), DType::F32, [n])
+                .with_mode(MemoryMode::on_device())?,
+        );
+    }
+    let mut replicas = Vec::new();
+    for d in 0..args.devices {
+        let mut ctx = if d == 0 {
+            cluster.network_context()?
+        } else {
+            cluster.context(d, 0)?
+        };
+        for node in &nodes {
+            ctx = ones(&ctx, node)?;
+        }
+        replicas.push(ctx);
+    }
+    let plans = nodes
+        .iter()
+        .map(|node| {
+            cluster.all_reduce_plan(
+                std::slice::from_ref(node),
+                &replicas,
+                ReduceOp::Mean,
+                Strategy::Tree,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // Warm-up: buffers allocated, pages touched.
+    for plan in &plans {
+        plan.run()?.wait()?;
+    }
+    let step = cluster.capture(|c| plans.iter().try_for_each(|p| c.all_reduce(p).map(drop)))?;
+    let steps = iters.div_ceil(k);
+    let t = per_call(cluster, args.reps, steps, || Ok(Some(cluster.replay(&step)?)))?;
+    for plan in plans {
+        plan.finalize()?;
+    }
+    for ctx in replicas {
+        ctx.finalize()?;
+    }
+    Ok(t / k as f64)
 }
 
 /// The median over `reps` repetitions (every rank starting together) of the time per call
@@ -393,7 +552,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.devices, args.reps
         );
         println!(
-            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
+            "{:>10} {:>14} {:>10} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
             "bytes",
             "MPI_Allreduce",
             "GB/s",
@@ -402,7 +561,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             "mpi (ratio)",
             "ring replayed (ratio)",
             "auto in place (ratio)",
-            "in place replayed"
+            "in place replayed",
+            format!("replayed, steps of {}", args.step_calls)
         );
     }
     let bus = |bytes: usize, secs: f64| {
@@ -472,9 +632,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 baseline / t
             ));
         }
+        let t = time_step_reduces(&cluster, &args, bytes, iters)?;
+        cells.push(format!(
+            "{:>7.2} GB/s ({:.2}x)",
+            bus(bytes, t),
+            baseline / t
+        ));
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
+                "{bytes:>10} {:>11.1} us {:>10.2} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22} {:>22}",
                 baseline * 1e6,
                 bus(bytes, baseline),
                 cells[0],
@@ -482,7 +648,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 cells[2],
                 cells[3],
                 cells[4],
-                cells[5]
+                cells[5],
+                cells[6]
             );
         }
         for ctx in contexts.into_iter().chain(in_place.into_iter().take(1)) {
