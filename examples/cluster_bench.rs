@@ -39,12 +39,12 @@ mod common;
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
 use clap::Parser;
+use tributary::protocol::Context;
 use tributary::{
     collective::{ReduceOp, Strategy},
     kernels::{Access, RoutineSpec},
     DType, MemoryMode, TensorNode,
 };
-use tributary::protocol::Context;
 use tributary_actors::cluster::{
     mpi_crate::ffi, Cluster, ClusterCapture, ClusterTicket, CrossRankAlgorithm,
 };
@@ -391,11 +391,15 @@ fn time_calls(
 ) -> tributary::Result<f64> {
     call(&mut &*cluster)?.wait()?;
     if step_calls == 0 {
-        return per_call(cluster, args.reps, iters, || Ok(Some(call(&mut &*cluster)?)));
+        return per_call(cluster, args.reps, iters, || {
+            Ok(Some(call(&mut &*cluster)?))
+        });
     }
     let step = cluster.capture(|c| (0..step_calls).try_for_each(|_| call(c).map(drop)))?;
     let replays = iters.div_ceil(step_calls);
-    let t = per_call(cluster, args.reps, replays, || Ok(Some(cluster.replay(&step)?)))?;
+    let t = per_call(cluster, args.reps, replays, || {
+        Ok(Some(cluster.replay(&step)?))
+    })?;
     Ok(t / step_calls as f64)
 }
 
@@ -498,7 +502,9 @@ fn time_step_reduces(
     }
     let step = cluster.capture(|c| plans.iter().try_for_each(|p| c.all_reduce(p).map(drop)))?;
     let steps = iters.div_ceil(k);
-    let t = per_call(cluster, args.reps, steps, || Ok(Some(cluster.replay(&step)?)))?;
+    let t = per_call(cluster, args.reps, steps, || {
+        Ok(Some(cluster.replay(&step)?))
+    })?;
     for plan in plans {
         plan.finalize()?;
     }

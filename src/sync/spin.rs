@@ -9,6 +9,14 @@
 //! [`super::hint::spin_loop`], doubling up to 64, then `yield_now`. On a machine with more
 //! runnable threads than cores, the yield hands the core to the thread the spinner waits for.
 //!
+//! A process allowed one CPU (an MPI rank bound to a core, a container of one CPU) never
+//! spins: the thread it waits for can run only once the spinner leaves the core, so a
+//! window only delays it, and two spinners on one core hand it back and forth by
+//! `sched_yield` (22% of a rank's samples in a cross-stream round trip, BENCHMARKS.md, "One
+//! CPU: park at once"). How many CPUs the process may use is read once
+//! ([`std::thread::available_parallelism`], which follows the affinity mask and the cgroup
+//! quota).
+//!
 //! Under `tributary_loom` there is no clock, and a replayed execution must not depend on time.
 //! A non-zero window is one round, and the round does not yield. loom runs a yielding thread
 //! only once the others are blocked, which would hide the waiter that gives up and parks. The
@@ -35,23 +43,39 @@ pub struct SpinWait {
 }
 
 impl SpinWait {
-    /// A window of `window` from now (zero: no spinning at all).
+    /// A window of `window` from now (zero, or a process allowed one CPU: no spinning at
+    /// all).
     pub fn new(window: Duration) -> SpinWait {
         #[cfg(not(tributary_loom))]
-        return SpinWait {
-            deadline: if window.is_zero() {
-                None
-            } else {
-                Instant::now().checked_add(window)
-            },
-            rounds: 0,
-        };
+        return SpinWait::on_cpus(window, process_cpus());
         #[cfg(tributary_loom)]
         return SpinWait {
             open: !window.is_zero(),
         };
     }
 
+    /// A window of `window` from now in a process allowed `cpus` CPUs.
+    #[cfg(not(tributary_loom))]
+    fn on_cpus(window: Duration, cpus: usize) -> SpinWait {
+        SpinWait {
+            deadline: if window.is_zero() || cpus <= 1 {
+                None
+            } else {
+                Instant::now().checked_add(window)
+            },
+            rounds: 0,
+        }
+    }
+}
+
+/// The CPUs this process may run on, read once.
+#[cfg(not(tributary_loom))]
+fn process_cpus() -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+impl SpinWait {
     /// Waits a little; `true` while the window is open (poll the condition again), `false`
     /// once it has passed (park).
     pub fn spin(&mut self) -> bool {
@@ -91,7 +115,7 @@ mod tests {
     #[test]
     fn a_window_closes_after_its_duration() {
         let start = Instant::now();
-        let mut spin = SpinWait::new(Duration::from_millis(2));
+        let mut spin = SpinWait::on_cpus(Duration::from_millis(2), 2);
         let mut rounds = 0u64;
         while spin.spin() {
             rounds += 1;
@@ -103,6 +127,26 @@ mod tests {
         assert!(start.elapsed() >= Duration::from_millis(2));
         assert!(rounds > 0, "a 2 ms window allows at least one round");
         assert!(!spin.spin(), "a closed window stays closed");
+    }
+
+    #[test]
+    fn one_cpu_never_spins_and_two_do() {
+        // Long enough that no preemption closes it before the first round ends.
+        let window = Duration::from_secs(10);
+        assert!(
+            !SpinWait::on_cpus(window, 1).spin(),
+            "one CPU: park at once"
+        );
+        assert!(!SpinWait::on_cpus(window, 0).spin());
+        assert!(
+            SpinWait::on_cpus(window, 2).spin(),
+            "two CPUs: the window is open"
+        );
+        assert_eq!(
+            SpinWait::new(window).spin(),
+            process_cpus() > 1,
+            "`new` follows the CPUs the process may use"
+        );
     }
 
     #[test]
