@@ -95,6 +95,7 @@ CLUSTER_MUTANTS=(
   "cluster_unread_frames:--features mpi --test cluster cluster_faults::a_failed_input_of_several_frames_fails_that_operation_on_every_rank_and_no_more"
   "cluster_replay_unqueued:--features mpi --test cluster cluster_steps::replayed_training_steps_equal_issued_ones_on_every_rank"
   "cluster_replay_positions:--features mpi --test cluster cluster_steps::a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more"
+  "cluster_ticket_unset_runs:--features mpi --test cluster cluster_steps::a_failed_input_in_a_replay_fails_its_transfer_on_both_ranks_and_no_more"
   "cluster_sendrecv_order:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"
   "cluster_sendrecv_sequential:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"
   "cluster_exchange_heads_in_order:--features mpi --test cluster cluster_collectives::sendrecv_moves_both_directions_at_once"

@@ -541,8 +541,15 @@ impl Network {
             // (one device decides both, in issue order), so its decision is known: read here
             // under the lock, in one acquisition (a routine's start-to-post path runs through
             // here). A decision not visible yet is waited for outside the lock.
+            // Its ticket may not be set yet: the host sets it right after its call posted
+            // the routine, and the routine's kernel (or a later one of the same call) may
+            // run first, the host thread preempted. Then too it is waited for outside the
+            // lock: taken for one that runs, a skipped send would be run by the kernel of
+            // the receive after it (`cluster_steps::a_failed_input_in_a_replay_...`, on a
+            // rank bound to one core).
             let never_runs = match first.event.get() {
-                None => Some(false),
+                None if mutant!("cluster_ticket_unset_runs") => Some(false),
+                None => None,
                 Some(t) => t.try_event().map(EntryTicket::never_runs),
             };
             let never_runs = match never_runs {
@@ -550,9 +557,8 @@ impl Network {
                 None => {
                     let first = first.clone();
                     drop(st);
-                    let known = first
-                        .event
-                        .get()
+                    let known = self
+                        .ticket_of(&first)
                         .is_some_and(|t| EntryTicket::never_runs(t.event()));
                     st = lock(&self.issue);
                     if !st.queue.front().is_some_and(|f| Arc::ptr_eq(f, &first)) {
@@ -571,6 +577,24 @@ impl Network {
             }
             let me = if take { st.queue.pop_front() } else { None };
             return (skipped, me);
+        }
+    }
+
+    /// The ticket of `op`, waiting for the host to set it: the host sets it right after
+    /// the call that issued `op` posted its routine, so a kernel running at or after `op`
+    /// finds it set within moments (the wait yields the core, which the host may need).
+    /// `None` past the deadline (a host thread that died in between); `op` is then taken
+    /// for one that runs, as its kernel's own run would take it.
+    fn ticket_of<'a>(&self, op: &'a Issued) -> Option<&'a EntryTicket> {
+        let deadline = self.deadline();
+        loop {
+            if let Some(t) = op.event.get() {
+                return Some(t);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::yield_now();
         }
     }
 
