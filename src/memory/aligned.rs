@@ -37,12 +37,11 @@ impl From<OutOfBounds> for DeviceError {
 ///
 /// Length 0 allocates nothing (the pointer is dangling but aligned).
 ///
-/// An alignment above [`ZEROED_ALIGN`] is reached by allocating `align` bytes more at
-/// `ZEROED_ALIGN` and starting inside: the system allocator zeroes such a request with
-/// `calloc`, whose large blocks are fresh pages the kernel zeroes when first touched, where
-/// a request aligned above it is zeroed by a `memset` of every byte at once. A 64 MiB slab
-/// pool costs a few microseconds instead of the ~10 ms of writing it (BENCHMARKS.md, "the
-/// host runs ahead").
+/// An alignment above 16 bytes is reached by allocating `align` bytes more at 16 bytes and
+/// starting inside: the system allocator zeroes such a request with `calloc`, whose large
+/// blocks are fresh pages the kernel zeroes when first touched, where a request aligned
+/// above it is zeroed by a `memset` of every byte at once. A 64 MiB slab pool with its
+/// first page written costs 12 µs instead of 38 ms (BENCHMARKS.md, "A new CPU pool").
 pub struct AlignedBuffer {
     /// Where the bytes start: `base` rounded up to `align`.
     ptr: NonNull<u8>,
