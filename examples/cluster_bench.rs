@@ -341,43 +341,32 @@ trait PointCalls {
 
 type CallResult = tributary::Result<ClusterTicket>;
 
-impl PointCalls for &Cluster {
-    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult {
-        Cluster::send(self, node, ctx, to)
-    }
-    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult {
-        Cluster::recv(self, node, ctx, from)
-    }
-    fn sendrecv(
-        &mut self,
-        send: &TensorNode,
-        to: usize,
-        recv: &TensorNode,
-        from: usize,
-        ctx: &Context,
-    ) -> CallResult {
-        Cluster::sendrecv(self, send, to, recv, from, ctx)
-    }
+/// `PointCalls` for `$for`, each call its inherent method of `$owner`.
+macro_rules! point_calls {
+    ($for:ty => $owner:ident) => {
+        impl PointCalls for $for {
+            fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult {
+                $owner::send(self, node, ctx, to)
+            }
+            fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult {
+                $owner::recv(self, node, ctx, from)
+            }
+            fn sendrecv(
+                &mut self,
+                send: &TensorNode,
+                to: usize,
+                recv: &TensorNode,
+                from: usize,
+                ctx: &Context,
+            ) -> CallResult {
+                $owner::sendrecv(self, send, to, recv, from, ctx)
+            }
+        }
+    };
 }
 
-impl PointCalls for ClusterCapture<'_, '_> {
-    fn send(&mut self, node: &TensorNode, ctx: &Context, to: usize) -> CallResult {
-        ClusterCapture::send(self, node, ctx, to)
-    }
-    fn recv(&mut self, node: &TensorNode, ctx: &Context, from: usize) -> CallResult {
-        ClusterCapture::recv(self, node, ctx, from)
-    }
-    fn sendrecv(
-        &mut self,
-        send: &TensorNode,
-        to: usize,
-        recv: &TensorNode,
-        from: usize,
-        ctx: &Context,
-    ) -> CallResult {
-        ClusterCapture::sendrecv(self, send, to, recv, from, ctx)
-    }
-}
+point_calls!(&Cluster => Cluster);
+point_calls!(ClusterCapture<'_, '_> => ClusterCapture);
 
 /// Seconds per `call` (which returns the ticket of its last operation), warmed up once:
 /// `iters` calls issued back to back (`step_calls` 0), or `step_calls` of them captured as
