@@ -162,17 +162,16 @@ fn mpi_pingpong(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tribut
     })
 }
 
-/// Round trips of a node of each size between ranks 0 and 1 through `Cluster::send` and
-/// `Cluster::recv`, beside `MPI_Send`/`MPI_Recv`.
-fn pingpong(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let title = "round trips between ranks 0 and 1";
-    let columns = ["MPI_Send/MPI_Recv", "send/recv"];
-    let baseline = |n, iters| mpi_pingpong(cluster, n, iters);
-    let timed = |bytes, root, iters, step_calls| {
-        time_pingpong(cluster, args, bytes, root, iters, step_calls)
-    };
-    point_to_point(cluster, args, title, columns, baseline, timed)
-}
+/// Seconds per call of `bytes` from the root context, `iters` calls issued back to back or,
+/// with calls per captured step (not 0), replayed in steps of that many.
+type TimedCalls = fn(
+    &Cluster,
+    &Args,
+    usize,
+    tributary_actors::ContextHandle,
+    usize,
+    usize,
+) -> Result<f64, Box<dyn std::error::Error>>;
 
 /// For each of `--sizes`: the median of `baseline` (raw MPI, seconds per call for `n` f32
 /// and `iters` calls), then `timed` (`bytes`, the root context, `iters`, calls per
@@ -184,13 +183,8 @@ fn point_to_point(
     args: &Args,
     title: &str,
     [mpi, tributary]: [&str; 2],
-    baseline: impl Fn(usize, usize) -> Result<f64, tributary::Error>,
-    timed: impl Fn(
-        usize,
-        tributary_actors::ContextHandle,
-        usize,
-        usize,
-    ) -> Result<f64, Box<dyn std::error::Error>>,
+    baseline: fn(&Cluster, usize, usize) -> Result<f64, tributary::Error>,
+    timed: TimedCalls,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     if rank == 0 {
@@ -212,7 +206,7 @@ fn point_to_point(
         let iters = (args.budget / bytes.max(1)).clamp(3, 1000);
         let base = median(
             (0..args.reps)
-                .map(|_| baseline(n, iters))
+                .map(|_| baseline(cluster, n, iters))
                 .collect::<Result<_, _>>()?,
         );
         let mut times = Vec::new();
@@ -221,7 +215,7 @@ fn point_to_point(
             (cluster.network_context()?, 0),
             (cluster.network_context()?, args.step_calls.max(1)),
         ] {
-            times.push(timed(bytes, root, iters, step_calls)?);
+            times.push(timed(cluster, args, bytes, root, iters, step_calls)?);
         }
         if rank == 0 {
             println!(
@@ -279,18 +273,6 @@ fn mpi_exchange(cluster: &Cluster, n: usize, iters: usize) -> Result<f64, tribut
             t.elapsed().as_secs_f64() / iters as f64
         }
     })
-}
-
-/// Halo exchanges of each size between partner ranks through `Cluster::sendrecv`, beside
-/// `MPI_Sendrecv`.
-fn exchange(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let title = "halo exchanges between partner ranks (0 and 1, ...)";
-    let columns = ["MPI_Sendrecv", "sendrecv"];
-    let baseline = |n, iters| mpi_exchange(cluster, n, iters);
-    let timed = |bytes, root, iters, step_calls| {
-        time_exchange(cluster, args, bytes, root, iters, step_calls)
-    };
-    point_to_point(cluster, args, title, columns, baseline, timed)
 }
 
 /// The median time of a sendrecv of `bytes` with the partner rank, the nodes in a child of
@@ -531,12 +513,26 @@ fn per_call(
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
     if args.pingpong {
-        pingpong(&cluster, &args)?;
+        point_to_point(
+            &cluster,
+            &args,
+            "round trips between ranks 0 and 1 (Cluster::send, then Cluster::recv)",
+            ["MPI_Send/MPI_Recv", "send/recv"],
+            mpi_pingpong,
+            time_pingpong,
+        )?;
         cluster.shutdown()?;
         return Ok(());
     }
     if args.exchange {
-        exchange(&cluster, &args)?;
+        point_to_point(
+            &cluster,
+            &args,
+            "halo exchanges between partner ranks (0 and 1, ...; Cluster::sendrecv)",
+            ["MPI_Sendrecv", "sendrecv"],
+            mpi_exchange,
+            time_exchange,
+        )?;
         cluster.shutdown()?;
         return Ok(());
     }

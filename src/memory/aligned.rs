@@ -110,8 +110,7 @@ impl AlignedBuffer {
         // SAFETY: `skip < align` when `align > at` (an `at`-aligned pointer is at most
         // `align - at` bytes short of the next multiple of `align`), so `skip + len <=
         // padded` and the result stays inside the allocation; `skip` is 0 otherwise.
-        let start = unsafe { raw.add(skip) };
-        let ptr = NonNull::new(start).ok_or(DeviceError::OutOfMemory { requested })?;
+        let ptr = unsafe { base.add(skip) };
         Ok(Self {
             ptr,
             len,

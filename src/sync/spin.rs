@@ -12,8 +12,8 @@
 //! A process allowed one CPU (an MPI rank bound to a core, a container of one CPU) never
 //! spins: the thread it waits for can run only once the spinner leaves the core, so a
 //! window only delays it, and two spinners on one core hand it back and forth by
-//! `sched_yield` (22% of a rank's samples in a cross-stream round trip, BENCHMARKS.md, "One
-//! CPU: park at once"). How many CPUs the process may use is read once
+//! `sched_yield` (a third of a rank's samples in a cross-stream round trip, BENCHMARKS.md,
+//! "One CPU, no spinning"). How many CPUs the process may use is read once
 //! ([`std::thread::available_parallelism`], which follows the affinity mask and the cgroup
 //! quota).
 //!
@@ -66,16 +66,7 @@ impl SpinWait {
             rounds: 0,
         }
     }
-}
 
-/// The CPUs this process may run on, read once.
-#[cfg(not(tributary_loom))]
-fn process_cpus() -> usize {
-    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-impl SpinWait {
     /// Waits a little; `true` while the window is open (poll the condition again), `false`
     /// once it has passed (park).
     pub fn spin(&mut self) -> bool {
@@ -99,6 +90,13 @@ impl SpinWait {
             std::mem::replace(&mut self.open, false)
         }
     }
+}
+
+/// The CPUs this process may run on, read once.
+#[cfg(not(tributary_loom))]
+fn process_cpus() -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 #[cfg(all(test, not(tributary_loom)))]
