@@ -1,8 +1,8 @@
 //! The CPU backend: virtual devices whose streams share a pool of worker threads.
 //!
 //! Each pool is one [`AlignedBuffer`] in a per-device map behind a mutex. A submitted plan
-//! resolves its bindings and holds their pools as `Arc`s, so releasing a pool never frees
-//! memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
+//! resolves its bindings and holds their pools as `Arc`s, and a program's operation does so
+//! when it runs, so releasing a pool never frees memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
 //! `cpu/stream.rs` describes; [`CpuConfig`] sets them up. All CPU devices share host memory,
 //! so any device can stream any other device's buffer in place. See DESIGN.md §5, "CPU" and
 //! "The CPU worker model".
@@ -10,7 +10,8 @@
 //! The `// SAFETY:` comments below name three facts that make the raw pointers sound:
 //!
 //! - *resolved*: a `Region` is bounds-checked against its allocation when the plan is
-//!   submitted and holds an `Arc` to it, so every pointer is in bounds of live memory;
+//!   submitted (a program's operation: when it runs) and holds an `Arc` to it, so every
+//!   pointer is in bounds of live memory;
 //! - *protocol-made*: a [`Plan`] comes from the protocol or from the `unsafe`
 //!   [`Plan::from_parts`], so its dependencies order it after every conflicting use and its
 //!   writable bindings do not alias;
@@ -101,12 +102,69 @@ impl Shared {
         })
     }
 
-    /// Resolves `work` to a job (`bindings`: its index values, if it runs a kernel).
-    fn resolve_work(
+    /// Resolves and runs a program's operation where it lies (`bindings`: its index values,
+    /// if it runs a kernel), building no [`Job`]: each parameter's pool is looked up, held,
+    /// and viewed straight into the kernel's arguments. A `Job` of four parameters is ~600
+    /// bytes that the worker built, moved and dropped per operation, cloning the kernel and
+    /// every shape once more on the way, and the arguments were moved twice more: those
+    /// copies were nearly half of a replayed routine's time (359 → 188 ns, BENCHMARKS.md,
+    /// "A program's operation runs where it lies").
+    fn run_work(
         &self,
         work: &Work,
         bindings: Option<&crate::kernels::Bindings>,
-    ) -> std::result::Result<Job, String> {
+    ) -> std::result::Result<(), String> {
+        match work {
+            Work::Run {
+                kernel,
+                args,
+                merge,
+                bindings: own,
+                ..
+            } => {
+                // Held until the kernel returns: releasing a pool never frees memory under
+                // it ("resolved", module docs).
+                let mut regions = SmallVec::<[Region; 4]>::new();
+                for b in args.iter() {
+                    regions.push(self.resolve(b.loc, b.bytes)?);
+                }
+                let merge_region = match merge {
+                    Some(b) => Some((self.resolve(b.loc, b.bytes)?, b)),
+                    None => None,
+                };
+                let views = args.iter().zip(&regions).map(|(b, r)| view_of(r, b));
+                let merge = merge_region.as_ref().map(|(r, b)| view_of(r, b));
+                let bindings = bindings.unwrap_or(own).clone();
+                // SAFETY: as in `execute`: resolved (every view points into a live pool
+                // within bounds, aligned to at least the element size; `regions` and
+                // `merge_region` hold the pools until the end of this arm, after the
+                // kernel returned); protocol-made (the writable bindings of the plan do
+                // not alias any other binding); own timeline (every other use of a buffer
+                // this operation writes, and every writer of one it reads, has finished).
+                let kargs = unsafe { KernelArgs::with_parts(views, merge, bindings) };
+                run_cpu(kernel, &kargs, self.config.kernel_mode)
+            }
+            Work::Copy { src, dst, bytes } => {
+                copy_region(&self.resolve(*src, *bytes)?, &self.resolve(*dst, *bytes)?)
+            }
+            Work::FromHost { host, dst, bytes } => copy_region(
+                &Region::host(host.clone(), *bytes)?,
+                &self.resolve(*dst, *bytes)?,
+            ),
+            Work::ToHost { src, host, bytes } => copy_region(
+                &self.resolve(*src, *bytes)?,
+                &Region::host(host.clone(), *bytes)?,
+            ),
+            Work::Memset { dst, bytes } => {
+                zero_region(&self.resolve(*dst, *bytes)?);
+                Ok(())
+            }
+            Work::Marker => Ok(()),
+        }
+    }
+
+    /// Resolves a submitted plan's `work` to a job, when it is submitted.
+    fn resolve_work(&self, work: &Work) -> std::result::Result<Job, String> {
         Ok(match work {
             Work::Run {
                 kernel,
@@ -115,7 +173,7 @@ impl Shared {
                 bindings: own,
                 ..
             } => Job::Run {
-                bindings: bindings.unwrap_or(own).clone(),
+                bindings: own.clone(),
                 kernel: kernel.clone(),
                 mode: self.config.kernel_mode,
                 args: args
@@ -418,7 +476,7 @@ impl StreamQueue for CpuStream {
         let item = Submitted {
             plan_label,
             seq,
-            job: self.backend.shared.resolve_work(&plan.work, None),
+            job: self.backend.shared.resolve_work(&plan.work),
             deps: plan.deps,
         };
         let Some(Item::Plan(item)) = self.task.push(Item::Plan(item)) else {
@@ -520,17 +578,19 @@ struct Ready<'a> {
 }
 
 /// Runs one operation whose dependencies are all decided: fails it with `failed` (the root
-/// cause of a failed data dependency) without running it, or runs its work (`job`, resolved
-/// only then) under `catch_unwind` and completes its event (rule 6).
+/// cause of a failed data dependency) without running it, or runs its work (`run`, which
+/// resolves it first if it was not at submission) under `catch_unwind` and completes its
+/// event (rule 6). `bytes` sizes it for the trace, asked only when one is recorded.
 ///
-/// Never inlined: its two callers in `cpu/stream.rs` would each carry its locals (a resolved
-/// job is ~700 bytes) in the frame that also waits for dependencies.
+/// Never inlined: its two callers in `cpu/stream.rs` would each carry its locals in the
+/// frame that also waits for dependencies.
 #[inline(never)]
 fn complete(
     stream: StreamId,
     timeline: &Timeline,
     op: Ready<'_>,
-    job: impl FnOnce() -> std::result::Result<Job, String>,
+    bytes: impl FnOnce() -> u64,
+    run: impl FnOnce() -> std::result::Result<(), String>,
     failed: Option<Arc<Failure>>,
     recorder: Option<&Recorder>,
 ) {
@@ -549,17 +609,10 @@ fn complete(
             message,
         })
     };
-    let job = match job() {
-        Ok(job) => job,
-        Err(message) => {
-            timeline.fail(op.seq, fail(message));
-            return;
-        }
-    };
     // Timed and sized only for the trace.
-    let start = recorder.map(|_| (Instant::now(), job.bytes()));
+    let start = recorder.map(|_| (Instant::now(), bytes()));
     let after = recorder.map(|_| crate::trace::cross_stream(stream, op.deps));
-    let outcome = catch_unwind(AssertUnwindSafe(|| execute(job)));
+    let outcome = catch_unwind(AssertUnwindSafe(run));
     if let (Some(rec), Some((start, bytes))) = (recorder, start) {
         // Recorded before the event completes, so waiters always end after it.
         rec.record(TraceRecord {
@@ -589,16 +642,50 @@ fn complete(
     }
 }
 
-fn view(arg: &ResolvedArg) -> ArgView {
-    ArgView {
-        ptr: arg.region.ptr(),
-        bytes: arg.region.bytes,
-        dtype: arg.binding.dtype,
-        shape: arg.binding.shape.clone(),
-        access: arg.binding.access,
+/// The bytes `work` touches, for the trace: its parameters', or what it copies or zeroes.
+fn work_bytes(work: &Work) -> u64 {
+    match work {
+        Work::Run { args, .. } => args.iter().map(|b| b.bytes).sum(),
+        Work::Copy { bytes, .. }
+        | Work::FromHost { bytes, .. }
+        | Work::ToHost { bytes, .. }
+        | Work::Memset { bytes, .. } => *bytes,
+        Work::Marker => 0,
     }
 }
 
+/// A kernel's view of `region`, bound as `binding`.
+fn view_of(region: &Region, binding: &ArgBinding) -> ArgView {
+    ArgView {
+        ptr: region.ptr(),
+        bytes: region.bytes,
+        dtype: binding.dtype,
+        shape: binding.shape.clone(),
+        access: binding.access,
+    }
+}
+
+/// Copies `src` into `dst`, which must be as long.
+fn copy_region(src: &Region, dst: &Region) -> std::result::Result<(), String> {
+    if src.bytes != dst.bytes {
+        return Err(size_mismatch(src.bytes as u64, dst.bytes as u64));
+    }
+    // SAFETY: resolved: both ranges, of `src.bytes` bytes each, are in bounds of live
+    // allocations; `ptr::copy` tolerates overlap. Protocol-made and own timeline: the
+    // awaited dependencies were the writers of `src` and every use of `dst`, all finished,
+    // and later ones wait for this work.
+    unsafe { std::ptr::copy(src.ptr(), dst.ptr(), src.bytes) };
+    Ok(())
+}
+
+/// Zeroes `dst`.
+fn zero_region(dst: &Region) {
+    // SAFETY: resolved (in-bounds range of a live allocation); protocol-made and own
+    // timeline: every other use of `dst` finished before and waits after.
+    unsafe { std::ptr::write_bytes(dst.ptr(), 0, dst.bytes) };
+}
+
+/// Runs a submitted plan's resolved job.
 fn execute(job: Job) -> std::result::Result<(), String> {
     match job {
         Job::Run {
@@ -608,32 +695,20 @@ fn execute(job: Job) -> std::result::Result<(), String> {
             bindings,
             mode,
         } => {
-            let views = args.iter().map(view);
-            let merge = merge.as_ref().map(view);
+            let views = args.iter().map(|a| view_of(&a.region, &a.binding));
+            let merge = merge.as_ref().map(|a| view_of(&a.region, &a.binding));
             // SAFETY: resolved: every view points into a live pool (`args` holds the
             // `Arc`s for the duration of the call) within bounds, and pools are aligned to
             // at least the element size. Protocol-made: the writable bindings of the plan
             // do not alias any other binding. Own timeline: the dependencies awaited in
             // `run_item` are those operations themselves, so every other use of a buffer
             // this job writes, and every writer of a buffer it reads, has finished.
-            let kargs = unsafe { KernelArgs::new(views, merge) }.with_bindings(bindings);
+            let kargs = unsafe { KernelArgs::with_parts(views, merge, bindings) };
             run_cpu(&kernel, &kargs, mode)
         }
-        Job::Copy { src, dst } => {
-            if src.bytes != dst.bytes {
-                return Err(size_mismatch(src.bytes as u64, dst.bytes as u64));
-            }
-            // SAFETY: resolved: both ranges, of `src.bytes` bytes each, are in bounds of
-            // live allocations; `ptr::copy` tolerates overlap. Protocol-made and own
-            // timeline: the awaited dependencies were the writers of `src` and every use of
-            // `dst`, all finished, and later ones wait for this job.
-            unsafe { std::ptr::copy(src.ptr(), dst.ptr(), src.bytes) };
-            Ok(())
-        }
+        Job::Copy { src, dst } => copy_region(&src, &dst),
         Job::Memset { dst } => {
-            // SAFETY: resolved (in-bounds range of a live allocation); protocol-made and own
-            // timeline: every other use of `dst` finished before and waits after.
-            unsafe { std::ptr::write_bytes(dst.ptr(), 0, dst.bytes) };
+            zero_region(&dst);
             Ok(())
         }
         Job::Marker => Ok(()),

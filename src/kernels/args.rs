@@ -197,13 +197,30 @@ impl<'a> KernelArgs<'a> {
         views: impl IntoIterator<Item = ArgView>,
         merge: Option<ArgView>,
     ) -> KernelArgs<'a> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { KernelArgs::with_parts(views, merge, Bindings::none()) }
+    }
+
+    /// [`KernelArgs::new`] with the index values at once: inlined, so a backend builds the
+    /// arguments (~500 bytes) where it calls the kernel, not in a frame they are moved out
+    /// of twice.
+    ///
+    /// # Safety
+    ///
+    /// As [`KernelArgs::new`].
+    #[inline]
+    pub(crate) unsafe fn with_parts(
+        views: impl IntoIterator<Item = ArgView>,
+        merge: Option<ArgView>,
+        bindings: Bindings,
+    ) -> KernelArgs<'a> {
         let views: SmallVec<[ArgView; INLINE_VIEWS]> = views.into_iter().collect();
         let borrows = BorrowFlags::new(views.len());
         KernelArgs {
             views,
             merge,
             borrows,
-            bindings: Bindings::none(),
+            bindings,
             _memory: PhantomData,
         }
     }

@@ -204,7 +204,7 @@ pub fn run_on_host_with(
         // rounds up), aligned to 8 bytes (enough for every dtype), and valid for reads and
         // writes; no two views share an allocation, so none overlap. The temporaries are
         // neither moved nor accessed until `args` is dropped at the end of this block.
-        let args = unsafe { KernelArgs::new(views, merge_view) }.with_bindings(bindings);
+        let args = unsafe { KernelArgs::with_parts(views, merge_view, bindings) };
         run_cpu(&spec.kernel, &args, KernelMode::Exact)
     };
     result?;

@@ -295,15 +295,16 @@ impl StreamTask {
                             seq: op.seq(),
                             deps: op.deps(),
                         };
-                        let job = || match unplanned {
+                        let run = || match unplanned {
                             Some(why) => Err(why.to_string()),
-                            None => self.shared.resolve_work(op.work(), op.bindings()),
+                            None => self.shared.run_work(op.work(), op.bindings()),
                         };
                         super::complete(
                             self.stream,
                             &self.timeline,
                             ready,
-                            job,
+                            || super::work_bytes(op.work()),
+                            run,
                             failed,
                             self.recorder.as_deref(),
                         );
@@ -327,11 +328,13 @@ impl StreamTask {
                     seq: item.seq,
                     deps: &item.deps,
                 };
+                let bytes = item.job.as_ref().map_or(0, super::Job::bytes);
                 super::complete(
                     self.stream,
                     &self.timeline,
                     ready,
-                    || item.job,
+                    || bytes,
+                    || super::execute(item.job?),
                     failed,
                     self.recorder.as_deref(),
                 );
