@@ -642,18 +642,6 @@ fn complete(
     }
 }
 
-/// The bytes `work` touches, for the trace: its parameters', or what it copies or zeroes.
-fn work_bytes(work: &Work) -> u64 {
-    match work {
-        Work::Run { args, .. } => args.iter().map(|b| b.bytes).sum(),
-        Work::Copy { bytes, .. }
-        | Work::FromHost { bytes, .. }
-        | Work::ToHost { bytes, .. }
-        | Work::Memset { bytes, .. } => *bytes,
-        Work::Marker => 0,
-    }
-}
-
 /// A kernel's view of `region`, bound as `binding`.
 fn view_of(region: &Region, binding: &ArgBinding) -> ArgView {
     ArgView {

@@ -303,7 +303,7 @@ impl StreamTask {
                             self.stream,
                             &self.timeline,
                             ready,
-                            || super::work_bytes(op.work()),
+                            || op.work().bytes(),
                             run,
                             failed,
                             self.recorder.as_deref(),
