@@ -1,17 +1,17 @@
 //! The CPU backend: virtual devices whose streams share a pool of worker threads.
 //!
-//! Each pool is one [`AlignedBuffer`] in a per-device map behind a mutex. A submitted plan
-//! resolves its bindings and holds their pools as `Arc`s, and a program's operation does so
-//! when it runs, so releasing a pool never frees memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
+//! Each pool is one [`AlignedBuffer`] in a per-device map behind a mutex. A plan, or a
+//! program's operation, resolves its bindings when it runs and holds their pools as `Arc`s
+//! until it returns, so releasing a pool never frees memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
 //! `cpu/stream.rs` describes; [`CpuConfig`] sets them up. All CPU devices share host memory,
 //! so any device can stream any other device's buffer in place. See DESIGN.md §5, "CPU" and
 //! "The CPU worker model".
 //!
 //! The `// SAFETY:` comments below name three facts that make the raw pointers sound:
 //!
-//! - *resolved*: a `Region` is bounds-checked against its allocation when the plan is
-//!   submitted (a program's operation: when it runs) and holds an `Arc` to it, so every
-//!   pointer is in bounds of live memory;
+//! - *resolved*: a `Region` is bounds-checked against its allocation when the work that
+//!   uses it runs and holds an `Arc` to it until that work returns, so every pointer is in
+//!   bounds of live memory;
 //! - *protocol-made*: a [`Plan`] comes from the protocol or from the `unsafe`
 //!   [`Plan::from_parts`], so its dependencies order it after every conflicting use and its
 //!   writable bindings do not alias;
@@ -34,7 +34,7 @@ use crate::{
     error::{DeviceError, Error, Failure, Result},
     event::Timeline,
     ids::{DeviceId, PoolId, StreamId},
-    kernels::{run_cpu, ArgView, Kernel, KernelArgs, KernelMode},
+    kernels::{run_cpu, ArgView, Kernel, KernelArgs},
     memory::AlignedBuffer,
     protocol::{ArgBinding, GlobalLoc, Plan, PlanLabel, StreamProgram, Work},
     sync::{Arc as SyncArc, Mutex},
@@ -95,20 +95,15 @@ impl Shared {
         })
     }
 
-    fn resolve_arg(&self, b: &ArgBinding) -> std::result::Result<ResolvedArg, String> {
-        Ok(ResolvedArg {
-            region: self.resolve(b.loc, b.bytes)?,
-            binding: b.clone(),
-        })
-    }
-
-    /// Resolves and runs a program's operation where it lies (`bindings`: its index values,
-    /// if it runs a kernel), building no [`Job`]: each parameter's pool is looked up, held,
-    /// and viewed straight into the kernel's arguments. A `Job` of four parameters is ~600
-    /// bytes that the worker built, moved and dropped per operation, cloning the kernel and
-    /// every shape once more on the way, and the arguments were moved twice more: those
-    /// copies were nearly half of a replayed routine's time (359 → 188 ns, BENCHMARKS.md,
-    /// "A program's operation runs where it lies").
+    /// Resolves and runs a plan's or a program operation's work where it lies (`bindings`:
+    /// a program operation's index values, if it runs a kernel): each parameter's pool is
+    /// looked up, held, and viewed straight into the kernel's arguments. It used to be
+    /// resolved into a job first (~600 bytes for four parameters: each region with a
+    /// clone of its binding, a clone of the kernel), moved twice and dropped per operation,
+    /// and the arguments moved twice more: those copies were nearly half of a replayed
+    /// routine's time (359 → 188 ns, BENCHMARKS.md, "A program's operation runs where it
+    /// lies"). A plan was resolved on the submitting thread (the device actor's) and its
+    /// job dropped on the worker's, so every `Arc` it cloned moved between the two.
     fn run_work(
         &self,
         work: &Work,
@@ -135,7 +130,7 @@ impl Shared {
                 let views = args.iter().zip(&regions).map(|(b, r)| view_of(r, b));
                 let merge = merge_region.as_ref().map(|(r, b)| view_of(r, b));
                 let bindings = bindings.unwrap_or(own).clone();
-                // SAFETY: as in `execute`: resolved (every view points into a live pool
+                // SAFETY: resolved (every view points into a live pool
                 // within bounds, aligned to at least the element size; `regions` and
                 // `merge_region` hold the pools until the end of this arm, after the
                 // kernel returned); protocol-made (the writable bindings of the plan do
@@ -162,47 +157,9 @@ impl Shared {
             Work::Marker => Ok(()),
         }
     }
-
-    /// Resolves a submitted plan's `work` to a job, when it is submitted.
-    fn resolve_work(&self, work: &Work) -> std::result::Result<Job, String> {
-        Ok(match work {
-            Work::Run {
-                kernel,
-                args,
-                merge,
-                bindings: own,
-                ..
-            } => Job::Run {
-                bindings: own.clone(),
-                kernel: kernel.clone(),
-                mode: self.config.kernel_mode,
-                args: args
-                    .iter()
-                    .map(|b| self.resolve_arg(b))
-                    .collect::<std::result::Result<_, _>>()?,
-                merge: merge.as_ref().map(|b| self.resolve_arg(b)).transpose()?,
-            },
-            Work::Copy { src, dst, bytes } => Job::Copy {
-                src: self.resolve(*src, *bytes)?,
-                dst: self.resolve(*dst, *bytes)?,
-            },
-            Work::FromHost { host, dst, bytes } => Job::Copy {
-                src: Region::host(host.clone(), *bytes)?,
-                dst: self.resolve(*dst, *bytes)?,
-            },
-            Work::ToHost { src, host, bytes } => Job::Copy {
-                src: self.resolve(*src, *bytes)?,
-                dst: Region::host(host.clone(), *bytes)?,
-            },
-            Work::Memset { dst, bytes } => Job::Memset {
-                dst: self.resolve(*dst, *bytes)?,
-            },
-            Work::Marker => Job::Marker,
-        })
-    }
 }
 
-/// A byte range of a pool (or host array), resolved at submission.
+/// A byte range of a pool (or host array), resolved when the work that uses it runs.
 struct Region {
     buf: Arc<AlignedBuffer>,
     offset: usize,
@@ -228,52 +185,12 @@ impl Region {
     }
 }
 
-struct ResolvedArg {
-    region: Region,
-    binding: ArgBinding,
-}
-
-impl Job {
-    fn bytes(&self) -> u64 {
-        match self {
-            Job::Run { args, .. } => args.iter().map(|a| a.region.bytes as u64).sum(),
-            Job::Copy { src, .. } => src.bytes as u64,
-            Job::Memset { dst } => dst.bytes as u64,
-            Job::Marker => 0,
-        }
-    }
-}
-
-// `Run` carries its index values inline (`Bindings`, ~80 bytes): boxing them would cost an
-// allocation per schedule to save a memcpy of a value moved a few times.
-#[allow(clippy::large_enum_variant)]
-enum Job {
-    Run {
-        kernel: crate::kernels::Kernel,
-        /// Held inline up to four: resolving a plan allocates no list.
-        args: SmallVec<[ResolvedArg; 4]>,
-        merge: Option<ResolvedArg>,
-        /// The index values snapshotted into the plan.
-        bindings: crate::kernels::Bindings,
-        /// The backend's [`CpuConfig::kernel_mode`].
-        mode: KernelMode,
-    },
-    Copy {
-        src: Region,
-        dst: Region,
-    },
-    Memset {
-        dst: Region,
-    },
-    Marker,
-}
-
+/// A submitted plan as its stream keeps it until it runs: its work is resolved then, as a
+/// program's operation is ([`Shared::run_work`]).
 struct Submitted {
-    /// The plan's label (text only when displayed: no allocation per plan).
-    plan_label: PlanLabel,
     seq: u64,
     deps: crate::protocol::Deps,
-    job: std::result::Result<Job, String>,
+    work: Work,
 }
 
 /// The CPU backend: `n` virtual devices sharing the host's memory.
@@ -409,7 +326,6 @@ impl Backend for CpuBackend {
             self.recorder.clone(),
         );
         Ok(Box::new(CpuStream {
-            backend: self.clone(),
             stream,
             timeline,
             task,
@@ -460,7 +376,6 @@ impl Backend for CpuBackend {
 ///
 /// `submit` never waits for the work.
 pub struct CpuStream {
-    backend: CpuBackend,
     stream: StreamId,
     timeline: SyncArc<Timeline>,
     task: Arc<StreamTask>,
@@ -472,12 +387,10 @@ impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
         plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
-        let plan_label = plan.work.plan_label();
         let item = Submitted {
-            plan_label,
             seq,
-            job: self.backend.shared.resolve_work(&plan.work),
             deps: plan.deps,
+            work: plan.work,
         };
         let Some(Item::Plan(item)) = self.task.push(Item::Plan(item)) else {
             return Ok(());
@@ -485,7 +398,7 @@ impl StreamQueue for CpuStream {
         let failure = Arc::new(Failure {
             stream: self.stream,
             seq,
-            operation: item.plan_label.to_string(),
+            operation: item.work.plan_label().to_string(),
             message: "stream is shut down".into(),
         });
         // Nobody will ever run it: fail its event so that no waiter hangs, once its
@@ -578,8 +491,8 @@ struct Ready<'a> {
 }
 
 /// Runs one operation whose dependencies are all decided: fails it with `failed` (the root
-/// cause of a failed data dependency) without running it, or runs its work (`run`, which
-/// resolves it first if it was not at submission) under `catch_unwind` and completes its
+/// cause of a failed data dependency) without running it, or runs its work (`run`:
+/// [`Shared::run_work`], or the reason it cannot) under `catch_unwind` and completes its
 /// event (rule 6). `bytes` sizes it for the trace, asked only when one is recorded.
 ///
 /// Never inlined: its two callers in `cpu/stream.rs` would each carry its locals in the
@@ -671,36 +584,6 @@ fn zero_region(dst: &Region) {
     // SAFETY: resolved (in-bounds range of a live allocation); protocol-made and own
     // timeline: every other use of `dst` finished before and waits after.
     unsafe { std::ptr::write_bytes(dst.ptr(), 0, dst.bytes) };
-}
-
-/// Runs a submitted plan's resolved job.
-fn execute(job: Job) -> std::result::Result<(), String> {
-    match job {
-        Job::Run {
-            kernel,
-            args,
-            merge,
-            bindings,
-            mode,
-        } => {
-            let views = args.iter().map(|a| view_of(&a.region, &a.binding));
-            let merge = merge.as_ref().map(|a| view_of(&a.region, &a.binding));
-            // SAFETY: resolved: every view points into a live pool (`args` holds the
-            // `Arc`s for the duration of the call) within bounds, and pools are aligned to
-            // at least the element size. Protocol-made: the writable bindings of the plan
-            // do not alias any other binding. Own timeline: the dependencies awaited in
-            // `run_item` are those operations themselves, so every other use of a buffer
-            // this job writes, and every writer of a buffer it reads, has finished.
-            let kargs = unsafe { KernelArgs::with_parts(views, merge, bindings) };
-            run_cpu(&kernel, &kargs, mode)
-        }
-        Job::Copy { src, dst } => copy_region(&src, &dst),
-        Job::Memset { dst } => {
-            zero_region(&dst);
-            Ok(())
-        }
-        Job::Marker => Ok(()),
-    }
 }
 
 /// The error of a copy whose source and destination differ in size.
