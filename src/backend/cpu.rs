@@ -101,9 +101,10 @@ impl Shared {
     /// resolved into a job first (~600 bytes for four parameters: each region with a
     /// clone of its binding, a clone of the kernel), moved twice and dropped per operation,
     /// and the arguments moved twice more: those copies were nearly half of a replayed
-    /// routine's time (359 → 188 ns, BENCHMARKS.md, "A program's operation runs where it
-    /// lies"). A plan was resolved on the submitting thread (the device actor's) and its
-    /// job dropped on the worker's, so every `Arc` it cloned moved between the two.
+    /// routine's time (361 → 183 ns), and a plan was resolved on the submitting thread (the
+    /// device actor's) and its job dropped on the worker's, every `Arc` it cloned moving
+    /// between the two (an issued routine 1,329 → 1,046 ns without it; BENCHMARKS.md, "A
+    /// plan or a program's operation runs where it lies").
     fn run_work(
         &self,
         work: &Work,
