@@ -1041,6 +1041,32 @@ fn queues_check_plans_and_never_truncate(kind: Kind) {
     t0.wait_timeout(4, bound).unwrap();
     // SAFETY: the transfer into `down` completed; nothing else uses it.
     assert_eq!(unsafe { down.bytes(0, 16) }.unwrap(), &data[..]);
+
+    // A plan whose pool is gone (released after the plans that used it completed, as the
+    // protocol releases) fails its own event naming the pool, and the queue serves the
+    // next plan: a pool is looked up when its plan runs (the CPU queue) or is submitted,
+    // never trusted from before its release.
+    b.release_pool(device, pool);
+    q0.submit(plan(&t0, 5, after(&t0, 4), Work::memset(at, 16)))
+        .unwrap();
+    match t0.wait_timeout(5, bound) {
+        Err(Error::Failed(f)) => {
+            assert!(f.message.contains("pool p0 does not exist"), "{f}");
+            assert_eq!(f.seq, 5, "{f}");
+        }
+        other => panic!("a plan on a released pool: {other:?}"),
+    }
+    b.create_pool(device, PoolId(1), 64, 64).unwrap();
+    let fresh = GlobalLoc {
+        device,
+        loc: BufferLoc {
+            pool: PoolId(1),
+            offset: 0,
+        },
+    };
+    q0.submit(plan(&t0, 6, after(&t0, 5), Work::memset(fresh, 16)))
+        .unwrap();
+    t0.wait_timeout(6, bound).unwrap();
     q0.shutdown();
 }
 
