@@ -2,8 +2,8 @@
 //!
 //! Each pool is one [`AlignedBuffer`] in a per-device map behind a mutex. A plan, or a
 //! program's operation, resolves its bindings when it runs and holds their pools as `Arc`s
-//! until it returns, so releasing a pool never frees memory under running work. Streams are tasks of the worker pool in `cpu/pool.rs`, run as
-//! `cpu/stream.rs` describes; [`CpuConfig`] sets them up. All CPU devices share host memory,
+//! until it returns, so releasing a pool never frees memory under running work. Streams
+//! are tasks of the worker pool in `cpu/pool.rs`, run as `cpu/stream.rs` describes; [`CpuConfig`] sets them up. All CPU devices share host memory,
 //! so any device can stream any other device's buffer in place. See DESIGN.md §5, "CPU" and
 //! "The CPU worker model".
 //!
@@ -97,14 +97,10 @@ impl Shared {
 
     /// Resolves and runs a plan's or a program operation's work where it lies (`bindings`:
     /// a program operation's index values, if it runs a kernel): each parameter's pool is
-    /// looked up, held, and viewed straight into the kernel's arguments. It used to be
-    /// resolved into a job first (~600 bytes for four parameters: each region with a
-    /// clone of its binding, a clone of the kernel), moved twice and dropped per operation,
-    /// and the arguments moved twice more: those copies were nearly half of a replayed
-    /// routine's time (361 → 183 ns), and a plan was resolved on the submitting thread (the
-    /// device actor's) and its job dropped on the worker's, every `Arc` it cloned moving
-    /// between the two (an issued routine 1,329 → 1,046 ns without it; BENCHMARKS.md, "A
-    /// plan or a program's operation runs where it lies").
+    /// looked up, held, and viewed straight into the kernel's arguments, on the worker.
+    /// No resolved copy of the work is built and moved per operation: such copies were
+    /// nearly half of a replayed routine's time (BENCHMARKS.md, "A plan or a program's
+    /// operation runs where it lies").
     fn run_work(
         &self,
         work: &Work,
@@ -131,12 +127,12 @@ impl Shared {
                 let views = args.iter().zip(&regions).map(|(b, r)| view_of(r, b));
                 let merge = merge_region.as_ref().map(|(r, b)| view_of(r, b));
                 let bindings = bindings.unwrap_or(own).clone();
-                // SAFETY: resolved (every view points into a live pool
-                // within bounds, aligned to at least the element size; `regions` and
-                // `merge_region` hold the pools until the end of this arm, after the
-                // kernel returned); protocol-made (the writable bindings of the plan do
-                // not alias any other binding); own timeline (every other use of a buffer
-                // this operation writes, and every writer of one it reads, has finished).
+                // SAFETY: resolved (every view points into a live pool within bounds,
+                // aligned to at least the element size; `regions` and `merge_region` hold
+                // the pools until the end of this arm, after the kernel returned);
+                // protocol-made (the writable bindings of the plan do not alias any other
+                // binding); own timeline (every other use of a buffer this operation
+                // writes, and every writer of one it reads, has finished).
                 let kargs = unsafe { KernelArgs::with_parts(views, merge, bindings) };
                 run_cpu(kernel, &kargs, self.config.kernel_mode)
             }
