@@ -32,13 +32,22 @@
 //! issued back to back and waited for at the end) beside `MPI_Send`/`MPI_Recv` of the same
 //! bytes on the network stream, from a context on a compute stream and in place (the node
 //! in a context on the network stream).
+//!
+//! Both point-to-point modes also time the same calls on raw MPI with the cluster's header
+//! protocol written by hand ("MPI with headers", `examples/cluster/header_wire.rs`: each
+//! side of a transfer sends its header, the sender's with the data, and checks the other's).
+//! Its ratio to the plain calls is the protocol's price; the last column, the replayed
+//! calls' time over it, is the runtime's.
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "cluster/header_wire.rs"]
+mod header_wire;
 
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
 use clap::Parser;
+use header_wire::{HeaderWire, Part};
 use tributary::protocol::Context;
 use tributary::{
     collective::{ReduceOp, Strategy},
@@ -174,31 +183,36 @@ type TimedCalls = fn(
 ) -> Result<f64, Box<dyn std::error::Error>>;
 
 /// For each of `--sizes`: the median of `baseline` (raw MPI, seconds per call for `n` f32
-/// and `iters` calls), then `timed` (`bytes`, the root context, `iters`, calls per
-/// captured step or 0 to issue each call) from a context on a compute stream, in place on
-/// the network stream, and in place replayed in steps of `--step-calls`; rank 0 prints
-/// them with their ratios to the baseline.
+/// and `iters` calls) and of `with_headers` (the same calls on raw MPI with the cluster's
+/// header protocol written by hand, [`HeaderWire`]), then `timed` (`bytes`, the root
+/// context, `iters`, calls per captured step or 0 to issue each call) from a context on a
+/// compute stream, in place on the network stream, and in place replayed in steps of
+/// `--step-calls`; rank 0 prints them with their ratios to the baseline, and the replayed
+/// calls' ratio to `with_headers`.
 fn point_to_point(
     cluster: &Cluster,
     args: &Args,
     title: &str,
     [mpi, tributary]: [&str; 2],
-    baseline: fn(&Cluster, usize, usize) -> Result<f64, tributary::Error>,
+    [baseline, with_headers]: [Baseline; 2],
     timed: TimedCalls,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let rank = cluster.rank();
     if rank == 0 {
         println!("{title}; median of {} repetitions", args.reps);
         println!(
-            "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8} {:>22} {:>8}",
+            "{:>10} {:>20} {:>22} {:>8} {:>22} {:>8} {:>22} {:>8} {:>22} {:>8} {:>13}",
             "bytes",
             mpi,
+            "MPI with headers",
+            "ratio",
             tributary,
             "ratio",
             "in place",
             "ratio",
             format!("replayed, steps of {}", args.step_calls),
-            "ratio"
+            "ratio",
+            "to headers"
         );
     }
     for &bytes in &args.sizes {
@@ -207,6 +221,11 @@ fn point_to_point(
         let base = median(
             (0..args.reps)
                 .map(|_| baseline(cluster, n, iters))
+                .collect::<Result<_, _>>()?,
+        );
+        let headers = median(
+            (0..args.reps)
+                .map(|_| with_headers(cluster, n, iters))
                 .collect::<Result<_, _>>()?,
         );
         let mut times = Vec::new();
@@ -219,18 +238,104 @@ fn point_to_point(
         }
         if rank == 0 {
             println!(
-                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x",
+                "{bytes:>10} {:>17.1} us {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x {:>19.1} us {:>7.2}x {:>12.2}x",
                 base * 1e6,
+                headers * 1e6,
+                headers / base,
                 times[0] * 1e6,
                 times[0] / base,
                 times[1] * 1e6,
                 times[1] / base,
                 times[2] * 1e6,
-                times[2] / base
+                times[2] / base,
+                times[2] / headers
             );
         }
     }
     Ok(())
+}
+
+/// Seconds per call of `n` f32 and `iters` calls, on raw MPI.
+type Baseline = fn(&Cluster, usize, usize) -> Result<f64, tributary::Error>;
+
+/// [`mpi_pingpong`] with the cluster's header protocol ([`HeaderWire`]): a round trip is a
+/// transfer from rank 0 to rank 1 and one back, each a header exchange carrying the data,
+/// which the receiver copies into its buffer.
+fn mpi_pingpong_with_headers(
+    cluster: &Cluster,
+    n: usize,
+    iters: usize,
+) -> Result<f64, tributary::Error> {
+    cluster
+        .with_mpi(move |comm| {
+            let mut wire = HeaderWire::new(1, 4 * n);
+            let mut data = vec![1u8; 4 * n];
+            let rank = comm.rank();
+            // SAFETY: the communicator is the cluster's, used on the network stream, and
+            // ranks 0 and 1 run matching calls.
+            unsafe {
+                ffi::MPI_Barrier(comm.raw());
+                let t = Instant::now();
+                if rank < 2 {
+                    for i in 0..iters as u64 {
+                        for (call, sender) in [(2 * i, 0), (2 * i + 1, 1)] {
+                            let part = Part {
+                                peer: 1 - rank as i32,
+                                tag: 7,
+                                send: (rank == sender).then_some(&data[..]),
+                            };
+                            wire.call(comm.raw(), call, &[part])?;
+                            if rank != sender {
+                                data.copy_from_slice(wire.received(0));
+                            }
+                        }
+                    }
+                }
+                Ok(t.elapsed().as_secs_f64() / iters as f64)
+            }
+        })?
+        .map_err(tributary::Error::Internal)
+}
+
+/// [`mpi_exchange`] with the cluster's header protocol ([`HeaderWire`]): an exchange is
+/// two transfers posted at once, the lower rank's first (DESIGN.md §9, "One order per
+/// pair").
+fn mpi_exchange_with_headers(
+    cluster: &Cluster,
+    n: usize,
+    iters: usize,
+) -> Result<f64, tributary::Error> {
+    let peer = partner(cluster);
+    cluster
+        .with_mpi(move |comm| {
+            let mut wire = HeaderWire::new(2, 4 * n);
+            let (own, mut halo) = (vec![1u8; 4 * n], vec![0u8; 4 * n]);
+            let rank = comm.rank();
+            // SAFETY: the communicator is the cluster's, used on the network stream, and
+            // partner ranks run matching calls.
+            unsafe {
+                ffi::MPI_Barrier(comm.raw());
+                let t = Instant::now();
+                if let Some(peer) = peer {
+                    for i in 0..iters as u64 {
+                        let mine = || Some(&own[..]);
+                        let parts = [8, 9].map(|tag| {
+                            let sends = (tag == 8) == (rank < peer);
+                            Part {
+                                peer: peer as i32,
+                                tag,
+                                send: if sends { mine() } else { None },
+                            }
+                        });
+                        wire.call(comm.raw(), i, &parts)?;
+                        let received = if rank < peer { 1 } else { 0 };
+                        halo.copy_from_slice(wire.received(received));
+                    }
+                }
+                Ok(t.elapsed().as_secs_f64() / iters as f64)
+            }
+        })?
+        .map_err(tributary::Error::Internal)
 }
 
 /// The partner of this rank in the exchanges (ranks 0 and 1, 2 and 3, ...), if it has one.
@@ -518,7 +623,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             &args,
             "round trips between ranks 0 and 1 (Cluster::send, then Cluster::recv)",
             ["MPI_Send/MPI_Recv", "send/recv"],
-            mpi_pingpong,
+            [mpi_pingpong, mpi_pingpong_with_headers],
             time_pingpong,
         )?;
         cluster.shutdown()?;
@@ -530,7 +635,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             &args,
             "halo exchanges between partner ranks (0 and 1, ...; Cluster::sendrecv)",
             ["MPI_Sendrecv", "sendrecv"],
-            mpi_exchange,
+            [mpi_exchange, mpi_exchange_with_headers],
             time_exchange,
         )?;
         cluster.shutdown()?;

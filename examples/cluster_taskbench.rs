@@ -11,6 +11,11 @@
 //!   timestep `MPI_Isend`/`MPI_Irecv` of the boundary outputs with both neighbours and one
 //!   `MPI_Waitall`, then the rank's tasks in order, nothing allocated in the loop. It runs
 //!   on the cluster's network stream (`Cluster::with_mpi`), in the same processes.
+//! - `mpi with headers`: the same program with the cluster's header protocol written by hand
+//!   (`examples/cluster/header_wire.rs`): each timestep's transfers with a neighbour are
+//!   header exchanges carrying the data, checked before the data is used, as the cluster
+//!   checks every transfer (DESIGN.md §9). What it adds to `mpi` is the protocol's price;
+//!   what the tributary runners add to it is the runtime's (the last column of the table).
 //! - `cluster`: the tributary program a user writes: a CPU routine per column and parity on
 //!   one compute stream, one `Cluster::exchange` of the boundary outputs with the
 //!   neighbours each timestep (every send and receive at once, as the `mpi` runner's
@@ -37,6 +42,8 @@
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "cluster/header_wire.rs"]
+mod header_wire;
 #[allow(dead_code)] // the single-process benchmark's helpers beside the ones used here
 #[path = "taskbench/kernel.rs"]
 mod kernel;
@@ -46,6 +53,7 @@ mod metg;
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
 use clap::Parser;
+use header_wire::{HeaderWire, Part};
 use tributary::protocol::Context;
 use tributary::{
     kernels::{Access, RoutineSpec},
@@ -75,7 +83,7 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     samples: usize,
     /// Only these tributary runners (comma separated: cluster, "in place", "in place
-    /// replayed"); the `mpi` baseline always runs.
+    /// replayed"); the baselines (`mpi`, `mpi with headers`) always run.
     #[arg(long, value_delimiter = ',')]
     runners: Vec<String>,
 }
@@ -171,6 +179,109 @@ fn mpi_run(
             t_start.elapsed().as_secs_f64()
         }
     })
+}
+
+/// [`mpi_run`] with the cluster's header protocol written by hand ([`HeaderWire`]): each
+/// timestep, with each neighbour, the two transfers of the boundary outputs (the lower
+/// rank's first, DESIGN.md §9 "One order per pair") as one call of header exchanges
+/// carrying the data, every part posted at once and waited for with one `MPI_Waitall`;
+/// the received outputs are copied into the ghosts. What a careful engineer writes who
+/// wants the cluster's check of every transfer without a runtime.
+fn mpi_headers_run(
+    cluster: &Cluster,
+    width: usize,
+    steps: usize,
+    iterations: u64,
+    checks: Arc<Checks>,
+) -> tributary::Result<f64> {
+    let secs = cluster.with_mpi(move |comm: &RawComm| {
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let (lo, hi) = block(width, ranks, rank);
+        let mut prev = vec![[0f64; 2]; hi - lo + 2];
+        let mut cur = prev.clone();
+        let (mut inputs, mut sink) = (0u64, 0u64);
+        let mut wire = HeaderWire::new(4, 16);
+        let bytes_of = |v: &[f64; 2]| {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&v[0].to_le_bytes());
+            b[8..].copy_from_slice(&v[1].to_le_bytes());
+            b
+        };
+        let value_of = |b: &[u8]| {
+            let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
+            x.copy_from_slice(&b[..8]);
+            y.copy_from_slice(&b[8..16]);
+            [f64::from_le_bytes(x), f64::from_le_bytes(y)]
+        };
+        // SAFETY: the communicator is the cluster's, used on the network stream
+        // (`with_mpi`), and every neighbour runs the matching calls.
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            let t_start = Instant::now();
+            for t in 0..steps {
+                if t > 0 {
+                    let (low, high) = (bytes_of(&prev[1]), bytes_of(&prev[hi - lo]));
+                    // (part, ghost it lands in) per transfer this rank receives: `ghosts`.
+                    // On the stack: nothing allocated per timestep.
+                    let none = |tag| Part {
+                        peer: 0,
+                        tag,
+                        send: None,
+                    };
+                    let mut parts = [none(8), none(9), none(8), none(9)];
+                    let (mut n, mut ghosts, mut received) = (0, [(0, 0); 2], 0);
+                    if rank > 0 {
+                        let peer = rank as i32 - 1;
+                        parts[n] = Part {
+                            peer,
+                            tag: 8,
+                            send: None,
+                        };
+                        parts[n + 1] = Part {
+                            peer,
+                            tag: 9,
+                            send: Some(&low),
+                        };
+                        ghosts[received] = (n, 0);
+                        (n, received) = (n + 2, received + 1);
+                    }
+                    if rank + 1 < ranks {
+                        let peer = rank as i32 + 1;
+                        parts[n] = Part {
+                            peer,
+                            tag: 8,
+                            send: Some(&high),
+                        };
+                        parts[n + 1] = Part {
+                            peer,
+                            tag: 9,
+                            send: None,
+                        };
+                        ghosts[received] = (n + 1, hi - lo + 1);
+                        (n, received) = (n + 2, received + 1);
+                    }
+                    wire.call(comm.raw(), t as u64, &parts[..n])?;
+                    for &(part, ghost) in &ghosts[..received] {
+                        prev[ghost] = value_of(wire.received(part));
+                    }
+                }
+                for i in lo..hi {
+                    for j in deps(width, t, i) {
+                        if check_input(t, i, j, &prev[j + 1 - lo]).is_ok() {
+                            inputs += 1;
+                        }
+                    }
+                    sink += compute_bound(iterations).to_bits() & 1;
+                    cur[i + 1 - lo] = output(t, i);
+                }
+                std::mem::swap(&mut prev, &mut cur);
+            }
+            ffi::MPI_Barrier(comm.raw());
+            checks.add(inputs, sink);
+            Ok(t_start.elapsed().as_secs_f64())
+        }
+    })?;
+    secs.map_err(tributary::Error::Internal)
 }
 
 /// A tributary cluster running the graph: a routine per local column and parity (and for
@@ -365,7 +476,13 @@ impl Calls for ClusterCapture<'_, '_> {
 }
 
 /// The runners, the baseline first.
-const RUNNERS: [&str; 4] = ["mpi", "cluster", "in place", "in place replayed"];
+const RUNNERS: [&str; 5] = [
+    "mpi",
+    "mpi with headers",
+    "cluster",
+    "in place",
+    "in place replayed",
+];
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(1).spawn()?);
@@ -390,13 +507,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     // (runner, iterations, seconds)
     let mut runs: Vec<(&str, u64, f64)> = Vec::new();
     for runner in RUNNERS {
-        if runner != "mpi" && !args.runners.is_empty() && !args.runners.iter().any(|r| r == runner)
-        {
+        let baseline = runner.starts_with("mpi");
+        if !baseline && !args.runners.is_empty() && !args.runners.iter().any(|r| r == runner) {
             continue;
         }
         let mut iterations = args.max_iterations.max(1);
         loop {
-            let graph = if runner == "mpi" {
+            let graph = if baseline {
                 None
             } else {
                 Some(ClusterGraph::link(
@@ -412,7 +529,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 checks.reset();
                 let secs = match &graph {
                     Some(g) => g.run(&cluster, args.steps, runner.ends_with("replayed"))?,
-                    None => mpi_run(&cluster, args.width, args.steps, iterations, checks.clone())?,
+                    None => {
+                        let run = if runner == "mpi" {
+                            mpi_run
+                        } else {
+                            mpi_headers_run
+                        };
+                        run(&cluster, args.width, args.steps, iterations, checks.clone())?
+                    }
                 };
                 if checks.inputs() != expected_inputs {
                     return Err(format!(
@@ -476,14 +600,19 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }
             metgs.push((runner, metg(&points, peak, 0.5)));
         }
-        println!("| runner | METG(50%) | ratio to MPI |");
-        println!("|---|---:|---:|");
-        let base = metgs[0].1;
+        println!("| runner | METG(50%) | ratio to MPI | ratio to MPI with headers |");
+        println!("|---|---:|---:|---:|");
+        let (base, headers) = (metgs[0].1, metgs[1].1);
+        let ratio =
+            |m: f64, b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.1}x", m / b));
         for (runner, m) in metgs {
-            match (m, base) {
-                (Some(m), Some(b)) => println!("| {runner} | {m:.2} us | {:.1}x |", m / b),
-                (Some(m), None) => println!("| {runner} | {m:.2} us | - |"),
-                (None, _) => println!("| {runner} | never 50% efficient | - |"),
+            match m {
+                Some(m) => println!(
+                    "| {runner} | {m:.2} us | {} | {} |",
+                    ratio(m, base),
+                    ratio(m, headers)
+                ),
+                None => println!("| {runner} | never 50% efficient | - | - |"),
             }
         }
     }
