@@ -63,6 +63,8 @@ MUTANTS=(
   "relaxed_signal:event::completion_publishes_data event::spinning_and_parked_waiters_see_completion"
   "spin_relaxed:event::spinning_and_parked_waiters_see_completion"
   "wake_past_only:event::wait_vs_signal event::spinning_and_parked_waiters_see_completion"
+  "lowest_read_before_cas:event::wait_vs_signal event::async_vs_signal"
+  "lowest_unsynchronised:event::wait_vs_signal event::async_vs_signal"
   # pending events' cells, reused (src/event/pending.rs)
   "cell_reuse:event::pooled_cell_is_reused_only_by_its_last_holder event::a_deferred_event_gives_its_cell_back_only_as_its_last_holder"
   "fail_no_wake:event::failure_wakes_and_fails_every_waiter protocol::failure_fails_dependents_with_root_cause"

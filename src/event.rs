@@ -31,6 +31,23 @@
 //! condition variable only once the lowest registered number is decided, so a host waiting for
 //! the end of a long queue is not woken by every operation; mutant `wake_past_only`.
 //!
+//! # Signals below every waiter
+//!
+//! Nor does such a host make every operation's signal take the lock. The timeline keeps
+//! `lowest`, the lowest number anyone is registered for (`u64::MAX` for none), never above
+//! any registered number: a waiter lowers it (`fetch_min`) before its `fetch_or` of
+//! `WAITERS`, which is `Release`; every removal recomputes it under the lock. A signal whose
+//! compare-and-swap (`AcqRel`) replaced a word with `WAITERS` reads `lowest` after it and
+//! takes the lock only if its number reaches it. If the waiter's `fetch_or` came first in
+//! the word's order, the compare-and-swap acquires it, so the signal reads the waiter's
+//! number or a later value (another registration's, lower, or a recomputation under the lock
+//! made after the registration, which counts it while it is registered); if the signal came
+//! first, the waiter's check sees the new counter, as above. A stale value read after a
+//! removal is only lower, which costs a lock for nothing. Mutants: `lowest_read_before_cas`
+//! (the number read before moving the counter) and `lowest_unsynchronised` (the
+//! compare-and-swap without `Acquire`) lose the wake-up in `event::wait_vs_signal` and
+//! `event::async_vs_signal`.
+//!
 //! A failure sets `FAILED` in the compare-and-swap that advances the counter past it. So a
 //! reader that sees the counter past `n` without `FAILED` knows, without the lock, that
 //! nothing up to `n` failed. The three flag bits limit sequence numbers to [`MAX_SEQ`].
@@ -198,6 +215,12 @@ pub struct Timeline {
     stream: StreamId,
     /// Completed counter and flags; see the module documentation for the layout.
     word: AtomicU64,
+    /// The lowest sequence number a blocked thread or a registered waker waits for
+    /// (`u64::MAX` when none): `signal` takes the lock only once the counter reaches it
+    /// (module documentation, "Signals below every waiter"). Never above the lowest
+    /// registered number: lowered before a registration is announced, recomputed under the
+    /// lock after every removal.
+    lowest: AtomicU64,
     inner: Mutex<Inner>,
     cond: Condvar,
 }
@@ -208,6 +231,7 @@ impl Timeline {
         Arc::new(Timeline {
             stream,
             word: AtomicU64::new(0),
+            lowest: AtomicU64::new(u64::MAX),
             inner: Mutex::new(Inner::default()),
             cond: Condvar::new(),
         })
@@ -243,25 +267,34 @@ impl Timeline {
     /// The backend reports that every operation up to `seq` has finished.
     ///
     /// Monotonic: a value not above [`completed`](Timeline::completed) is ignored. Cheap:
-    /// when nobody waits, one compare-and-swap and no lock. Operations in the range that
+    /// when nobody waits for `seq` or an earlier operation, one compare-and-swap and no lock
+    /// (module documentation, "Signals below every waiter"). Operations in the range that
     /// were not reported with [`fail`](Timeline::fail) first count as successful.
     pub fn signal(&self, seq: u64) {
         let seq = clamp(seq);
+        // The mutant reads the lowest waited-for number before moving the counter: a waiter
+        // that registers in between is skipped and never woken.
+        let early_lowest =
+            mutant!("lowest_read_before_cas").then(|| self.lowest.load(Ordering::Acquire));
         // Relaxed: only the first guess for the compare-and-swap below, which re-reads.
         let mut cur = self.word.load(Ordering::Relaxed);
         loop {
             if counter(cur) >= seq {
                 return;
             }
-            // Success Release: publishes the operations' effects (and whatever was done
-            // before this call) to every Acquire load that sees the new counter; the
-            // read-modify-writes of waiters continue the release sequence. No Acquire is
-            // needed: the old value is only inspected for the WAITERS bit, and the wake-up
-            // below synchronises through the mutex. Failure Relaxed: we just retry.
+            // Success AcqRel. Release: publishes the operations' effects (and whatever was
+            // done before this call) to every Acquire load that sees the new counter; the
+            // read-modify-writes of waiters continue the release sequence. Acquire: when
+            // the replaced word has WAITERS, a registration announced before this
+            // compare-and-swap (its `fetch_or` is Release) happens before the load of
+            // `lowest` below, which therefore sees that registration's number (or a later
+            // value, computed under the lock). Failure Relaxed: we just retry.
             let success = if mutant!("relaxed_signal") {
                 Ordering::Relaxed
-            } else {
+            } else if mutant!("lowest_unsynchronised") {
                 Ordering::Release
+            } else {
+                Ordering::AcqRel
             };
             match self.word.compare_exchange_weak(
                 cur,
@@ -276,6 +309,13 @@ impl Timeline {
         if cur & WAITERS == 0 {
             // Fast path: nobody had registered when the counter moved, and anyone who
             // registers later sees the new counter (module documentation).
+            return;
+        }
+        // Relaxed: ordered by the compare-and-swap's Acquire (above).
+        let lowest = early_lowest.unwrap_or_else(|| self.lowest.load(Ordering::Relaxed));
+        if seq < lowest {
+            // Below every waiter: nobody to wake, no lock (module documentation, "Signals
+            // below every waiter").
             return;
         }
         let mut inner = self.inner.lock();
@@ -481,20 +521,38 @@ impl Timeline {
         None
     }
 
-    /// Sets WAITERS before the caller checks the status (module documentation).
-    fn announce_waiter(&self) {
+    /// Lowers `lowest` to `seq`, then sets WAITERS, before the caller checks the status
+    /// (module documentation). Called with the lock held, by a waiter about to register
+    /// for `seq`.
+    fn announce_waiter(&self, seq: u64) {
         if mutant!("lost_wakeup") {
             return;
         }
-        // Relaxed: what matters is that this read-modify-write is ordered with the `signal`
-        // compare-and-swaps in the word's modification order, which holds for any ordering;
-        // the status check that follows makes its own Acquire load, which cannot read an
-        // older value than this one (coherence).
-        self.word.fetch_or(WAITERS, Ordering::Relaxed);
+        // Relaxed: published by the Release of the `fetch_or` below.
+        self.lowest.fetch_min(seq, Ordering::Relaxed);
+        // Release: a `signal` whose compare-and-swap replaces a word with this bit (or a
+        // later one) sees the `fetch_min` above. The handshake itself needs no ordering:
+        // this read-modify-write is ordered with the `signal` compare-and-swaps in the
+        // word's modification order whatever the ordering, and the status check that
+        // follows makes its own Acquire load, which cannot read an older value than this
+        // one (coherence).
+        self.word.fetch_or(WAITERS, Ordering::Release);
     }
 
-    /// Clears WAITERS if nobody is registered any more. Called with the lock held.
-    fn clear_waiters_if_idle(&self, inner: &Inner) {
+    /// After registrations were removed: publishes the lowest number still waited for, and
+    /// clears WAITERS if nobody is registered any more. Called with the lock held.
+    fn registrations_changed(&self, inner: &Inner) {
+        let blocked = inner.blocked.first_key();
+        let registered = inner.wakers.first_key().map(|(seq, _)| seq);
+        let lowest = blocked
+            .into_iter()
+            .chain(registered)
+            .min()
+            .unwrap_or(u64::MAX);
+        // Relaxed: a registration made later, under the lock, lowers it again before it
+        // announces itself; a `signal` that reads an older, lower value merely takes the
+        // lock for nothing.
+        self.lowest.store(lowest, Ordering::Relaxed);
         if inner.blocked.is_empty() && inner.wakers.is_empty() {
             // Relaxed: the bit is only a hint for `signal` to take the lock; registrations
             // happen under the lock we hold, so no waiter can be lost by clearing it, and a
@@ -533,7 +591,7 @@ impl Timeline {
         if inner.blocked.first_key().as_ref().is_some_and(decided) {
             self.cond.notify_all();
         }
-        self.clear_waiters_if_idle(inner);
+        self.registrations_changed(inner);
         ready
     }
 
@@ -546,7 +604,7 @@ impl Timeline {
         }
         let mut inner = self.inner.lock();
         *inner.blocked.get_or_insert_with(seq, || 0) += 1;
-        self.announce_waiter();
+        self.announce_waiter(seq);
         let result = loop {
             if let Some(result) = self.status_locked(seq, &inner).into_result() {
                 break result;
@@ -571,7 +629,7 @@ impl Timeline {
                 inner.blocked.remove(&seq);
             }
         }
-        self.clear_waiters_if_idle(&inner);
+        self.registrations_changed(&inner);
         result
     }
 }
@@ -842,12 +900,12 @@ impl Future for EventFuture {
         // Announce before checking, exactly like a blocking waiter (module documentation):
         // a `signal` racing with this registration either is seen by the check below or
         // sees WAITERS and wakes the waker stored below.
-        timeline.announce_waiter();
+        timeline.announce_waiter(seq);
         if let Some(result) = timeline.status_locked(seq, &inner).into_result() {
             if let Some(id) = this.registration.take() {
                 inner.wakers.remove(&(seq, id));
             }
-            timeline.clear_waiters_if_idle(&inner);
+            timeline.registrations_changed(&inner);
             return Poll::Ready(result);
         }
         let id = match this.registration {
@@ -876,7 +934,7 @@ impl Drop for EventFuture {
             let timeline = &*self.event.timeline;
             let mut inner = timeline.inner.lock();
             inner.wakers.remove(&(self.event.seq, id));
-            timeline.clear_waiters_if_idle(&inner);
+            timeline.registrations_changed(&inner);
         }
     }
 }
@@ -1191,6 +1249,43 @@ mod tests {
         t.signal(3);
         assert_eq!(h.join().expect("waiter"), Ok(()));
         // Relaxed: the waiter was joined.
+        assert_eq!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
+    }
+
+    /// `lowest` follows the registrations: the lowest number waited for while someone
+    /// waits (a blocked thread, an async waker), `u64::MAX` once nobody does; a signal below
+    /// it leaves the waiters registered, one that reaches it releases them.
+    #[test]
+    fn lowest_tracks_the_lowest_registration() {
+        let t = Timeline::new(sid(0, 0));
+        // Relaxed: the test reads its own earlier stores, or waits for the other thread's.
+        let lowest = |t: &Timeline| t.lowest.load(Ordering::Relaxed);
+        assert_eq!(lowest(&t), u64::MAX);
+        let t2 = Arc::clone(&t);
+        let h = std::thread::spawn(move || t2.wait_timeout(5, Duration::from_secs(60)));
+        while lowest(&t) != 5 {
+            std::thread::yield_now();
+        }
+        let flag = StdArc::new(Flag::default());
+        let waker = Waker::from(StdArc::clone(&flag));
+        let woken = || flag.0.load(std::sync::atomic::Ordering::SeqCst);
+        let mut fut = Box::pin(Event::new(Arc::clone(&t), 3).wait_async());
+        assert!(fut
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        assert_eq!(lowest(&t), 3);
+        t.signal(2);
+        assert_eq!(lowest(&t), 3, "a signal below every waiter releases nobody");
+        assert!(!woken());
+        t.signal(3);
+        assert!(woken(), "the waker was woken");
+        assert_eq!(lowest(&t), 5, "the woken waker no longer counts");
+        t.signal(4);
+        assert_eq!(lowest(&t), 5, "the blocked thread still waits");
+        t.signal(5);
+        assert_eq!(h.join().expect("waiter"), Ok(()));
+        assert_eq!(lowest(&t), u64::MAX);
         assert_eq!(t.word.load(Ordering::Relaxed) & WAITERS, 0);
     }
 
