@@ -445,6 +445,22 @@ impl Network {
             .collect()
     }
 
+    /// Each of `ops` (description, contributions, [`Issued::fused`]) as
+    /// [`Network::issue_with`], under one acquisition of the issue queue's lock: a replayed
+    /// step re-issues its network operations so (the network stream's worker takes entries
+    /// from the front of the same queue).
+    pub(crate) fn issue_all<'a>(
+        &self,
+        ops: impl IntoIterator<Item = (&'a OpDesc, usize, bool)>,
+    ) -> IssuedGroup {
+        let mut st = lock(&self.issue);
+        ops.into_iter()
+            .map(|(desc, contributions, fused)| {
+                Self::push_issued(&mut st, self.rank(), desc.clone(), contributions, fused)
+            })
+            .collect()
+    }
+
     /// [`Network::issue`], `fused` as [`Issued::fused`] (a replay re-issues a captured
     /// sendrecv's entries so).
     pub(crate) fn issue_with(

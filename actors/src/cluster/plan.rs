@@ -20,7 +20,7 @@ use tributary::{
 
 use super::{
     header::{CrossRankAlgorithm, OpDesc, OpKind},
-    network::{check_dtype, EntryTicket, Issued, Network, View},
+    network::{check_dtype, EntryTicket, Issued, IssuedGroup, Network, View},
     Cluster, Exchange,
 };
 use crate::{
@@ -273,8 +273,17 @@ impl ClusterTicket {
         ops: impl IntoIterator<Item = Arc<Issued>>,
         tickets: impl IntoIterator<Item = Ticket>,
     ) -> ClusterTicket {
+        ClusterTicket::from_parts(ops.into_iter().collect(), tickets)
+    }
+
+    /// [`ClusterTicket::new`] keeping `ops` as they are (a replay's many operations are
+    /// not copied into a second vector).
+    pub(crate) fn from_parts(
+        ops: IssuedGroup,
+        tickets: impl IntoIterator<Item = Ticket>,
+    ) -> ClusterTicket {
         ClusterTicket {
-            ops: ops.into_iter().collect(),
+            ops,
             tickets: tickets.into_iter().collect(),
         }
     }
@@ -296,6 +305,15 @@ impl ClusterTicket {
     /// Of a sendrecv, whose two transfers fail together when either does (one routine runs
     /// both), the typed error of the transfer that failed.
     pub fn wait(&self) -> Result<()> {
+        // First the last network operation: the network stream runs them in issue order,
+        // so once it is decided every earlier one is, and the loop below reads their
+        // outcomes without blocking. Waited for one by one, each would park and wake this
+        // thread again: on a rank bound to one core, every wake-up takes the core from the
+        // network stream's worker (up to one per operation of a replayed step; the result
+        // is read again below, in issue order).
+        if let Some(last) = self.ops.last().and_then(|op| op.event.get()) {
+            let _ = last.wait();
+        }
         let mut untyped = None;
         for op in &self.ops {
             let r = match op.event.get() {

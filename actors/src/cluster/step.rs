@@ -300,16 +300,13 @@ impl Cluster {
         values: Option<&StepBindings>,
     ) -> Result<ClusterTicket> {
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
-        let issued: smallvec::SmallVec<[_; 4]> = step
-            .network
-            .iter()
-            // Mutant: a replay that does not queue its network operations again.
-            .filter(|_| !mutant!("cluster_replay_unqueued"))
-            .map(|op| {
-                self.net
-                    .issue_with(op.desc.clone(), op.contributions, op.fused)
-            })
-            .collect();
+        let issued = self.net.issue_all(
+            step.network
+                .iter()
+                // Mutant: a replay that does not queue its network operations again.
+                .filter(|_| !mutant!("cluster_replay_unqueued"))
+                .map(|op| (&op.desc, op.contributions, op.fused)),
+        );
         let replayed = match values {
             Some(v) => self.sys.replay_with(&step.step, v),
             None => self.sys.replay(&step.step),
@@ -329,6 +326,6 @@ impl Cluster {
                 });
             }
         }
-        Ok(ClusterTicket::new(issued, tickets))
+        Ok(ClusterTicket::from_parts(issued, tickets))
     }
 }
