@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use crate::{
     error::{Error, Result},
-    event::{Event, Timeline, MAX_SEQ},
+    event::{Event, EventStatus, Timeline, MAX_SEQ},
     ids::StreamId,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -371,6 +371,23 @@ impl PendingEvent {
     /// The operation's event once planned, or the error that refused it.
     pub fn outcome(&self) -> Option<Result<Event>> {
         self.planned().map(|p| self.to_event(p))
+    }
+
+    /// The status of the operation `back` operations before this one on its stream (`0`:
+    /// this one) once planned, read without making an [`Event`] (no reference count is
+    /// touched: a network stream's worker asks this of every operation it takes); `Err` if
+    /// this operation was refused or there is no such earlier operation.
+    pub fn status_before(&self, back: u64) -> Option<Result<EventStatus>> {
+        self.planned().map(|planned| match planned {
+            Planned::At(seq) => match seq.checked_sub(back).filter(|&s| s > 0) {
+                Some(seq) => Ok(self.timeline.status(seq)),
+                None => Err(Error::Internal(format!(
+                    "the operation {back} before {}#{seq}",
+                    self.stream()
+                ))),
+            },
+            Planned::Refused(_, e) => Err(e),
+        })
     }
 
     fn to_event(&self, planned: Planned) -> Result<Event> {

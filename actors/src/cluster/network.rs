@@ -272,15 +272,15 @@ impl EntryTicket {
         self.event()?.wait()
     }
 
-    /// Its event (or the error that refused it) if its device decided it already; `None`
-    /// while undecided. Never waits.
-    fn try_event(&self) -> Option<Result<Event>> {
-        match self {
-            EntryTicket::Issued(t) => t.try_event(),
-            EntryTicket::Replayed { last, back } => {
-                Some(last.try_event()?.and_then(|e| Self::before(e, *back)))
-            }
-        }
+    /// [`EntryTicket::never_runs`] if its device decided it already, `None` while
+    /// undecided. Never waits, and makes no event (the network stream's worker asks this
+    /// of the front entry before every operation it runs).
+    fn try_never_runs(&self) -> Option<bool> {
+        let status = match self {
+            EntryTicket::Issued(t) => t.try_status_before(0),
+            EntryTicket::Replayed { last, back } => last.try_status_before(*back),
+        };
+        status.map(|s| !matches!(s, Ok(EventStatus::Pending | EventStatus::Done)))
     }
 
     /// Whether the operation's kernel will never run: its event failed, or its device
@@ -566,7 +566,7 @@ impl Network {
             let never_runs = match first.event.get() {
                 None if mutant!("cluster_ticket_unset_runs") => Some(false),
                 None => None,
-                Some(t) => t.try_event().map(EntryTicket::never_runs),
+                Some(t) => t.try_never_runs(),
             };
             let never_runs = match never_runs {
                 Some(known) => known,
