@@ -289,12 +289,10 @@ impl Timeline {
             // compare-and-swap (its `fetch_or` is Release) happens before the load of
             // `lowest` below, which therefore sees that registration's number (or a later
             // value, computed under the lock). Failure Relaxed: we just retry.
-            let success = if mutant!("relaxed_signal") {
-                Ordering::Relaxed
-            } else if mutant!("lowest_unsynchronised") {
-                Ordering::Release
-            } else {
-                Ordering::AcqRel
+            let success = match (mutant!("relaxed_signal"), mutant!("lowest_unsynchronised")) {
+                (true, _) => Ordering::Relaxed,
+                (false, true) => Ordering::Release,
+                (false, false) => Ordering::AcqRel,
             };
             match self.word.compare_exchange_weak(
                 cur,
