@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tributary::{
     dispatch::{HeldEvent, Issued},
     pending::PendingEvent,
-    Error, Event, EventStatus, Result,
+    Error, Event, Result,
 };
 
 /// The event of an operation, possibly not decided yet. Cheap to clone.
@@ -78,8 +78,9 @@ impl Ticket {
     /// The status of the operation `back` operations before this one on its stream (`0`:
     /// this one), if it was decided, read without making an event (see
     /// [`PendingEvent::status_before`]); `Err` if it was refused or there is no such
-    /// operation. Never waits.
-    pub(crate) fn try_status_before(&self, back: u64) -> Option<Result<EventStatus>> {
+    /// operation. Never waits. The cluster's network stream asks it.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn try_status_before(&self, back: u64) -> Option<Result<tributary::EventStatus>> {
         match &self.inner {
             Inner::Pending(p) => p.status_before(back),
             Inner::Held(h) => match h.pending() {
@@ -87,9 +88,9 @@ impl Ticket {
                 Err(e) => Some(Err(e)),
             },
             Inner::Ready(r) => Some(r.clone().and_then(|e| {
-                e.before(back).map(|e| e.status()).ok_or_else(|| {
-                    Error::Internal(format!("the operation {back} before {e:?}"))
-                })
+                e.before(back)
+                    .map(|e| e.status())
+                    .ok_or_else(|| Error::Internal(format!("the operation {back} before {e:?}")))
             })),
         }
     }
