@@ -106,113 +106,29 @@ fn deps(width: usize, t: usize, i: usize) -> Vec<usize> {
     (i.saturating_sub(1)..(i + 2).min(width)).collect()
 }
 
-/// Seconds for `steps` timesteps of the graph on raw MPI, barrier to barrier.
+/// Seconds for `steps` timesteps of the graph on raw MPI, barrier to barrier: one thread
+/// per rank, each timestep the boundary outputs exchanged with both neighbours, then the
+/// rank's tasks in order, nothing allocated in the loop. `with_headers`: the exchange is
+/// the cluster's header protocol written by hand ([`exchange_with_headers`]); otherwise
+/// plain `MPI_Isend`/`MPI_Irecv` and one `MPI_Waitall` ([`exchange_plain`]).
 fn mpi_run(
     cluster: &Cluster,
     width: usize,
     steps: usize,
     iterations: u64,
     checks: Arc<Checks>,
+    with_headers: bool,
 ) -> tributary::Result<f64> {
-    cluster.with_mpi(move |comm: &RawComm| {
+    let secs = cluster.with_mpi(move |comm: &RawComm| {
         let (rank, ranks) = (comm.rank(), comm.size());
-        let (lo, hi) = block(width, ranks, rank);
+        let cols = block(width, ranks, rank);
+        let (lo, hi) = cols;
         // Outputs of the previous and the current timestep, columns lo - 1 ..= hi (the two
         // ghosts at the ends).
         let mut prev = vec![[0f64; 2]; hi - lo + 2];
         let mut cur = prev.clone();
         let (mut inputs, mut sink) = (0u64, 0u64);
-        // SAFETY: reading an MPI constant the library initialised (MPI is running).
-        let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 4];
-        // SAFETY: every buffer passed to MPI is a `[f64; 2]` of `prev` that lives, unmoved,
-        // until the `MPI_Waitall` of the same timestep; the communicator is the cluster's,
-        // used on the network stream (`with_mpi`).
-        unsafe {
-            ffi::MPI_Barrier(comm.raw());
-            let t_start = Instant::now();
-            for t in 0..steps {
-                if t > 0 {
-                    let mut n = 0;
-                    let mut exchange = |peer: usize, send: usize, recv: usize| {
-                        let p = prev.as_mut_ptr();
-                        ffi::MPI_Irecv(
-                            p.add(recv).cast(),
-                            2,
-                            ffi::RSMPI_DOUBLE,
-                            peer as i32,
-                            3,
-                            comm.raw(),
-                            &mut requests[n],
-                        );
-                        ffi::MPI_Isend(
-                            p.add(send).cast(),
-                            2,
-                            ffi::RSMPI_DOUBLE,
-                            peer as i32,
-                            3,
-                            comm.raw(),
-                            &mut requests[n + 1],
-                        );
-                        n += 2;
-                    };
-                    if rank > 0 {
-                        exchange(rank - 1, 1, 0);
-                    }
-                    if rank + 1 < ranks {
-                        exchange(rank + 1, hi - lo, hi - lo + 1);
-                    }
-                    ffi::MPI_Waitall(n as i32, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE);
-                }
-                for i in lo..hi {
-                    for j in deps(width, t, i) {
-                        if check_input(t, i, j, &prev[j + 1 - lo]).is_ok() {
-                            inputs += 1;
-                        }
-                    }
-                    sink += compute_bound(iterations).to_bits() & 1;
-                    cur[i + 1 - lo] = output(t, i);
-                }
-                std::mem::swap(&mut prev, &mut cur);
-            }
-            ffi::MPI_Barrier(comm.raw());
-            checks.add(inputs, sink);
-            t_start.elapsed().as_secs_f64()
-        }
-    })
-}
-
-/// [`mpi_run`] with the cluster's header protocol written by hand ([`HeaderWire`]): each
-/// timestep, with each neighbour, the two transfers of the boundary outputs (the lower
-/// rank's first, DESIGN.md §9 "One order per pair") as one call of header exchanges
-/// carrying the data, every part posted at once and waited for with one `MPI_Waitall`;
-/// the received outputs are copied into the ghosts. What a careful engineer writes who
-/// wants the cluster's check of every transfer without a runtime.
-fn mpi_headers_run(
-    cluster: &Cluster,
-    width: usize,
-    steps: usize,
-    iterations: u64,
-    checks: Arc<Checks>,
-) -> tributary::Result<f64> {
-    let secs = cluster.with_mpi(move |comm: &RawComm| {
-        let (rank, ranks) = (comm.rank(), comm.size());
-        let (lo, hi) = block(width, ranks, rank);
-        let mut prev = vec![[0f64; 2]; hi - lo + 2];
-        let mut cur = prev.clone();
-        let (mut inputs, mut sink) = (0u64, 0u64);
         let mut wire = HeaderWire::new(4, 16);
-        let bytes_of = |v: &[f64; 2]| {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&v[0].to_le_bytes());
-            b[8..].copy_from_slice(&v[1].to_le_bytes());
-            b
-        };
-        let value_of = |b: &[u8]| {
-            let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
-            x.copy_from_slice(&b[..8]);
-            y.copy_from_slice(&b[8..16]);
-            [f64::from_le_bytes(x), f64::from_le_bytes(y)]
-        };
         // SAFETY: the communicator is the cluster's, used on the network stream
         // (`with_mpi`), and every neighbour runs the matching calls.
         unsafe {
@@ -220,49 +136,18 @@ fn mpi_headers_run(
             let t_start = Instant::now();
             for t in 0..steps {
                 if t > 0 {
-                    let (low, high) = (bytes_of(&prev[1]), bytes_of(&prev[hi - lo]));
-                    // (part, ghost it lands in) per transfer this rank receives: `ghosts`.
-                    // On the stack: nothing allocated per timestep.
-                    let none = |tag| Part {
-                        peer: 0,
-                        tag,
-                        send: None,
-                    };
-                    let mut parts = [none(8), none(9), none(8), none(9)];
-                    let (mut n, mut ghosts, mut received) = (0, [(0, 0); 2], 0);
-                    if rank > 0 {
-                        let peer = rank as i32 - 1;
-                        parts[n] = Part {
-                            peer,
-                            tag: 8,
-                            send: None,
-                        };
-                        parts[n + 1] = Part {
-                            peer,
-                            tag: 9,
-                            send: Some(&low),
-                        };
-                        ghosts[received] = (n, 0);
-                        (n, received) = (n + 2, received + 1);
-                    }
-                    if rank + 1 < ranks {
-                        let peer = rank as i32 + 1;
-                        parts[n] = Part {
-                            peer,
-                            tag: 8,
-                            send: Some(&high),
-                        };
-                        parts[n + 1] = Part {
-                            peer,
-                            tag: 9,
-                            send: None,
-                        };
-                        ghosts[received] = (n + 1, hi - lo + 1);
-                        (n, received) = (n + 2, received + 1);
-                    }
-                    wire.call(comm.raw(), t as u64, &parts[..n])?;
-                    for &(part, ghost) in &ghosts[..received] {
-                        prev[ghost] = value_of(wire.received(part));
+                    let (rank, ranks) = (rank as i32, ranks as i32);
+                    if with_headers {
+                        exchange_with_headers(
+                            comm.raw(),
+                            &mut wire,
+                            t,
+                            (rank, ranks),
+                            cols,
+                            &mut prev,
+                        )?;
+                    } else {
+                        exchange_plain(comm.raw(), (rank, ranks), cols, &mut prev);
                     }
                 }
                 for i in lo..hi {
@@ -282,6 +167,133 @@ fn mpi_headers_run(
         }
     })?;
     secs.map_err(tributary::Error::Internal)
+}
+
+/// The `mpi` runner's exchange: `MPI_Irecv`/`MPI_Isend` of the boundary outputs in `prev`
+/// (this rank's columns `lo..hi` at `1..=hi - lo`, the ghosts at both ends) with both
+/// neighbours, then one `MPI_Waitall`.
+///
+/// # Safety
+///
+/// `comm` is the cluster's communicator on the network stream, and the neighbours run the
+/// matching calls.
+unsafe fn exchange_plain(
+    comm: ffi::MPI_Comm,
+    (rank, ranks): (i32, i32),
+    (lo, hi): (usize, usize),
+    prev: &mut [[f64; 2]],
+) {
+    // SAFETY: reading an MPI constant the library initialised (MPI is running).
+    let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 4];
+    let mut n = 0;
+    let p = prev.as_mut_ptr();
+    let mut exchange = |peer: i32, send: usize, recv: usize| {
+        // SAFETY: `send` and `recv` index `prev` (at most `hi - lo + 1`), whose elements
+        // stay put until the `MPI_Waitall` below; `comm` is as this function requires.
+        unsafe {
+            ffi::MPI_Irecv(
+                p.add(recv).cast(),
+                2,
+                ffi::RSMPI_DOUBLE,
+                peer,
+                3,
+                comm,
+                &mut requests[n],
+            );
+            ffi::MPI_Isend(
+                p.add(send).cast(),
+                2,
+                ffi::RSMPI_DOUBLE,
+                peer,
+                3,
+                comm,
+                &mut requests[n + 1],
+            );
+        }
+        n += 2;
+    };
+    if rank > 0 {
+        exchange(rank - 1, 1, 0);
+    }
+    if rank + 1 < ranks {
+        exchange(rank + 1, hi - lo, hi - lo + 1);
+    }
+    // SAFETY: the `n` requests are live and their buffers untouched until this returns.
+    unsafe { ffi::MPI_Waitall(n as i32, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
+}
+
+/// The `mpi with headers` runner's exchange of timestep `t`: with each neighbour, the two
+/// transfers of the boundary outputs (the lower rank's first, DESIGN.md §9 "One order per
+/// pair") as one call of header exchanges carrying the data ([`HeaderWire`]), every part
+/// posted at once and waited for together; the received outputs are copied into the
+/// ghosts of `prev` (laid out as for [`exchange_plain`]). What a careful engineer writes
+/// who wants the cluster's check of every transfer without a runtime.
+///
+/// # Safety
+///
+/// As for [`exchange_plain`].
+unsafe fn exchange_with_headers(
+    comm: ffi::MPI_Comm,
+    wire: &mut HeaderWire,
+    t: usize,
+    (rank, ranks): (i32, i32),
+    (lo, hi): (usize, usize),
+    prev: &mut [[f64; 2]],
+) -> Result<(), String> {
+    let bytes_of = |v: &[f64; 2]| {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&v[0].to_le_bytes());
+        b[8..].copy_from_slice(&v[1].to_le_bytes());
+        b
+    };
+    let (low, high) = (bytes_of(&prev[1]), bytes_of(&prev[hi - lo]));
+    // On the stack: nothing allocated per timestep. `ghosts`: (part, ghost it lands in) per
+    // transfer this rank receives.
+    let none = |tag| Part {
+        peer: 0,
+        tag,
+        send: None,
+    };
+    let mut parts = [none(8), none(9), none(8), none(9)];
+    let (mut n, mut ghosts, mut received) = (0, [(0, 0); 2], 0);
+    if rank > 0 {
+        parts[n] = Part {
+            peer: rank - 1,
+            tag: 8,
+            send: None,
+        };
+        parts[n + 1] = Part {
+            peer: rank - 1,
+            tag: 9,
+            send: Some(&low),
+        };
+        ghosts[received] = (n, 0);
+        (n, received) = (n + 2, received + 1);
+    }
+    if rank + 1 < ranks {
+        parts[n] = Part {
+            peer: rank + 1,
+            tag: 8,
+            send: Some(&high),
+        };
+        parts[n + 1] = Part {
+            peer: rank + 1,
+            tag: 9,
+            send: None,
+        };
+        ghosts[received] = (n + 1, hi - lo + 1);
+        (n, received) = (n + 2, received + 1);
+    }
+    // SAFETY: as this function requires.
+    unsafe { wire.call(comm, t as u64, &parts[..n])? };
+    for &(part, ghost) in &ghosts[..received] {
+        let b = wire.received(part);
+        let (mut x, mut y) = ([0u8; 8], [0u8; 8]);
+        x.copy_from_slice(&b[..8]);
+        y.copy_from_slice(&b[8..16]);
+        prev[ghost] = [f64::from_le_bytes(x), f64::from_le_bytes(y)];
+    }
+    Ok(())
 }
 
 /// A tributary cluster running the graph: a routine per local column and parity (and for
@@ -529,14 +541,14 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 checks.reset();
                 let secs = match &graph {
                     Some(g) => g.run(&cluster, args.steps, runner.ends_with("replayed"))?,
-                    None => {
-                        let run = if runner == "mpi" {
-                            mpi_run
-                        } else {
-                            mpi_headers_run
-                        };
-                        run(&cluster, args.width, args.steps, iterations, checks.clone())?
-                    }
+                    None => mpi_run(
+                        &cluster,
+                        args.width,
+                        args.steps,
+                        iterations,
+                        checks.clone(),
+                        runner == "mpi with headers",
+                    )?,
                 };
                 if checks.inputs() != expected_inputs {
                     return Err(format!(

@@ -73,43 +73,13 @@ impl HeaderWire {
                 }
                 None => (HEADER, HEADER + self.bytes),
             };
-            for k in 0..expected.div_ceil(FRAME) {
-                // SAFETY: reading the library's constant.
-                let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
-                // SAFETY: frame `k` lies inside `inbox[i]` (sized for the whole message),
-                // untouched until the `MPI_Waitall` below; `comm` is as this function
-                // requires.
-                unsafe {
-                    ffi::MPI_Irecv(
-                        self.inbox[i].as_mut_ptr().add(k * FRAME).cast(),
-                        FRAME as i32,
-                        ffi::RSMPI_UINT8_T,
-                        part.peer,
-                        part.tag,
-                        comm,
-                        &mut r,
-                    );
-                }
-                self.requests.push(r);
-            }
-            for k in 0..sent.div_ceil(FRAME) {
-                let at = k * FRAME;
-                // SAFETY: reading the library's constant.
-                let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
-                // SAFETY: `at..sent` lies inside `out[i]`, untouched until the
-                // `MPI_Waitall` below.
-                unsafe {
-                    ffi::MPI_Isend(
-                        out.as_ptr().add(at).cast(),
-                        (sent - at).min(FRAME) as i32,
-                        ffi::RSMPI_UINT8_T,
-                        part.peer,
-                        part.tag,
-                        comm,
-                        &mut r,
-                    );
-                }
-                self.requests.push(r);
+            let (inbox, out) = (self.inbox[i].as_mut_ptr(), out.as_mut_ptr());
+            // SAFETY: `inbox[i]` has room for `expected` bytes in whole frames and `out[i]`
+            // holds `sent`; both stay put and untouched until the `MPI_Waitall` below;
+            // `comm` is as this function requires.
+            unsafe {
+                post(irecv, inbox, expected, part, comm, &mut self.requests);
+                post(isend, out, sent, part, comm, &mut self.requests);
             }
         }
         // SAFETY: every request above is live and its buffer untouched until this returns.
@@ -136,4 +106,95 @@ impl HeaderWire {
     pub fn received(&self, i: usize) -> &[u8] {
         &self.inbox[i][HEADER..HEADER + self.bytes]
     }
+}
+
+/// `MPI_Irecv` or `MPI_Isend` of bytes: buffer, bytes, peer, tag, communicator, request.
+type Post = unsafe fn(*mut u8, usize, i32, i32, ffi::MPI_Comm, &mut ffi::MPI_Request);
+
+/// Posts `len` bytes at `buf` with `call` in frames of at most [`FRAME`] bytes (a receive
+/// is posted with room for a whole frame: `buf` must have it), each request pushed on
+/// `requests`.
+///
+/// # Safety
+///
+/// As `call` requires of `buf` (frames included) until the requests complete.
+unsafe fn post(
+    call: Post,
+    buf: *mut u8,
+    len: usize,
+    part: &Part<'_>,
+    comm: ffi::MPI_Comm,
+    requests: &mut Vec<ffi::MPI_Request>,
+) {
+    for at in (0..len).step_by(FRAME) {
+        // SAFETY: reading the library's constant.
+        let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: frame `at..` of `buf`, as this function requires.
+        unsafe {
+            call(
+                buf.add(at),
+                (len - at).min(FRAME),
+                part.peer,
+                part.tag,
+                comm,
+                &mut r,
+            )
+        };
+        requests.push(r);
+    }
+}
+
+/// A receive of a whole frame into `buf` (`len` is the part of the message expected there;
+/// the receive takes whatever the peer sent, up to a frame).
+///
+/// # Safety
+///
+/// `buf..buf + FRAME` stays writable and untouched until the request completes.
+unsafe fn irecv(
+    buf: *mut u8,
+    _len: usize,
+    peer: i32,
+    tag: i32,
+    comm: ffi::MPI_Comm,
+    r: &mut ffi::MPI_Request,
+) {
+    // SAFETY: as this function requires.
+    unsafe {
+        ffi::MPI_Irecv(
+            buf.cast(),
+            FRAME as i32,
+            ffi::RSMPI_UINT8_T,
+            peer,
+            tag,
+            comm,
+            r,
+        )
+    };
+}
+
+/// A send of `len` bytes from `buf`.
+///
+/// # Safety
+///
+/// `buf..buf + len` stays readable and unchanged until the request completes.
+unsafe fn isend(
+    buf: *mut u8,
+    len: usize,
+    peer: i32,
+    tag: i32,
+    comm: ffi::MPI_Comm,
+    r: &mut ffi::MPI_Request,
+) {
+    // SAFETY: as this function requires.
+    unsafe {
+        ffi::MPI_Isend(
+            buf.cast_const().cast(),
+            len as i32,
+            ffi::RSMPI_UINT8_T,
+            peer,
+            tag,
+            comm,
+            r,
+        )
+    };
 }
