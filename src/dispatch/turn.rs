@@ -7,8 +7,10 @@
 //! [`DeviceTurn`] lock decides what is queued, in inbox order. The actor takes it when kicked,
 //! through [`DeviceTurn::run_kicked`]. A post that found the inbox idle takes it through
 //! [`DeviceTurn::run_here`], decides one batch, and kicks the actor for anything posted later.
-//! With [`BURST`] or more operations in flight, the post kicks the actor instead. See
-//! DESIGN.md §4, "Who decides".
+//! With [`BURST`] or more operations in flight, the post kicks the actor instead, unless
+//! the process may use one CPU only (an MPI rank bound to a core): there the actor could
+//! decide only once the poster left the core, so the hand-off would buy no parallelism and
+//! cost a context switch per batch ([`burst_for_cpus`]). See DESIGN.md §4, "Who decides".
 //!
 //! A batch ends with [`Inbox::finish`]. If something was posted meanwhile, the inbox's
 //! `scheduled` flag stays set and the actor is kicked for it. The mutant `inline_no_handoff`
@@ -26,14 +28,27 @@ use super::{
 use crate::sync::{Arc, Mutex, MutexGuard};
 
 /// Operations in flight on a device from which a post hands its decision to the actor
-/// (see [`DeviceTurn::run_here`]).
+/// (see [`DeviceTurn::run_here`]), in a process that may use more than one CPU.
 pub const BURST: u64 = 16;
+
+/// The operations in flight from which a post hands its decision to the actor, in a process
+/// allowed `cpus` CPUs: [`BURST`], or never (`None`) on one CPU, where the actor's thread
+/// shares the poster's core.
+///
+/// On MPI ranks bound to one core each, the hand-off made Task Bench's replayed steps
+/// across two ranks bimodal: some runs' METG doubled (BENCHMARKS.md, "One CPU, no
+/// hand-off to the device actor").
+pub fn burst_for_cpus(cpus: usize) -> Option<u64> {
+    (cpus > 1).then_some(BURST)
+}
 
 /// A device's decision state, and the inbox whose operations it decides; see the module
 /// documentation.
 pub struct DeviceTurn {
     core: Mutex<DeviceCore>,
     inbox: Arc<Inbox<DeviceOp>>,
+    /// [`burst_for_cpus`] of this process.
+    burst: Option<u64>,
 }
 
 impl DeviceTurn {
@@ -42,6 +57,7 @@ impl DeviceTurn {
         std::sync::Arc::new(DeviceTurn {
             core: Mutex::new(core),
             inbox,
+            burst: burst_for_cpus(crate::sync::spin::process_cpus()),
         })
     }
 
@@ -78,10 +94,15 @@ impl DeviceTurn {
     /// the caller posts without waiting, and will post again at once. Then the actor
     /// decides, in parallel with the caller's next posts (one wake-up for a whole batch),
     /// instead of the caller deciding one operation after the other. A dependency chain
-    /// (a copy, then its reader) keeps fewer in flight and stays on the caller.
+    /// (a copy, then its reader) keeps fewer in flight and stays on the caller. A process
+    /// allowed one CPU has no parallel to gain: its posts always decide here
+    /// ([`burst_for_cpus`]).
     pub fn run_here(&self) -> Ran {
         let mut core = self.core.lock();
-        if core.work_in_flight() >= BURST {
+        if self
+            .burst
+            .is_some_and(|burst| core.work_in_flight() >= burst)
+        {
             return Ran::Handoff;
         }
         let progress = core.run_once(&self.inbox);
@@ -112,5 +133,18 @@ impl std::fmt::Debug for DeviceTurn {
         f.debug_struct("DeviceTurn")
             .field("device", &self.inbox.device())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(all(test, not(tributary_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_cpu_never_hands_a_burst_to_the_actor() {
+        assert_eq!(burst_for_cpus(1), None);
+        assert_eq!(burst_for_cpus(0), None);
+        assert_eq!(burst_for_cpus(2), Some(BURST));
+        assert_eq!(burst_for_cpus(64), Some(BURST));
     }
 }

@@ -92,11 +92,22 @@ impl SpinWait {
     }
 }
 
-/// The CPUs this process may run on, read once.
+/// The CPUs this process may run on, read once. A process allowed one CPU neither spins
+/// (above) nor hands a burst of posts to a device actor (`dispatch::turn`): in both cases
+/// the thread it would wait on can run only once the calling thread leaves the core.
+///
+/// Under `tributary_loom`: unbounded, so a model takes the paths of a machine with cores to
+/// spare (a model never reaches a burst, and never spins).
 #[cfg(not(tributary_loom))]
-fn process_cpus() -> usize {
+pub fn process_cpus() -> usize {
     static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// See the documentation of the non-loom build.
+#[cfg(tributary_loom)]
+pub fn process_cpus() -> usize {
+    usize::MAX
 }
 
 #[cfg(all(test, not(tributary_loom)))]
