@@ -35,9 +35,9 @@ pub const BURST: u64 = 16;
 /// allowed `cpus` CPUs: [`BURST`], or never (`None`) on one CPU, where the actor's thread
 /// shares the poster's core.
 ///
-/// On MPI ranks bound to one core each, the hand-off made Task Bench's replayed steps
-/// across two ranks bimodal: some runs' METG doubled (BENCHMARKS.md, "One CPU, no
-/// hand-off to the device actor").
+/// On MPI ranks bound to one core each, Task Bench's replayed steps across two ranks reach
+/// a METG(50%) about 15% lower without the hand-off (BENCHMARKS.md, "One CPU, no hand-off
+/// to the device actor").
 pub fn burst_for_cpus(cpus: usize) -> Option<u64> {
     (cpus > 1).then_some(BURST)
 }
