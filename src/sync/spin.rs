@@ -97,7 +97,7 @@ impl SpinWait {
 /// the thread it would wait on can run only once the calling thread leaves the core.
 ///
 /// Under `tributary_loom`: unbounded, so a model takes the paths of a machine with cores to
-/// spare (a model never reaches a burst, and never spins).
+/// spare (`SpinWait` does not read it there, and no model has a burst in flight).
 #[cfg(not(tributary_loom))]
 pub fn process_cpus() -> usize {
     static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
