@@ -130,6 +130,11 @@ LOOM_MUTANT_TARGET_DIR="${LOOM_MUTANT_TARGET_DIR:-$LOOM_TARGET_DIR}"
 LOOM_JOBS="${LOOM_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 LOOM_MUTANT_TIMEOUT="${LOOM_MUTANT_TIMEOUT:-300}"
 export RUSTFLAGS="--cfg tributary_loom -C debug-assertions=on"
+# The models measure nothing: the runtime's crates build in sixteen codegen units here (the
+# release profile's one unit, there for stable benchmarks, would only lengthen both builds).
+# Cargo reads no environment variable for a package's profile, hence `--config`.
+SPLIT_UNITS=(--config 'profile.release.package.tributary.codegen-units=16'
+  --config 'profile.release.package.tributary-actors.codegen-units=16')
 unset LOOM_MAX_PREEMPTIONS LOOM_CHECKPOINT_FILE TRIBUTARY_MUTANT TRIBUTARY_MUTANTS \
   TRIBUTARY_ACTIVE_MUTANT
 
@@ -140,7 +145,8 @@ say() { printf '[loom %4ss] %s\n' "$(($(now) - START))" "$*"; }
 # Builds the loom test binary into target dir $1 and prints its path.
 build() {
   local dir="$1" out
-  out=$(CARGO_TARGET_DIR="$dir" cargo test --release -p tributary-loom-tests --test loom --no-run 2>&1) || {
+  out=$(CARGO_TARGET_DIR="$dir" cargo test --release "${SPLIT_UNITS[@]}" -p tributary-loom-tests --test loom \
+    --no-run 2>&1) || {
     echo "$out" >&2
     return 1
   }
