@@ -4,12 +4,14 @@
 //! ```sh
 //! cargo run --release --example replay_cost              # 200,000 routines, 5 runs a row
 //! cargo run --release --example replay_cost -- 1000000 9
+//! cargo run --release --example replay_cost -- --step 4          # steps of 4 routines
 //! cargo run --release --example replay_cost -- --vulkan 20000 5
 //! cargo run --release --example replay_cost -- --cuda 20000 5     # where a GPU is
 //! ```
 //!
 //! A routine is a CPU closure writing one `i32`, back to back on one stream; a replay
-//! issues a captured step of 64 of them. With `--vulkan` (`--cuda`) the device is a Vulkan
+//! issues a captured step of 64 of them (`--step K`: of K; a small step shows what a
+//! replay costs whole, as a Task Bench timestep's few routines pay it). With `--vulkan` (`--cuda`) the device is a Vulkan
 //! (CUDA) device and a routine the built-in `scale_in_place` of 64 `f32` (one compute
 //! dispatch, one kernel launch); the CPU time then includes the driver's threads (lavapipe
 //! runs the dispatches on CPU threads of the process), and there is no hand-written
@@ -43,7 +45,7 @@ use tributary::{
 use tributary_actors::{StreamConfig, System};
 use tributary_testkit::cpu_time::process_cpu_split;
 
-/// Routines a captured step holds.
+/// Routines a captured step holds, unless `--step` says otherwise.
 const STEP: u64 = 64;
 
 /// The routine (a CPU closure writing one `i32`, or on a GPU `y *= 1` over 64 `f32`), and
@@ -213,10 +215,23 @@ fn main() -> tributary::Result<()> {
         None => Device::Cpu,
     };
     let gpu = device != Device::Cpu;
+    let step_len = match args.next_if(|a| a == "--step") {
+        None => STEP,
+        Some(_) => match args.next().map(|a| a.parse::<u64>()) {
+            Some(Ok(k)) if k > 0 => k,
+            other => {
+                return Err(tributary::Error::InvalidConfig {
+                    setting: "--step".into(),
+                    value: format!("{other:?}"),
+                    reason: "a positive count of routines per captured step".into(),
+                })
+            }
+        },
+    };
     let first = args.next();
     if matches!(first.as_deref(), Some("--help" | "-h")) {
         println!(
-            "usage: replay_cost [--vulkan|--cuda] [ROUTINES [RUNS]]  (default 200000 routines, 5 runs \
+            "usage: replay_cost [--vulkan|--cuda] [--step K] [ROUTINES [RUNS]]  (default 200000 routines, 5 runs \
              a row)"
         );
         return Ok(());
@@ -231,7 +246,7 @@ fn main() -> tributary::Result<()> {
             }),
         }
     };
-    let n = parse(first, 200_000, "ROUTINES")?.max(STEP) / STEP * STEP;
+    let n = parse(first, 200_000, "ROUTINES")?.max(step_len) / step_len * step_len;
     let runs = parse(args.next(), 5, "RUNS")?.max(1) as usize;
 
     let baseline = if gpu {
@@ -265,13 +280,13 @@ fn main() -> tributary::Result<()> {
         e.sync_all()
     })?;
     let step = e.capture(|c| {
-        for _ in 0..STEP {
+        for _ in 0..step_len {
             c.schedule(&r)?;
         }
         Ok(())
     })?;
     let engine_replaying = measure(n, runs, |k| {
-        for _ in 0..k / STEP {
+        for _ in 0..k / step_len {
             e.replay(&step)?;
         }
         e.sync_all()
@@ -286,13 +301,13 @@ fn main() -> tributary::Result<()> {
         sys.sync()
     })?;
     let step = sys.capture(|c| {
-        for _ in 0..STEP {
+        for _ in 0..step_len {
             c.schedule(&routine)?;
         }
         Ok(())
     })?;
     let system_replaying = measure(n, runs, |k| {
-        for _ in 0..k / STEP {
+        for _ in 0..k / step_len {
             sys.replay(&step)?;
         }
         sys.sync()
@@ -318,7 +333,7 @@ fn main() -> tributary::Result<()> {
     };
     println!(
         "per routine, {n} routines a run, median of {runs} runs ({device}, 1 stream; replays \
-         of a captured step of {STEP})"
+         of a captured step of {step_len})"
     );
     match baseline {
         Some(baseline) => {
