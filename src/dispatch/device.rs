@@ -28,7 +28,7 @@ use crate::{
 use super::{
     inbox::Inbox,
     messages::{Delivery, DeviceOp, Query, ReadValue, Record, Reply, SourceLink, Verdict},
-    replay::{PartBox, ReplayPart},
+    replay::PartBox,
 };
 
 /// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
@@ -566,9 +566,8 @@ impl DeviceCore {
                 {
                     promise.resolve(Planned::At(event.seq()));
                 }
-                if let Some(ReplayPart { step, run, .. }) = boxed.take() {
-                    step.give_back_events(run.into_events());
-                }
+                part.step.give_back_events(part.run.take_events());
+                boxed.finish();
                 Handled::Done
             }
         }

@@ -202,6 +202,13 @@ impl PartBox {
         Option::as_ref(&self.part)
     }
 
+    /// Drops the part where it lies and gives the box back (a part is over half a
+    /// kilobyte: [`PartBox::take`] would copy it out first).
+    pub(crate) fn finish(mut self) {
+        *self.part = None;
+        self.pool.give_back(self.part);
+    }
+
     /// Takes the part out and gives the box back.
     pub(crate) fn take(mut self) -> Option<ReplayPart> {
         let part = self.part.take();

@@ -19,8 +19,6 @@
 
 use std::sync::Arc;
 
-use smallvec::SmallVec;
-
 use super::{
     device::DeviceStep,
     plan::{Dep, Deps, Plan, Work},
@@ -50,9 +48,9 @@ pub struct StreamProgram {
     /// Issue stamp of the step's position 0.
     base: u64,
     /// Every op's dependencies, one after the other.
-    deps: SmallVec<[Dep; 8]>,
+    deps: Vec<Dep>,
     /// Per op, the end of its dependencies in `deps`.
-    ends: SmallVec<[u32; 8]>,
+    ends: Vec<u32>,
     /// `(op, values)`: ops whose schedule takes this replay's index values.
     values: Vec<(u32, Bindings)>,
     /// `(op, why)`: ops that fail without running once their dependencies are decided (a
@@ -214,7 +212,7 @@ impl StreamProgram {
     }
 
     /// The dependency list of the op being appended ([`StreamProgram::push`] closes it).
-    pub(crate) fn deps_mut(&mut self) -> &mut SmallVec<[Dep; 8]> {
+    pub(crate) fn deps_mut(&mut self) -> &mut Vec<Dep> {
         &mut self.deps
     }
 
@@ -330,13 +328,13 @@ impl StreamProgram {
     }
 }
 
-/// Spilled lists kept per step for the programs of its next replays (more are freed).
+/// Lists kept per step for the programs of its next replays (more are freed).
 const SPARE_LISTS: usize = 512;
 
 impl Drop for StreamProgram {
     /// Gives the program's lists, emptied, to its step for the next replay.
     fn drop(&mut self) {
-        if !self.deps.spilled() && !self.ends.spilled() && self.values.capacity() == 0 {
+        if self.deps.capacity() == 0 && self.ends.capacity() == 0 && self.values.capacity() == 0 {
             return;
         }
         let mut lists = (

@@ -72,8 +72,10 @@ enum Outcome {
 
 /// What a stream accepts: a plan, or a replayed stream's program (run in place, one
 /// operation after the other, as its plans would be).
-// Both held inline, about the same size (~460 and ~480 bytes: a plan's work and
-// dependencies, a program's inline lists); a plan is resolved only when it runs.
+// Both held inline: a plan (~460 bytes: its work and dependencies) is resolved only when it
+// runs, and boxing it would allocate per issued operation (DESIGN.md, "Issuing without
+// allocation"); a program (~150 bytes) keeps its lists where its step reuses them.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Item {
     Plan(Submitted),
     StreamProgram(StreamProgram),

@@ -160,12 +160,13 @@ pub struct DeviceStep {
 /// high-water mark of what the program ran ahead.
 const SPARE_EVENT_LISTS: usize = 4096;
 
-/// A program's dependency list, its per-operation ends into it (both inline for a lane of
-/// up to eight operations with a dependency each) and its new index values: kept for reuse
-/// once they hold memory of their own.
+/// A program's dependency list, its per-operation ends into it and its new index values:
+/// kept for reuse once they hold memory, so that a replay allocates none of them. (Not
+/// inline: a program moves from the replay to its stream's queue, and lists inline made it
+/// half a kilobyte to copy at every move.)
 pub(crate) type ProgramLists = (
-    smallvec::SmallVec<[crate::protocol::Dep; 8]>,
-    smallvec::SmallVec<[u32; 8]>,
+    Vec<crate::protocol::Dep>,
+    Vec<u32>,
     Vec<(u32, crate::kernels::Bindings)>,
 );
 

@@ -110,8 +110,14 @@ impl ReplayRun {
     }
 
     /// The list of this replay's events, emptied, for [`ReplayRun::with_events`].
-    pub fn into_events(self) -> Vec<Event> {
-        let mut events = self.events;
+    pub fn into_events(mut self) -> Vec<Event> {
+        self.take_events()
+    }
+
+    /// [`ReplayRun::into_events`] for a run that stays where it is (the run is left with no
+    /// events).
+    pub fn take_events(&mut self) -> Vec<Event> {
+        let mut events = std::mem::take(&mut self.events);
         events.clear();
         events
     }
@@ -386,9 +392,10 @@ impl DeviceState {
         out: &mut Vec<StreamProgram>,
     ) -> ReplayProgress {
         let step = run.step.clone();
-        // Per lane of the step: the program this call is filling for its stream.
-        let mut open: SmallVec<[Option<StreamProgram>; 4]> =
-            (0..step.lanes.len()).map(|_| None).collect();
+        // Per lane of the step: where in `out` the program this call is filling for its
+        // stream lies (each program is made in place there, not moved in and out of a list
+        // of open ones).
+        let mut open: SmallVec<[Option<usize>; 4]> = smallvec::smallvec![None; step.lanes.len()];
         while let Some(&action) = step.actions.get(run.next) {
             match action {
                 Action::Answer(e, (a, b)) => {
@@ -403,10 +410,7 @@ impl DeviceState {
                     let mut answered = match tpl.incoming {
                         None => None,
                         Some(e) => match links.incoming(e) {
-                            None => {
-                                out.extend(open.into_iter().flatten());
-                                return ReplayProgress::Blocked;
-                            }
+                            None => return ReplayProgress::Blocked,
                             Some(answer) => Some(answer),
                         },
                     };
@@ -418,11 +422,12 @@ impl DeviceState {
                     let event = self.issue(stream);
                     let _ = self.next_issue();
                     let slot = &mut open[tpl.lane as usize];
-                    if !slot
-                        .as_ref()
-                        .is_some_and(|p| p.continues(tpl.ordinal, event.seq()))
-                    {
-                        let program = StreamProgram::open(
+                    let continued = slot
+                        .and_then(|i| out.get(i))
+                        .is_some_and(|p| p.continues(tpl.ordinal, event.seq()));
+                    if !continued {
+                        *slot = Some(out.len());
+                        out.push(StreamProgram::open(
                             step.clone(),
                             stream,
                             event.timeline().clone(),
@@ -430,10 +435,9 @@ impl DeviceState {
                             tpl.ordinal,
                             event.seq(),
                             run.base,
-                        );
-                        out.extend(slot.replace(program));
+                        ));
                     }
-                    let Some(program) = slot.as_mut() else {
+                    let Some(program) = slot.and_then(|i| out.get_mut(i)) else {
                         continue;
                     };
                     for d in &step.deps[tpl.deps.0 as usize..tpl.deps.1 as usize] {
@@ -466,7 +470,6 @@ impl DeviceState {
             }
             run.next += 1;
         }
-        out.extend(open.into_iter().flatten());
         self.exit_state(run, links, host);
         ReplayProgress::Done
     }
