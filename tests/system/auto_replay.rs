@@ -324,7 +324,8 @@ fn issue_held_and_shutdown_issue_the_held_calls() {
     let held = double.schedule().unwrap();
     assert_eq!(sys.replay_stats().fallbacks.interrupted, 0);
     sys.issue_held();
-    assert_eq!(sys.replay_stats().fallbacks.interrupted, 2);
+    let stats = sys.replay_stats();
+    assert_eq!(stats.fallbacks.interrupted, 2, "{stats:?}");
     assert_eq!(sys.replay_stats().fallbacks.waited, 0);
     held.wait().unwrap();
     assert_eq!(sys.replay_stats().fallbacks.waited, 0, "issued already");
