@@ -422,24 +422,24 @@ impl DeviceState {
                     let event = self.issue(stream);
                     let _ = self.next_issue();
                     let slot = &mut open[tpl.lane as usize];
-                    let continued = slot
-                        .and_then(|i| out.get(i))
-                        .is_some_and(|p| p.continues(tpl.ordinal, event.seq()));
-                    if !continued {
-                        *slot = Some(out.len());
-                        out.push(StreamProgram::open(
-                            step.clone(),
-                            stream,
-                            event.timeline().clone(),
-                            tpl.lane,
-                            tpl.ordinal,
-                            event.seq(),
-                            run.base,
-                        ));
-                    }
-                    let Some(program) = slot.and_then(|i| out.get_mut(i)) else {
-                        continue;
+                    let at = match *slot {
+                        Some(i) if out[i].continues(tpl.ordinal, event.seq()) => i,
+                        _ => {
+                            out.push(StreamProgram::open(
+                                step.clone(),
+                                stream,
+                                event.timeline().clone(),
+                                tpl.lane,
+                                tpl.ordinal,
+                                event.seq(),
+                                run.base,
+                            ));
+                            out.len() - 1
+                        }
                     };
+                    *slot = Some(at);
+                    // `at` is an index this call pushed, and nothing removes from `out`.
+                    let program = &mut out[at];
                     for d in &step.deps[tpl.deps.0 as usize..tpl.deps.1 as usize] {
                         self.replay_dep(
                             d,
