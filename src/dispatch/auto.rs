@@ -68,8 +68,6 @@ pub const MAX_PERIOD: usize = 1024;
 pub const MIN_PERIOD: usize = 64;
 /// Fingerprints the recogniser keeps (a power of two above [`MAX_PERIOD`]).
 const HISTORY: usize = 2 * MAX_PERIOD;
-/// Entries of the recogniser's table of last occurrences (a power of two).
-const LAST_SEEN: usize = 4096;
 
 /// What a call that is not replayed does to the automatic replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -364,13 +362,131 @@ impl Key {
 /// Finds periods in a stream of fingerprints: a period `p` is found once each of the last
 /// `2p` fingerprints equals the one `p` before it (the last `3p` calls are the same `p`
 /// calls three times). The candidate `p` is the distance to the previous occurrence of a
-/// fingerprint that broke the run; O(1) per call.
+/// fingerprint that broke the run; O(1) per call, amortised.
+///
+/// The last occurrences are kept exactly, every fingerprint of the last [`MAX_PERIOD`]
+/// calls: a table of one entry per bucket forgot one of two fingerprints sharing a bucket,
+/// and a period made of them was never found (one period of two calls in 4,096).
 pub struct Recognizer {
     history: Box<[u64]>,
-    last_seen: Box<[(u64, u64)]>,
+    /// Each fingerprint's last call number, exactly for the last [`MAX_PERIOD`] calls.
+    last_seen: LastSeen,
     calls: u64,
     candidate: u64,
     run: u64,
+}
+
+/// The last call number of each fingerprint seen in the last [`MAX_PERIOD`] calls, never
+/// forgetting one of them: an open-addressing table (linear probing from a hash of the
+/// fingerprint) with twice as many slots as live entries can number. A slot whose entry
+/// is older than [`MAX_PERIOD`] calls is *stale*: reused for a fingerprint not in the table,
+/// but never the end of a probe (only a never-used slot is), so no live entry behind it is
+/// lost. When half the slots were ever used, the live entries are moved to a fresh table:
+/// a rebuild of O(slots) every thousand or more new fingerprints.
+struct LastSeen {
+    /// `(fingerprint, call number)`; `NEVER` in the call number: never used.
+    slots: Box<[(u64, u64)]>,
+    /// The table a rebuild moves the live entries into (allocated once, swapped).
+    spare: Box<[(u64, u64)]>,
+    /// Slots ever used since the last rebuild.
+    used: usize,
+}
+
+impl LastSeen {
+    /// Slots: four times [`MAX_PERIOD`], so a table half used holds every live entry
+    /// (at most `MAX_PERIOD + 1`) with room to spare.
+    const SLOTS: usize = 4 * MAX_PERIOD;
+    const NEVER: u64 = u64::MAX;
+
+    fn new() -> LastSeen {
+        let empty = || vec![(0, Self::NEVER); Self::SLOTS].into_boxed_slice();
+        LastSeen {
+            slots: empty(),
+            spare: empty(),
+            used: 0,
+        }
+    }
+
+    fn home(fp: u64) -> usize {
+        let h = mix(fp, 0);
+        ((h ^ (h >> 29)) as usize) & (Self::SLOTS - 1)
+    }
+
+    fn live(at: u64, now: u64) -> bool {
+        at != Self::NEVER && now - at <= MAX_PERIOD as u64
+    }
+
+    /// Records `fp` at call `now`; returns its previous call number, if it has one.
+    fn replace(&mut self, fp: u64, now: u64) -> Option<u64> {
+        let home = Self::home(fp);
+        // Most calls find their fingerprint in its home slot.
+        let (seen, at) = self.slots[home];
+        if seen == fp && at != Self::NEVER {
+            self.slots[home].1 = now;
+            return Some(at);
+        }
+        self.probe(fp, now, home)
+    }
+
+    /// [`LastSeen::replace`] past the home slot.
+    #[cold]
+    #[inline(never)]
+    fn probe(&mut self, fp: u64, now: u64, home: usize) -> Option<u64> {
+        let mut reuse = None;
+        let mut j = home;
+        for _ in 0..Self::SLOTS {
+            let (seen, at) = self.slots[j];
+            if at == Self::NEVER {
+                break;
+            }
+            if seen == fp {
+                self.slots[j].1 = now;
+                return Some(at);
+            }
+            if reuse.is_none() && !Self::live(at, now) {
+                reuse = Some(j);
+            }
+            j = (j + 1) & (Self::SLOTS - 1);
+        }
+        match reuse {
+            Some(r) => self.slots[r] = (fp, now),
+            None => {
+                self.slots[j] = (fp, now);
+                self.used += 1;
+                if self.used * 2 >= Self::SLOTS {
+                    self.rebuild(now);
+                }
+            }
+        }
+        None
+    }
+
+    /// Moves the live entries into the spare table, which becomes the table.
+    fn rebuild(&mut self, now: u64) {
+        self.spare.fill((0, Self::NEVER));
+        self.used = 0;
+        for k in 0..Self::SLOTS {
+            let (fp, at) = self.slots[k];
+            if !Self::live(at, now) {
+                continue;
+            }
+            let mut j = Self::home(fp);
+            while self.spare[j].1 != Self::NEVER {
+                j = (j + 1) & (Self::SLOTS - 1);
+            }
+            self.spare[j] = (fp, at);
+            self.used += 1;
+        }
+        std::mem::swap(&mut self.slots, &mut self.spare);
+    }
+
+    #[cfg(test)]
+    fn live_entries(&self, now: u64) -> usize {
+        self.slots
+            .iter()
+            .filter(|&&(_, at)| Self::live(at, now))
+            .count()
+    }
 }
 
 impl Default for Recognizer {
@@ -384,7 +500,7 @@ impl Recognizer {
     pub fn new() -> Recognizer {
         Recognizer {
             history: vec![0; HISTORY].into_boxed_slice(),
-            last_seen: vec![(0, u64::MAX); LAST_SEEN].into_boxed_slice(),
+            last_seen: LastSeen::new(),
             calls: 0,
             candidate: 0,
             run: 0,
@@ -396,19 +512,21 @@ impl Recognizer {
     pub fn push(&mut self, fp: u64) -> Option<usize> {
         let i = self.calls;
         let c = self.candidate;
+        let previous = self.last_seen.replace(fp, i);
         if c > 0 && self.history[((i - c) as usize) % HISTORY] == fp {
             self.run += 1;
         } else {
-            let (seen, at) = self.last_seen[(mix(fp, 0) as usize) % LAST_SEEN];
-            if seen == fp && at < i && i - at <= MAX_PERIOD as u64 {
-                self.candidate = i - at;
-                self.run = 1;
-            } else {
-                self.candidate = 0;
-                self.run = 0;
+            match previous {
+                Some(at) if i - at <= MAX_PERIOD as u64 => {
+                    self.candidate = i - at;
+                    self.run = 1;
+                }
+                _ => {
+                    self.candidate = 0;
+                    self.run = 0;
+                }
             }
         }
-        self.last_seen[(mix(fp, 0) as usize) % LAST_SEEN] = (fp, i);
         self.history[(i as usize) % HISTORY] = fp;
         self.calls += 1;
         let c = self.candidate;
@@ -1091,6 +1209,45 @@ mod tests {
         assert_eq!(found.first(), Some(&(48, 3)));
     }
 
+    /// `n` even fingerprints with the same home slot in [`LastSeen`].
+    fn same_home(n: usize) -> Vec<u64> {
+        let home = LastSeen::home(2);
+        (1..)
+            .map(|x: u64| x * 2)
+            .filter(|&fp| LastSeen::home(fp) == home)
+            .take(n)
+            .collect()
+    }
+
+    /// Two calls whose fingerprints share a slot of the table of last occurrences still
+    /// make a period (a table that kept one entry per slot forgot one of them, and never
+    /// found such a period: about one period of two calls in 4,096 was never replayed).
+    #[test]
+    fn a_period_of_calls_sharing_a_slot_is_found() {
+        let fps = same_home(2);
+        let mut r = Recognizer::new();
+        let found = feed(&mut r, fps.iter().copied().cycle().take(6));
+        assert_eq!(found.first(), Some(&(5, 2)));
+    }
+
+    /// A stale entry ahead of a live one on its probe does not hide it, and its slot is
+    /// reused by a fingerprint not in the table.
+    #[test]
+    fn a_stale_entry_hides_no_live_one_behind_it() {
+        let fps = same_home(3);
+        let (a, b, c) = (fps[0], fps[1], fps[2]);
+        let period = MAX_PERIOD as u64;
+        let mut t = LastSeen::new();
+        assert_eq!(t.replace(a, 0), None);
+        assert_eq!(t.replace(b, 1), None);
+        // `a` is stale from call `period + 1`; `b` is still live then.
+        assert_eq!(t.replace(b, period + 1), Some(1));
+        assert_eq!(t.replace(c, period + 2), None);
+        assert_eq!(t.used, 2, "`c` took `a`'s stale slot");
+        assert_eq!(t.replace(c, period + 3), Some(period + 2));
+        assert_eq!(t.replace(b, period + 4), Some(period + 1));
+    }
+
     #[test]
     fn held_tickets_cross_threads() {
         fn check<T: Send + Sync>() {}
@@ -1103,6 +1260,28 @@ mod tests {
     fn no_period_in_distinct_calls() {
         let mut r = Recognizer::new();
         assert!(feed(&mut r, (0..10_000).map(|x| x * 2)).is_empty());
+        // Rebuilt many times, never more than half used; every live entry kept.
+        assert!(
+            r.last_seen.used * 2 < LastSeen::SLOTS,
+            "{}",
+            r.last_seen.used
+        );
+        assert_eq!(r.last_seen.live_entries(r.calls - 1), MAX_PERIOD + 1);
+    }
+
+    /// After thousands of distinct calls (the table pruned many times), the longest period
+    /// is still found on its third repetition: no fingerprint of it was pruned.
+    #[test]
+    fn the_longest_period_is_found_after_pruning() {
+        let mut r = Recognizer::new();
+        let p = MAX_PERIOD as u64;
+        let noise = (0..5_000).map(|x| 2 * (x + p));
+        let period = (0..3 * p).map(|x| (x % p) * 2);
+        let found = feed(&mut r, noise.chain(period));
+        assert_eq!(
+            found.first(),
+            Some(&(5_000 + 3 * MAX_PERIOD - 1, MAX_PERIOD))
+        );
     }
 
     #[test]
