@@ -22,7 +22,7 @@ use tributary::{
     DType, Engine, EngineConfig, MemoryMode, MergeBufferUse, Sharing, StreamLasts, TensorNode,
 };
 use tributary_actors::{StreamConfig, System};
-use tributary_testkit::alloc_count::{allocations, Counting};
+use tributary_testkit::alloc_count::{allocations_after_warm_up, Counting};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -142,17 +142,8 @@ const COUNTED_RUNS: usize = 4;
 /// cells of copies and schedules; a pool grows only at a new peak). An allocation per
 /// operation is made in every run, a thousand or more each time, so the least of a few
 /// runs tells them apart.
-fn steady_run(mut run: impl FnMut() -> tributary::Result<()>) -> u64 {
-    run().unwrap();
-    let mut counted = Vec::new();
-    for _ in 0..COUNTED_RUNS {
-        let before = allocations();
-        run().unwrap();
-        counted.push(allocations() - before);
-        if counted.last().is_some_and(|&n| n <= ALLOWANCE) {
-            break;
-        }
-    }
+fn steady_run(run: impl FnMut() -> tributary::Result<()>) -> u64 {
+    let counted = allocations_after_warm_up(run, COUNTED_RUNS, ALLOWANCE).unwrap();
     println!("{counted:?} allocations");
     counted.into_iter().min().unwrap_or(0)
 }

@@ -1269,10 +1269,10 @@ mod tests {
         assert_eq!(r.last_seen.live_entries(r.calls - 1), MAX_PERIOD + 1);
     }
 
-    /// After thousands of distinct calls (the table pruned many times), the longest period
-    /// is still found on its third repetition: no fingerprint of it was pruned.
+    /// After thousands of distinct calls (the table rebuilt many times), the longest period
+    /// is still found on its third repetition: no fingerprint of it was dropped.
     #[test]
-    fn the_longest_period_is_found_after_pruning() {
+    fn the_longest_period_is_found_after_rebuilds() {
         let mut r = Recognizer::new();
         let p = MAX_PERIOD as u64;
         let noise = (0..5_000).map(|x| 2 * (x + p));

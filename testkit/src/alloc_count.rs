@@ -19,11 +19,33 @@ pub fn allocations() -> u64 {
 
 /// Allocations made by the second of two runs of `run`: the first warms up what a run grows
 /// (queues, pools, tables), so the second shows what a run allocates in steady state.
-pub fn allocations_of_second_run<E>(mut run: impl FnMut() -> Result<(), E>) -> Result<u64, E> {
+pub fn allocations_of_second_run<E>(run: impl FnMut() -> Result<(), E>) -> Result<u64, E> {
+    Ok(allocations_after_warm_up(run, 1, 0)?
+        .first()
+        .copied()
+        .unwrap_or(0))
+}
+
+/// Allocations of each counted run of `run` after one warm-up run: counted until a run makes
+/// at most `enough`, at most `runs` times (a pool that grew to a new peak in flight in one
+/// run allocates nothing for it in the next; an allocation per operation shows in every run).
+pub fn allocations_after_warm_up<E>(
+    mut run: impl FnMut() -> Result<(), E>,
+    runs: usize,
+    enough: u64,
+) -> Result<Vec<u64>, E> {
     run()?;
-    let before = allocations();
-    run()?;
-    Ok(allocations() - before)
+    let mut counted = Vec::new();
+    for _ in 0..runs {
+        let before = allocations();
+        run()?;
+        let used = allocations() - before;
+        counted.push(used);
+        if used <= enough {
+            break;
+        }
+    }
+    Ok(counted)
 }
 
 // SAFETY: every method forwards to the system allocator with the caller's arguments, so
