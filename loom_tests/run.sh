@@ -31,12 +31,6 @@
 # LOOM_REMOVE_BUILDS (1: remove each loom target directory once its binary has run, as CI
 # does to keep its disk). LOOM_MAX_PREEMPTIONS must not be set: each model has its own
 # bound.
-#
-# A model in the table may name a lower preemption bound for its run against the mutant
-# (`model@1`): a violation found within fewer preemptions is one the model's own bound
-# contains too, and loom's search finds it much sooner there. `inline_no_handoff` needs 4 s
-# at bound 1 against about 250 s at the model's bound of 2 (1.2 million interleavings); the
-# models themselves still run at their own bounds against the real engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,7 +51,7 @@ MUTANTS=(
   "late_source_read:actors::copy_races_a_write_of_its_source actors::streaming_consumer_races_a_write_of_its_source"
   "host_gate:actors::upload_after_a_download_on_another_device"
   "device_write_gate:actors::finalize_after_a_write_on_another_device actors::write_on_another_device_after_a_finalize"
-  "inline_no_handoff:actors::inline_posts_race_the_actor@1"
+  "inline_no_handoff:actors::inline_posts_race_the_actor"
   "drive_lost_kick:actors::copy_against_device_order"
   "replay_entry:actors::replay_races_a_schedule_from_another_thread"
   "kick_lost:actors::a_kick_racing_a_poll_is_never_lost"
@@ -202,18 +196,13 @@ selected() {
 }
 
 # Runs model $2 of binary $1 in its own process with mutant $3 switched off; prints
-# "caught (<reason>)" or "NOT CAUGHT" / "TIMED OUT", returns 0 iff caught. A model named
-# `name@N` runs at preemption bound N (see the table's header).
+# "caught (<reason>)" or "NOT CAUGHT" / "TIMED OUT", returns 0 iff caught.
 run_against() {
-  local bin="$1" model="$2" rule="$3" log rc reason bound=()
-  if [[ "$model" == *@* ]]; then
-    bound=(env "LOOM_MAX_PREEMPTIONS=${model##*@}")
-    model="${model%@*}"
-  fi
+  local bin="$1" model="$2" rule="$3" log rc reason
   log=$(mktemp)
   set +e
   TRIBUTARY_ACTIVE_MUTANT="$rule" timeout "$LOOM_MUTANT_TIMEOUT" \
-    "${bound[@]}" "$bin" --exact "$model" --test-threads 1 >"$log" 2>&1
+    "$bin" --exact "$model" --test-threads 1 >"$log" 2>&1
   rc=$?
   set -e
   # The line after loom's or the test's "panicked at", or loom's deadlock report.
