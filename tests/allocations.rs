@@ -2,8 +2,8 @@
 //! allocation"): an `Engine` schedule, its dependencies and its run on the CPU backend, a
 //! `System` schedule whose call finds its device idle, copies between devices, and replays
 //! of a captured step (on one device, with the captured index values and with new ones;
-//! across two devices, with a copy between them), each through the `Engine` and through
-//! `System`.
+//! across two devices, with a copy between them; steps captured anew, on the lists their
+//! device's earlier steps gave back), each through the `Engine` and through `System`.
 //!
 //! Not in a suite (`tests/<suite>/main.rs`): alone in its own test binary, because its
 //! global allocator counts the allocations of every thread of the process, which any other
@@ -53,9 +53,11 @@ fn issuing_allocates_nothing_in_steady_state() {
     the_counter_counts_what_a_burst_allocates();
     engine_schedules_with_dependencies_allocate_nothing();
     engine_replays_allocate_nothing();
+    engine_replays_of_steps_captured_anew_allocate_nothing();
     engine_replays_with_new_index_values_allocate_nothing();
     system_schedules_that_find_their_device_idle_allocate_nothing();
     system_replays_allocate_nothing();
+    system_replays_of_steps_captured_anew_allocate_nothing();
     system_replays_with_new_index_values_allocate_nothing();
     engine_copies_and_replays_across_devices_allocate_nothing();
     system_copies_and_replays_across_devices_allocate_nothing();
@@ -63,7 +65,7 @@ fn issuing_allocates_nothing_in_steady_state() {
 
 /// Replays a check lets run ahead of their completion.
 ///
-/// A replay's lists (a program's, its events) come back to its step when it completes, and
+/// A replay's lists (a program's, its events) come back to its device when it completes, and
 /// the next replays take them: a burst needs as many as it has replays in flight. How many
 /// that is depends on how far the host runs ahead of the workers, which differs between
 /// two bursts, so a check that let the whole burst run ahead would count lists the first
@@ -250,6 +252,68 @@ fn engine_replays_allocate_nothing() {
     assert_within_allowance(used, format_args!("{replays} replays of {STEP} routines"));
 }
 
+/// Steps each counted burst replays, every one captured before and never replayed yet
+/// (see [`engine_replays_of_steps_captured_anew_allocate_nothing`]).
+const NEW_STEPS: u64 = 50;
+
+/// Steps of [`NEW_STEPS`] each, one list per burst of [`steady_run`] (its warm-up and every
+/// counted run): `capture` makes each (capturing allocates; only replays are counted).
+fn new_steps<S>(mut capture: impl FnMut() -> S) -> std::vec::IntoIter<Vec<S>> {
+    (0..=COUNTED_RUNS)
+        .map(|_| (0..NEW_STEPS).map(|_| capture()).collect())
+        .collect::<Vec<Vec<S>>>()
+        .into_iter()
+}
+
+/// A step captured anew (a loop that captures its step once per epoch, a benchmark run
+/// that captures its own) replays on the lists its device's earlier steps gave back: each
+/// burst replays [`NEW_STEPS`] steps that were never replayed, [`REPLAYS`] in all. A step
+/// that kept lists of its own would allocate its first replays' (a program's and an event
+/// list, at least two per step: more than the allowance).
+fn engine_replays_of_steps_captured_anew_allocate_nothing() {
+    let mut e = Engine::cpu(EngineConfig {
+        devices: 1,
+        streams_per_device: 1,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let root = e.context(0, 0).unwrap();
+    let r = e
+        .link(
+            &root,
+            spec(vec![(node("y", MemoryMode::on_device()), Access::Write)]),
+        )
+        .unwrap();
+    const STEP: u64 = 4;
+    let mut bursts = new_steps(|| {
+        e.capture(|c| {
+            for _ in 0..STEP {
+                c.schedule(&r)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+    });
+    let used = steady_run(|| {
+        let steps = bursts.next().expect("a list of steps per burst");
+        let mut i = 0;
+        for step in &steps {
+            for _ in 0..REPLAYS / NEW_STEPS {
+                let lasts = e.replay(step)?;
+                in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
+                i += 1;
+            }
+        }
+        e.sync_all()
+    });
+    assert_within_allowance(
+        used,
+        format_args!(
+            "{REPLAYS} replays of {NEW_STEPS} steps of {STEP} routines never replayed before"
+        ),
+    );
+}
+
 fn system_schedules_that_find_their_device_idle_allocate_nothing() {
     let sys = system(1);
     let ctx = sys.context(0, 0).unwrap();
@@ -309,7 +373,7 @@ fn engine_replays_with_new_index_values_allocate_nothing() {
 }
 
 /// A `System` replay on one device: its part travels in a pooled box, its tickets come
-/// back inline, its event lists are its step's.
+/// back inline, its event lists are its device's.
 fn system_replays_allocate_nothing() {
     let sys = system(1);
     let ctx = sys.context(0, 0).unwrap();
@@ -335,6 +399,49 @@ fn system_replays_allocate_nothing() {
     assert_within_allowance(
         used,
         format_args!("{replays} replays of {STEP} routines through System"),
+    );
+}
+
+/// [`engine_replays_of_steps_captured_anew_allocate_nothing`] through `System`.
+fn system_replays_of_steps_captured_anew_allocate_nothing() {
+    let sys = system(1);
+    let ctx = sys.context(0, 0).unwrap();
+    let r = ctx
+        .link(spec(vec![(
+            node("y", MemoryMode::on_device()),
+            Access::Write,
+        )]))
+        .unwrap();
+    let routine = r.routine().clone();
+    const STEP: u64 = 4;
+    let mut bursts = new_steps(|| {
+        sys.capture(|c| {
+            for _ in 0..STEP {
+                c.schedule(&routine)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+    });
+    let used = steady_run(|| {
+        let steps = bursts.next().expect("a list of steps per burst");
+        let mut i = 0;
+        for step in &steps {
+            for _ in 0..REPLAYS / NEW_STEPS {
+                let lasts = sys.replay(step)?;
+                in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
+                i += 1;
+            }
+        }
+        sys.sync()
+    });
+    sys.shutdown().unwrap();
+    assert_within_allowance(
+        used,
+        format_args!(
+            "{REPLAYS} replays of {NEW_STEPS} steps of {STEP} routines never replayed before, \
+             through System"
+        ),
     );
 }
 

@@ -11,7 +11,7 @@
 //! A replay allocates nothing in steady state (DESIGN.md §4, "Issuing without
 //! allocation"): its parts travel in boxes the devices give back to the dispatcher's
 //! [`PartBoxes`], its one-shots' cells (pending events, checks, copies' answers) are pooled,
-//! its edge lists are inline, its event lists are its step's, its index values share a
+//! its edge lists are inline, its event lists are its device's, its index values share a
 //! list its step keeps ([`Step::shared_values`]), and its tickets come back inline
 //! ([`StreamLasts`]).
 

@@ -147,6 +147,8 @@ pub struct DeviceState {
     deciding: Option<u64>,
     /// The stamp of the last stamped operation decided (or replayed template).
     position: Option<u64>,
+    /// The lists every step captured here lends its replays ([`record::SpareLists`]).
+    spare_lists: std::sync::Arc<record::SpareLists>,
 }
 
 impl DeviceState {
@@ -187,6 +189,7 @@ impl DeviceState {
             stamp: None,
             deciding: None,
             position: None,
+            spare_lists: record::SpareLists::new(),
         }
     }
 

@@ -137,7 +137,7 @@ impl StreamProgram {
         first_seq: u64,
         base: u64,
     ) -> StreamProgram {
-        let (deps, ends, values) = step.spare.lock().pop().unwrap_or_default();
+        let (deps, ends, values) = step.spare.programs.lock().pop().unwrap_or_default();
         StreamProgram {
             step,
             stream,
@@ -328,11 +328,12 @@ impl StreamProgram {
     }
 }
 
-/// Lists kept per step for the programs of its next replays (more are freed).
+/// Program lists a device keeps for its next replays (more are freed).
 const SPARE_LISTS: usize = 512;
 
 impl Drop for StreamProgram {
-    /// Gives the program's lists, emptied, to its step for the next replay.
+    /// Gives the program's lists, emptied, to its device (through its step) for the next
+    /// replay.
     fn drop(&mut self) {
         if self.deps.capacity() == 0 && self.ends.capacity() == 0 && self.values.capacity() == 0 {
             return;
@@ -345,7 +346,7 @@ impl Drop for StreamProgram {
         lists.0.clear();
         lists.1.clear();
         lists.2.clear();
-        let mut spare = self.step.spare.lock();
+        let mut spare = self.step.spare.programs.lock();
         if spare.len() < SPARE_LISTS {
             spare.push(lists);
         }

@@ -14,7 +14,7 @@
 //! A copy between two devices records an answer on the source and an incoming edge on the
 //! destination; both halves of a copy within one device fold into one template.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use crate::{
     error::Error,
@@ -148,17 +148,38 @@ pub struct DeviceStep {
     /// `(live contexts, contexts ever made)` of the device state when every context of the
     /// step was last found live: while both are unchanged, none was finalized since.
     pub(crate) checked: std::sync::Mutex<Option<(usize, u64)>>,
-    /// Lists of finished programs of this step that hold memory of their own, emptied, for
-    /// the next replays' ([`StreamProgram`](crate::protocol::StreamProgram)).
-    pub(crate) spare: crate::sync::Mutex<Vec<ProgramLists>>,
-    /// Event lists of finished replays, for the next ones.
-    pub(crate) spare_events: crate::sync::Mutex<Vec<Vec<crate::event::Event>>>,
+    /// The lists its replays borrow and give back: its device's, shared by every step
+    /// captured there ([`SpareLists`]).
+    pub(crate) spare: Arc<SpareLists>,
 }
 
-/// Event lists a step keeps for its next replays (more are freed): as many as the actor
+/// Event lists a device keeps for its next replays (more are freed): as many as the actor
 /// layer's default inbox holds replays (see `POOLED_PARTS` in `src/dispatch/replay.rs`), a
 /// high-water mark of what the program ran ahead.
 const SPARE_EVENT_LISTS: usize = 4096;
+
+/// Lists a device's replays borrow and give back once they hold memory, emptied: the
+/// programs' ([`StreamProgram`](crate::protocol::StreamProgram)) and the replays' event
+/// lists. One per device, shared by every step captured on it, so that a step captured
+/// anew (a loop that captures its step once per epoch, a benchmark run that captures its
+/// own) replays on the lists its device's earlier steps gave back instead of allocating
+/// as many as it has replays in flight. Bounded: `SPARE_LISTS` program lists and
+/// [`SPARE_EVENT_LISTS`] event lists, more are freed.
+#[derive(Debug)]
+pub(crate) struct SpareLists {
+    pub(crate) programs: crate::sync::Mutex<Vec<ProgramLists>>,
+    pub(crate) events: crate::sync::Mutex<Vec<Vec<crate::event::Event>>>,
+}
+
+impl SpareLists {
+    /// Empty lists of lists, for a new device (or a step of its own).
+    pub(crate) fn new() -> Arc<SpareLists> {
+        Arc::new(SpareLists {
+            programs: crate::sync::Mutex::new(Vec::new()),
+            events: crate::sync::Mutex::new(Vec::new()),
+        })
+    }
+}
 
 /// A program's dependency list, its per-operation ends into it and its new index values:
 /// kept for reuse once they hold memory, so that a replay allocates none of them. (Not
@@ -205,8 +226,7 @@ impl DeviceStep {
             outgoing: Vec::new(),
             incoming: Vec::new(),
             checked: std::sync::Mutex::new(None),
-            spare: crate::sync::Mutex::new(Vec::new()),
-            spare_events: crate::sync::Mutex::new(Vec::new()),
+            spare: SpareLists::new(),
         }
     }
 
@@ -218,13 +238,13 @@ impl DeviceStep {
     /// An empty list for a replay's events, one an earlier replay gave back if any
     /// ([`DeviceStep::give_back_events`]).
     pub fn events_list(&self) -> Vec<crate::event::Event> {
-        self.spare_events.lock().pop().unwrap_or_default()
+        self.spare.events.lock().pop().unwrap_or_default()
     }
 
     /// Keeps `events` (emptied) for a later replay's [`DeviceStep::events_list`].
     pub fn give_back_events(&self, mut events: Vec<crate::event::Event>) {
         events.clear();
-        let mut spare = self.spare_events.lock();
+        let mut spare = self.spare.events.lock();
         if spare.len() < SPARE_EVENT_LISTS && events.capacity() > 0 {
             spare.push(events);
         }
@@ -284,6 +304,8 @@ struct LocalSource {
 pub struct StepRecorder {
     device: DeviceId,
     instance: u64,
+    /// Its device's lists for replays, which the step will share.
+    spare: Arc<SpareLists>,
     templates: Vec<Template>,
     actions: Vec<Action>,
     deps: Vec<DepRef>,
@@ -302,11 +324,13 @@ pub struct StepRecorder {
 pub(crate) type AccessOf<'a> = (BufferKey, Option<&'a TensorNode>, Access);
 
 impl StepRecorder {
-    /// An empty recorder for device `device` of `DeviceState` instance `instance`.
-    pub(crate) fn new(device: DeviceId, instance: u64) -> StepRecorder {
+    /// An empty recorder for device `device` of `DeviceState` instance `instance`, whose
+    /// step's replays will borrow from `spare` (the device's).
+    pub(crate) fn new(device: DeviceId, instance: u64, spare: Arc<SpareLists>) -> StepRecorder {
         StepRecorder {
             device,
             instance,
+            spare,
             templates: Vec::new(),
             actions: Vec::new(),
             deps: Vec::new(),
@@ -619,8 +643,7 @@ impl StepRecorder {
             outgoing: self.outgoing,
             incoming: self.incoming,
             checked: std::sync::Mutex::new(None),
-            spare: crate::sync::Mutex::new(Vec::new()),
-            spare_events: crate::sync::Mutex::new(Vec::new()),
+            spare: self.spare,
         })
     }
 }

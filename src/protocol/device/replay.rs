@@ -145,7 +145,7 @@ impl ReplayRun {
 impl DeviceState {
     /// An empty recorder for a step captured on this device.
     pub(crate) fn recorder(&self) -> StepRecorder {
-        StepRecorder::new(self.device, self.instance)
+        StepRecorder::new(self.device, self.instance, self.spare_lists.clone())
     }
 
     /// Where the buffer of `node` in `ctx` is and its size (a copy's source, as the
