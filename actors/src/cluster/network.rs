@@ -304,13 +304,41 @@ impl Issued {
     }
 }
 
+/// Finished entries the issue queue keeps for the next operations (more are freed).
+const SPARE_ENTRIES: usize = 1024;
+
 #[derive(Default)]
 struct IssueState {
     queue: VecDeque<Arc<Issued>>,
+    /// Entries the network stream finished ([`Network::give_back`]): the next operation
+    /// issued takes the last one if nothing else holds it any more (`Arc::get_mut`: its
+    /// ticket was dropped), so that issuing and replaying allocate no entry in steady
+    /// state, and the worker frees none (an entry was allocated on the host thread and
+    /// freed on the worker's, every operation).
+    spare: Vec<Arc<Issued>>,
     next_collective: u64,
     /// Next sequence number of a transfer to / from each rank.
     sent: Vec<u64>,
     received: Vec<u64>,
+}
+
+impl IssueState {
+    /// `entry` in the entry given back last ([`Network::give_back`]) if nothing else holds
+    /// it any more, else in a new one.
+    fn entry(&mut self, entry: Issued) -> Arc<Issued> {
+        match self.spare.pop() {
+            Some(mut kept) => match Arc::get_mut(&mut kept) {
+                // The only holder: no ticket, queue or kernel can read it any more.
+                Some(old) => {
+                    *old = entry;
+                    kept
+                }
+                // Its ticket is still held: left to its last holder to free.
+                None => Arc::new(entry),
+            },
+            None => Arc::new(entry),
+        }
+    }
 }
 
 /// What only the network stream's worker touches.
@@ -320,8 +348,8 @@ struct ExecState {
     /// Receive buffers (f64 words: aligned for every element type).
     staging: Vec<f64>,
     /// The message slots of the last header exchange (one per rank for a collective, two
-    /// for a transfer: [`SLOT_BYTES`] each), kept for the next: the payloads that came
-    /// with the headers are read from here.
+    /// per transfer: [`SLOT_BYTES`] each; as many as the largest exchange so far took),
+    /// kept for the next: the payloads that came with the headers are read from here.
     slots: Vec<f64>,
     /// This rank's contribution to an all-reduce in place, copied aside (kept for the
     /// next).
@@ -500,16 +528,28 @@ impl Network {
                 seq
             }
         };
-        let issued = Arc::new(Issued {
+        let entry = Issued {
             seq,
             desc,
             contributions,
             fused,
             event: OnceLock::new(),
             error: OnceLock::new(),
-        });
+        };
+        let issued = st.entry(entry);
         st.queue.push_back(issued.clone());
         issued
+    }
+
+    /// Keeps `finished` entries (their kernels recorded their results) for the next
+    /// operations issued ([`IssueState::spare`]), up to [`SPARE_ENTRIES`].
+    fn give_back(&self, finished: impl IntoIterator<Item = Arc<Issued>>) {
+        let mut st = lock(&self.issue);
+        for op in finished {
+            if st.spare.len() < SPARE_ENTRIES {
+                st.spare.push(op);
+            }
+        }
     }
 
     /// Takes back an operation whose scheduling was refused (nothing will run it). Only the
@@ -637,7 +677,10 @@ impl Network {
             Some(e) => Err(e),
             None => body(self, &mut guard, &me),
         };
-        Self::record(&mut guard, &me, result)
+        let recorded = Self::record(&mut guard, &me, result);
+        drop(guard);
+        self.give_back([me]);
+        recorded
     }
 
     /// [`Network::execute`] for the kernel of an exchange (a sendrecv, or more), which runs
@@ -678,6 +721,8 @@ impl Network {
             let recorded = Self::record(&mut guard, op, result);
             outcome = outcome.and(recorded);
         }
+        drop(guard);
+        self.give_back(group);
         outcome
     }
 
@@ -939,11 +984,16 @@ impl Network {
         e
     }
 
-    /// The message slots of an exchange with `count` slots, taken from the guard (given
-    /// back by the exchange once no request uses them).
+    /// The message slots of an exchange with `count` slots (at least: the slots of the
+    /// largest exchange so far), taken from the guard (given back by the exchange once no
+    /// request uses them). Never shortened: an exchange that takes more slots than the last
+    /// (a transfer's four after a collective's two) would otherwise zero a slot's 67 KiB
+    /// again, every time the two alternate.
     fn take_slots(guard: &mut ExecGuard<'_>, count: usize) -> Vec<f64> {
         let mut slots = std::mem::take(&mut guard.state.slots);
-        slots.resize(count * SLOT_WORDS, 0.0);
+        if slots.len() < count * SLOT_WORDS {
+            slots.resize(count * SLOT_WORDS, 0.0);
+        }
         slots
     }
 
@@ -1038,7 +1088,7 @@ impl Network {
                 expected: payload.len(),
             })
             .collect();
-        self.exchange_slots(guard, op, keep, &legs, |heads| {
+        self.exchange_slots(guard, op, (keep, size), &legs, |heads| {
             let mut all = Headers::with_capacity(size);
             for (r, bytes) in heads.iter().enumerate() {
                 if r == rank {
@@ -1085,7 +1135,7 @@ impl Network {
             payload,
             expected,
         };
-        self.exchange_slots(guard, op, keep, &[leg], |heads| {
+        self.exchange_slots(guard, op, (keep, 2), &[leg], |heads| {
             self.check_transfer(op, &mine, &heads[0])
         })
     }
@@ -1310,7 +1360,8 @@ impl Network {
     /// (its header, then `payload`, written there by [`write_slot`]) to the leg's peer, in
     /// frames (those after the first from a [`Payload::Kept`] itself), and that peer's
     /// header and `expected` payload bytes into the leg's slot. Waits for the peers' first
-    /// frames, hands every slot's header bytes (index = slot) to `check`, then waits for the
+    /// frames, hands the header bytes of the exchange's `slots` (the first of `keep`'s,
+    /// which may hold more: index = slot) to `check`, then waits for the
     /// remaining frames. A `check` error that stops the cluster (a mismatch: the peer may
     /// have sent other frames than were posted for) returns without waiting for them; any
     /// other (a failed input elsewhere, whose rank sent every frame) waits for them first,
@@ -1321,12 +1372,14 @@ impl Network {
         &self,
         guard: &mut ExecGuard<'_>,
         op: &Issued,
-        keep: Vec<f64>,
+        (keep, slots): (Vec<f64>, usize),
         legs: &[Leg<'_>],
         check: impl FnOnce(&[[u8; HEADER_BYTES]]) -> Result<T>,
     ) -> Result<T> {
         let deadline = self.deadline();
         let mut keep = keep;
+        // Never past `keep`: the header reads below stay inside it.
+        let slots = slots.min(keep.len() * 8 / SLOT_BYTES);
         // SAFETY: `keep` is neither moved, reallocated nor touched until the requests
         // complete (the waits below) or are abandoned with it, but for the header bytes of
         // slots whose first frames' receives completed.
@@ -1335,7 +1388,6 @@ impl Network {
             heads.append(&mut rest);
             return Err(self.abandon(guard, heads, keep, e));
         }
-        let slots = keep.len() * 8 / SLOT_BYTES;
         let base = keep.as_mut_ptr().cast::<u8>();
         if mutant!("cluster_frames_before_check") {
             // The mutant waits for every frame before the check.
@@ -1499,4 +1551,63 @@ pub(super) fn bytemuck_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
 
 pub(super) fn bytemuck_bytes_mut<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transfer(seq: u64) -> Issued {
+        Issued {
+            seq,
+            desc: OpDesc {
+                kind: OpKind::Transfer,
+                label: "x".into(),
+                shape: [4].as_slice().into(),
+                dtype: tributary::DType::F32,
+                op: None,
+                route: Some((0, 1)),
+                algorithm: None,
+            },
+            contributions: 0,
+            fused: false,
+            event: OnceLock::new(),
+            error: OnceLock::new(),
+        }
+    }
+
+    /// A finished entry nothing else holds is the next one issued: its memory again, with
+    /// the new operation in it (nothing of the old one left: its error is gone).
+    #[test]
+    fn a_finished_entry_nobody_holds_is_issued_again() {
+        let mut st = IssueState::default();
+        let first = st.entry(transfer(0));
+        let _ = first
+            .error
+            .set(Error::Internal("the first transfer failed".into()));
+        let at = Arc::as_ptr(&first);
+        st.spare.push(first);
+        let second = st.entry(transfer(1));
+        assert!(
+            std::ptr::eq(Arc::as_ptr(&second), at),
+            "a new entry was allocated"
+        );
+        assert_eq!(second.seq, 1);
+        assert!(second.error.get().is_none() && second.event.get().is_none());
+        assert!(st.spare.is_empty());
+    }
+
+    /// An entry still held (its ticket kept by the host) is never issued again: the new
+    /// operation gets an entry of its own, and the held one is left as it was.
+    #[test]
+    fn a_finished_entry_still_held_is_not_issued_again() {
+        let mut st = IssueState::default();
+        let first = st.entry(transfer(0));
+        let ticket = first.clone();
+        st.spare.push(first);
+        let second = st.entry(transfer(1));
+        assert!(!Arc::ptr_eq(&second, &ticket));
+        assert_eq!((ticket.seq, second.seq), (0, 1));
+        assert!(st.spare.is_empty(), "the held entry stays with its holder");
+    }
 }
