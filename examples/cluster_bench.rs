@@ -20,7 +20,12 @@
 //! mpirun -np 4 target/release/examples/cluster_bench                 # flat 4 x 1
 //! mpirun -np 2 target/release/examples/cluster_bench --pingpong      # send/recv round trips
 //! mpirun -np 2 target/release/examples/cluster_bench --exchange      # sendrecv halo exchanges
+//! mpirun -np 2 target/release/examples/cluster_bench --barrier       # Cluster::barrier
 //! ```
+//!
+//! `--barrier` times `Cluster::barrier` beside `MPI_Barrier` on the network stream: hot
+//! (back to back) and idle (each after a 2 ms sleep, every thread of the rank parked), the
+//! time of the barrier call alone, median of `--reps` runs of 200 (idle: 50).
 //!
 //! `--exchange` times halo exchanges between partner ranks (0 and 1, 2 and 3, ...), each
 //! sending a node of `--sizes` bytes and receiving the other's in one `Cluster::sendrecv`,
@@ -89,6 +94,9 @@ struct Args {
     /// `MPI_Sendrecv`.
     #[arg(long)]
     exchange: bool,
+    /// Time `Cluster::barrier` beside `MPI_Barrier`, hot and idle.
+    #[arg(long)]
+    barrier: bool,
 }
 
 fn main() -> ExitCode {
@@ -615,8 +623,85 @@ fn per_call(
     Ok(median(times))
 }
 
+/// The sleep before each barrier of the idle runs: long enough for every thread of the
+/// rank to park.
+const IDLE: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// Seconds per `MPI_Barrier` on the network stream, `iters` of them, each after a sleep of
+/// [`IDLE`] if `idle` (only the barrier timed).
+fn mpi_barrier(cluster: &Cluster, iters: usize, idle: bool) -> Result<f64, tributary::Error> {
+    cluster.with_mpi(move |comm| {
+        let mut total = 0.0;
+        // SAFETY: the communicator is the cluster's, used on the network stream
+        // (`with_mpi`), and every rank makes the same calls.
+        unsafe {
+            ffi::MPI_Barrier(comm.raw());
+            for _ in 0..iters {
+                if idle {
+                    std::thread::sleep(IDLE);
+                }
+                let t = Instant::now();
+                ffi::MPI_Barrier(comm.raw());
+                total += t.elapsed().as_secs_f64();
+            }
+        }
+        total / iters as f64
+    })
+}
+
+/// Seconds per [`Cluster::barrier`], `iters` of them, each after a sleep of [`IDLE`] if
+/// `idle` (only the barrier timed).
+fn cluster_barrier(cluster: &Cluster, iters: usize, idle: bool) -> tributary::Result<f64> {
+    cluster.barrier()?;
+    let mut total = 0.0;
+    for _ in 0..iters {
+        if idle {
+            std::thread::sleep(IDLE);
+        }
+        let t = Instant::now();
+        cluster.barrier()?;
+        total += t.elapsed().as_secs_f64();
+    }
+    Ok(total / iters as f64)
+}
+
+/// `--barrier`: `Cluster::barrier` beside `MPI_Barrier`, hot and idle, medians of `--reps`.
+fn barriers(cluster: &Cluster, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    if cluster.rank() == 0 {
+        println!(
+            "{} ranks; barrier time in µs, median of {} runs (hot: 200 back to back; idle: 50, \
+             each after a {} ms sleep)",
+            cluster.size(),
+            args.reps,
+            IDLE.as_millis()
+        );
+        println!("| | MPI_Barrier | Cluster::barrier | ratio |");
+        println!("|---|---:|---:|---:|");
+    }
+    for (name, idle, iters) in [("hot", false, 200), ("idle", true, 50)] {
+        let (mut raw, mut ours) = (Vec::new(), Vec::new());
+        for _ in 0..args.reps.max(1) {
+            raw.push(mpi_barrier(cluster, iters, idle)?);
+            ours.push(cluster_barrier(cluster, iters, idle)?);
+        }
+        let (raw, ours) = (median(raw) * 1e6, median(ours) * 1e6);
+        if cluster.rank() == 0 {
+            println!(
+                "| {name} | {raw:.2} | {ours:.2} | {:.1}x |",
+                ours / raw.max(f64::MIN_POSITIVE)
+            );
+        }
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Arc::new(Cluster::builder().cpu_devices(args.devices).spawn()?);
+    if args.barrier {
+        barriers(&cluster, &args)?;
+        cluster.shutdown()?;
+        return Ok(());
+    }
     if args.pingpong {
         point_to_point(
             &cluster,

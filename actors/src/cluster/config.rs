@@ -190,6 +190,7 @@ impl ClusterBuilder {
             shut_down: AtomicBool::new(false),
             issuing: Mutex::new(()),
             transfers: Mutex::new(std::collections::HashMap::new()),
+            barrier: Mutex::new(None),
         })
     }
 }

@@ -92,6 +92,10 @@ pub struct Cluster {
     /// between the same context and rank, until the cluster shuts down (linking and
     /// finalizing per call cost two round trips to the device actor each).
     transfers: Mutex<HashMap<TransferKey, KeptTransfer>>,
+    /// The barrier's routine and description, linked at the first [`Cluster::barrier`] and
+    /// kept until the cluster shuts down, as the transfer routines are: linking and
+    /// finalizing it per barrier cost about 20 µs of the host's time a barrier.
+    barrier: Mutex<Option<(RoutineHandle, OpDesc)>>,
 }
 
 /// A kept transfer routine and the descriptions of the transfers it runs (one, or a
@@ -602,16 +606,28 @@ impl Cluster {
     /// Issues a header-only network operation on the token and waits for it: every rank
     /// reached this point (or the typed error says which did not).
     pub fn barrier(&self) -> Result<()> {
-        let desc = OpDesc {
-            kind: OpKind::Barrier,
-            label: "barrier".into(),
-            shape: [1].into(),
-            dtype: DType::U8,
-            op: None,
-            route: None,
-            algorithm: None,
+        let (routine, desc) = {
+            let mut kept = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+            match &*kept {
+                Some(k) => k.clone(),
+                None => {
+                    let desc = OpDesc {
+                        kind: OpKind::Barrier,
+                        label: "barrier".into(),
+                        shape: [1].into(),
+                        dtype: DType::U8,
+                        op: None,
+                        route: None,
+                        algorithm: None,
+                    };
+                    let spec = self.token_spec(&desc, |net, guard, op| net.barrier(guard, op))?;
+                    let k = (self.net_root.link(spec)?, desc);
+                    *kept = Some(k.clone());
+                    k
+                }
+            }
         };
-        self.run_token_op(desc, 0, |net, guard, op| net.barrier(guard, op))
+        self.issue_token_op(&routine, desc, 0)
     }
 
     /// Sums `values` across ranks (every rank passes as many; a mismatch is an error) and
@@ -654,8 +670,25 @@ impl Cluster {
             + Sync
             + 'static,
     ) -> Result<()> {
+        let spec = self.token_spec(&desc, body)?;
+        let routine = self.net_root.link(spec)?;
+        let waited = self.issue_token_op(&routine, desc, contributions);
+        self.sys.finalize(routine.protocol_context())?;
+        waited
+    }
+
+    /// A routine writing the token whose kernel runs `body` as the network operation at
+    /// the front of the issue queue (`desc`'s, once issued).
+    fn token_spec(
+        &self,
+        desc: &OpDesc,
+        body: impl Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<RoutineSpec> {
         let net = self.net.clone();
-        let spec = RoutineSpec::custom(
+        RoutineSpec::custom(
             format!("cluster.{}", desc.label),
             vec![(self.token.clone(), Access::Write)],
             None,
@@ -664,8 +697,17 @@ impl Cluster {
                 args.output_bytes(0)?.fill(1);
                 Ok(())
             },
-        )?;
-        let routine = self.net_root.link(spec)?;
+        )
+    }
+
+    /// Issues network operation `desc`, schedules `routine` (a [`Cluster::token_spec`]
+    /// routine) to run it, and waits for it.
+    fn issue_token_op(
+        &self,
+        routine: &RoutineHandle,
+        desc: OpDesc,
+        contributions: usize,
+    ) -> Result<()> {
         let ticket = {
             let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
             let issued = self.net.issue(desc, contributions);
@@ -680,9 +722,7 @@ impl Cluster {
                 }
             }
         };
-        let waited = ticket.wait();
-        self.sys.finalize(routine.protocol_context())?;
-        waited
+        ticket.wait()
     }
 
     /// Runs `f` on the network stream, in program order with the cluster's network
