@@ -224,7 +224,8 @@ fn engine_schedules_with_dependencies_allocate_nothing() {
     assert_within_allowance(used, format_args!("{BURST} schedules and their runs"));
 }
 
-fn engine_replays_allocate_nothing() {
+/// An engine of one CPU device with one stream, and a routine there that writes `y`.
+fn engine_writing_y() -> (Engine, tributary::protocol::Routine) {
     let mut e = Engine::cpu(EngineConfig {
         devices: 1,
         streams_per_device: 1,
@@ -238,15 +239,24 @@ fn engine_replays_allocate_nothing() {
             spec(vec![(node("y", MemoryMode::on_device()), Access::Write)]),
         )
         .unwrap();
+    (e, r)
+}
+
+/// A step of `calls` schedules of `r`, captured on `e`.
+fn capture_writes(e: &mut Engine, r: &tributary::protocol::Routine, calls: u64) -> tributary::Step {
+    e.capture(|c| {
+        for _ in 0..calls {
+            c.schedule(r)?;
+        }
+        Ok(())
+    })
+    .unwrap()
+}
+
+fn engine_replays_allocate_nothing() {
+    let (mut e, r) = engine_writing_y();
     const STEP: u64 = 8;
-    let step = e
-        .capture(|c| {
-            for _ in 0..STEP {
-                c.schedule(&r)?;
-            }
-            Ok(())
-        })
-        .unwrap();
+    let step = capture_writes(&mut e, &r, STEP);
     let replays = REPLAYS;
     let used = replays_allocate(&mut e, |e| e.replay(&step), |e| e.sync_all());
     assert_within_allowance(used, format_args!("{replays} replays of {STEP} routines"));
@@ -265,47 +275,40 @@ fn new_steps<S>(mut capture: impl FnMut() -> S) -> std::vec::IntoIter<Vec<S>> {
         .into_iter()
 }
 
+/// Allocations of a burst of [`REPLAYS`] replays (`replay` on `on`) of the next list of
+/// `bursts`, [`REPLAYS`] / [`NEW_STEPS`] of each of its steps, in steady state
+/// ([`steady_run`]: one list for its warm-up, one per counted run), at most [`IN_FLIGHT`]
+/// in flight, each burst ended by `sync`.
+fn new_steps_replays_allocate<S, St, L: Last>(
+    on: &mut S,
+    mut bursts: std::vec::IntoIter<Vec<St>>,
+    mut replay: impl FnMut(&mut S, &St) -> tributary::Result<StreamLasts<L>>,
+    mut sync: impl FnMut(&mut S) -> tributary::Result<()>,
+) -> u64 {
+    steady_run(|| {
+        let steps = bursts.next().expect("a list of steps per burst");
+        let mut i = 0;
+        for step in &steps {
+            for _ in 0..REPLAYS / NEW_STEPS {
+                let lasts = replay(on, step)?;
+                in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
+                i += 1;
+            }
+        }
+        sync(on)
+    })
+}
+
 /// A step captured anew (a loop that captures its step once per epoch, a benchmark run
 /// that captures its own) replays on the lists its device's earlier steps gave back: each
 /// burst replays [`NEW_STEPS`] steps that were never replayed, [`REPLAYS`] in all. A step
 /// that kept lists of its own would allocate its first replays' (a program's and an event
 /// list, at least two per step: more than the allowance).
 fn engine_replays_of_steps_captured_anew_allocate_nothing() {
-    let mut e = Engine::cpu(EngineConfig {
-        devices: 1,
-        streams_per_device: 1,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let root = e.context(0, 0).unwrap();
-    let r = e
-        .link(
-            &root,
-            spec(vec![(node("y", MemoryMode::on_device()), Access::Write)]),
-        )
-        .unwrap();
+    let (mut e, r) = engine_writing_y();
     const STEP: u64 = 4;
-    let mut bursts = new_steps(|| {
-        e.capture(|c| {
-            for _ in 0..STEP {
-                c.schedule(&r)?;
-            }
-            Ok(())
-        })
-        .unwrap()
-    });
-    let used = steady_run(|| {
-        let steps = bursts.next().expect("a list of steps per burst");
-        let mut i = 0;
-        for step in &steps {
-            for _ in 0..REPLAYS / NEW_STEPS {
-                let lasts = e.replay(step)?;
-                in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
-                i += 1;
-            }
-        }
-        e.sync_all()
-    });
+    let bursts = new_steps(|| capture_writes(&mut e, &r, STEP));
+    let used = new_steps_replays_allocate(&mut e, bursts, |e, s| e.replay(s), |e| e.sync_all());
     assert_within_allowance(
         used,
         format_args!(
@@ -372,9 +375,8 @@ fn engine_replays_with_new_index_values_allocate_nothing() {
     );
 }
 
-/// A `System` replay on one device: its part travels in a pooled box, its tickets come
-/// back inline, its event lists are its device's.
-fn system_replays_allocate_nothing() {
+/// A system of one CPU device with one stream, and a routine there that writes `y`.
+fn system_writing_y() -> (System, tributary_actors::RoutineHandle) {
     let sys = system(1);
     let ctx = sys.context(0, 0).unwrap();
     let r = ctx
@@ -383,16 +385,30 @@ fn system_replays_allocate_nothing() {
             Access::Write,
         )]))
         .unwrap();
-    let routine = r.routine().clone();
+    (sys, r)
+}
+
+/// A step of `calls` schedules of `r`, captured on `sys`.
+fn system_capture_writes(
+    sys: &System,
+    r: &tributary_actors::RoutineHandle,
+    calls: u64,
+) -> tributary::Step {
+    sys.capture(|c| {
+        for _ in 0..calls {
+            c.schedule(r.routine())?;
+        }
+        Ok(())
+    })
+    .unwrap()
+}
+
+/// A `System` replay on one device: its part travels in a pooled box, its tickets come
+/// back inline, its event lists are its device's.
+fn system_replays_allocate_nothing() {
+    let (sys, r) = system_writing_y();
     const STEP: u64 = 32;
-    let step = sys
-        .capture(|c| {
-            for _ in 0..STEP {
-                c.schedule(&routine)?;
-            }
-            Ok(())
-        })
-        .unwrap();
+    let step = system_capture_writes(&sys, &r, STEP);
     let replays = REPLAYS;
     let used = replays_allocate(&mut &sys, |s| s.replay(&step), |s| s.sync());
     sys.shutdown().unwrap();
@@ -404,37 +420,10 @@ fn system_replays_allocate_nothing() {
 
 /// [`engine_replays_of_steps_captured_anew_allocate_nothing`] through `System`.
 fn system_replays_of_steps_captured_anew_allocate_nothing() {
-    let sys = system(1);
-    let ctx = sys.context(0, 0).unwrap();
-    let r = ctx
-        .link(spec(vec![(
-            node("y", MemoryMode::on_device()),
-            Access::Write,
-        )]))
-        .unwrap();
-    let routine = r.routine().clone();
+    let (sys, r) = system_writing_y();
     const STEP: u64 = 4;
-    let mut bursts = new_steps(|| {
-        sys.capture(|c| {
-            for _ in 0..STEP {
-                c.schedule(&routine)?;
-            }
-            Ok(())
-        })
-        .unwrap()
-    });
-    let used = steady_run(|| {
-        let steps = bursts.next().expect("a list of steps per burst");
-        let mut i = 0;
-        for step in &steps {
-            for _ in 0..REPLAYS / NEW_STEPS {
-                let lasts = sys.replay(step)?;
-                in_flight_at_most(i, || lasts.iter().try_for_each(Last::wait_for))?;
-                i += 1;
-            }
-        }
-        sys.sync()
-    });
+    let bursts = new_steps(|| system_capture_writes(&sys, &r, STEP));
+    let used = new_steps_replays_allocate(&mut &sys, bursts, |s, st| s.replay(st), |s| s.sync());
     sys.shutdown().unwrap();
     assert_within_allowance(
         used,

@@ -611,15 +611,7 @@ impl Cluster {
             match &*kept {
                 Some(k) => k.clone(),
                 None => {
-                    let desc = OpDesc {
-                        kind: OpKind::Barrier,
-                        label: "barrier".into(),
-                        shape: [1].into(),
-                        dtype: DType::U8,
-                        op: None,
-                        route: None,
-                        algorithm: None,
-                    };
+                    let desc = token_desc(OpKind::Barrier, "barrier");
                     let spec = self.token_spec(&desc, |net, guard, op| net.barrier(guard, op))?;
                     let k = (self.net_root.link(spec)?, desc);
                     *kept = Some(k.clone());
@@ -736,15 +728,7 @@ impl Cluster {
         type Slot<R> = (Option<Box<dyn FnOnce(&RawComm) -> R + Send>>, Option<R>);
         let slot: Arc<Mutex<Slot<R>>> = Arc::new(Mutex::new((Some(Box::new(f)), None)));
         let inner = slot.clone();
-        let desc = OpDesc {
-            kind: OpKind::Raw,
-            label: "with_mpi".into(),
-            shape: [1].into(),
-            dtype: DType::U8,
-            op: None,
-            route: None,
-            algorithm: None,
-        };
+        let desc = token_desc(OpKind::Raw, "with_mpi");
         self.run_token_op(desc, 0, move |net, _guard, _op| {
             let mut s = inner.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(f) = s.0.take() {
@@ -801,6 +785,20 @@ pub(crate) fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc
         dtype: node.dtype(),
         op: None,
         route: Some((from, to)),
+        algorithm: None,
+    }
+}
+
+/// The description of a network operation `kind` that moves no node of its own (a
+/// barrier, the application's MPI code): its routine writes the token.
+fn token_desc(kind: OpKind, label: &str) -> OpDesc {
+    OpDesc {
+        kind,
+        label: label.into(),
+        shape: [1].into(),
+        dtype: DType::U8,
+        op: None,
+        route: None,
         algorithm: None,
     }
 }
