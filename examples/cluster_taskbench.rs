@@ -440,7 +440,9 @@ impl ClusterGraph {
     fn timestep(&self, calls: &mut impl Calls, t: usize) -> tributary::Result<()> {
         let p = t % 2;
         let ctx = self.ctx.protocol_context();
-        let mut parts = Vec::new();
+        // Inline (two neighbours, a send and a receive each): the loop allocates nothing of
+        // its own, as the raw-MPI runners do not.
+        let mut parts: smallvec::SmallVec<[Exchange<'_>; 4]> = smallvec::SmallVec::new();
         for (peer, column, ghost) in &self.ghosts[1 - p] {
             parts.push(Exchange::Send(&self.out[1 - p][column - self.lo], *peer));
             parts.push(Exchange::Recv(ghost, *peer));
