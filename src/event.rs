@@ -317,9 +317,9 @@ impl Timeline {
             return;
         }
         let mut inner = self.inner.lock();
-        let ready = self.wake_locked(&mut inner);
+        let woken = self.wake_locked(&mut inner);
         drop(inner);
-        wake_all(ready);
+        self.wake(woken);
     }
 
     /// The backend reports that operation `seq` failed with the root `cause`: the failure is
@@ -378,9 +378,9 @@ impl Timeline {
         }
         // The lock is held, so `inner` says exactly who is registered.
         if (!inner.blocked.is_empty() || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
-            let ready = self.wake_locked(&mut inner);
+            let woken = self.wake_locked(&mut inner);
             drop(inner);
-            wake_all(ready);
+            self.wake(woken);
         }
     }
 
@@ -402,9 +402,9 @@ impl Timeline {
         // makes it exact even against a concurrent lock-free `signal`.
         let prev = self.word.fetch_or(POISONED, Ordering::Release);
         inner.poison = Some((counter(prev), cause));
-        let ready = self.wake_locked(&mut inner);
+        let woken = self.wake_locked(&mut inner);
         drop(inner);
-        wake_all(ready);
+        self.wake(woken);
     }
 
     /// The recorded failure of operation `seq`: its own root cause if it failed, or the
@@ -559,9 +559,10 @@ impl Timeline {
         }
     }
 
-    /// Wakes the blocked threads and takes out the wakers whose event is decided, to be
-    /// woken once the lock is released. Called with the lock held.
-    fn wake_locked(&self, inner: &mut Inner) -> ReadyWakers {
+    /// Decides whom to wake: whether the blocked threads are to be woken, and the wakers
+    /// whose event is decided, taken out. Called with the lock held; [`Timeline::wake`]
+    /// wakes them once it is released.
+    fn wake_locked(&self, inner: &mut Inner) -> Woken {
         // Relaxed: only decides which wakers to take out; a woken future re-checks with an
         // Acquire load. Reads at least the value this thread just wrote (coherence).
         let word = self.word.load(Ordering::Relaxed);
@@ -586,11 +587,25 @@ impl Timeline {
                     counter(word) >= lowest
                 }
         };
-        if inner.blocked.first_key().as_ref().is_some_and(decided) {
+        let blocked = inner.blocked.first_key().as_ref().is_some_and(decided);
+        self.registrations_changed(inner);
+        Woken {
+            blocked,
+            wakers: ready,
+        }
+    }
+
+    /// Wakes what [`Timeline::wake_locked`] decided, after the lock was released: a thread
+    /// woken while the lock is held (on one core, the waker is preempted by the thread it
+    /// woke) would find the lock taken, block on it, and cost another pair of system calls
+    /// and context switches. A blocked thread cannot miss the notification: it checked its
+    /// event under the lock before it waited, and it waited before this thread took the
+    /// lock; one that registers after sees the new counter (module documentation).
+    fn wake(&self, woken: Woken) {
+        if woken.blocked {
             self.cond.notify_all();
         }
-        self.registrations_changed(inner);
-        ready
+        wake_all(woken.wakers);
     }
 
     fn wait_until(&self, seq: u64, deadline: Option<Instant>, after: Duration) -> Result<()> {
@@ -640,6 +655,13 @@ fn clamp(seq: u64) -> u64 {
 
 /// Wakers taken out under the lock to be woken after it: a few inline.
 type ReadyWakers = smallvec::SmallVec<[Waker; 4]>;
+
+/// Whom a change of the timeline wakes, decided under the lock, woken after it.
+struct Woken {
+    /// The blocked threads (the lowest number one of them waits for is decided).
+    blocked: bool,
+    wakers: ReadyWakers,
+}
 
 /// Wakes wakers taken out under the lock, after it was released (a waker may run code that
 /// takes the lock again).
