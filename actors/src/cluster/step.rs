@@ -318,6 +318,13 @@ impl Cluster {
                 return Err(e);
             }
         };
+        if mutant!("cluster_ticket_unset_runs") {
+            // The mutant's race made certain: the host preempted between posting the replay
+            // and storing its tickets (on a rank bound to one core, whether the woken
+            // network stream takes the core first is up to the scheduler), so the kernels
+            // run while the tickets are unset, as `Network::front` must allow for.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         if let Some(last) = step.network_ticket.and_then(|k| tickets.get(k)) {
             for (op, &back) in issued.iter().zip(&step.backs) {
                 let _ = op.event.set(EntryTicket::Replayed {
