@@ -82,9 +82,45 @@ pub(crate) struct OpDesc {
     pub(crate) route: Option<(usize, usize)>,
     /// All-reduce only: the algorithm this operation uses instead of the cluster's.
     pub(crate) algorithm: Option<CrossRankAlgorithm>,
+    /// The hashes of `label` and `shape` every header carries, computed once by
+    /// [`OpDesc::new`] (a description is made once per call site or captured step and
+    /// its header built at every run; `label` and `shape` never change after).
+    hashes: (u64, u64),
 }
 
 impl OpDesc {
+    /// The description of a network operation `kind` on a node `label` of `shape` and
+    /// `dtype`; `op`, `route` and `algorithm` unset ([`OpDesc::reducing`],
+    /// [`OpDesc::routed`]).
+    pub(crate) fn new(kind: OpKind, label: &str, shape: &[usize], dtype: DType) -> OpDesc {
+        OpDesc {
+            kind,
+            label: label.into(),
+            shape: shape.into(),
+            dtype,
+            op: None,
+            route: None,
+            algorithm: None,
+            hashes: (hash_of(label), hash_of(shape)),
+        }
+    }
+
+    /// This description, an all-reduce's with `op`.
+    pub(crate) fn reducing(self, op: ReduceOp) -> OpDesc {
+        OpDesc {
+            op: Some(op),
+            ..self
+        }
+    }
+
+    /// This description, a transfer's from rank `from` to rank `to`.
+    pub(crate) fn routed(self, from: usize, to: usize) -> OpDesc {
+        OpDesc {
+            route: Some((from, to)),
+            ..self
+        }
+    }
+
     pub(crate) fn elements(&self) -> u64 {
         self.shape.iter().product::<usize>() as u64
     }
@@ -202,8 +238,8 @@ impl Header {
             algorithm: algorithm.code(),
             status: status as u8,
             elements: desc.elements(),
-            label_hash: hash_of(&desc.label),
-            shape_hash: hash_of(&desc.shape),
+            label_hash: desc.hashes.0,
+            shape_hash: desc.hashes.1,
             route: (from as u32, to as u32),
             label,
             ndim: desc.shape.len().min(255) as u8,
@@ -339,25 +375,51 @@ pub(crate) fn check_headers(
 ) -> Result<(), Error> {
     for (rank, theirs) in all.iter().enumerate() {
         if rank != this_rank && !mine.same_operation(theirs) {
-            return Err(Error::CollectiveMismatch {
-                call: mine.call,
-                rank,
-                this_rank,
-                ours: mine.describe(),
-                theirs: theirs.describe(),
-            });
+            return Err(mismatch(this_rank, mine, rank, theirs));
         }
     }
     for (rank, theirs) in all.iter().enumerate() {
         if rank != this_rank && theirs.status != Status::Ready as u8 {
-            return Err(Error::RankInputFailed {
-                rank,
-                call: mine.call,
-                operation: operation.to_string(),
-            });
+            return Err(input_failed(mine, rank, operation));
         }
     }
     Ok(())
+}
+
+/// [`check_headers`] of a transfer: this rank's header against its one peer's (`theirs`,
+/// from rank `peer`), with no list of every rank's made.
+pub(crate) fn check_peer(
+    this_rank: usize,
+    mine: &Header,
+    peer: usize,
+    theirs: &Header,
+    operation: impl std::fmt::Display,
+) -> Result<(), Error> {
+    if !mine.same_operation(theirs) {
+        return Err(mismatch(this_rank, mine, peer, theirs));
+    }
+    if theirs.status != Status::Ready as u8 {
+        return Err(input_failed(mine, peer, operation));
+    }
+    Ok(())
+}
+
+fn mismatch(this_rank: usize, mine: &Header, rank: usize, theirs: &Header) -> Error {
+    Error::CollectiveMismatch {
+        call: mine.call,
+        rank,
+        this_rank,
+        ours: mine.describe(),
+        theirs: theirs.describe(),
+    }
+}
+
+fn input_failed(mine: &Header, rank: usize, operation: impl std::fmt::Display) -> Error {
+    Error::RankInputFailed {
+        rank,
+        call: mine.call,
+        operation: operation.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -365,15 +427,7 @@ mod tests {
     use super::*;
 
     fn desc(label: &str, shape: &[usize], dtype: DType, op: ReduceOp) -> OpDesc {
-        OpDesc {
-            kind: OpKind::AllReduce,
-            label: label.into(),
-            shape: shape.into(),
-            dtype,
-            op: Some(op),
-            route: None,
-            algorithm: None,
-        }
+        OpDesc::new(OpKind::AllReduce, label, shape, dtype).reducing(op)
     }
 
     #[test]

@@ -628,15 +628,13 @@ impl Cluster {
     pub fn sum_host(&self, values: &[f64]) -> Result<Vec<f64>> {
         let input: Vec<f64> = values.to_vec();
         let out = Arc::new(Mutex::new(vec![0f64; values.len()]));
-        let desc = OpDesc {
-            kind: OpKind::AllReduce,
-            label: "cluster.sum_host".into(),
-            shape: [values.len()].into(),
-            dtype: DType::F64,
-            op: Some(tributary::collective::ReduceOp::Sum),
-            route: None,
-            algorithm: None,
-        };
+        let desc = OpDesc::new(
+            OpKind::AllReduce,
+            "cluster.sum_host",
+            &[values.len()],
+            DType::F64,
+        )
+        .reducing(tributary::collective::ReduceOp::Sum);
         let sink = out.clone();
         self.run_token_op(desc, 1, move |net, guard, op| {
             let mut o = sink.lock().unwrap_or_else(|e| e.into_inner());
@@ -778,29 +776,19 @@ impl Drop for Cluster {
 }
 
 pub(crate) fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
-    OpDesc {
-        kind: OpKind::Transfer,
-        label: node.label().into(),
-        shape: node.shape().dims().into(),
-        dtype: node.dtype(),
-        op: None,
-        route: Some((from, to)),
-        algorithm: None,
-    }
+    OpDesc::new(
+        OpKind::Transfer,
+        node.label(),
+        node.shape().dims(),
+        node.dtype(),
+    )
+    .routed(from, to)
 }
 
 /// The description of a network operation `kind` that moves no node of its own (a
 /// barrier, the application's MPI code): its routine writes the token.
 fn token_desc(kind: OpKind, label: &str) -> OpDesc {
-    OpDesc {
-        kind,
-        label: label.into(),
-        shape: [1].into(),
-        dtype: DType::U8,
-        op: None,
-        route: None,
-        algorithm: None,
-    }
+    OpDesc::new(kind, label, &[1], DType::U8)
 }
 
 /// The mode of the 1-byte token nodes network routines write (they must write something).

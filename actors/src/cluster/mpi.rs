@@ -290,37 +290,65 @@ impl Mpi {
 
     /// Waits until every request in `requests` completed, polling ([`SPIN_POLLS`] polls, then
     /// a yield of the core between polls); gives up at `deadline` with [`Stalled`], naming
-    /// the lowest rank a pending receive waits for (or a pending send's destination). Completed requests become null; pending ones stay in the list.
+    /// the lowest rank a pending receive waits for (or a pending send's destination).
+    /// Completed requests become null; pending ones stay in the list.
     pub(crate) fn wait_all(
         &self,
         requests: &mut [Request],
         deadline: Instant,
     ) -> std::result::Result<(), WaitError> {
-        self.wait_for(requests, deadline, false)
+        self.wait_for(requests, &mut [], deadline, Until::All)
     }
 
-    /// [`Mpi::wait_all`] until at least one of the pending requests completed (or none is
-    /// pending): the caller finds which with [`Request::is_done`].
-    pub(crate) fn wait_any(
+    /// [`Mpi::wait_all`] of `watched`, completing what of `others` completes meanwhile (the
+    /// same polls): a later wait for `others` then usually finds them done and polls no more.
+    pub(crate) fn wait_all_with(
         &self,
-        requests: &mut [Request],
+        watched: &mut [Request],
+        others: &mut [Request],
         deadline: Instant,
     ) -> std::result::Result<(), WaitError> {
-        self.wait_for(requests, deadline, true)
+        self.wait_for(watched, others, deadline, Until::All)
     }
 
+    /// [`Mpi::wait_all_with`] until at least one of the pending `watched` requests completed
+    /// (or none is pending): the caller finds which with [`Request::is_done`].
+    pub(crate) fn wait_any_with(
+        &self,
+        watched: &mut [Request],
+        others: &mut [Request],
+        deadline: Instant,
+    ) -> std::result::Result<(), WaitError> {
+        self.wait_for(watched, others, deadline, Until::Any)
+    }
+
+    /// Polls `watched` and `others` together (one `MPI_Testsome` over both) until `until`
+    /// holds for `watched`; `others` only complete along the way.
     fn wait_for(
         &self,
-        requests: &mut [Request],
+        watched: &mut [Request],
+        others: &mut [Request],
         deadline: Instant,
-        any: bool,
+        until: Until,
     ) -> std::result::Result<(), WaitError> {
-        // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation.
-        let mut raw: SmallVec<[ffi::MPI_Request; 8]> = requests.iter().map(|r| r.raw).collect();
-        let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
+        let pending = |r: &[Request]| r.iter().filter(|r| !r.is_done()).count();
         // Requests that completed before (null) count as done.
-        let mut done: SmallVec<[bool; 8]> = requests.iter().map(Request::is_done).collect();
-        let mut left = done.iter().filter(|d| !**d).count();
+        let mut left = pending(watched);
+        if left == 0 {
+            // Nothing to wait for: no poll (the common end of an exchange whose sends
+            // completed while its headers were awaited).
+            return Ok(());
+        }
+        let n = watched.len();
+        // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation.
+        let mut raw: SmallVec<[ffi::MPI_Request; 8]> =
+            watched.iter().chain(others.iter()).map(|r| r.raw).collect();
+        let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
+        let mut done: SmallVec<[bool; 8]> = watched
+            .iter()
+            .chain(others.iter())
+            .map(Request::is_done)
+            .collect();
         let mut idle_polls = 0u32;
         let result = loop {
             if left == 0 {
@@ -345,15 +373,19 @@ impl Mpi {
             if outcount < 0 {
                 break Ok(());
             }
-            for &i in &indices[..outcount as usize] {
+            let mut watched_done = false;
+            for &i in indices.get(..outcount as usize).unwrap_or(&[]) {
                 let i = i as usize;
-                if !done[i] {
+                if done.get(i).is_some_and(|d| !d) {
                     done[i] = true;
-                    left -= 1;
+                    if i < n {
+                        left -= 1;
+                        watched_done = true;
+                    }
                 }
             }
-            if outcount > 0 {
-                if any {
+            if watched_done {
+                if until == Until::Any {
                     break Ok(());
                 }
                 idle_polls = 0;
@@ -370,7 +402,7 @@ impl Mpi {
             }
             if Instant::now() >= deadline {
                 let stalled = |receive: bool| {
-                    requests
+                    watched
                         .iter()
                         .zip(&done)
                         .filter(|(r, d)| !**d && r.receive == receive)
@@ -386,7 +418,8 @@ impl Mpi {
         };
         // SAFETY: reading the library's constant.
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
-        for (r, (raw, done)) in requests.iter_mut().zip(raw.into_iter().zip(done)) {
+        let all = watched.iter_mut().chain(others.iter_mut());
+        for (r, (raw, done)) in all.zip(raw.into_iter().zip(done)) {
             r.raw = if done { null } else { raw };
         }
         result
@@ -435,6 +468,15 @@ impl Request {
 // SAFETY: a request handle is a value of the MPI library, used under the serialized
 // contract of `Mpi` (module docs).
 unsafe impl Send for Request {}
+
+/// When [`Mpi::wait_for`] returns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Every watched request completed.
+    All,
+    /// At least one pending watched request completed.
+    Any,
+}
 
 /// Why [`Mpi::wait_all`] gave up.
 pub(crate) enum WaitError {

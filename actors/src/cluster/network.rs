@@ -33,7 +33,9 @@ pub(crate) use wire::{check_dtype, View};
 use smallvec::{smallvec, SmallVec};
 
 use super::{
-    header::{check_headers, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES},
+    header::{
+        check_headers, check_peer, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES,
+    },
     mpi::{Mpi, Request, WaitError},
     reduce::Wire,
 };
@@ -698,10 +700,15 @@ impl Network {
         self.catch_up_all(&mut guard, &skipped);
         let mut group = IssuedGroup::new();
         let mut next = first;
-        // The later entries are the same routine's, issued right after the first: they
-        // run, so nothing is skipped before them.
+        // The later entries are the same routine's, pushed right after the first under one
+        // acquisition of the queue's lock: they run (this is their kernel), so nothing is
+        // skipped before them and their decisions need no look.
         while let Some(op) = next.take() {
-            next = if op.fused { self.front(true).1 } else { None };
+            next = if op.fused {
+                lock(&self.issue).queue.pop_front()
+            } else {
+                None
+            };
             group.push(op);
         }
         if group.last().is_none_or(|op| op.fused) {
@@ -1223,7 +1230,9 @@ impl Network {
             // Whichever peer's header arrives first is checked first: a part must not wait
             // for another part's header to post its data (that header may leave only once
             // this part's data arrived, from a peer running one transfer after the other).
-            if let Err(e) = self.mpi.wait_any(&mut heads, deadline) {
+            // The sends and later frames complete in the same polls, so the final wait
+            // for them usually finds them done.
+            if let Err(e) = self.mpi.wait_any_with(&mut heads, &mut waiting, deadline) {
                 let stalled = heads.iter().position(|h| !h.is_done()).unwrap_or(0);
                 let fault = self.fault(parts.get(stalled).map_or(first.op, |p| p.op), e);
                 waiting.append(&mut heads);
@@ -1332,28 +1341,7 @@ impl Network {
             ours: mine.describe(),
             theirs: "a message that is no tributary header".into(),
         })?;
-        let mut all = [mine.clone(), mine.clone()];
-        all[if rank == from { 1 } else { 0 }] = theirs;
-        let me = if rank == from { 0 } else { 1 };
-        check_headers(me, mine, &all, Describe(&op.desc)).map_err(|e| match e {
-            Error::CollectiveMismatch {
-                call, ours, theirs, ..
-            } => Error::CollectiveMismatch {
-                call,
-                rank: peer,
-                this_rank: rank,
-                ours,
-                theirs,
-            },
-            Error::RankInputFailed {
-                call, operation, ..
-            } => Error::RankInputFailed {
-                rank: peer,
-                call,
-                operation,
-            },
-            e => e,
-        })
+        check_peer(rank, mine, peer, &theirs, Describe(&op.desc))
     }
 
     /// The messages of a header exchange, one [`Leg`] per peer: this rank's slot `own`
@@ -1393,7 +1381,7 @@ impl Network {
             // The mutant waits for every frame before the check.
             heads.append(&mut rest);
         }
-        if let Err(e) = self.mpi.wait_all(&mut heads, deadline) {
+        if let Err(e) = self.mpi.wait_all_with(&mut heads, &mut rest, deadline) {
             heads.append(&mut rest);
             let fault = self.fault(op, e);
             return Err(self.abandon(guard, heads, keep, fault));
@@ -1560,15 +1548,7 @@ mod tests {
     fn transfer(seq: u64) -> Issued {
         Issued {
             seq,
-            desc: OpDesc {
-                kind: OpKind::Transfer,
-                label: "x".into(),
-                shape: [4].as_slice().into(),
-                dtype: tributary::DType::F32,
-                op: None,
-                route: Some((0, 1)),
-                algorithm: None,
-            },
+            desc: OpDesc::new(OpKind::Transfer, "x", &[4], tributary::DType::F32).routed(0, 1),
             contributions: 0,
             fused: false,
             event: OnceLock::new(),

@@ -411,15 +411,13 @@ impl ClusterAllReduce {
                     .net_root
                     .link(all_reduce_spec(&cluster.net, node)?)?
             };
-            let desc = OpDesc {
-                kind: OpKind::AllReduce,
-                label: node.label().into(),
-                shape: node.shape().dims().into(),
-                dtype: node.dtype(),
-                op: Some(op),
-                route: None,
-                algorithm: None,
-            };
+            let desc = OpDesc::new(
+                OpKind::AllReduce,
+                node.label(),
+                node.shape().dims(),
+                node.dtype(),
+            )
+            .reducing(op);
             network.push((r, desc));
         }
         Ok(ClusterAllReduce {
