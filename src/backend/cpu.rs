@@ -71,28 +71,7 @@ impl Shared {
 
     /// Resolves a location to its pool memory and checks the byte range.
     fn resolve(&self, g: GlobalLoc, bytes: u64) -> std::result::Result<Region, String> {
-        let pools = self
-            .pools_of(g.device)
-            .ok_or_else(|| format!("unknown device {}", g.device))?;
-        let map = pools.lock();
-        let buf = map
-            .get(&g.loc.pool)
-            .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?
-            .clone();
-        let end = g.loc.offset.checked_add(bytes);
-        if end.is_none_or(|e| e > buf.len() as u64) {
-            return Err(format!(
-                "range {}+{} outside pool of {} bytes",
-                g.loc,
-                bytes,
-                buf.len()
-            ));
-        }
-        Ok(Region {
-            buf,
-            offset: g.loc.offset as usize,
-            bytes: bytes as usize,
-        })
+        Resolver::new(self).resolve(g, bytes)
     }
 
     /// Resolves and runs a plan's or a program operation's work where it lies (`bindings`:
@@ -116,14 +95,17 @@ impl Shared {
             } => {
                 // Held until the kernel returns: releasing a pool never frees memory under
                 // it ("resolved", module docs).
+                let mut resolver = Resolver::new(self);
                 let mut regions = SmallVec::<[Region; 4]>::new();
                 for b in args.iter() {
-                    regions.push(self.resolve(b.loc, b.bytes)?);
+                    regions.push(resolver.resolve(b.loc, b.bytes)?);
                 }
                 let merge_region = match merge {
-                    Some(b) => Some((self.resolve(b.loc, b.bytes)?, b)),
+                    Some(b) => Some((resolver.resolve(b.loc, b.bytes)?, b)),
                     None => None,
                 };
+                // The pools' lock is not held while the kernel runs.
+                drop(resolver);
                 let views = args.iter().zip(&regions).map(|(b, r)| view_of(r, b));
                 let merge = merge_region.as_ref().map(|(r, b)| view_of(r, b));
                 let bindings = bindings.unwrap_or(own).clone();
@@ -137,7 +119,14 @@ impl Shared {
                 run_cpu(kernel, &kargs, self.config.kernel_mode)
             }
             Work::Copy { src, dst, bytes } => {
-                copy_region(&self.resolve(*src, *bytes)?, &self.resolve(*dst, *bytes)?)
+                // Both resolved under one acquisition, released before the copy.
+                let mut resolver = Resolver::new(self);
+                let (from, to) = (
+                    resolver.resolve(*src, *bytes)?,
+                    resolver.resolve(*dst, *bytes)?,
+                );
+                drop(resolver);
+                copy_region(&from, &to)
             }
             Work::FromHost { host, dst, bytes } => copy_region(
                 &Region::host(host.clone(), *bytes)?,
@@ -153,6 +142,55 @@ impl Shared {
             }
             Work::Marker => Ok(()),
         }
+    }
+}
+
+/// Resolves the locations of one operation, holding the lock of a device's pools from one
+/// location to the next (an operation's buffers are normally on one device: one acquisition
+/// per operation, not one per buffer). Dropped before the operation runs.
+struct Resolver<'a> {
+    shared: &'a Shared,
+    held: Option<(DeviceId, crate::sync::MutexGuard<'a, PoolMap>)>,
+}
+
+impl<'a> Resolver<'a> {
+    fn new(shared: &'a Shared) -> Resolver<'a> {
+        Resolver { shared, held: None }
+    }
+
+    /// [`Shared::resolve`] of `g`, under the lock held since the last location if it was
+    /// on the same device.
+    fn resolve(&mut self, g: GlobalLoc, bytes: u64) -> std::result::Result<Region, String> {
+        let map = match &mut self.held {
+            Some((device, map)) if *device == g.device => map,
+            held => {
+                // The last device's lock is released before the next one is taken.
+                *held = None;
+                let pools = self
+                    .shared
+                    .pools_of(g.device)
+                    .ok_or_else(|| format!("unknown device {}", g.device))?;
+                &mut held.insert((g.device, pools.lock())).1
+            }
+        };
+        let buf = map
+            .get(&g.loc.pool)
+            .ok_or_else(|| format!("pool {} does not exist on {}", g.loc.pool, g.device))?
+            .clone();
+        let end = g.loc.offset.checked_add(bytes);
+        if end.is_none_or(|e| e > buf.len() as u64) {
+            return Err(format!(
+                "range {}+{} outside pool of {} bytes",
+                g.loc,
+                bytes,
+                buf.len()
+            ));
+        }
+        Ok(Region {
+            buf,
+            offset: g.loc.offset as usize,
+            bytes: bytes as usize,
+        })
     }
 }
 

@@ -349,32 +349,42 @@ impl StreamTask {
     /// Decides the head's dependencies in order; `false` when one is still pending after
     /// the spin window (a waker is then registered on it).
     fn deps_decided(self: &StdArc<Self>, head: &mut Head) -> bool {
+        // The operation is looked up once (a program's `op` is several bounds-checked
+        // lookups), its fields borrowed apart from the head's progress.
+        let Head {
+            item,
+            op,
+            next_dep,
+            failed,
+            waiting,
+            blocked_since,
+        } = head;
+        let (deps, seq) = match &*item {
+            Item::Plan(p) => (&p.deps[..], p.seq),
+            // The mutant runs a program's operations without waiting for anything.
+            Item::StreamProgram(_) if mutant!("program_skips_deps") => return true,
+            Item::StreamProgram(p) => match p.op(*op) {
+                Some(op) => (op.deps(), op.seq()),
+                None => return true,
+            },
+        };
         loop {
-            let (deps, seq) = match &head.item {
-                Item::Plan(p) => (&p.deps[..], p.seq),
-                // The mutant runs a program's operations without waiting for anything.
-                Item::StreamProgram(_) if mutant!("program_skips_deps") => return true,
-                Item::StreamProgram(p) => match p.op(head.op) {
-                    Some(op) => (op.deps(), op.seq()),
-                    None => return true,
-                },
-            };
-            let Some(dep) = deps.get(head.next_dep) else {
+            let Some(dep) = deps.get(*next_dep) else {
                 return true;
             };
-            let outcome = match head.waiting.as_mut() {
+            let outcome = match waiting.as_mut() {
                 Some(waiting) => match self.poll(waiting) {
                     Poll::Ready(outcome) => outcome,
                     Poll::Pending => return false,
                 },
-                None => match self.settle(dep, &mut head.blocked_since) {
+                None => match self.settle(dep, blocked_since) {
                     Some(outcome) => outcome,
                     None if mutant!("pool_blocking_wait") => {
                         // The mutant holds the worker until the dependency completes.
                         dep.event().wait()
                     }
                     None => {
-                        let waiting = head.waiting.insert(dep.event().wait_async());
+                        let waiting = waiting.insert(dep.event().wait_async());
                         match self.poll(waiting) {
                             Poll::Ready(outcome) => outcome,
                             Poll::Pending => return false,
@@ -382,13 +392,13 @@ impl StreamTask {
                     }
                 },
             };
-            head.waiting = None;
-            if let (Some(since), Some(rec)) = (head.blocked_since.take(), &self.recorder) {
-                let name = match &head.item {
+            *waiting = None;
+            if let (Some(since), Some(rec)) = (blocked_since.take(), &self.recorder) {
+                let name = match &*item {
                     Item::Plan(p) => p.work.label(),
-                    Item::StreamProgram(p) => p
-                        .op(head.op)
-                        .map_or_else(String::new, |op| op.work().label()),
+                    Item::StreamProgram(p) => {
+                        p.op(*op).map_or_else(String::new, |op| op.work().label())
+                    }
                 };
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
@@ -404,9 +414,9 @@ impl StreamTask {
                 });
             }
             if let Some(root) = dep.failure(&outcome) {
-                head.failed.get_or_insert(root);
+                failed.get_or_insert(root);
             }
-            head.next_dep += 1;
+            *next_dep += 1;
         }
     }
 
