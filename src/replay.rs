@@ -177,7 +177,7 @@ impl Step {
             ));
         }
         for (i, (given, captured)) in values.values.iter().zip(&self.inner.slots).enumerate() {
-            if given.decls() != captured.decls() {
+            if !given.same_decls(captured) {
                 return Err(shape(
                     i,
                     captured.routine(),
@@ -282,10 +282,11 @@ impl StepBindings {
     fn update(&mut self, name: &str, f: impl Fn(Option<i64>) -> Option<i64>) -> Result<usize> {
         // Checked first, then set: a refusal changes nothing, and nothing is allocated.
         for b in &self.values {
-            let Some(d) = b.decls().iter().find(|d| d.name() == name) else {
+            let Some(i) = b.position(name) else {
                 continue;
             };
-            let current = b.get(name);
+            let d = &b.decls()[i];
+            let current = b.value_at(i);
             match f(current) {
                 Some(v) if d.ty().contains(v) => {}
                 other => {
@@ -300,9 +301,10 @@ impl StepBindings {
         }
         let mut n = 0;
         for b in &mut self.values {
-            if b.decls().iter().any(|d| d.name() == name) {
-                if let Some(v) = f(b.get(name)) {
-                    b.set(name, v)?;
+            if let Some(i) = b.position(name) {
+                // Checked to fit above.
+                if let Some(v) = f(b.value_at(i)) {
+                    b.set_at(i, v);
                     n += 1;
                 }
             }

@@ -190,8 +190,27 @@ impl Bindings {
             .map(|(i, d)| (d, self.value_at(i)))
     }
 
-    fn position(&self, name: &str) -> Option<usize> {
+    /// The position of index `name` among the declared ones.
+    pub(crate) fn position(&self, name: &str) -> Option<usize> {
         self.decls().iter().position(|d| &*d.name == name)
+    }
+
+    /// Gives the `i`-th declared index `value`, which the caller checked fits its type
+    /// (nothing happens past the declared indices).
+    pub(crate) fn set_at(&mut self, i: usize, value: i64) {
+        if i < self.len() {
+            self.values[i] = value;
+            self.given |= 1 << i;
+        }
+    }
+
+    /// Whether both declare the same indices (the same list, shared by every value set of
+    /// one routine, compared by pointer before by content).
+    pub(crate) fn same_decls(&self, other: &Bindings) -> bool {
+        match (&self.set, &other.set) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => true,
+            _ => self.decls() == other.decls(),
+        }
     }
 
     fn declared_list(&self) -> String {
