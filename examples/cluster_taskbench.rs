@@ -83,9 +83,13 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     samples: usize,
     /// Only these tributary runners (comma separated: cluster, "in place", "in place
-    /// replayed"); the baselines (`mpi`, `mpi with headers`) always run.
+    /// replayed"; any other name, such as `none`, for none).
     #[arg(long, value_delimiter = ',')]
     runners: Vec<String>,
+    /// Only these baselines (comma separated: mpi, "mpi with headers"; `none` for neither);
+    /// both by default. A ratio needs the baseline it divides by.
+    #[arg(long, value_delimiter = ',')]
+    baselines: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -522,7 +526,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut runs: Vec<(&str, u64, f64)> = Vec::new();
     for runner in RUNNERS {
         let baseline = runner.starts_with("mpi");
-        if !baseline && !args.runners.is_empty() && !args.runners.iter().any(|r| r == runner) {
+        let chosen = if baseline {
+            &args.baselines
+        } else {
+            &args.runners
+        };
+        if !chosen.is_empty() && !chosen.iter().any(|r| r == runner) {
             continue;
         }
         let mut iterations = args.max_iterations.max(1);
@@ -616,7 +625,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         println!("| runner | METG(50%) | ratio to MPI | ratio to MPI with headers |");
         println!("|---|---:|---:|---:|");
-        let (base, headers) = (metgs[0].1, metgs[1].1);
+        let metg_of = |name: &str| metgs.iter().find(|m| m.0 == name).and_then(|m| m.1);
+        let (base, headers) = (metg_of("mpi"), metg_of("mpi with headers"));
         let ratio =
             |m: f64, b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.1}x", m / b));
         for (runner, m) in metgs {

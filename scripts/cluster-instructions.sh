@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Instructions per timestep of Task Bench's `stencil_1d` across 2 ranks, counted by
+# valgrind's callgrind on rank 0: a tributary runner beside the two raw-MPI baselines.
+#
+#   scripts/cluster-instructions.sh [RUNNER] [SAMPLES]    # default "in place replayed", 20
+#
+# Why: on this project's shared VM a timing of a few microseconds moves 2-3x between runs,
+# while an instruction count moves by a few percent (only the polls for the other rank
+# vary). A timestep's overhead is CPU work on one core per rank (BENCHMARKS.md), so its
+# instructions are what a change to it moves; timings confirm the direction.
+#
+# How: rank 0 runs under callgrind (`--separate-threads=yes`; rank 1 natively, so it is
+# always ahead and rank 0 seldom polls). Four runs of `cluster_taskbench --width 2 --steps
+# 100 --max-iterations 1`: the runner alone, each baseline alone, and none (start-up and
+# shut-down only). Each figure is a run's count less that of the empty run, over its
+# timesteps (SAMPLES runs of 100). The runner's is split by thread: the host thread
+# (callgrind's thread 1) and the busiest other (the network stream's worker).
+#
+# Needs valgrind, Open MPI and a release build of the example:
+#   cargo build --release --features mpi --example cluster_taskbench
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runner=${1:-in place replayed}
+samples=${2:-20}
+bin=${BIN:-target/release/examples/cluster_taskbench}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+cat >"$out/rank0.sh" <<'EOF'
+#!/bin/sh
+if [ "$OMPI_COMM_WORLD_RANK" = "0" ]; then
+  exec valgrind -q --tool=callgrind --separate-threads=yes \
+    --callgrind-out-file="$CG_OUT" "$@"
+fi
+exec "$@"
+EOF
+chmod +x "$out/rank0.sh"
+count() { # name, runners, baselines
+  CG_OUT="$out/$1" mpirun --allow-run-as-root --oversubscribe -np 2 -x CG_OUT \
+    "$out/rank0.sh" "$bin" --width 2 --steps 100 --samples "$samples" --max-iterations 1 \
+    --runners "$2" --baselines "$3" >/dev/null
+}
+count runner "$runner" none
+count mpi none mpi
+count headers none "mpi with headers"
+count empty none none
+python3 - "$out" "$samples" "$runner" <<'EOF'
+import glob, sys
+out, samples, runner = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+steps = samples * 100
+
+def threads(name):
+    counts = {}
+    for path in glob.glob(f"{out}/{name}-*"):
+        for line in open(path):
+            if line.startswith("summary:"):
+                counts[int(path.rsplit("-", 1)[1])] = int(line.split()[1])
+    return counts
+
+empty = threads("empty")
+def per_step(name):
+    return {t: (n - empty.get(t, 0)) / steps for t, n in threads(name).items()}
+
+mpi, headers, mine = (sum(per_step(n).values()) for n in ("mpi", "headers", "runner"))
+by_thread = per_step("runner")
+host = by_thread.get(1, 0.0)
+worker = max((v for t, v in by_thread.items() if t != 1), default=0.0)
+print(f"instructions per timestep on rank 0 ({samples} runs of 100 timesteps, width 2, 2 ranks)")
+print(f"  mpi:              {mpi:8.0f}")
+print(f"  mpi with headers: {headers:8.0f}")
+print(f"  {runner}: {mine:8.0f} (host thread {host:.0f}, network stream {worker:.0f}); "
+      f"{mine / mpi:.1f}x mpi, {mine / headers:.1f}x mpi with headers")
+EOF
