@@ -7,7 +7,10 @@
 # Why: on this project's shared VM a timing of a few microseconds moves 2-3x between runs,
 # while an instruction count moves by a few percent (only the polls for the other rank
 # vary). A timestep's overhead is CPU work on one core per rank (BENCHMARKS.md), so its
-# instructions are what a change to it moves; timings confirm the direction.
+# instructions are what a change to it moves; timings confirm the direction. Run it with
+# nothing else busy: a rank 1 starved of its core makes rank 0 poll for it, and the
+# "in MPI waits" figure (the instructions inside `MPI_Testsome` and `MPI_Waitall`, polls
+# and the receives' own work) grows by thousands.
 #
 # How: rank 0 runs under callgrind (`--separate-threads=yes`; rank 1 natively, so it is
 # always ahead and rank 0 seldom polls). Four runs of `cluster_taskbench --width 2 --steps
@@ -44,9 +47,22 @@ count mpi none mpi
 count headers none "mpi with headers"
 count empty none none
 python3 - "$out" "$samples" "$runner" <<'EOF'
-import glob, sys
+import glob, re, subprocess, sys
 out, samples, runner = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 steps = samples * 100
+
+def in_waits(name):
+    """Instructions inside MPI_Testsome and MPI_Waitall, every thread, per timestep."""
+    total = 0
+    for path in glob.glob(f"{out}/{name}-*"):
+        text = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", path],
+            capture_output=True, text=True, check=True).stdout
+        for line in text.splitlines():
+            m = re.match(r"\s*([\d,]+) .*:PMPI_(Testsome|Waitall) ", line)
+            if m:
+                total += int(m.group(1).replace(",", ""))
+    return total / steps
 
 def threads(name):
     counts = {}
@@ -65,8 +81,9 @@ by_thread = per_step("runner")
 host = by_thread.get(1, 0.0)
 worker = max((v for t, v in by_thread.items() if t != 1), default=0.0)
 print(f"instructions per timestep on rank 0 ({samples} runs of 100 timesteps, width 2, 2 ranks)")
-print(f"  mpi:              {mpi:8.0f}")
-print(f"  mpi with headers: {headers:8.0f}")
-print(f"  {runner}: {mine:8.0f} (host thread {host:.0f}, network stream {worker:.0f}); "
+print(f"  mpi:              {mpi:8.0f} ({in_waits('mpi'):.0f} in MPI waits)")
+print(f"  mpi with headers: {headers:8.0f} ({in_waits('headers'):.0f} in MPI waits)")
+print(f"  {runner}: {mine:8.0f} (host thread {host:.0f}, network stream {worker:.0f}; "
+      f"{in_waits('runner'):.0f} in MPI waits); "
       f"{mine / mpi:.1f}x mpi, {mine / headers:.1f}x mpi with headers")
 EOF
