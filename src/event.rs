@@ -317,7 +317,7 @@ impl Timeline {
             return;
         }
         let mut inner = self.inner.lock();
-        let woken = self.wake_locked(&mut inner);
+        let woken = self.whom_to_wake(&mut inner);
         drop(inner);
         self.wake(woken);
     }
@@ -378,7 +378,7 @@ impl Timeline {
         }
         // The lock is held, so `inner` says exactly who is registered.
         if (!inner.blocked.is_empty() || !inner.wakers.is_empty()) && !mutant!("fail_no_wake") {
-            let woken = self.wake_locked(&mut inner);
+            let woken = self.whom_to_wake(&mut inner);
             drop(inner);
             self.wake(woken);
         }
@@ -402,7 +402,7 @@ impl Timeline {
         // makes it exact even against a concurrent lock-free `signal`.
         let prev = self.word.fetch_or(POISONED, Ordering::Release);
         inner.poison = Some((counter(prev), cause));
-        let woken = self.wake_locked(&mut inner);
+        let woken = self.whom_to_wake(&mut inner);
         drop(inner);
         self.wake(woken);
     }
@@ -562,7 +562,7 @@ impl Timeline {
     /// Decides whom to wake: whether the blocked threads are to be woken, and the wakers
     /// whose event is decided, taken out. Called with the lock held; [`Timeline::wake`]
     /// wakes them once it is released.
-    fn wake_locked(&self, inner: &mut Inner) -> Woken {
+    fn whom_to_wake(&self, inner: &mut Inner) -> Woken {
         // Relaxed: only decides which wakers to take out; a woken future re-checks with an
         // Acquire load. Reads at least the value this thread just wrote (coherence).
         let word = self.word.load(Ordering::Relaxed);
@@ -595,7 +595,7 @@ impl Timeline {
         }
     }
 
-    /// Wakes what [`Timeline::wake_locked`] decided, after the lock was released: a thread
+    /// Wakes what [`Timeline::whom_to_wake`] decided, after the lock was released: a thread
     /// woken while the lock is held (on one core, the waker is preempted by the thread it
     /// woke) would find the lock taken, block on it, and cost another pair of system calls
     /// and context switches. A blocked thread cannot miss the notification: it checked its

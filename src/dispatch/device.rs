@@ -110,6 +110,10 @@ impl Wake for Kick {
 }
 
 /// What handling one operation did.
+// Under loom the operation is larger than clippy's bound (loom's synchronisation types are);
+// the value is returned and matched at once, and boxing it would allocate where an
+// operation blocks.
+#[allow(clippy::large_enum_variant)]
 enum Handled {
     Done,
     /// The operation waits for a verdict: put it back and stop.

@@ -651,15 +651,7 @@ impl Cluster {
 
     /// Links a routine writing the token whose kernel runs `body` as network operation
     /// `desc`, issues it, waits for it and finalizes it.
-    fn run_token_op(
-        &self,
-        desc: OpDesc,
-        contributions: usize,
-        body: impl Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()>
-            + Send
-            + Sync
-            + 'static,
-    ) -> Result<()> {
+    fn run_token_op(&self, desc: OpDesc, contributions: usize, body: impl TokenBody) -> Result<()> {
         let spec = self.token_spec(&desc, body)?;
         let routine = self.net_root.link(spec)?;
         let waited = self.issue_token_op(&routine, desc, contributions);
@@ -669,14 +661,7 @@ impl Cluster {
 
     /// A routine writing the token whose kernel runs `body` as the network operation at
     /// the front of the issue queue (`desc`'s, once issued).
-    fn token_spec(
-        &self,
-        desc: &OpDesc,
-        body: impl Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()>
-            + Send
-            + Sync
-            + 'static,
-    ) -> Result<RoutineSpec> {
+    fn token_spec(&self, desc: &OpDesc, body: impl TokenBody) -> Result<RoutineSpec> {
         let net = self.net.clone();
         RoutineSpec::custom(
             format!("cluster.{}", desc.label),
@@ -773,6 +758,21 @@ impl Drop for Cluster {
             let _ = self.shutdown();
         }
     }
+}
+
+/// What a token routine's kernel runs ([`Cluster::token_spec`]): the network operation at
+/// the front of the issue queue, on the network stream's worker.
+trait TokenBody:
+    Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()> + Send + Sync + 'static
+{
+}
+
+impl<F> TokenBody for F where
+    F: Fn(&Network, &mut network::ExecGuard<'_>, &network::Issued) -> Result<()>
+        + Send
+        + Sync
+        + 'static
+{
 }
 
 pub(crate) fn transfer_desc(node: &TensorNode, from: usize, to: usize) -> OpDesc {
