@@ -232,8 +232,7 @@ impl Bindings {
     /// changes.
     pub fn set(&mut self, name: &str, value: i64) -> Result<&mut Bindings> {
         let i = self.checked_position(name, value)?;
-        self.values[i] = value;
-        self.given |= 1 << i;
+        self.set_at(i, value);
         Ok(self)
     }
 
