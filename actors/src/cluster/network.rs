@@ -687,11 +687,11 @@ impl Network {
 
     /// [`Network::execute`] for the kernel of an exchange (a sendrecv, or more), which runs
     /// the transfers [`Network::issue_group`] queued together: takes them all, runs `body`
-    /// on them (in issue order), and records each one's result on it (the kernel fails if
-    /// any did).
+    /// on them (in issue order; it gives each one's result in the list it is handed), and
+    /// records each one's result on it (the kernel fails if any did).
     pub(crate) fn execute_group(
         &self,
-        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &[Arc<Issued>]) -> Results,
+        body: impl FnOnce(&Network, &mut ExecGuard<'_>, &[Arc<Issued>], &mut Results),
     ) -> std::result::Result<(), String> {
         let (skipped, first) = self.front(true);
         let mut guard = ExecGuard {
@@ -714,13 +714,15 @@ impl Network {
         if group.last().is_none_or(|op| op.fused) {
             return Err("an exchange routine ran that the cluster did not issue as one".into());
         }
-        let results = match self.refused(&guard) {
-            Some(e) => group.iter().map(|_| Err(e.clone())).collect(),
-            None => body(self, &mut guard, &group),
-        };
+        let mut results = Results::new();
+        match self.refused(&guard) {
+            Some(e) => results.extend(group.iter().map(|_| Err(e.clone()))),
+            None => body(self, &mut guard, &group, &mut results),
+        }
         let mut outcome = Ok(());
-        for (i, op) in group.iter().enumerate() {
-            let result = results.get(i).cloned().unwrap_or_else(|| {
+        let mut results = results.drain(..);
+        for op in &group {
+            let result = results.next().unwrap_or_else(|| {
                 Err(Error::Internal(
                     "an exchange part without its result".into(),
                 ))
@@ -858,10 +860,10 @@ impl Network {
         }
         let parts: SmallVec<[ExchangePart<'_>; 4]> =
             ops.iter().map(|op| self.failed_part(op)).collect();
-        let refs: SmallVec<[&ExchangePart<'_>; 4]> = parts.iter().collect();
         let data: SmallVec<[Option<DataLeg>; 4]> = ops.iter().map(|_| None).collect();
         // Only a fault matters (this rank's own operations failed already).
-        if let Err(e) = self.transfer_parts(guard, &refs, &data) {
+        let mut results = Results::new();
+        if let Err(e) = self.transfer_parts(guard, &parts, &data, &mut results) {
             if breaks_cluster(&e) {
                 guard.state.broken = Some(e);
             }
@@ -951,13 +953,12 @@ impl Network {
     fn wait(
         &self,
         guard: &mut ExecGuard<'_>,
-        requests: impl Into<Requests>,
+        requests: &mut Requests,
         keep: Vec<f64>,
         op: &Issued,
         deadline: Instant,
     ) -> Result<Vec<f64>> {
-        let mut requests = requests.into();
-        match self.mpi.wait_all(&mut requests, deadline) {
+        match self.mpi.wait_all(requests, deadline) {
             Ok(()) => Ok(keep),
             Err(e) => Err(self.abandon(guard, requests, keep, self.fault(op, e))),
         }
@@ -980,14 +981,12 @@ impl Network {
     fn abandon(
         &self,
         guard: &mut ExecGuard<'_>,
-        requests: impl Into<Requests>,
+        requests: &mut Requests,
         keep: Vec<f64>,
         e: Error,
     ) -> Error {
-        guard
-            .state
-            .abandoned
-            .push((requests.into().into_vec(), keep));
+        let requests = requests.drain(..).collect();
+        guard.state.abandoned.push((requests, keep));
         e
     }
 
@@ -1160,16 +1159,18 @@ impl Network {
     /// share (the transfer from the lower rank first, [`crate::cluster::Cluster::sendrecv`]),
     /// so even where two parts' tags coincide each rank posts, and MPI matches, the first
     /// part's messages before the second's. `Err` is a fault that stops the cluster (every
-    /// part fails with it); otherwise each part's own check (a failed input on the other
-    /// side fails that part alone).
+    /// part fails with it); otherwise `results` holds each part's own check (a failed input
+    /// on the other side fails that part alone), in issue order.
     pub(super) fn transfer_parts(
         &self,
         guard: &mut ExecGuard<'_>,
-        parts: &[&ExchangePart<'_>],
+        parts: &[ExchangePart<'_>],
         data: &[Option<DataLeg>],
-    ) -> Result<Results> {
+        results: &mut Results,
+    ) -> Result<()> {
+        results.clear();
         let Some(first) = parts.first() else {
-            return Ok(Results::new());
+            return Ok(());
         };
         let rank = self.rank();
         let deadline = self.deadline();
@@ -1205,7 +1206,7 @@ impl Network {
         let sequential = mutant!("cluster_sendrecv_sequential");
         let n = parts.len();
         let (mut heads, mut waiting) = (Requests::new(), Requests::new());
-        let mut results: Results = (0..n).map(|_| Ok(())).collect();
+        results.extend((0..n).map(|_| Ok(())));
         let mut checked: SmallVec<[bool; 4]> = smallvec![false; n];
         let mut posted_legs = 0;
         while checked.iter().any(|c| !c) {
@@ -1218,13 +1219,11 @@ impl Network {
                 // SAFETY: `keep` is neither moved, reallocated nor touched until the
                 // requests complete (the waits below) or are abandoned with it, but for the
                 // header bytes of a slot whose first frame's receive completed.
-                let (h, mut rest, posted) = unsafe { self.post_legs(&mut keep, legs) };
-                heads.extend(h);
-                waiting.append(&mut rest);
+                let posted = unsafe { self.post_legs(&mut keep, legs, &mut heads, &mut waiting) };
                 posted_legs += legs.len();
                 if let Err(e) = posted {
                     waiting.append(&mut heads);
-                    return Err(self.abandon(guard, waiting, keep, e));
+                    return Err(self.abandon(guard, &mut waiting, keep, e));
                 }
             }
             // Whichever peer's header arrives first is checked first: a part must not wait
@@ -1236,7 +1235,7 @@ impl Network {
                 let stalled = heads.iter().position(|h| !h.is_done()).unwrap_or(0);
                 let fault = self.fault(parts.get(stalled).map_or(first.op, |p| p.op), e);
                 waiting.append(&mut heads);
-                return Err(self.abandon(guard, waiting, keep, fault));
+                return Err(self.abandon(guard, &mut waiting, keep, fault));
             }
             let base = keep.as_mut_ptr().cast::<u8>();
             for i in 0..heads.len() {
@@ -1267,7 +1266,7 @@ impl Network {
                     if breaks_cluster(e) {
                         let e = e.clone();
                         waiting.append(&mut heads);
-                        return Err(self.abandon(guard, waiting, keep, e));
+                        return Err(self.abandon(guard, &mut waiting, keep, e));
                     }
                 }
                 if let (Ok(()), Some(Some(leg))) = (&check, data.get(i)) {
@@ -1277,24 +1276,19 @@ impl Network {
                         Ok(r) => waiting.push(r),
                         Err(e) => {
                             waiting.append(&mut heads);
-                            return Err(self.abandon(guard, waiting, keep, e));
+                            return Err(self.abandon(guard, &mut waiting, keep, e));
                         }
                     }
                 }
                 results[i] = check;
                 if sequential {
-                    keep = self.wait(
-                        guard,
-                        std::mem::take(&mut waiting),
-                        keep,
-                        parts[i].op,
-                        deadline,
-                    )?;
+                    keep = self.wait(guard, &mut waiting, keep, parts[i].op, deadline)?;
+                    waiting.clear();
                 }
             }
         }
-        guard.state.slots = self.wait(guard, waiting, keep, first.op, deadline)?;
-        Ok(results)
+        guard.state.slots = self.wait(guard, &mut waiting, keep, first.op, deadline)?;
+        Ok(())
     }
 
     /// Posts the request of a [`DataLeg`].
@@ -1371,10 +1365,11 @@ impl Network {
         // SAFETY: `keep` is neither moved, reallocated nor touched until the requests
         // complete (the waits below) or are abandoned with it, but for the header bytes of
         // slots whose first frames' receives completed.
-        let (mut heads, mut rest, posted) = unsafe { self.post_legs(&mut keep, legs) };
+        let (mut heads, mut rest) = (Requests::new(), Requests::new());
+        let posted = unsafe { self.post_legs(&mut keep, legs, &mut heads, &mut rest) };
         if let Err(e) = posted {
             heads.append(&mut rest);
-            return Err(self.abandon(guard, heads, keep, e));
+            return Err(self.abandon(guard, &mut heads, keep, e));
         }
         let base = keep.as_mut_ptr().cast::<u8>();
         if mutant!("cluster_frames_before_check") {
@@ -1384,7 +1379,7 @@ impl Network {
         if let Err(e) = self.mpi.wait_all_with(&mut heads, &mut rest, deadline) {
             heads.append(&mut rest);
             let fault = self.fault(op, e);
-            return Err(self.abandon(guard, heads, keep, fault));
+            return Err(self.abandon(guard, &mut heads, keep, fault));
         }
         // Only the first frames are complete (later ones may still be arriving): the headers
         // are copied out through the raw pointer, no reference to the rest of `keep` is made.
@@ -1401,9 +1396,9 @@ impl Network {
             };
         }
         match check(&headers) {
-            Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, rest, keep, e)),
+            Err(e) if breaks_cluster(&e) => Err(self.abandon(guard, &mut rest, keep, e)),
             checked => {
-                guard.state.slots = self.wait(guard, rest, keep, op, deadline)?;
+                guard.state.slots = self.wait(guard, &mut rest, keep, op, deadline)?;
                 checked
             }
         }
@@ -1411,8 +1406,9 @@ impl Network {
 
     /// Posts every leg's receives (one per frame expected, into the leg's slot of `keep`)
     /// and sends (its own slot's header and payload, in frames; those after the first from
-    /// a [`Payload::Kept`] itself): the requests posted (each leg's first frame's receive,
-    /// in leg order, then the rest), and the error that stopped the posting, if one did.
+    /// a [`Payload::Kept`] itself), appending the requests posted to `heads` (each leg's
+    /// first frame's receive, in leg order) and `rest` (the others); the error that stopped
+    /// the posting, if one did.
     /// Legs must receive into different slots of `keep` and send only from slots no leg
     /// receives into; an exchange that does not is refused before anything is posted.
     ///
@@ -1425,8 +1421,9 @@ impl Network {
         &self,
         keep: &mut [f64],
         legs: &[Leg<'_>],
-    ) -> (Requests, Requests, Result<()>) {
-        let (mut heads, mut rest) = (Requests::new(), Requests::new());
+        heads: &mut Requests,
+        rest: &mut Requests,
+    ) -> Result<()> {
         let slots = keep.len() * 8 / SLOT_BYTES;
         let receiving = |s: usize| legs.iter().any(|l| l.slot == s);
         let sound = legs.iter().enumerate().all(|(i, l)| {
@@ -1437,61 +1434,58 @@ impl Network {
         });
         if !sound {
             let e = "a header exchange whose receive slots overlap or lie outside its slots";
-            return (heads, rest, Err(Error::Internal(e.into())));
+            return Err(Error::Internal(e.into()));
         }
         let base = keep.as_mut_ptr().cast::<u8>();
-        let posted = (|| {
-            for leg in legs {
-                let (peer, slot, own, t) = (leg.peer, leg.slot, leg.own, leg.tag);
-                let sent = leg.payload.len();
-                let end = HEADER_BYTES + sent;
-                let kept = match leg.payload {
-                    Payload::Kept(b) => Some(b.as_ptr()),
-                    _ => None,
+        for leg in legs {
+            let (peer, slot, own, t) = (leg.peer, leg.slot, leg.own, leg.tag);
+            let sent = leg.payload.len();
+            let end = HEADER_BYTES + sent;
+            let kept = match leg.payload {
+                Payload::Kept(b) => Some(b.as_ptr()),
+                _ => None,
+            };
+            for k in 0..frames(leg.expected) {
+                // SAFETY: frame `k` of slot `slot` lies inside `keep` (`slot < slots`,
+                // checked above; the slots hold whole frames, [`SLOT_BYTES`]) and is
+                // written only by this receive (no two legs receive into one slot); the
+                // sends only read own slots, which no leg receives into (checked above).
+                // `keep` stays put and untouched until the requests complete or are
+                // abandoned with it (this function's contract).
+                let r = unsafe {
+                    self.mpi.irecv(
+                        base.add(slot * SLOT_BYTES + k * FRAME_BYTES),
+                        FRAME_BYTES,
+                        peer,
+                        t,
+                    )?
                 };
-                for k in 0..frames(leg.expected) {
-                    // SAFETY: frame `k` of slot `slot` lies inside `keep` (`slot < slots`,
-                    // checked above; the slots hold whole frames, [`SLOT_BYTES`]) and is
-                    // written only by this receive (no two legs receive into one slot); the
-                    // sends only read own slots, which no leg receives into (checked above).
-                    // `keep` stays put and untouched until the requests complete or are
-                    // abandoned with it (this function's contract).
-                    let r = unsafe {
-                        self.mpi.irecv(
-                            base.add(slot * SLOT_BYTES + k * FRAME_BYTES),
-                            FRAME_BYTES,
-                            peer,
-                            t,
-                        )?
-                    };
-                    if k == 0 {
-                        heads.push(r);
-                    } else {
-                        rest.push(r);
-                    }
-                }
-                for k in 0..frames(sent) {
-                    // Slot bytes `at..at + len`: payload bytes `at - HEADER_BYTES..` after the
-                    // first frame.
-                    let at = k * FRAME_BYTES;
-                    let len = (end - at).min(FRAME_BYTES);
-                    let src = match kept {
-                        // SAFETY: `at - HEADER_BYTES + len` is at most the payload's length
-                        // (`end` is a header and it), so the range lies inside it.
-                        Some(payload) if k > 0 => unsafe { payload.add(at - HEADER_BYTES) },
-                        // SAFETY: slot `own < slots` holds SLOT_BYTES, `end` is inside it.
-                        _ => unsafe { base.add(own * SLOT_BYTES + at) },
-                    };
-                    // SAFETY: `src..src + len` is either inside slot `own` (only read while
-                    // posted; `keep` outlives the requests, as above) or inside a
-                    // `Payload::Kept`, whose maker promised it outlives them
-                    // (`Payload::kept`).
-                    rest.push(unsafe { self.mpi.isend(src, len, peer, t)? });
+                if k == 0 {
+                    heads.push(r);
+                } else {
+                    rest.push(r);
                 }
             }
-            Ok(())
-        })();
-        (heads, rest, posted)
+            for k in 0..frames(sent) {
+                // Slot bytes `at..at + len`: payload bytes `at - HEADER_BYTES..` after the
+                // first frame.
+                let at = k * FRAME_BYTES;
+                let len = (end - at).min(FRAME_BYTES);
+                let src = match kept {
+                    // SAFETY: `at - HEADER_BYTES + len` is at most the payload's length
+                    // (`end` is a header and it), so the range lies inside it.
+                    Some(payload) if k > 0 => unsafe { payload.add(at - HEADER_BYTES) },
+                    // SAFETY: slot `own < slots` holds SLOT_BYTES, `end` is inside it.
+                    _ => unsafe { base.add(own * SLOT_BYTES + at) },
+                };
+                // SAFETY: `src..src + len` is either inside slot `own` (only read while
+                // posted; `keep` outlives the requests, as above) or inside a
+                // `Payload::Kept`, whose maker promised it outlives them
+                // (`Payload::kept`).
+                rest.push(unsafe { self.mpi.isend(src, len, peer, t)? });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -177,7 +177,7 @@ pub(crate) fn exchange_spec(
                     }
                 })
                 .collect();
-            net.execute_group(|net, guard, ops| net.exchange(guard, ops, views))
+            net.execute_group(|net, guard, ops, results| net.exchange(guard, ops, views, results))
         },
     )
 }

@@ -6,15 +6,14 @@ use tributary::{collective::ReduceOp, kernels::ArgError, DType, Error, Result};
 
 use std::sync::Arc;
 
-use smallvec::SmallVec;
+use smallvec::{smallvec, SmallVec};
 
 use super::{
     bytemuck_bytes, bytemuck_bytes_mut, phase, tag, DataLeg, ExchangePart, ExecGuard, Issued,
-    Network, Payload, Results,
+    Network, Payload, Requests, Results,
 };
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
-    mpi::Request,
     reduce::{self, Wire},
 };
 
@@ -249,7 +248,13 @@ impl Network {
                         matches!(wire, Wire::F64),
                     )?
                 };
-                self.wait(guard, vec![request], Vec::new(), op, self.deadline())?;
+                self.wait(
+                    guard,
+                    &mut smallvec![request],
+                    Vec::new(),
+                    op,
+                    self.deadline(),
+                )?;
                 if let Some(s) = scale {
                     reduce::scale(wire, output, s);
                 }
@@ -275,7 +280,7 @@ impl Network {
         keep.clear();
         keep.resize(slot * size, 0.0);
         let base = keep.as_mut_ptr().cast::<u8>();
-        let mut requests = Vec::with_capacity(2 * size);
+        let mut requests = Requests::with_capacity(2 * size);
         let posted = (|| {
             for peer in (0..size).filter(|&p| p != rank) {
                 // SAFETY: slot `peer` of `keep` (not reallocated from here on) receives only
@@ -290,9 +295,9 @@ impl Network {
             Ok(())
         })();
         if let Err(e) = posted {
-            return Err(self.abandon(guard, requests, keep, e));
+            return Err(self.abandon(guard, &mut requests, keep, e));
         }
-        let keep = self.wait(guard, requests, keep, op, self.deadline())?;
+        let keep = self.wait(guard, &mut requests, keep, op, self.deadline())?;
         let all = bytemuck_bytes(&keep);
         let part = |r: usize| &all[r * slot * 8..r * slot * 8 + bytes];
         sum_in_rank_order(wire, rank, size, input, part, output, scale);
@@ -335,7 +340,7 @@ impl Network {
                 out.cast_const()
             };
             let mut receives = Vec::new();
-            let mut sends = Vec::new();
+            let mut sends = Requests::new();
             let posted = (|| {
                 let mut at = 0;
                 while at < recv.len() || (at == 0 && recv.is_empty()) {
@@ -359,12 +364,12 @@ impl Network {
                 Ok(())
             })();
             if let Err(e) = posted {
-                let mut all: Vec<Request> = receives.into_iter().map(|(_, _, r)| r).collect();
-                all.extend(sends);
-                return Err(self.abandon(guard, all, keep, e));
+                let mut all: Requests = receives.into_iter().map(|(_, _, r)| r).collect();
+                all.append(&mut sends);
+                return Err(self.abandon(guard, &mut all, keep, e));
             }
             for (at, len, request) in receives {
-                keep = self.wait(guard, vec![request], keep, op, self.deadline())?;
+                keep = self.wait(guard, &mut smallvec![request], keep, op, self.deadline())?;
                 let range = recv.start + at..recv.start + at + len;
                 // SAFETY: the output range is this step's receive segment, which no pending
                 // request reads (the sends read another segment); the staging chunk was
@@ -378,7 +383,7 @@ impl Network {
                 dst.copy_from_slice(&input[range]);
                 reduce::add_into(wire, dst, incoming);
             }
-            keep = self.wait(guard, sends, keep, op, self.deadline())?;
+            keep = self.wait(guard, &mut sends, keep, op, self.deadline())?;
         }
         // This rank now holds segment r + 1 in full.
         let full = seg((rank + 1) % size);
@@ -392,7 +397,7 @@ impl Network {
         for s in 0..size - 1 {
             let send = seg((rank + 1 + size - s) % size);
             let recv = seg((rank + size - s) % size);
-            let mut requests = Vec::new();
+            let mut requests = Requests::new();
             let posted = (|| {
                 // SAFETY: the receive writes segment `recv` of the output and the send reads
                 // segment `send`, two different segments; the output outlives the requests
@@ -404,9 +409,9 @@ impl Network {
                 Ok(())
             })();
             if let Err(e) = posted {
-                return Err(self.abandon(guard, requests, keep, e));
+                return Err(self.abandon(guard, &mut requests, keep, e));
             }
-            keep = self.wait(guard, requests, keep, op, self.deadline())?;
+            keep = self.wait(guard, &mut requests, keep, op, self.deadline())?;
         }
         guard.state.staging = keep;
         Ok(())
@@ -438,8 +443,14 @@ impl Network {
                 tag(op.seq, phase::TRANSFER_DATA),
             )?
         };
-        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
-            .map(|_| ())
+        self.wait(
+            guard,
+            &mut smallvec![request],
+            Vec::new(),
+            op,
+            self.deadline(),
+        )
+        .map(|_| ())
     }
 
     /// The receiving side of a transfer, into `output` (from the header's message when the
@@ -470,8 +481,14 @@ impl Network {
                 tag(op.seq, phase::TRANSFER_DATA),
             )?
         };
-        self.wait(guard, vec![request], Vec::new(), op, self.deadline())
-            .map(|_| ())
+        self.wait(
+            guard,
+            &mut smallvec![request],
+            Vec::new(),
+            op,
+            self.deadline(),
+        )
+        .map(|_| ())
     }
 }
 
@@ -490,13 +507,15 @@ impl Network {
     /// part's headers agreed, everything waited for together. So a sendrecv costs one
     /// exchange's latency where a send then a receive cost two, and a ring of them cannot
     /// wait on itself. A view that is missing or of another size than its transfer moves
-    /// fails that part here and on its peer (as a failed input does).
+    /// fails that part here and on its peer (as a failed input does). Each part's result,
+    /// in issue order, lands in `results`.
     pub(crate) fn exchange(
         &self,
         guard: &mut ExecGuard<'_>,
         ops: &[Arc<Issued>],
         views: SmallVec<[View<'_>; 4]>,
-    ) -> Results {
+        results: &mut Results,
+    ) {
         let rank = self.rank();
         if views.len() != ops.len() {
             let e = Error::Internal(format!(
@@ -504,7 +523,9 @@ impl Network {
                 ops.len(),
                 views.len()
             ));
-            return ops.iter().map(|_| Err(e.clone())).collect();
+            results.clear();
+            results.extend(ops.iter().map(|_| Err(e.clone())));
+            return;
         }
         // Why each part's own view is unusable here, if it is.
         let mut views = views;
@@ -557,12 +578,11 @@ impl Network {
             });
             data.push(leg);
         }
-        let refs: SmallVec<[&ExchangePart<'_>; 4]> = parts.iter().collect();
-        let mut results = match self.transfer_parts(guard, &refs, &data) {
-            Ok(checked) => checked,
-            Err(fault) => return ops.iter().map(|_| Err(fault.clone())).collect(),
-        };
-        drop(refs);
+        if let Err(fault) = self.transfer_parts(guard, &parts, &data, results) {
+            results.clear();
+            results.extend(ops.iter().map(|_| Err(fault.clone())));
+            return;
+        }
         drop(parts);
         for (i, ((op, view), why)) in ops.iter().zip(views).zip(failed).enumerate() {
             let Some(result) = results.get_mut(i) else {
@@ -583,7 +603,6 @@ impl Network {
                 *result = Network::copy_payload(guard, 2 * i, out);
             }
         }
-        results
     }
 }
 
