@@ -167,17 +167,18 @@ pub(crate) fn exchange_spec(
         params,
         None,
         move |args| {
-            let views = views
-                .iter()
-                .map(|&(arg, sends)| {
-                    if sends {
-                        View::Send(args.input_bytes(arg))
-                    } else {
-                        View::Recv(args.output_bytes(arg))
-                    }
-                })
-                .collect();
-            net.execute_group(|net, guard, ops, results| net.exchange(guard, ops, views, results))
+            // Extended in place, not collected and moved (a few hundred bytes).
+            let mut kernel_views: SmallVec<[View<'_>; 4]> = SmallVec::new();
+            kernel_views.extend(views.iter().map(|&(arg, sends)| {
+                if sends {
+                    View::Send(args.input_bytes(arg))
+                } else {
+                    View::Recv(args.output_bytes(arg))
+                }
+            }));
+            net.execute_group(|net, guard, ops, results| {
+                net.exchange(guard, ops, &mut kernel_views, results)
+            })
         },
     )
 }

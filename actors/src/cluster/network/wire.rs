@@ -513,7 +513,7 @@ impl Network {
         &self,
         guard: &mut ExecGuard<'_>,
         ops: &[Arc<Issued>],
-        views: SmallVec<[View<'_>; 4]>,
+        views: &mut SmallVec<[View<'_>; 4]>,
         results: &mut Results,
     ) {
         let rank = self.rank();
@@ -528,10 +528,9 @@ impl Network {
             return;
         }
         // Why each part's own view is unusable here, if it is.
-        let mut views = views;
         let failed: SmallVec<[Option<String>; 4]> = ops
             .iter()
-            .zip(&views)
+            .zip(views.iter())
             .map(|(op, view)| {
                 let sends = op.desc.route.is_some_and(|(from, _)| from == rank);
                 let len = match (view, sends) {
@@ -584,7 +583,7 @@ impl Network {
             return;
         }
         drop(parts);
-        for (i, ((op, view), why)) in ops.iter().zip(views).zip(failed).enumerate() {
+        for (i, ((op, view), why)) in ops.iter().zip(views.drain(..)).zip(failed).enumerate() {
             let Some(result) = results.get_mut(i) else {
                 break;
             };
