@@ -340,15 +340,13 @@ impl Mpi {
             return Ok(());
         }
         let n = watched.len();
-        // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation.
-        let mut raw: SmallVec<[ffi::MPI_Request; 8]> =
-            watched.iter().chain(others.iter()).map(|r| r.raw).collect();
+        // SAFETY: reading the library's constant.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation. A
+        // request is done when its handle is null: MPI_Testsome nulls those it completes.
+        let mut raw: SmallVec<[ffi::MPI_Request; 8]> = SmallVec::new();
+        raw.extend(watched.iter().chain(others.iter()).map(|r| r.raw));
         let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
-        let mut done: SmallVec<[bool; 8]> = watched
-            .iter()
-            .chain(others.iter())
-            .map(Request::is_done)
-            .collect();
         let mut idle_polls = 0u32;
         let result = loop {
             if left == 0 {
@@ -373,18 +371,9 @@ impl Mpi {
             if outcount < 0 {
                 break Ok(());
             }
-            let mut watched_done = false;
-            for &i in indices.get(..outcount as usize).unwrap_or(&[]) {
-                let i = i as usize;
-                if done.get(i).is_some_and(|d| !d) {
-                    done[i] = true;
-                    if i < n {
-                        left -= 1;
-                        watched_done = true;
-                    }
-                }
-            }
-            if watched_done {
+            let completed = indices.get(..outcount as usize).unwrap_or(&[]);
+            if completed.iter().any(|&i| (i as usize) < n) {
+                left = raw[..n].iter().filter(|&&r| r != null).count();
                 if until == Until::Any {
                     break Ok(());
                 }
@@ -404,8 +393,8 @@ impl Mpi {
                 let stalled = |receive: bool| {
                     watched
                         .iter()
-                        .zip(&done)
-                        .filter(|(r, d)| !**d && r.receive == receive)
+                        .zip(&raw)
+                        .filter(|(r, &h)| h != null && r.receive == receive)
                         .map(|(r, _)| r.peer)
                         .min()
                 };
@@ -416,11 +405,9 @@ impl Mpi {
             }
             std::thread::yield_now();
         };
-        // SAFETY: reading the library's constant.
-        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
         let all = watched.iter_mut().chain(others.iter_mut());
-        for (r, (raw, done)) in all.zip(raw.into_iter().zip(done)) {
-            r.raw = if done { null } else { raw };
+        for (r, raw) in all.zip(raw) {
+            r.raw = raw;
         }
         result
     }
