@@ -189,7 +189,7 @@ impl ClusterBuilder {
             token,
             shut_down: AtomicBool::new(false),
             issuing: Mutex::new(()),
-            transfers: Mutex::new(std::collections::HashMap::new()),
+            transfers: Mutex::new(tributary::ids::IdMap::default()),
             barrier: Mutex::new(None),
         })
     }

@@ -47,7 +47,6 @@ mod reduce;
 mod step;
 
 use std::{
-    collections::HashMap,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
@@ -61,6 +60,7 @@ pub use plan::{ClusterAllReduce, ClusterBucketedAllReduce, ClusterTicket};
 pub use step::{ClusterCapture, ClusterStep};
 use tributary::{
     backend::Backend,
+    ids::IdMap,
     kernels::{Access, RoutineSpec},
     protocol::Context,
     ContextId, DType, DeviceId, Error, MemoryMode, MergeBufferUse, NodeId, Result, TensorNode,
@@ -90,8 +90,10 @@ pub struct Cluster {
     issuing: Mutex<()>,
     /// Transfer routines linked once and kept for the next transfer of the same node
     /// between the same context and rank, until the cluster shuts down (linking and
-    /// finalizing per call cost two round trips to the device actor each).
-    transfers: Mutex<HashMap<TransferKey, KeptTransfer>>,
+    /// finalizing per call cost two round trips to the device actor each). Looked up at
+    /// every transfer call: hashed by `IdHasher` (the keys are the runtime's ids; SipHash
+    /// was about 700 instructions of an exchange call), each shared, not copied out.
+    transfers: Mutex<IdMap<TransferKey, Arc<KeptTransfer>>>,
     /// The barrier's routine and description, linked at the first [`Cluster::barrier`] and
     /// kept until the cluster shuts down, as the transfer routines are: linking and
     /// finalizing it per barrier cost about 20 µs of the host's time a barrier.
@@ -101,7 +103,6 @@ pub struct Cluster {
 /// A kept transfer routine and the descriptions of the transfers it runs (one, or a
 /// sendrecv's two in issue order), cloned onto the issue queue at every call without
 /// allocating.
-#[derive(Clone)]
 struct KeptTransfer {
     routine: RoutineHandle,
     descs: SmallVec<[OpDesc; 4]>,
@@ -241,7 +242,7 @@ impl Cluster {
     /// system does.
     pub fn finalize(&self, ctx: &Context) -> Result<()> {
         // Only a context on the network stream has the cluster's routines under it.
-        let kept: Vec<KeptTransfer> = if self.on_network_stream(ctx) {
+        let kept: Vec<Arc<KeptTransfer>> = if self.on_network_stream(ctx) {
             let mut transfers = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
             let under: Vec<TransferKey> = transfers
                 .keys()
@@ -252,8 +253,8 @@ impl Cluster {
         } else {
             Vec::new()
         };
-        for KeptTransfer { routine, .. } in kept {
-            self.sys.finalize(routine.protocol_context())?;
+        for k in kept {
+            self.sys.finalize(k.routine.protocol_context())?;
         }
         self.sys.finalize(ctx)
     }
@@ -354,10 +355,12 @@ impl Cluster {
                 transfer_desc(node, peer, self.rank())
             }]
         };
-        let KeptTransfer { routine, descs } = self.transfer_routine(key, into, spec, descs)?;
-        let desc = descs
-            .into_iter()
-            .next()
+        let kept = self.transfer_routine(key, into, spec, descs)?;
+        let routine = &kept.routine;
+        let desc = kept
+            .descs
+            .first()
+            .cloned()
             .ok_or_else(|| Error::Internal("a kept transfer routine with no transfer".into()))?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
@@ -538,7 +541,8 @@ impl Cluster {
                 })
                 .collect()
         };
-        let KeptTransfer { routine, descs } = self.transfer_routine(key, net_ctx, spec, descs)?;
+        let kept = self.transfer_routine(key, net_ctx, spec, descs)?;
+        let (routine, descs) = (&kept.routine, &kept.descs);
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         if !in_place {
             for (i, part) in parts.iter().enumerate() {
@@ -549,7 +553,7 @@ impl Cluster {
                 }
             }
         }
-        let issued = self.net.issue_group(&descs);
+        let issued = self.net.issue_group(descs);
         let mut spans = spans;
         let scheduled = noting(sys, spans.as_deref_mut(), |sys| {
             sys.schedule(routine.routine())
@@ -589,16 +593,16 @@ impl Cluster {
         into: &Context,
         spec: impl FnOnce() -> Result<RoutineSpec>,
         descs: impl FnOnce() -> SmallVec<[OpDesc; 4]>,
-    ) -> Result<KeptTransfer> {
+    ) -> Result<Arc<KeptTransfer>> {
         let mut kept = self.transfers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.get(&key) {
             return Ok(k.clone());
         }
         let routine = self.sys.link(into, spec()?)?;
-        let k = KeptTransfer {
+        let k = Arc::new(KeptTransfer {
             routine,
             descs: descs(),
-        };
+        });
         kept.insert(key, k.clone());
         Ok(k)
     }
