@@ -103,10 +103,10 @@ struct ModelSink {
 }
 
 impl PlanSink for ModelSink {
-    fn submit(&mut self, plans: Plans) {
+    fn submit(&mut self, plans: &mut Plans) {
         let mut memory = self.memory.lock().unwrap();
         memory.apply_pool_ops();
-        for plan in plans {
+        for plan in plans.drain(..) {
             let op = memory.resolve(plan.work());
             let i = plan.stream().index as usize;
             let job = Job {

@@ -66,8 +66,8 @@ impl QueueSink {
 }
 
 impl PlanSink for QueueSink {
-    fn submit(&mut self, plans: Plans) {
-        for plan in plans {
+    fn submit(&mut self, plans: &mut Plans) {
+        for plan in plans.drain(..) {
             let i = plan.stream().index as usize;
             match (self.queues.get(i), self.watches.get(i)) {
                 (Some(q), Some(w)) => {
@@ -97,7 +97,7 @@ impl PlanSink for QueueSink {
         }
         if !plans.is_empty() {
             plans.sort_by_key(|p| p.issue());
-            self.submit(plans);
+            self.submit(&mut plans);
         }
     }
 

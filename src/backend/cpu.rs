@@ -422,12 +422,14 @@ impl StreamQueue for CpuStream {
     fn submit(&self, plan: Plan) -> Result<()> {
         plan.check_queue(self.stream, &self.timeline)?;
         let seq = plan.event.seq();
-        let item = Submitted {
+        // Built in the call, which is inlined: the plan's parts are copied once, into the
+        // stream's queue (each named step was a copy of about 450 bytes).
+        let item = Item::Plan(Submitted {
             seq,
             deps: plan.deps,
             work: plan.work,
-        };
-        let Some(Item::Plan(item)) = self.task.push(Item::Plan(item)) else {
+        });
+        let Some(Item::Plan(item)) = self.task.push(item) else {
             return Ok(());
         };
         let failure = Arc::new(Failure {

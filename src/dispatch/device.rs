@@ -33,11 +33,13 @@ use super::{
 
 /// Where a device's plans go: its stream queues (the actor layer), or a model's streams.
 pub trait PlanSink: Send {
-    /// Hands `plans` to their streams, in order. Never blocks on the work, nor on another
-    /// device's decisions (`Event::seq` of a dependency on a copy's other half that is not
-    /// planned yet): the thread submitting may be the one that decides that device next
-    /// (a post decided in rounds, [`super::inbox`]).
-    fn submit(&mut self, plans: Plans);
+    /// Hands `plans` to their streams, in order, emptying the list (borrowed, not moved: a
+    /// list of one plan is about 500 bytes, copied at every hand-over it was moved by).
+    /// Never blocks on the work, nor on another device's decisions (`Event::seq` of a
+    /// dependency on a copy's other half that is not planned yet): the thread submitting
+    /// may be the one that decides that device next (a post decided in rounds,
+    /// [`super::inbox`]).
+    fn submit(&mut self, plans: &mut Plans);
 
     /// Hands a replay's per-stream programs to their streams, emptying `programs`. Default:
     /// their operations as plans, in issue order ([`StreamProgram::into_plans`]); a sink whose
@@ -50,7 +52,7 @@ pub trait PlanSink: Send {
             program.into_plans(|plan| plans.push(plan));
         }
         plans.sort_by_key(|p| p.issue());
-        self.submit(plans);
+        self.submit(&mut plans);
     }
 
     /// Asks for a sweep of the device once the work submitted so far completes: called
@@ -255,14 +257,20 @@ impl DeviceCore {
     }
 
     fn submit(&mut self, plans: Plans) {
+        let mut plans = plans;
+        self.submit_from(&mut plans);
+    }
+
+    /// [`DeviceCore::submit`] of a list it empties, which stays where its maker put it.
+    fn submit_from(&mut self, plans: &mut Plans) {
         if !plans.is_empty() {
             self.sink.submit(plans);
         }
     }
 
-    /// Answers `promise` with the last of `plans` (submitted), or refuses it with the
-    /// error at `stream`'s last issued sequence number.
-    fn decide(&mut self, promise: SeqPromise, stream: StreamId, plans: Result<Plans>) {
+    /// Answers `promise` with the last of `plans` (submitted, emptying the list), or
+    /// refuses it with the error at `stream`'s last issued sequence number.
+    fn decide(&mut self, promise: SeqPromise, stream: StreamId, plans: &mut Result<Plans>) {
         match plans {
             Ok(plans) => {
                 let planned = match plans.last() {
@@ -273,12 +281,12 @@ impl DeviceCore {
                     ),
                 };
                 promise.resolve(planned);
-                self.submit(plans);
+                self.submit_from(plans);
             }
             Err(e) => {
                 promise.resolve(Planned::Refused(
                     self.state.issued(stream.index as usize),
-                    e,
+                    e.clone(),
                 ));
             }
         }
@@ -350,13 +358,13 @@ impl DeviceCore {
                 promise,
             } => {
                 let hosted = reads_or_writes_hosted(&routine);
-                let plans = self.with_host(hosted, stamp, |s, h| {
+                let mut plans = self.with_host(hosted, stamp, |s, h| {
                     s.schedule_with(&routine, &bindings, h)
                 });
                 self.record(plans.as_ref().err(), 0, |s, rec, r| {
                     s.record_schedule(rec, &routine, &bindings, r.position, r.slot)
                 });
-                self.decide(promise, routine.context().stream(), plans);
+                self.decide(promise, routine.context().stream(), &mut plans);
             }
             DeviceOp::Transfer {
                 stamp,
@@ -372,7 +380,8 @@ impl DeviceCore {
                         s.to_host(&ctx, &node, h)
                     }
                 });
-                self.decide(promise, ctx.stream(), plan.map(|p| Plans::from_buf([p])));
+                let mut plans = plan.map(|p| Plans::from_buf([p]));
+                self.decide(promise, ctx.stream(), &mut plans);
             }
             DeviceOp::InitFromHost {
                 stamp,
@@ -772,7 +781,7 @@ impl DeviceCore {
         match plans {
             Ok((loc, plans, _)) if !plans.is_empty() => {
                 let last = plans.last().map(|p| p.event().clone());
-                self.decide(promise, stream, Ok(plans));
+                self.decide(promise, stream, &mut Ok(plans));
                 if let (true, Some(event)) = (mutant!("late_source_read"), last) {
                     // The old shape, as a mutant: the read reaches the source later, after
                     // whatever the source decided meanwhile.
@@ -788,7 +797,7 @@ impl DeviceCore {
             }
             Err(e) => {
                 link.forget();
-                self.decide(promise, stream, Err(e));
+                self.decide(promise, stream, &mut Err(e));
             }
         }
         Handled::Done

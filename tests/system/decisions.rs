@@ -57,9 +57,9 @@ impl PoolMemory for Memory {
 struct Sink(Log);
 
 impl PlanSink for Sink {
-    fn submit(&mut self, plans: Plans) {
+    fn submit(&mut self, plans: &mut Plans) {
         let mut log = self.0.lock().unwrap();
-        for p in plans {
+        for p in plans.drain(..) {
             let dst = match p.work() {
                 Work::Copy { dst, .. } | Work::Memset { dst, .. } | Work::FromHost { dst, .. } => {
                     *dst

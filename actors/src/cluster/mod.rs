@@ -46,11 +46,9 @@ mod plan;
 mod reduce;
 mod step;
 
-use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc, Mutex,
 };
 
 pub use ::mpi as mpi_crate;
@@ -357,11 +355,10 @@ impl Cluster {
         };
         let kept = self.transfer_routine(key, into, spec, descs)?;
         let routine = &kept.routine;
-        let desc = kept
-            .descs
-            .first()
-            .cloned()
-            .ok_or_else(|| Error::Internal("a kept transfer routine with no transfer".into()))?;
+        let desc =
+            kept.descs.first().cloned().ok_or_else(|| {
+                Error::Internal("a kept transfer routine with no transfer".into())
+            })?;
         let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
         let issued = self.net.issue(desc, 0);
         let scheduled = noting(sys, spans, |sys| {

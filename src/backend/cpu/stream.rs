@@ -157,7 +157,9 @@ impl StreamTask {
     }
 
     /// Accepts `item` (the stream will run it; `None`), or gives it back if the stream no
-    /// longer accepts work. Never waits for work.
+    /// longer accepts work. Never waits for work. Inlined into the submission, so the item
+    /// is built where it is pushed from.
+    #[inline]
     pub(super) fn push(self: &StdArc<Self>, item: Item) -> Option<Item> {
         let mut incoming = self.incoming.lock();
         if incoming.closed {
