@@ -14,6 +14,7 @@ use super::{
 };
 use crate::cluster::{
     header::{CrossRankAlgorithm, Status},
+    mpi::Request,
     reduce::{self, Wire},
 };
 
@@ -248,13 +249,7 @@ impl Network {
                         matches!(wire, Wire::F64),
                     )?
                 };
-                self.wait(
-                    guard,
-                    &mut smallvec![request],
-                    Vec::new(),
-                    op,
-                    self.deadline(),
-                )?;
+                self.wait_one(guard, request, op)?;
                 if let Some(s) = scale {
                     reduce::scale(wire, output, s);
                 }
@@ -443,14 +438,7 @@ impl Network {
                 tag(op.seq, phase::TRANSFER_DATA),
             )?
         };
-        self.wait(
-            guard,
-            &mut smallvec![request],
-            Vec::new(),
-            op,
-            self.deadline(),
-        )
-        .map(|_| ())
+        self.wait_one(guard, request, op)
     }
 
     /// The receiving side of a transfer, into `output` (from the header's message when the
@@ -481,14 +469,15 @@ impl Network {
                 tag(op.seq, phase::TRANSFER_DATA),
             )?
         };
-        self.wait(
-            guard,
-            &mut smallvec![request],
-            Vec::new(),
-            op,
-            self.deadline(),
-        )
-        .map(|_| ())
+        self.wait_one(guard, request, op)
+    }
+
+    /// [`Network::wait`] for one request whose memory is the operation's own (no staging of
+    /// the network stream's to keep at a fault).
+    fn wait_one(&self, guard: &mut ExecGuard<'_>, request: Request, op: &Issued) -> Result<()> {
+        let mut requests: Requests = smallvec![request];
+        self.wait(guard, &mut requests, Vec::new(), op, self.deadline())
+            .map(|_| ())
     }
 }
 
