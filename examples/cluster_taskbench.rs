@@ -25,9 +25,9 @@
 //!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
 //!   transfers reading and writing the tasks' buffers in place, nothing handed between
 //!   streams (as the `mpi` runner's one thread does).
-//! - `in place replayed`: the same, with two timesteps captured once (`Cluster::capture`:
-//!   the tasks and exchanges) and replayed for every later pair with the timestep
-//!   index shifted (`Cluster::replay_with`).
+//! - `in place replayed`: the same, with two timesteps (`--replay-timesteps`) captured once
+//!   (`Cluster::capture`: the tasks and exchanges) and replayed for every later pair with
+//!   the timestep index shifted (`Cluster::replay_with`).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
 //! efficiency falls under a quarter) it times `--steps` timesteps, barrier to barrier, and
@@ -90,6 +90,11 @@ struct Args {
     /// both by default. A ratio needs the baseline it divides by.
     #[arg(long, value_delimiter = ',')]
     baselines: Vec<String>,
+    /// Timesteps per captured step of the `in place replayed` runner (even: a step must
+    /// end with the buffers of the parity it began with). More timesteps per replay spread
+    /// a replay's fixed cost over more of them (BENCHMARKS.md).
+    #[arg(long, default_value_t = 2)]
+    replay_timesteps: usize,
 }
 
 fn main() -> ExitCode {
@@ -406,26 +411,28 @@ impl ClusterGraph {
     }
 
     /// Issues `steps` timesteps and waits for them; seconds, barrier to barrier. With
-    /// `replay`, timesteps 1 and 2 are captured as one step and every later pair is a
-    /// replay of it (a last odd timestep is issued).
-    fn run(&self, cluster: &Cluster, steps: usize, replay: bool) -> tributary::Result<f64> {
+    /// `replay: Some(k)` (`k` even), timesteps 1 to `k` are captured as one step and every
+    /// later run of `k` is a replay of it (the timesteps left over at the end are issued).
+    fn run(
+        &self,
+        cluster: &Cluster,
+        steps: usize,
+        replay: Option<usize>,
+    ) -> tributary::Result<f64> {
         cluster.barrier()?;
         let start = Instant::now();
         for r in &self.first {
             r.schedule_with(&[("t", 0)])?;
         }
         let mut t = 1;
-        if replay && steps >= 3 {
-            let step = cluster.capture(|c| {
-                self.timestep(c, 1)?;
-                self.timestep(c, 2)
-            })?;
+        if let Some(k) = replay.filter(|&k| steps > k) {
+            let step = cluster.capture(|c| (1..=k).try_for_each(|t| self.timestep(c, t)))?;
             let mut values = step.step().bindings();
-            t = 3;
-            while t + 2 <= steps {
-                values.shift("t", 2)?;
+            t = k + 1;
+            while t + k <= steps {
+                values.shift("t", k as i64)?;
                 cluster.replay_with(&step, &values)?;
-                t += 2;
+                t += k;
             }
         }
         let mut calls = cluster;
@@ -512,6 +519,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
+    if args.replay_timesteps < 2 || args.replay_timesteps % 2 != 0 {
+        return Err(format!(
+            "--replay-timesteps {} is not an even number of at least 2",
+            args.replay_timesteps
+        )
+        .into());
+    }
     let (lo, hi) = block(args.width, ranks, rank);
     let expected_inputs: u64 = (0..args.steps)
         .map(|t| {
@@ -551,7 +565,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             for _ in 0..args.samples.max(1) {
                 checks.reset();
                 let secs = match &graph {
-                    Some(g) => g.run(&cluster, args.steps, runner.ends_with("replayed"))?,
+                    Some(g) => g.run(
+                        &cluster,
+                        args.steps,
+                        runner
+                            .ends_with("replayed")
+                            .then_some(args.replay_timesteps),
+                    )?,
                     None => mpi_run(
                         &cluster,
                         args.width,
@@ -598,8 +618,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     if rank == 0 {
         println!(
             "stencil_1d, width {}, {} timesteps, {ranks} ranks (one core each); best of {} \
-             runs per granularity",
-            args.width, args.steps, args.samples
+             runs per granularity; replays of {} timesteps",
+            args.width, args.steps, args.samples, args.replay_timesteps
         );
         let mut metgs = Vec::new();
         for runner in RUNNERS
