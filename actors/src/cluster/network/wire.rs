@@ -516,40 +516,27 @@ impl Network {
             results.extend(ops.iter().map(|_| Err(e.clone())));
             return;
         }
-        // Why each part's own view is unusable here, if it is.
-        let failed: SmallVec<[Option<String>; 4]> = ops
-            .iter()
-            .zip(views.iter())
-            .map(|(op, view)| {
-                let sends = op.desc.route.is_some_and(|(from, _)| from == rank);
-                let len = match (view, sends) {
-                    (View::Send(v), true) => v.as_ref().map(|v| v.len()),
-                    (View::Recv(v), false) => v.as_ref().map(|v| v.len()),
-                    _ => return Some("the routine's view is the other direction's".into()),
-                };
-                match len {
-                    Ok(n) if n == super::transfer_bytes(&op.desc) => None,
-                    Ok(n) => Some(format!("its view holds {n} bytes")),
-                    Err(e) => Some(e.to_string()),
-                }
-            })
-            .collect();
+        // One pass: why each part's own view is unusable here (if it is), what travels
+        // with its header, and its data leg. The payloads copy the views' slices out (they
+        // borrow the kernel's memory, not `views`), so the parts outlive the pass.
         let mut parts: SmallVec<[ExchangePart<'_>; 4]> = SmallVec::new();
         let mut data: SmallVec<[Option<DataLeg>; 4]> = SmallVec::new();
-        for ((op, view), why) in ops.iter().zip(views.iter_mut()).zip(&failed) {
+        let mut failed: SmallVec<[Option<String>; 4]> = SmallVec::new();
+        for (op, view) in ops.iter().zip(views.iter_mut()) {
+            let why = unusable(rank, op, view);
             let (sent, expected) = self.transfer_payloads(&op.desc);
             let (from, to) = op.desc.route.unwrap_or((rank, rank));
             let t = tag(op.seq, phase::TRANSFER_DATA);
-            let (payload, leg) = match (view, why) {
+            let (payload, leg) = match (&mut *view, &why) {
                 (_, Some(_)) => (Payload::Unread(sent), None),
                 // SAFETY: the input view is pool memory, which outlives abandoned requests
                 // (module docs of `cluster`).
-                (View::Send(Ok(i)), None) if sent > 0 => (unsafe { Payload::kept(i) }, None),
+                (View::Send(Ok(i)), None) if sent > 0 => (unsafe { Payload::kept(*i) }, None),
                 // SAFETY: as above, and unwritten while this routine runs: the exchange's
                 // receives write other nodes' buffers (a node is not both sent and received
                 // by one exchange, `Cluster::exchange`).
                 (View::Send(Ok(i)), None) => {
-                    (Payload::None, Some(unsafe { DataLeg::send(i, to, t) }))
+                    (Payload::None, Some(unsafe { DataLeg::send(*i, to, t) }))
                 }
                 // SAFETY: the output view is pool memory, which outlives abandoned requests,
                 // and nothing else reads or writes it while this routine runs.
@@ -560,20 +547,21 @@ impl Network {
             };
             parts.push(ExchangePart {
                 op,
-                status: status_of(why),
+                status: status_of(&why),
                 payload,
                 expected,
             });
             data.push(leg);
+            failed.push(why);
         }
         if let Err(fault) = self.transfer_parts(guard, &parts, &data, results) {
             results.clear();
             results.extend(ops.iter().map(|_| Err(fault.clone())));
             return;
         }
-        drop(parts);
-        for (i, ((op, view), why)) in ops.iter().zip(views.drain(..)).zip(failed).enumerate() {
-            let Some(result) = results.get_mut(i) else {
+        let mut results = results.iter_mut();
+        for (i, ((part, view), why)) in parts.iter().zip(views.drain(..)).zip(failed).enumerate() {
+            let Some(result) = results.next() else {
                 break;
             };
             if let Some(why) = why {
@@ -581,16 +569,31 @@ impl Network {
                 // the header).
                 *result = Err(Error::Internal(format!(
                     "the view of {} could not be used on this rank: {why}",
-                    op.desc.describe()
+                    part.op.desc.describe()
                 )));
                 continue;
             }
             // Data that travelled with the header: in the part's slot.
-            let (_, expected) = self.transfer_payloads(&op.desc);
-            if let (Ok(()), View::Recv(Ok(out)), true) = (&*result, view, expected > 0) {
+            if let (Ok(()), View::Recv(Ok(out)), true) = (&*result, view, part.expected > 0) {
                 *result = Network::copy_payload(guard, 2 * i, out);
             }
         }
+    }
+}
+
+/// Why the view an exchange's kernel gave `op` cannot be used on this rank (`rank`), if it
+/// cannot: the other direction's, or not the transfer's size, or the kernel's error.
+fn unusable(rank: usize, op: &Issued, view: &View<'_>) -> Option<String> {
+    let sends = op.desc.route.is_some_and(|(from, _)| from == rank);
+    let len = match (view, sends) {
+        (View::Send(v), true) => v.as_ref().map(|v| v.len()),
+        (View::Recv(v), false) => v.as_ref().map(|v| v.len()),
+        _ => return Some("the routine's view is the other direction's".into()),
+    };
+    match len {
+        Ok(n) if n == super::transfer_bytes(&op.desc) => None,
+        Ok(n) => Some(format!("its view holds {n} bytes")),
+        Err(e) => Some(e.to_string()),
     }
 }
 
