@@ -355,7 +355,9 @@ impl Mpi {
         // Inline up to 8 requests (a collective on 4 ranks, a transfer): no allocation. A
         // request is done when its handle is null: MPI_Testsome nulls those it completes.
         let mut raw: SmallVec<[ffi::MPI_Request; 8]> = SmallVec::new();
-        raw.extend(watched.iter().chain(others.iter()).map(|r| r.raw));
+        // Two loops, not a chained iterator (its per-element branch was measurable here).
+        raw.extend(watched.iter().map(|r| r.raw));
+        raw.extend(others.iter().map(|r| r.raw));
         let mut indices: SmallVec<[c_int; 8]> = smallvec::smallvec![0; raw.len()];
         let mut idle_polls = 0u32;
         let result = loop {
@@ -415,9 +417,12 @@ impl Mpi {
             }
             std::thread::yield_now();
         };
-        let all = watched.iter_mut().chain(others.iter_mut());
-        for (r, raw) in all.zip(raw) {
-            r.raw = raw;
+        let (mine, theirs) = raw.split_at(n.min(raw.len()));
+        for (r, &h) in watched.iter_mut().zip(mine) {
+            r.raw = h;
+        }
+        for (r, &h) in others.iter_mut().zip(theirs) {
+            r.raw = h;
         }
         result
     }

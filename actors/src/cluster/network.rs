@@ -720,13 +720,14 @@ impl Network {
             None => body(self, &mut guard, &group, &mut results),
         }
         let mut outcome = Ok(());
-        let mut results = results.drain(..);
-        for op in &group {
-            let result = results.next().unwrap_or_else(|| {
-                Err(Error::Internal(
+        for (i, op) in group.iter().enumerate() {
+            // Taken by index, not drained (the drain's moves were measurable).
+            let result = match results.get_mut(i) {
+                Some(r) => std::mem::replace(r, Ok(())),
+                None => Err(Error::Internal(
                     "an exchange part without its result".into(),
-                ))
-            });
+                )),
+            };
             let recorded = Self::record(&mut guard, op, result);
             outcome = outcome.and(recorded);
         }
@@ -1276,7 +1277,10 @@ impl Network {
                         }
                     }
                 }
-                results[i] = check;
+                if let (Err(e), Some(r)) = (check, results.get_mut(i)) {
+                    // The others stay the `Ok` they were set to (not rewritten per part).
+                    *r = Err(e);
+                }
                 if sequential {
                     keep = self.wait(guard, &mut waiting, keep, parts[i].op, deadline)?;
                     waiting.clear();

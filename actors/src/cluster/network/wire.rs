@@ -559,9 +559,10 @@ impl Network {
             results.extend(ops.iter().map(|_| Err(fault.clone())));
             return;
         }
-        let mut results = results.iter_mut();
-        for (i, ((part, view), why)) in parts.iter().zip(views.drain(..)).zip(failed).enumerate() {
-            let Some(result) = results.next() else {
+        // By index, not by draining the lists (a drain's and an owning iterator's moves
+        // were 1.5% of a replayed Task Bench timestep).
+        for (i, (part, view)) in parts.iter().zip(views.iter_mut()).enumerate() {
+            let (Some(result), Some(why)) = (results.get_mut(i), failed.get(i)) else {
                 break;
             };
             if let Some(why) = why {
@@ -578,6 +579,7 @@ impl Network {
                 *result = Network::copy_payload(guard, 2 * i, out);
             }
         }
+        views.clear();
     }
 }
 
