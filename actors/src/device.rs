@@ -211,7 +211,7 @@ impl Handler<Link> for DeviceActor {
     fn handle(&mut self, msg: Link, _: &mut Self::Context) -> Self::Result {
         self.ask(|reply| DeviceOp::Link {
             ctx: msg.ctx,
-            spec: msg.spec,
+            spec: Box::new(msg.spec),
             reply,
         })
     }

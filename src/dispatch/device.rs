@@ -348,7 +348,7 @@ impl DeviceCore {
                 reply.send(r);
             }
             DeviceOp::Link { ctx, spec, reply } => {
-                let r = self.link(&ctx, spec);
+                let r = self.link(&ctx, *spec);
                 reply.send(r);
             }
             DeviceOp::Schedule {

@@ -154,8 +154,9 @@ pub enum DeviceOp {
     Link {
         /// The context.
         ctx: Context,
-        /// The routine.
-        spec: RoutineSpec,
+        /// The routine (boxed: a link is rare, and inline its 184 bytes made every
+        /// operation's message that size, moved several times between post and decision).
+        spec: Box<RoutineSpec>,
         /// The linked routine.
         reply: Reply<Routine>,
     },

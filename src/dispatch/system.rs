@@ -472,7 +472,7 @@ impl Dispatcher {
         let d = self.index_of(ctx.device())?;
         self.request(d, |reply| DeviceOp::Link {
             ctx: ctx.clone(),
-            spec,
+            spec: Box::new(spec),
             reply,
         })
     }
