@@ -15,7 +15,7 @@ use tributary::{
     collective::{self, AllReduceStep, ReduceOp, Strategy},
     kernels::{self, Access, RoutineSpec},
     protocol::{Context, Routine},
-    Error, MergeBufferUse, Result, TensorNode,
+    Error, MergeBufferUse, Result, StreamLasts, TensorNode,
 };
 
 use super::{
@@ -264,7 +264,8 @@ impl SystemCalls for crate::SystemCapture<'_> {
 /// operations' typed errors.
 pub struct ClusterTicket {
     ops: SmallVec<[Arc<Issued>; 4]>,
-    tickets: SmallVec<[Ticket; 4]>,
+    /// A replay's lasts as it returned them (moved in, not collected again).
+    tickets: StreamLasts<Ticket>,
 }
 
 impl ClusterTicket {
@@ -274,19 +275,13 @@ impl ClusterTicket {
         ops: impl IntoIterator<Item = Arc<Issued>>,
         tickets: impl IntoIterator<Item = Ticket>,
     ) -> ClusterTicket {
-        ClusterTicket::from_parts(ops.into_iter().collect(), tickets)
+        ClusterTicket::from_parts(ops.into_iter().collect(), tickets.into_iter().collect())
     }
 
     /// [`ClusterTicket::new`] keeping `ops` as they are (a replay's many operations are
     /// not copied into a second vector).
-    pub(crate) fn from_parts(
-        ops: IssuedGroup,
-        tickets: impl IntoIterator<Item = Ticket>,
-    ) -> ClusterTicket {
-        ClusterTicket {
-            ops,
-            tickets: tickets.into_iter().collect(),
-        }
+    pub(crate) fn from_parts(ops: IssuedGroup, tickets: StreamLasts<Ticket>) -> ClusterTicket {
+        ClusterTicket { ops, tickets }
     }
 
     /// Its network operations, in issue order.
