@@ -46,6 +46,16 @@ pub(crate) type Outgoing = (Option<Reply<Deps>>, Event);
 /// Every part's check of one replay, in device order (inline up to four devices).
 pub(crate) type Checks = SmallVec<[PooledAnswer<()>; 4]>;
 
+/// What a device's part of a replay holds beside its step and streams: its check, every
+/// part's checks, its place among them, and its edges ([`Dispatcher::replay_via`]).
+struct NewPart {
+    check: Option<Reply<()>>,
+    checks: Option<Checks>,
+    index: usize,
+    incoming: SmallVec<[Incoming; 4]>,
+    outgoing: SmallVec<[Outgoing; 4]>,
+}
+
 /// One device's part of a replay (see the module documentation).
 pub struct ReplayPart {
     pub(crate) step: StdArc<DeviceStep>,
@@ -314,20 +324,42 @@ impl Dispatcher {
         via: Via,
     ) -> Result<StreamLasts<PendingEvent>> {
         let inner = &step.inner;
+        let foreign = |d: &DeviceStep| {
+            invalidated(
+                inner.id,
+                crate::error::Invalidation::Foreign { device: d.device() },
+            )
+        };
+        let values = values.map(|v| step.shared_values(v));
+        let pools = self.replay_pools();
+        let mut last = StreamLasts::new();
+        if let ([d], true) = (&inner.devices[..], inner.edges.is_empty()) {
+            // One device and no copy between devices: its part goes on its own check, with
+            // no edge, list of parts or shared cell to make (the common replay, as a
+            // Task Bench timestep's).
+            let device = self.index_of(d.device()).map_err(|_| foreign(d))?;
+            let part = self.replay_part(
+                step,
+                d,
+                device,
+                values,
+                NewPart {
+                    check: None,
+                    checks: None,
+                    index: 0,
+                    incoming: SmallVec::new(),
+                    outgoing: SmallVec::new(),
+                },
+                &mut last,
+            )?;
+            self.post_one_via(via, part)?;
+            return Ok(last);
+        }
         let index: SmallVec<[usize; 4]> = inner
             .devices
             .iter()
-            .map(|d| {
-                self.index_of(d.device()).map_err(|_| {
-                    invalidated(
-                        inner.id,
-                        crate::error::Invalidation::Foreign { device: d.device() },
-                    )
-                })
-            })
+            .map(|d| self.index_of(d.device()).map_err(|_| foreign(d)))
             .collect::<Result<_>>()?;
-        let values = values.map(|v| step.shared_values(v));
-        let pools = self.replay_pools();
         // Per edge: the destination operation (its pending event and promise) and the
         // source's answer (inline up to four edges; the cells are pooled).
         let mut readers: SmallVec<[Event; 4]> = SmallVec::new();
@@ -360,9 +392,7 @@ impl Dispatcher {
                 .unzip()
         };
         let checks = (!alone).then_some(checks);
-        let mut last = StreamLasts::new();
         let mut parts = Parts::new();
-        let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
         for ((k, d), check) in inner.devices.iter().enumerate().zip(check_replies) {
             let incoming = d
                 .incoming
@@ -384,34 +414,14 @@ impl Dispatcher {
                 .iter()
                 .map(|&g| (replies[g as usize].take(), readers[g as usize].clone()))
                 .collect();
-            let mut stream_promises = SmallVec::new();
-            for s in d.streams() {
-                let (pending, promise) = self.pending_event(crate::ids::StreamId {
-                    device: d.device(),
-                    index: s as u32,
-                })?;
-                last.push(pending);
-                stream_promises.push(promise);
-            }
-            let part = ReplayPart {
-                step: d.clone(),
-                step_id: inner.id,
-                values: values.clone(),
+            let new = NewPart {
                 check,
                 checks: checks.clone(),
                 index: k,
-                go: false,
                 incoming,
                 outgoing,
-                last: stream_promises,
-                run: ReplayRun::with_events(d.clone(), 0, 0, d.events_list()),
-                started: false,
             };
-            let op = DeviceOp::Replay {
-                stamp: 0,
-                part: pools.parts.boxed(part),
-            };
-            parts.push(Part::new(index[k], 0, 0, op).with_span(span));
+            parts.push(self.replay_part(step, d, index[k], values.clone(), new, &mut last)?);
         }
         if parts.len() == 1 {
             if let Some(p) = parts.pop() {
@@ -421,5 +431,48 @@ impl Dispatcher {
             self.post_via(via, parts)?;
         }
         Ok(last)
+    }
+
+    /// Device `d`'s part of a replay of `step` (device index `device`), its streams' last
+    /// events' promises made and their pending events pushed to `last`.
+    fn replay_part(
+        &self,
+        step: &Step,
+        d: &StdArc<DeviceStep>,
+        device: usize,
+        values: Option<StdArc<[Bindings]>>,
+        new: NewPart,
+        last: &mut StreamLasts<PendingEvent>,
+    ) -> Result<Part> {
+        let inner = &step.inner;
+        let mut stream_promises = SmallVec::new();
+        for s in d.streams() {
+            let (pending, promise) = self.pending_event(crate::ids::StreamId {
+                device: d.device(),
+                index: s as u32,
+            })?;
+            last.push(pending);
+            stream_promises.push(promise);
+        }
+        let part = ReplayPart {
+            step: d.clone(),
+            step_id: inner.id,
+            values,
+            check: new.check,
+            checks: new.checks,
+            index: new.index,
+            go: false,
+            incoming: new.incoming,
+            outgoing: new.outgoing,
+            last: stream_promises,
+            run: ReplayRun::with_events(d.clone(), 0, 0, d.events_list()),
+            started: false,
+        };
+        let op = DeviceOp::Replay {
+            stamp: 0,
+            part: self.replay_pools().parts.boxed(part),
+        };
+        let span = u64::from(inner.positions).div_ceil(super::system::STEP_STAMPS);
+        Ok(Part::new(device, 0, 0, op).with_span(span))
     }
 }
