@@ -86,6 +86,9 @@ pub(crate) struct OpDesc {
     /// [`OpDesc::new`] (a description is made once per call site or captured step and
     /// its header built at every run; `label` and `shape` never change after).
     hashes: (u64, u64),
+    /// The shape's element count, computed once as the hashes (every header and every
+    /// transfer's byte count reads it).
+    elements: u64,
 }
 
 impl OpDesc {
@@ -102,6 +105,7 @@ impl OpDesc {
             route: None,
             algorithm: None,
             hashes: (hash_of(label), hash_of(shape)),
+            elements: shape.iter().product::<usize>() as u64,
         }
     }
 
@@ -122,7 +126,7 @@ impl OpDesc {
     }
 
     pub(crate) fn elements(&self) -> u64 {
-        self.shape.iter().product::<usize>() as u64
+        self.elements
     }
 
     /// `all_reduce of dw1 [8, 32] f32 sum`, `transfer of x [4] f32 from rank 0 to rank 1`.
