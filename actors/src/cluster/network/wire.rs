@@ -531,12 +531,12 @@ impl Network {
                 (_, Some(_)) => (Payload::Unread(sent), None),
                 // SAFETY: the input view is pool memory, which outlives abandoned requests
                 // (module docs of `cluster`).
-                (View::Send(Ok(i)), None) if sent > 0 => (unsafe { Payload::kept(*i) }, None),
+                (View::Send(Ok(i)), None) if sent > 0 => (unsafe { Payload::kept(i) }, None),
                 // SAFETY: as above, and unwritten while this routine runs: the exchange's
                 // receives write other nodes' buffers (a node is not both sent and received
                 // by one exchange, `Cluster::exchange`).
                 (View::Send(Ok(i)), None) => {
-                    (Payload::None, Some(unsafe { DataLeg::send(*i, to, t) }))
+                    (Payload::None, Some(unsafe { DataLeg::send(i, to, t) }))
                 }
                 // SAFETY: the output view is pool memory, which outlives abandoned requests,
                 // and nothing else reads or writes it while this routine runs.
