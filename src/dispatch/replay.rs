@@ -333,7 +333,13 @@ impl Dispatcher {
         let values = values.map(|v| step.shared_values(v));
         let pools = self.replay_pools();
         let mut last = StreamLasts::new();
-        if let ([d], true) = (&inner.devices[..], inner.edges.is_empty()) {
+        let one_part = match &inner.devices[..] {
+            [d] if inner.edges.is_empty() && d.incoming.is_empty() && d.outgoing.is_empty() => {
+                Some(d)
+            }
+            _ => None,
+        };
+        if let Some(d) = one_part {
             // One device and no copy between devices: its part goes on its own check, with
             // no edge, list of parts or shared cell to make (the common replay, as a
             // Task Bench timestep's).
