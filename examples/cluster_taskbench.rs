@@ -25,9 +25,9 @@
 //!   (`Cluster::network_context`): the tasks and the transfers run on one stream, the
 //!   transfers reading and writing the tasks' buffers in place, nothing handed between
 //!   streams (as the `mpi` runner's one thread does).
-//! - `in place replayed`: the same, with two timesteps (`--replay-timesteps`) captured once
-//!   (`Cluster::capture`: the tasks and exchanges) and replayed for every later pair with
-//!   the timestep index shifted (`Cluster::replay_with`).
+//! - `in place replayed`: the same, with two timesteps (`--replay-timesteps K`: K) captured
+//!   once (`Cluster::capture`: the tasks and exchanges) and replayed for every later run of
+//!   as many, the timestep index shifted (`Cluster::replay_with`).
 //!
 //! For each granularity (`compute_bound` iterations, halved from `--max-iterations` until
 //! efficiency falls under a quarter) it times `--steps` timesteps, barrier to barrier, and

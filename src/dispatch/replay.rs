@@ -331,7 +331,6 @@ impl Dispatcher {
             )
         };
         let values = values.map(|v| step.shared_values(v));
-        let pools = self.replay_pools();
         let mut last = StreamLasts::new();
         let one_part = match &inner.devices[..] {
             [d] if inner.edges.is_empty() && d.incoming.is_empty() && d.outgoing.is_empty() => {
@@ -366,6 +365,7 @@ impl Dispatcher {
             .iter()
             .map(|d| self.index_of(d.device()).map_err(|_| foreign(d)))
             .collect::<Result<_>>()?;
+        let pools = self.replay_pools();
         // Per edge: the destination operation (its pending event and promise) and the
         // source's answer (inline up to four edges; the cells are pooled).
         let mut readers: SmallVec<[Event; 4]> = SmallVec::new();
