@@ -42,7 +42,7 @@ use crate::{
     error::{Error, Failure, Result},
     event::{EventFuture, EventStatus, Timeline},
     ids::StreamId,
-    protocol::{Dep, StreamProgram},
+    protocol::{Dep, StreamProgram, StreamProgramOp, Work},
     sync::{
         atomic::{AtomicUsize, Ordering},
         spin::SpinWait,
@@ -106,6 +106,13 @@ struct Head {
     item: Item,
     /// The operation of a program that runs next (0 for a plan).
     op: usize,
+    /// How far the current operation's dependencies are decided.
+    progress: Progress,
+}
+
+/// What the head's current operation learned of its dependencies so far.
+#[derive(Default)]
+struct Progress {
     /// Dependencies before this index are decided.
     next_dep: usize,
     /// Root cause of the first failed data dependency.
@@ -114,6 +121,33 @@ struct Head {
     waiting: Option<EventFuture>,
     /// When the head found `next_dep` pending (recorded as a wait when it is decided).
     blocked_since: Option<Instant>,
+}
+
+/// The head's current operation as its dependencies are decided: borrowed from its plan or
+/// program.
+#[derive(Clone, Copy)]
+struct Current<'a> {
+    deps: &'a [Dep],
+    seq: u64,
+    work: &'a Work,
+}
+
+impl<'a> Current<'a> {
+    fn of_plan(plan: &'a Submitted) -> Current<'a> {
+        Current {
+            deps: &plan.deps,
+            seq: plan.seq,
+            work: &plan.work,
+        }
+    }
+
+    fn of_op(op: &StreamProgramOp<'a>) -> Current<'a> {
+        Current {
+            deps: op.deps(),
+            seq: op.seq(),
+            work: op.work(),
+        }
+    }
 }
 
 /// A stream of the CPU backend, run by a [`WorkerPool`].
@@ -260,17 +294,30 @@ impl StreamTask {
         let mut head = self.head.lock();
         let mut skipped = false;
         loop {
-            let current = match head.as_mut() {
-                Some(current) => current,
-                None => {
-                    let next = self.incoming.lock().items.pop_front();
-                    match next {
-                        Some(item) => head.insert(Head::new(item)),
-                        None => return Outcome::Idle,
-                    }
-                }
+            if head.is_none() {
+                // Taken straight into the head (an item is several hundred bytes, each move
+                // a copy).
+                *head = self.incoming.lock().items.pop_front().map(Head::new);
+            }
+            let Some(current) = head.as_mut() else {
+                return Outcome::Idle;
             };
-            if !self.deps_decided(current) {
+            let Head { item, op, progress } = current;
+            // A program's operation is looked up once per pass (its `op` is several
+            // bounds-checked lookups): for its dependencies, then its run.
+            let (program, this) = match &*item {
+                Item::Plan(p) => (None, Current::of_plan(p)),
+                Item::StreamProgram(p) => match p.op(*op) {
+                    Some(o) => (Some((p, o)), Current::of_op(&o)),
+                    None => {
+                        *head = None;
+                        continue;
+                    }
+                },
+            };
+            // The mutant runs a program's operations without waiting for anything.
+            let skips = program.is_some() && mutant!("program_skips_deps");
+            if !skips && !self.deps_decided(this, progress) {
                 if mutant!("pool_out_of_order") && !skipped {
                     // The mutant lets a later plan overtake a head that waits.
                     skipped = true;
@@ -285,44 +332,38 @@ impl StreamTask {
                 }
                 return Outcome::Idle;
             }
-            if let Item::StreamProgram(program) = &current.item {
-                let finished = match program.op(current.op) {
-                    Some(op) => {
-                        // An operation that could not be planned (its copy's source did not
-                        // answer) fails with its own reason, after its dependencies.
-                        let unplanned = op.failed();
-                        let failed = current.failed.take().filter(|_| unplanned.is_none());
-                        let label = op.work().plan_label();
-                        let ready = Ready {
-                            label: &label,
-                            seq: op.seq(),
-                            deps: op.deps(),
-                        };
-                        let run = || match unplanned {
-                            Some(why) => Err(why.to_string()),
-                            None => self.shared.run_work(op.work(), op.bindings()),
-                        };
-                        super::complete(
-                            self.stream,
-                            &self.timeline,
-                            ready,
-                            || op.work().bytes(),
-                            run,
-                            failed,
-                            self.recorder.as_deref(),
-                        );
-                        current.op += 1;
-                        current.next_dep = 0;
-                        current.op >= program.len()
-                    }
-                    None => true,
+            if let Some((program, o)) = program {
+                // An operation that could not be planned (its copy's source did not answer)
+                // fails with its own reason, after its dependencies.
+                let unplanned = o.failed();
+                let failed = progress.failed.take().filter(|_| unplanned.is_none());
+                let label = o.work().plan_label();
+                let ready = Ready {
+                    label: &label,
+                    seq: o.seq(),
+                    deps: o.deps(),
                 };
-                if finished {
+                let run = || match unplanned {
+                    Some(why) => Err(why.to_string()),
+                    None => self.shared.run_work(o.work(), o.bindings()),
+                };
+                super::complete(
+                    self.stream,
+                    &self.timeline,
+                    ready,
+                    || o.work().bytes(),
+                    run,
+                    failed,
+                    self.recorder.as_deref(),
+                );
+                *op += 1;
+                *progress = Progress::default();
+                if *op >= program.len() {
                     *head = None;
                 }
             } else if let Some(Head {
                 item: Item::Plan(item),
-                failed,
+                progress,
                 ..
             }) = head.take()
             {
@@ -338,7 +379,7 @@ impl StreamTask {
                     ready,
                     || item.work.bytes(),
                     || self.shared.run_work(&item.work, None),
-                    failed,
+                    progress.failed,
                     self.recorder.as_deref(),
                 );
             }
@@ -348,30 +389,18 @@ impl StreamTask {
         }
     }
 
-    /// Decides the head's dependencies in order; `false` when one is still pending after
-    /// the spin window (a waker is then registered on it).
-    fn deps_decided(self: &StdArc<Self>, head: &mut Head) -> bool {
-        // The operation is looked up once (a program's `op` is several bounds-checked
-        // lookups), its fields borrowed apart from the head's progress.
-        let Head {
-            item,
-            op,
+    /// Decides the current operation's dependencies in order, from where `progress` says;
+    /// `false` when one is still pending after the spin window (a waker is then registered
+    /// on it).
+    fn deps_decided(self: &StdArc<Self>, this: Current<'_>, progress: &mut Progress) -> bool {
+        let Progress {
             next_dep,
             failed,
             waiting,
             blocked_since,
-        } = head;
-        let (deps, seq) = match &*item {
-            Item::Plan(p) => (&p.deps[..], p.seq),
-            // The mutant runs a program's operations without waiting for anything.
-            Item::StreamProgram(_) if mutant!("program_skips_deps") => return true,
-            Item::StreamProgram(p) => match p.op(*op) {
-                Some(op) => (op.deps(), op.seq()),
-                None => return true,
-            },
-        };
+        } = progress;
         loop {
-            let Some(dep) = deps.get(*next_dep) else {
+            let Some(dep) = this.deps.get(*next_dep) else {
                 return true;
             };
             let outcome = match waiting.as_mut() {
@@ -396,17 +425,11 @@ impl StreamTask {
             };
             *waiting = None;
             if let (Some(since), Some(rec)) = (blocked_since.take(), &self.recorder) {
-                let name = match &*item {
-                    Item::Plan(p) => p.work.label(),
-                    Item::StreamProgram(p) => {
-                        p.op(*op).map_or_else(String::new, |op| op.work().label())
-                    }
-                };
                 rec.record(TraceRecord {
                     kind: TraceKind::Wait,
-                    name,
+                    name: this.work.label(),
                     stream: self.stream,
-                    seq,
+                    seq: this.seq,
                     start_ns: rec.ns(since),
                     end_ns: rec.ns(Instant::now()),
                     bytes: 0,
@@ -478,10 +501,7 @@ impl Head {
         Head {
             item,
             op: 0,
-            next_dep: 0,
-            failed: None,
-            waiting: None,
-            blocked_since: None,
+            progress: Progress::default(),
         }
     }
 }
