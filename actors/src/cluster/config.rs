@@ -188,7 +188,7 @@ impl ClusterBuilder {
             net_root,
             token,
             shut_down: AtomicBool::new(false),
-            issuing: Mutex::new(()),
+            issuing: Mutex::new(Default::default()),
             transfers: Mutex::new(tributary::ids::IdMap::default()),
             barrier: Mutex::new(None),
         })

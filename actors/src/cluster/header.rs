@@ -368,6 +368,24 @@ impl Header {
     }
 }
 
+/// Whether `theirs` (a peer's header as received) is a ready header of the operation whose
+/// header this rank encoded as `mine`: the fields [`Header::same_operation`] compares, as
+/// the bytes they are encoded in, and the status. `false` tells nothing more: the caller
+/// decodes both headers to tell a mismatch from a failed input ([`check_peer`]). Every
+/// transfer's header is checked so first: no header is decoded where the ranks agree.
+pub(crate) fn agrees(mine: &[u8; HEADER_BYTES], theirs: &[u8; HEADER_BYTES]) -> bool {
+    // The bytes of `encode`: 0..4 the magic, 4..12 the call, 12..16 the sender (not
+    // compared), 16..20 kind, op, dtype and algorithm, 20 the status, 21 ndim, 22..24 the
+    // contributions (not compared), 24..56 elements, both hashes and the route, 56.. the
+    // label's first bytes (not compared: its hash is).
+    theirs[0..4] == MAGIC.to_le_bytes()
+        && mine[4..12] == theirs[4..12]
+        && mine[16..20] == theirs[16..20]
+        && mine[21] == theirs[21]
+        && mine[24..56] == theirs[24..56]
+        && theirs[20] == Status::Ready as u8
+}
+
 /// Checks the headers of every rank (index = rank) against this rank's: the first rank in
 /// rank order whose operation differs is a [`Error::CollectiveMismatch`]; else the first
 /// rank whose input failed is a [`Error::RankInputFailed`].
@@ -536,5 +554,60 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// `agrees` says yes exactly where the decoded check passes: any change of a compared
+    /// field or of the status makes it say no, a change of the sender or the contributions
+    /// does not (one field at a time, from random headers, every field's every byte).
+    #[test]
+    fn the_byte_check_agrees_exactly_where_the_decoded_check_passes() {
+        let mut seed = 0x0bad_cafe_f00d_1234u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut refused = 0;
+        for _ in 0..200 {
+            let d = OpDesc::new(
+                OpKind::Transfer,
+                "halo",
+                &[1 + (next() % 9) as usize],
+                DType::F32,
+            )
+            .routed(0, 1);
+            let mine = Header::new(
+                &d,
+                next() % 1000,
+                0,
+                CrossRankAlgorithm::Direct,
+                Status::Ready,
+            );
+            let mine_bytes = mine.encode();
+            let ready = Header {
+                sender: 1,
+                ..mine.clone()
+            };
+            assert!(agrees(&mine_bytes, &ready.encode()));
+            // Every byte of the peer's header changed alone.
+            for at in 0..HEADER_BYTES {
+                let mut theirs = ready.encode();
+                theirs[at] ^= 1 + (next() % 255) as u8;
+                let decoded = Header::decode(&theirs);
+                let passes = decoded
+                    .as_ref()
+                    .is_some_and(|t| check_peer(0, &mine, 1, t, "transfer of halo").is_ok());
+                assert_eq!(
+                    agrees(&mine_bytes, &theirs),
+                    passes,
+                    "byte {at} changed: {decoded:?} against {mine:?}"
+                );
+                refused += usize::from(!passes);
+            }
+        }
+        // The magic, call, kind, op, dtype, algorithm, status, ndim, count, hashes and
+        // route: 4 + 8 + 4 + 1 + 1 + 32 = 50 of the 96 bytes refuse.
+        assert_eq!(refused, 200 * 50);
     }
 }

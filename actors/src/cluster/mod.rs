@@ -66,7 +66,7 @@ use tributary::{
 
 use crate::{ContextHandle, RoutineHandle, System, Ticket};
 use header::{OpDesc, OpKind};
-use network::{EntryTicket, Network};
+use network::{Network, ReplayTickets};
 use plan::{noting, SystemCalls};
 use smallvec::SmallVec;
 
@@ -84,8 +84,9 @@ pub struct Cluster {
     net_root: ContextHandle,
     token: TensorNode,
     shut_down: AtomicBool,
-    /// Serialises issuing network operations (sequence numbers follow issue order).
-    issuing: Mutex<()>,
+    /// Serialises issuing network operations (sequence numbers follow issue order); holds
+    /// the tickets the last replays' network operations read their events from.
+    issuing: Mutex<ReplayTickets>,
     /// Transfer routines linked once and kept for the next transfer of the same node
     /// between the same context and rank, until the cluster shuts down (linking and
     /// finalizing per call cost two round trips to the device actor each). Looked up at
@@ -384,7 +385,7 @@ impl Cluster {
                 return Err(e);
             }
         };
-        let _ = issued.event.set(EntryTicket::Issued(ticket.clone()));
+        issued.scheduled(ticket.clone());
         if send || in_place {
             return Ok(ClusterTicket::new([issued], [ticket]));
         }
@@ -569,7 +570,7 @@ impl Cluster {
             }
         }
         for op in &issued {
-            let _ = op.event.set(EntryTicket::Issued(ticket.clone()));
+            op.scheduled(ticket.clone());
         }
         let mut tickets: SmallVec<[Ticket; 4]> = smallvec::smallvec![ticket];
         if !in_place {
@@ -689,7 +690,7 @@ impl Cluster {
             let issued = self.net.issue(desc, contributions);
             match routine.schedule() {
                 Ok(t) => {
-                    let _ = issued.event.set(EntryTicket::Issued(t));
+                    issued.scheduled(t);
                     ClusterTicket::new([issued], [])
                 }
                 Err(e) => {

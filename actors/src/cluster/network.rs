@@ -34,7 +34,8 @@ use smallvec::{smallvec, SmallVec};
 
 use super::{
     header::{
-        check_headers, check_peer, CrossRankAlgorithm, Header, OpDesc, OpKind, Status, HEADER_BYTES,
+        agrees, check_headers, check_peer, CrossRankAlgorithm, Header, OpDesc, OpKind, Status,
+        HEADER_BYTES,
     },
     mpi::{Mpi, Request, WaitError},
     reduce::Wire,
@@ -151,13 +152,19 @@ pub(super) type Headers = SmallVec<[Header; 4]>;
 type Legs<'p> = SmallVec<[Leg<'p>; 8]>;
 
 /// One transfer of an exchange as this rank runs it ([`Network::transfer_parts`]):
-/// its entry, the status its header carries, what travels with it, and the payload bytes
-/// expected with the peer's header.
+/// its entry, the status its header carries, what travels with it, the payload bytes
+/// expected with the peer's header, and its data that does not travel with the header.
+/// One list of these per exchange, not one list per field (each list's pushes and drop
+/// were measurable on a replayed Task Bench timestep).
 pub(super) struct ExchangePart<'a> {
     pub(super) op: &'a Issued,
     pub(super) status: Status,
     pub(super) payload: Payload<'a>,
     pub(super) expected: usize,
+    pub(super) data: Option<DataLeg>,
+    /// Why this rank's own view of it could not be used, if it could not (its status
+    /// says so to the peer).
+    pub(super) failed: Option<String>,
 }
 
 /// The data of a transfer that does not travel with its header: a request
@@ -234,37 +241,85 @@ pub(crate) struct Issued {
     /// This transfer and the next entry of the queue are one routine's (a sendrecv's or an
     /// exchange's): they run, and are caught up, together ([`Network::execute_group`]).
     pub(crate) fused: bool,
-    /// The ticket of its routine, set right after it was scheduled or replayed (the host
-    /// does not wait for the device's decision).
-    pub(crate) event: OnceLock<EntryTicket>,
+    /// The ticket of its routine, set right after it was scheduled (the host does not wait
+    /// for the device's decision); unset for a replayed operation.
+    scheduled: OnceLock<Ticket>,
+    /// Of a replayed operation: its replay's ticket, which it shares with the replay's other
+    /// network operations, and how many operations before that ticket's its own is.
+    replayed: Option<(ReplayTicket, u64)>,
     /// The typed error it failed with on the network stream, if it did.
     pub(crate) error: OnceLock<Error>,
 }
 
-/// How a network operation's event is known.
-pub(crate) enum EntryTicket {
-    /// Its routine was scheduled: the routine's ticket.
-    Issued(Ticket),
-    /// It was replayed as part of a captured step: `back` operations before the last one
-    /// of the network stream's part of that replay, whose ticket `last` is (a replay runs
-    /// a stream's operations under consecutive sequence numbers).
-    Replayed { last: Ticket, back: u64 },
+/// The ticket of one replay's part on the network stream, shared by the network operations
+/// that replay queued ([`Issued::ticket`]): set once, when the replay returned (one
+/// set and one ticket per replay, not one per operation: a tenth of a replayed Task Bench
+/// timestep's host instructions were those sets, clones and drops).
+pub(crate) type ReplayTicket = Arc<OnceLock<Ticket>>;
+
+/// Replay tickets kept for the next replays ([`ReplayTickets`]).
+const SPARE_REPLAY_TICKETS: usize = 64;
+
+/// The [`ReplayTicket`]s of the last replays, oldest first, each taken again by a later
+/// replay once no operation holds it any more, so that replaying allocates none in steady
+/// state.
+#[derive(Default)]
+pub(crate) struct ReplayTickets {
+    kept: VecDeque<ReplayTicket>,
 }
 
-impl EntryTicket {
+impl ReplayTickets {
+    /// An unset ticket for the next replay: the oldest kept one if nothing else holds it
+    /// (its replay's operations finished: replays finish in order), else a new one, kept
+    /// if there is room. A held one is passed over and looked at again after the others,
+    /// so that one a caller keeps for long (in an operation's `ClusterTicket`) does not
+    /// stop the next from being taken.
+    pub(crate) fn next(&mut self) -> ReplayTicket {
+        for _ in 0..self.kept.len().min(2) {
+            let Some(mut oldest) = self.kept.pop_front() else {
+                break;
+            };
+            let free = match Arc::get_mut(&mut oldest) {
+                // The only holder: no operation reads it any more.
+                Some(cell) => {
+                    cell.take();
+                    true
+                }
+                None => false,
+            };
+            self.kept.push_back(oldest.clone());
+            if free {
+                return oldest;
+            }
+        }
+        let fresh = ReplayTicket::default();
+        if self.kept.len() < SPARE_REPLAY_TICKETS {
+            self.kept.push_back(fresh.clone());
+        }
+        fresh
+    }
+}
+
+/// How a network operation's event is known: a ticket, and how many operations before
+/// that ticket's on its stream the operation's own is (0 for a scheduled routine's; a
+/// replay runs a stream's operations under consecutive sequence numbers).
+#[derive(Clone, Copy)]
+pub(crate) struct EntryTicket<'a> {
+    ticket: &'a Ticket,
+    back: u64,
+}
+
+impl EntryTicket<'_> {
     /// Its event, once its device decided it (or the error that refused it).
     pub(crate) fn event(&self) -> Result<Event> {
-        match self {
-            EntryTicket::Issued(t) => t.event(),
-            EntryTicket::Replayed { last, back } => Self::before(last.event()?, *back),
+        let last = self.ticket.event()?;
+        if self.back == 0 {
+            return Ok(last);
         }
-    }
-
-    /// The event `back` operations before `last` on its stream.
-    fn before(last: Event, back: u64) -> Result<Event> {
-        last.before(back).ok_or_else(|| {
+        last.before(self.back).ok_or_else(|| {
             Error::Internal(format!(
-                "a replayed network operation {back} before {last:?}, its stream's last"
+                "a replayed network operation {} before {last:?}, its stream's last",
+                self.back
             ))
         })
     }
@@ -278,10 +333,7 @@ impl EntryTicket {
     /// undecided. Never waits, and makes no event (the network stream's worker asks this
     /// of the front entry before every operation it runs).
     fn try_never_runs(&self) -> Option<bool> {
-        let status = match self {
-            EntryTicket::Issued(t) => t.try_status_before(0),
-            EntryTicket::Replayed { last, back } => last.try_status_before(*back),
-        };
+        let status = self.ticket.try_status_before(self.back);
         status.map(|s| !matches!(s, Ok(EventStatus::Pending | EventStatus::Done)))
     }
 
@@ -296,6 +348,25 @@ impl EntryTicket {
 }
 
 impl Issued {
+    /// Its ticket, once set: its routine was scheduled, or its replay returned.
+    pub(crate) fn ticket(&self) -> Option<EntryTicket<'_>> {
+        match &self.replayed {
+            Some((last, back)) => last.get().map(|ticket| EntryTicket {
+                ticket,
+                back: *back,
+            }),
+            None => self
+                .scheduled
+                .get()
+                .map(|ticket| EntryTicket { ticket, back: 0 }),
+        }
+    }
+
+    /// Sets the ticket of its routine, right after the routine was scheduled.
+    pub(crate) fn scheduled(&self, ticket: Ticket) {
+        let _ = self.scheduled.set(ticket);
+    }
+
     /// `(typed error or event error)`: what a waiter should see for this operation.
     pub(crate) fn outcome(&self, event_result: Result<()>) -> Result<()> {
         match (event_result, self.error.get()) {
@@ -471,22 +542,23 @@ impl Network {
         descs
             .iter()
             .enumerate()
-            .map(|(i, d)| Self::push_issued(&mut st, self.rank(), d.clone(), 0, i + 1 < n))
+            .map(|(i, d)| Self::push_issued(&mut st, self.rank(), d.clone(), 0, i + 1 < n, None))
             .collect()
     }
 
-    /// Each of `ops` (description, contributions, [`Issued::fused`]) as
-    /// [`Network::issue_with`], under one acquisition of the issue queue's lock: a replayed
-    /// step re-issues its network operations so (the network stream's worker takes entries
-    /// from the front of the same queue).
+    /// Each of `ops` (description, contributions, [`Issued::fused`], its replay's ticket and
+    /// its place before that ticket's, for a replayed one) as [`Network::issue_with`], under one acquisition of the issue queue's lock:
+    /// a replayed step re-issues its network operations so (the network stream's worker
+    /// takes entries from the front of the same queue).
     pub(crate) fn issue_all<'a>(
         &self,
-        ops: impl IntoIterator<Item = (&'a OpDesc, usize, bool)>,
+        ops: impl IntoIterator<Item = (&'a OpDesc, usize, bool, Option<(ReplayTicket, u64)>)>,
     ) -> IssuedGroup {
         let mut st = lock(&self.issue);
         ops.into_iter()
-            .map(|(desc, contributions, fused)| {
-                Self::push_issued(&mut st, self.rank(), desc.clone(), contributions, fused)
+            .map(|(desc, contributions, fused, replayed)| {
+                let desc = desc.clone();
+                Self::push_issued(&mut st, self.rank(), desc, contributions, fused, replayed)
             })
             .collect()
     }
@@ -500,7 +572,7 @@ impl Network {
         fused: bool,
     ) -> Arc<Issued> {
         let mut st = lock(&self.issue);
-        Self::push_issued(&mut st, self.rank(), desc, contributions, fused)
+        Self::push_issued(&mut st, self.rank(), desc, contributions, fused, None)
     }
 
     fn push_issued(
@@ -509,6 +581,7 @@ impl Network {
         desc: OpDesc,
         contributions: usize,
         fused: bool,
+        replayed: Option<(ReplayTicket, u64)>,
     ) -> Arc<Issued> {
         let seq = match (desc.kind, desc.route) {
             (OpKind::Transfer, Some((from, to))) => {
@@ -535,7 +608,8 @@ impl Network {
             desc,
             contributions,
             fused,
-            event: OnceLock::new(),
+            scheduled: OnceLock::new(),
+            replayed,
             error: OnceLock::new(),
         };
         let issued = st.entry(entry);
@@ -547,7 +621,13 @@ impl Network {
     /// operations issued ([`IssueState::spare`]), up to [`SPARE_ENTRIES`].
     fn give_back(&self, finished: impl IntoIterator<Item = Arc<Issued>>) {
         let mut st = lock(&self.issue);
-        for op in finished {
+        for mut op in finished {
+            // A replayed operation nothing else holds lets go of its replay's ticket now,
+            // not when its entry is issued again (which may be never, deep in the spares):
+            // that replay's ticket is then free for a later replay ([`ReplayTickets`]).
+            if let Some(entry) = Arc::get_mut(&mut op) {
+                entry.replayed = None;
+            }
             if st.spare.len() < SPARE_ENTRIES {
                 st.spare.push(op);
             }
@@ -605,7 +685,7 @@ impl Network {
             // lock: taken for one that runs, a skipped send would be run by the kernel of
             // the receive after it (`cluster_steps::a_failed_input_in_a_replay_...`, on a
             // rank bound to one core).
-            let never_runs = match first.event.get() {
+            let never_runs = match first.ticket() {
                 None if mutant!("cluster_ticket_unset_runs") => Some(false),
                 None => None,
                 Some(t) => t.try_never_runs(),
@@ -643,10 +723,10 @@ impl Network {
     /// finds it set within moments (the wait yields the core, which the host may need).
     /// `None` past the deadline (a host thread that died in between); `op` is then taken
     /// for one that runs, as its kernel's own run would take it.
-    fn ticket_of<'a>(&self, op: &'a Issued) -> Option<&'a EntryTicket> {
+    fn ticket_of<'a>(&self, op: &'a Issued) -> Option<EntryTicket<'a>> {
         let deadline = self.deadline();
         loop {
-            if let Some(t) = op.event.get() {
+            if let Some(t) = op.ticket() {
                 return Some(t);
             }
             if Instant::now() >= deadline {
@@ -861,10 +941,9 @@ impl Network {
         }
         let parts: SmallVec<[ExchangePart<'_>; 4]> =
             ops.iter().map(|op| self.failed_part(op)).collect();
-        let data: SmallVec<[Option<DataLeg>; 4]> = ops.iter().map(|_| None).collect();
         // Only a fault matters (this rank's own operations failed already).
         let mut results = Results::new();
-        if let Err(e) = self.transfer_parts(guard, &parts, &data, &mut results) {
+        if let Err(e) = self.transfer_parts(guard, &parts, &mut results) {
             if breaks_cluster(&e) {
                 guard.state.broken = Some(e);
             }
@@ -885,6 +964,8 @@ impl Network {
             status: Status::InputFailed,
             payload: Payload::Unread(sent),
             expected,
+            data: None,
+            failed: None,
         }
     }
 
@@ -1082,7 +1163,7 @@ impl Network {
         mine.contributions = contributions.min(u16::MAX as usize) as u16;
         // One slot per rank; this rank's holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, size);
-        write_slot(&mut keep, rank, &mine, payload);
+        write_slot(&mut keep, rank, &mine.encode(), payload);
         let t = tag(op.seq, phase::HEADER);
         let legs: Legs<'_> = (0..size)
             .filter(|&p| p != rank)
@@ -1130,7 +1211,7 @@ impl Network {
         let rank = self.rank();
         let (from, to) = op.desc.route.unwrap_or((rank, rank));
         let peer = if from == rank { to } else { from };
-        let mine = Header::new(&op.desc, op.seq, rank, CrossRankAlgorithm::Direct, status);
+        let mine = Header::new(&op.desc, op.seq, rank, CrossRankAlgorithm::Direct, status).encode();
         // Slot 0 receives, slot 1 holds the outgoing header and payload.
         let mut keep = Self::take_slots(guard, 2);
         write_slot(&mut keep, 1, &mine, payload);
@@ -1152,7 +1233,7 @@ impl Network {
     /// payload) to its peer and the peer's into a slot of its own (slots `2i` and `2i + 1`
     /// for part `i`). Then part by part, in issue order: wait for the peer's first frame,
     /// check its header, and post the part's data that does not travel with the header
-    /// (`data[i]`) if it agreed. Last, every remaining frame and the data are waited for
+    /// ([`ExchangePart::data`]) if it agreed. Last, every remaining frame and the data are waited for
     /// together. Part by part, because a peer may run the two transfers as a `recv` and
     /// then a `send` (the same transfers, one routine each): its second header leaves only
     /// once its first transfer's data arrived, so the first part's data must not wait for
@@ -1166,7 +1247,6 @@ impl Network {
         &self,
         guard: &mut ExecGuard<'_>,
         parts: &[ExchangePart<'_>],
-        data: &[Option<DataLeg>],
         results: &mut Results,
     ) -> Result<()> {
         results.clear();
@@ -1176,8 +1256,9 @@ impl Network {
         let rank = self.rank();
         let deadline = self.deadline();
         // Pushed where they stay (collected, each list was moved out of its builder: a
-        // copy of several hundred bytes per exchange).
-        let mut mine: SmallVec<[Header; 4]> = SmallVec::new();
+        // copy of several hundred bytes per exchange). This rank's headers as encoded: the
+        // peers' are checked against these bytes ([`Network::check_transfer`]).
+        let mut mine: SmallVec<[[u8; HEADER_BYTES]; 4]> = SmallVec::new();
         let mut keep = Self::take_slots(guard, 2 * parts.len());
         let mut legs: Legs<'_> = SmallVec::new();
         for (i, p) in parts.iter().enumerate() {
@@ -1187,7 +1268,8 @@ impl Network {
                 rank,
                 CrossRankAlgorithm::Direct,
                 p.status,
-            );
+            )
+            .encode();
             write_slot(&mut keep, 2 * i + 1, &header, p.payload);
             mine.push(header);
             legs.push(Leg {
@@ -1266,7 +1348,7 @@ impl Network {
                         return Err(self.abandon(guard, &mut waiting, keep, e));
                     }
                 }
-                if let (Ok(()), Some(Some(leg))) = (&check, data.get(i)) {
+                if let (Ok(()), Some(leg)) = (&check, &parts[i].data) {
                     // SAFETY: the leg's maker promised its memory ([`DataLeg::send`],
                     // [`DataLeg::recv`]).
                     match unsafe { self.post_data(leg) } {
@@ -1277,9 +1359,11 @@ impl Network {
                         }
                     }
                 }
-                if let (Err(e), Some(r)) = (check, results.get_mut(i)) {
+                if let Err(e) = check {
                     // The others stay the `Ok` they were set to (not rewritten per part).
-                    *r = Err(e);
+                    if let Some(r) = results.get_mut(i) {
+                        *r = Err(e);
+                    }
                 }
                 if sequential {
                     keep = self.wait(guard, &mut waiting, keep, parts[i].op, deadline)?;
@@ -1318,16 +1402,25 @@ impl Network {
     }
 
     /// Checks the peer's header of the transfer `op` (`theirs`, as received) against this
-    /// rank's (`mine`): a mismatch names the peer, as does a failed input there.
+    /// rank's (`mine`, as encoded): a mismatch names the peer, as does a failed input there.
+    /// Compared as bytes first; decoded only when they do not agree, to say why.
     fn check_transfer(
         &self,
         op: &Issued,
-        mine: &Header,
+        mine: &[u8; HEADER_BYTES],
         theirs: &[u8; HEADER_BYTES],
     ) -> Result<()> {
+        if agrees(mine, theirs) {
+            return Ok(());
+        }
         let rank = self.rank();
         let (from, to) = op.desc.route.unwrap_or((rank, rank));
         let peer = if from == rank { to } else { from };
+        let Some(mine) = Header::decode(mine) else {
+            return Err(Error::Internal(
+                "this rank's own transfer header does not decode".into(),
+            ));
+        };
         let theirs = Header::decode(theirs).ok_or_else(|| Error::CollectiveMismatch {
             call: op.seq,
             rank: peer,
@@ -1335,7 +1428,7 @@ impl Network {
             ours: mine.describe(),
             theirs: "a message that is no tributary header".into(),
         })?;
-        check_peer(rank, mine, peer, &theirs, Describe(&op.desc))
+        check_peer(rank, &mine, peer, &theirs, Describe(&op.desc))
     }
 
     /// The messages of a header exchange, one [`Leg`] per peer: this rank's slot `own`
@@ -1492,9 +1585,9 @@ impl Network {
 /// Writes `header` and what of `payload` the exchange sends from the slot into slot `slot`
 /// of `slots`: the first frame's part of a [`Payload::Kept`], nothing else (a
 /// [`Payload::Unread`]'s bytes are never read).
-fn write_slot(slots: &mut [f64], slot: usize, header: &Header, payload: Payload<'_>) {
+fn write_slot(slots: &mut [f64], slot: usize, header: &[u8; HEADER_BYTES], payload: Payload<'_>) {
     let out = &mut bytemuck_bytes_mut(slots)[slot * SLOT_BYTES..];
-    out[..HEADER_BYTES].copy_from_slice(&header.encode());
+    out[..HEADER_BYTES].copy_from_slice(header);
     let copied = match payload {
         Payload::Kept(b) => &b[..payload.len().min(FRAME_BYTES - HEADER_BYTES)],
         Payload::None | Payload::Unread(_) => &[],
@@ -1545,7 +1638,8 @@ mod tests {
             desc: OpDesc::new(OpKind::Transfer, "x", &[4], tributary::DType::F32).routed(0, 1),
             contributions: 0,
             fused: false,
-            event: OnceLock::new(),
+            scheduled: OnceLock::new(),
+            replayed: None,
             error: OnceLock::new(),
         }
     }
@@ -1567,7 +1661,7 @@ mod tests {
             "a new entry was allocated"
         );
         assert_eq!(second.seq, 1);
-        assert!(second.error.get().is_none() && second.event.get().is_none());
+        assert!(second.error.get().is_none() && second.ticket().is_none());
         assert!(st.spare.is_empty());
     }
 
@@ -1583,5 +1677,79 @@ mod tests {
         assert!(!Arc::ptr_eq(&second, &ticket));
         assert_eq!((ticket.seq, second.seq), (0, 1));
         assert!(st.spare.is_empty(), "the held entry stays with its holder");
+    }
+
+    fn refused(why: &str) -> Ticket {
+        Ticket::ready(Err(Error::Internal(why.into())))
+    }
+
+    /// A replay ticket no operation holds any more is the next replay's, unset again: its
+    /// memory again, nothing of the last replay's ticket left.
+    #[test]
+    fn a_replay_ticket_nobody_holds_is_taken_again() {
+        let mut tickets = ReplayTickets::default();
+        let first = tickets.next();
+        let _ = first.set(refused("the first replay's"));
+        let at = Arc::as_ptr(&first);
+        drop(first);
+        let second = tickets.next();
+        assert!(
+            std::ptr::eq(Arc::as_ptr(&second), at),
+            "a new ticket was made"
+        );
+        assert!(
+            second.get().is_none(),
+            "the last replay's ticket is still set"
+        );
+    }
+
+    /// A replay ticket an operation still holds is never taken by a later replay (that
+    /// operation would read the later replay's event), and does not keep the others from
+    /// being taken: it is looked at again after them.
+    #[test]
+    fn a_replay_ticket_still_held_is_not_taken_again() {
+        let mut tickets = ReplayTickets::default();
+        let held = tickets.next();
+        let _ = held.set(refused("the held replay's"));
+        let entry = Issued {
+            replayed: Some((held.clone(), 0)),
+            ..transfer(0)
+        };
+        drop(held);
+        let second = tickets.next();
+        assert!(!Arc::ptr_eq(
+            &second,
+            entry.replayed.as_ref().map(|(t, _)| t).unwrap()
+        ));
+        drop(second);
+        // The held one comes first again and is passed over; the free one is taken.
+        let third = tickets.next();
+        assert!(third.get().is_none());
+        assert!(matches!(
+            entry.ticket().map(|t| t.event()),
+            Some(Err(Error::Internal(why))) if why == "the held replay's"
+        ));
+        assert_eq!(
+            tickets.kept.len(),
+            2,
+            "a ticket was made where one was free"
+        );
+    }
+
+    /// A replayed operation's ticket is its replay's, once the replay set it: none before
+    /// (its kernel then waits for it, as for an unset ticket), and the one set after.
+    #[test]
+    fn a_replayed_operation_reads_its_replays_ticket_once_set() {
+        let mut tickets = ReplayTickets::default();
+        let last = tickets.next();
+        let entry = Issued {
+            replayed: Some((last.clone(), 0)),
+            ..transfer(0)
+        };
+        assert!(entry.ticket().is_none());
+        let _ = last.set(refused("refused by its device"));
+        assert!(entry
+            .ticket()
+            .is_some_and(|t| t.try_never_runs() == Some(true)));
     }
 }

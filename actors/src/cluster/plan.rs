@@ -20,7 +20,7 @@ use tributary::{
 
 use super::{
     header::{CrossRankAlgorithm, OpDesc, OpKind},
-    network::{check_dtype, EntryTicket, Issued, IssuedGroup, Network, View},
+    network::{check_dtype, Issued, IssuedGroup, Network, View},
     Cluster, Exchange,
 };
 use crate::{
@@ -307,12 +307,12 @@ impl ClusterTicket {
         // thread again: on a rank bound to one core, every wake-up takes the core from the
         // network stream's worker (up to one per operation of a replayed step; the result
         // is read again below, in issue order).
-        if let Some(last) = self.ops.last().and_then(|op| op.event.get()) {
+        if let Some(last) = self.ops.last().and_then(|op| op.ticket()) {
             let _ = last.wait();
         }
         let mut untyped = None;
         for op in &self.ops {
-            let r = match op.event.get() {
+            let r = match op.ticket() {
                 Some(t) => t.wait(),
                 None => Err(Error::Internal(
                     "a network operation was never scheduled".into(),
@@ -506,7 +506,7 @@ impl ClusterAllReduce {
                     return Err(e);
                 }
             };
-            let _ = issued.event.set(EntryTicket::Issued(ticket));
+            issued.scheduled(ticket);
             ops.push(issued);
             // In place, context 0 holds the result already (its routine's context shares
             // its buffer): the copies go to the others.

@@ -22,7 +22,6 @@ use tributary::{
 
 use super::{
     header::OpDesc,
-    network::EntryTicket,
     plan::{ClusterAllReduce, ClusterTicket, Spans},
     Cluster, Exchange, Transfer,
 };
@@ -299,13 +298,19 @@ impl Cluster {
         step: &ClusterStep,
         values: Option<&StepBindings>,
     ) -> Result<ClusterTicket> {
-        let _issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut issuing = self.issuing.lock().unwrap_or_else(|e| e.into_inner());
+        // Every operation of this replay reads its event from this one ticket, set below.
+        let last = issuing.next();
         let issued = self.net.issue_all(
             step.network
                 .iter()
+                .enumerate()
                 // Mutant: a replay that does not queue its network operations again.
                 .filter(|_| !mutant!("cluster_replay_unqueued"))
-                .map(|op| (&op.desc, op.contributions, op.fused)),
+                .map(|(i, op)| {
+                    let replayed = step.backs.get(i).map(|&back| (last.clone(), back));
+                    (&op.desc, op.contributions, op.fused, replayed)
+                }),
         );
         let replayed = match values {
             Some(v) => self.sys.replay_with(&step.step, v),
@@ -325,13 +330,8 @@ impl Cluster {
             // run while the tickets are unset, as `Network::front` must allow for.
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        if let Some(last) = step.network_ticket.and_then(|k| tickets.get(k)) {
-            for (op, &back) in issued.iter().zip(&step.backs) {
-                let _ = op.event.set(EntryTicket::Replayed {
-                    last: last.clone(),
-                    back,
-                });
-            }
+        if let Some(t) = step.network_ticket.and_then(|k| tickets.get(k)) {
+            let _ = last.set(t.clone());
         }
         Ok(ClusterTicket::from_parts(issued, tickets))
     }

@@ -520,8 +520,6 @@ impl Network {
         // with its header, and its data leg. The payloads copy the views' slices out (they
         // borrow the kernel's memory, not `views`), so the parts outlive the pass.
         let mut parts: SmallVec<[ExchangePart<'_>; 4]> = SmallVec::new();
-        let mut data: SmallVec<[Option<DataLeg>; 4]> = SmallVec::new();
-        let mut failed: SmallVec<[Option<String>; 4]> = SmallVec::new();
         for (op, view) in ops.iter().zip(views.iter_mut()) {
             let why = unusable(rank, op, view);
             let (sent, expected) = self.transfer_payloads(&op.desc);
@@ -550,11 +548,11 @@ impl Network {
                 status: status_of(&why),
                 payload,
                 expected,
+                data: leg,
+                failed: why,
             });
-            data.push(leg);
-            failed.push(why);
         }
-        if let Err(fault) = self.transfer_parts(guard, &parts, &data, results) {
+        if let Err(fault) = self.transfer_parts(guard, &parts, results) {
             results.clear();
             results.extend(ops.iter().map(|_| Err(fault.clone())));
             return;
@@ -562,10 +560,10 @@ impl Network {
         // By index, not by draining the lists (a drain's and an owning iterator's moves
         // were 1.5% of a replayed Task Bench timestep).
         for (i, (part, view)) in parts.iter().zip(views.iter_mut()).enumerate() {
-            let (Some(result), Some(why)) = (results.get_mut(i), failed.get(i)) else {
+            let Some(result) = results.get_mut(i) else {
                 break;
             };
-            if let Some(why) = why {
+            if let Some(why) = &part.failed {
                 // This rank's own failed view is its part's error (the peer was told by
                 // the header).
                 *result = Err(Error::Internal(format!(
