@@ -115,7 +115,9 @@ impl Shared {
                 // protocol-made (the writable bindings of the plan do not alias any other
                 // binding); own timeline (every other use of a buffer this operation
                 // writes, and every writer of one it reads, has finished).
-                let kargs = unsafe { KernelArgs::with_parts(views, merge, bindings) };
+                let mut kargs = unsafe { KernelArgs::with_merge(merge, bindings) };
+                // SAFETY: as above, for every parameter view.
+                unsafe { kargs.extend_views(views) };
                 run_cpu(kernel, &kargs, self.config.kernel_mode)
             }
             Work::Copy { src, dst, bytes } => {

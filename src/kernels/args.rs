@@ -201,9 +201,7 @@ impl<'a> KernelArgs<'a> {
         unsafe { KernelArgs::with_parts(views, merge, Bindings::none()) }
     }
 
-    /// [`KernelArgs::new`] with the index values at once: inlined, so a backend builds the
-    /// arguments (~500 bytes) where it calls the kernel, not in a frame they are moved out
-    /// of twice.
+    /// [`KernelArgs::new`] with the index values at once.
     ///
     /// # Safety
     ///
@@ -214,18 +212,41 @@ impl<'a> KernelArgs<'a> {
         merge: Option<ArgView>,
         bindings: Bindings,
     ) -> KernelArgs<'a> {
-        // The views are gathered where they stay: collected first, they were moved into the
-        // value (~400 bytes copied per kernel call).
-        let mut args = KernelArgs {
+        // SAFETY: the caller's contract, passed on.
+        let mut args = unsafe { KernelArgs::with_merge(merge, bindings) };
+        // SAFETY: as above.
+        unsafe { args.extend_views(views) };
+        args
+    }
+
+    /// Arguments with no parameter view yet, `merge` and the index values: a backend makes
+    /// them where it calls the kernel and pushes the views there
+    /// ([`KernelArgs::extend_views`]). Made empty, they are moved without their ~500 bytes of
+    /// views (made whole and moved, they were copied at every kernel call).
+    ///
+    /// # Safety
+    ///
+    /// As [`KernelArgs::new`], for `merge`.
+    #[inline(always)]
+    pub(crate) unsafe fn with_merge(merge: Option<ArgView>, bindings: Bindings) -> KernelArgs<'a> {
+        KernelArgs {
             views: SmallVec::new(),
             merge,
             borrows: BorrowFlags::new(0),
             bindings,
             _memory: PhantomData,
-        };
-        args.views.extend(views);
-        args.borrows = BorrowFlags::new(args.views.len());
-        args
+        }
+    }
+
+    /// Appends `views` (in argument order) to arguments none of which is borrowed yet.
+    ///
+    /// # Safety
+    ///
+    /// As [`KernelArgs::new`], for every view these arguments then hold.
+    #[inline]
+    pub(crate) unsafe fn extend_views(&mut self, views: impl IntoIterator<Item = ArgView>) {
+        self.views.extend(views);
+        self.borrows = BorrowFlags::new(self.views.len());
     }
 
     /// These arguments with the values of the routine's indices (the plan's snapshot).

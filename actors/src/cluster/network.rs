@@ -1286,7 +1286,10 @@ impl Network {
         let n = parts.len();
         let (mut heads, mut waiting) = (Requests::new(), Requests::new());
         results.extend((0..n).map(|_| Ok(())));
-        let mut checked: SmallVec<[bool; 4]> = smallvec![false; n];
+        // From a whole inline buffer (a constant store), not filled to `n` (a `memset` call
+        // per exchange).
+        let mut checked: SmallVec<[bool; 4]> = SmallVec::from_buf([false; 4]);
+        checked.resize(n, false);
         let mut posted_legs = 0;
         while checked.iter().any(|c| !c) {
             if posted_legs == 0 || (sequential && posted_legs < n && checked[posted_legs - 1]) {
