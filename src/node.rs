@@ -9,8 +9,8 @@
 use std::{
     fmt,
     sync::{
-        atomic::{AtomicU32, Ordering},
-        Arc, Mutex,
+        atomic::{AtomicU32, AtomicU8, Ordering},
+        Arc,
     },
 };
 
@@ -153,6 +153,18 @@ const ALL_MODES: [MemoryMode; 17] = [
     MemoryMode::Hosted(HostedKind::ChangedOnDevices(Sharing::SharedCrossStreams)),
 ];
 
+/// The mode whose set of final modes ([`MemoryMode::possible`]) each byte is, for the sets
+/// that have one: a node keeps its mode as that set, read with one load.
+const MODE_OF_SET: [Option<MemoryMode>; 256] = {
+    let mut table = [None; 256];
+    let mut i = 0;
+    while i < ALL_MODES.len() {
+        table[ALL_MODES[i].possible() as usize] = Some(ALL_MODES[i]);
+        i += 1;
+    }
+    table
+};
+
 impl MemoryMode {
     /// Hosted, changed on devices, sharing decided by linking (the usual mode for weights).
     pub const fn hosted_changed_on_devices() -> MemoryMode {
@@ -190,7 +202,7 @@ impl MemoryMode {
     }
 
     fn from_set(set: u8) -> Option<MemoryMode> {
-        ALL_MODES.iter().copied().find(|m| m.possible() == set)
+        MODE_OF_SET[set as usize]
     }
 
     /// Refines `self` by `other`: the mode allowing exactly the final modes both allow.
@@ -265,7 +277,10 @@ struct NodeInner {
     label: String,
     dtype: DType,
     shape: Shape,
-    mode: Mutex<MemoryMode>,
+    /// The mode, as the set of final modes it may still become ([`MemoryMode::possible`]):
+    /// read with one load, not a lock (every scheduled routine and every replay reads the
+    /// modes of its nodes), refined by a compare-and-swap.
+    mode: AtomicU8,
     /// Declared to start as zeros in every fresh buffer ([`TensorNode::new_zeroed`]).
     zeroed: bool,
 }
@@ -306,7 +321,7 @@ impl TensorNode {
             label,
             dtype,
             shape,
-            mode: Mutex::new(MemoryMode::Unset),
+            mode: AtomicU8::new(MemoryMode::Unset.possible()),
             zeroed,
         }))
     }
@@ -369,46 +384,63 @@ impl TensorNode {
 
     /// The current memory mode.
     pub fn mode(&self) -> MemoryMode {
-        *self.0.mode.lock().unwrap_or_else(|p| p.into_inner())
+        // Acquire: pairs with a refinement's release (the set is the whole of the mode).
+        MemoryMode::from_set(self.0.mode.load(Ordering::Acquire)).unwrap_or(MemoryMode::Unset)
+    }
+
+    /// Sets the mode to `refine(current)`, or changes nothing when that is an error: the
+    /// refinement is recomputed if another thread refined the mode meanwhile, so each call
+    /// is atomic.
+    fn refine_with(&self, refine: impl Fn(MemoryMode) -> Result<MemoryMode>) -> Result<MemoryMode> {
+        let mut set = self.0.mode.load(Ordering::Acquire);
+        loop {
+            let current = MemoryMode::from_set(set).unwrap_or(MemoryMode::Unset);
+            let next = refine(current)?;
+            // AcqRel: publishes the refined mode, and reads the one it refines.
+            match self.0.mode.compare_exchange_weak(
+                set,
+                next.possible(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(next),
+                Err(now) => set = now,
+            }
+        }
     }
 
     /// Refines the memory mode; a contradiction is an error and changes nothing.
     pub fn refine_mode(&self, mode: MemoryMode) -> Result<MemoryMode> {
-        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
-        let next = current.refine(mode).ok_or_else(|| Error::ModeConflict {
-            node: self.to_string(),
-            current: current.to_string(),
-            requested: mode.to_string(),
-        })?;
-        *current = next;
-        Ok(next)
+        self.refine_with(|current| {
+            current.refine(mode).ok_or_else(|| Error::ModeConflict {
+                node: self.to_string(),
+                current: current.to_string(),
+                requested: mode.to_string(),
+            })
+        })
     }
 
     /// Refines the sharing of the memory mode; a contradiction is an error and changes nothing.
     pub fn refine_sharing(&self, sharing: Sharing) -> Result<MemoryMode> {
-        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
-        let next = current
-            .refine_sharing(sharing)
-            .ok_or_else(|| Error::ModeConflict {
-                node: self.to_string(),
-                current: current.to_string(),
-                requested: format!("sharing {sharing:?}"),
-            })?;
-        *current = next;
-        Ok(next)
+        self.refine_with(|current| {
+            current
+                .refine_sharing(sharing)
+                .ok_or_else(|| Error::ModeConflict {
+                    node: self.to_string(),
+                    current: current.to_string(),
+                    requested: format!("sharing {sharing:?}"),
+                })
+        })
     }
 
     /// Fixes the mode for linking: see [`MemoryMode::materialize`]. Refines the stored mode.
     pub fn materialize(&self) -> Result<MemoryMode> {
-        let mut current = self.0.mode.lock().unwrap_or_else(|p| p.into_inner());
-        let next = current
-            .materialize()
-            .ok_or_else(|| Error::NotMaterialized {
+        self.refine_with(|current| {
+            current.materialize().ok_or_else(|| Error::NotMaterialized {
                 node: self.to_string(),
                 mode: current.to_string(),
-            })?;
-        *current = next;
-        Ok(next)
+            })
+        })
     }
 
     /// Checks that `len` elements of `dtype` match this node.
@@ -482,6 +514,43 @@ mod tests {
             }
             assert_eq!(a.refine(a), Some(a));
             assert_eq!(MemoryMode::Unset.refine(a), Some(a));
+        }
+    }
+
+    /// A node keeps its mode as the mode's set of finals: every named mode is read back as
+    /// itself, and no two named modes share a set.
+    #[test]
+    fn every_mode_is_kept_as_its_set_and_read_back() {
+        for (i, a) in ALL_MODES.iter().enumerate() {
+            assert_eq!(MemoryMode::from_set(a.possible()), Some(*a));
+            assert!(ALL_MODES[..i].iter().all(|b| b.possible() != a.possible()));
+            let n = TensorNode::new("m", DType::F32, [1]);
+            assert_eq!(n.refine_mode(*a).ok(), Some(*a));
+            assert_eq!(n.mode(), *a);
+        }
+    }
+
+    /// Refinements from several threads at once are each atomic: compatible ones all land
+    /// (their meet, whatever the order), and one that contradicts the mode changes nothing.
+    #[test]
+    fn concurrent_refinements_meet() {
+        for _ in 0..200 {
+            let n = TensorNode::new("c", DType::F32, [1]);
+            n.refine_mode(MemoryMode::NeverVirtual).expect("from unset");
+            std::thread::scope(|s| {
+                for m in [
+                    MemoryMode::Materialized,
+                    MemoryMode::on_device(),
+                    MemoryMode::DeviceOnly,
+                    MemoryMode::NeverVirtual,
+                ] {
+                    let n = &n;
+                    s.spawn(move || n.refine_mode(m).expect("a compatible refinement"));
+                }
+                // Contradicts the mode the node has before and after each of the others.
+                s.spawn(|| assert!(n.refine_mode(MemoryMode::Virtual).is_err()));
+            });
+            assert_eq!(n.mode(), MemoryMode::OnDevice(Sharing::Unset));
         }
     }
 
