@@ -467,13 +467,8 @@ mod tests {
     /// something but the sender and status, on every rank, naming the other rank.
     #[test]
     fn every_difference_is_a_mismatch_on_every_rank() {
-        let mut seed = 0x1234_5678_9abc_def0u64;
-        let mut next = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut random = crate::cluster::xorshift(0x1234_5678_9abc_def0);
+        let mut next = move |n: u64| random() % n;
         let labels = [
             "w",
             "dw1",
@@ -561,13 +556,7 @@ mod tests {
     /// does not (one field at a time, from random headers, every field's every byte).
     #[test]
     fn the_byte_check_agrees_exactly_where_the_decoded_check_passes() {
-        let mut seed = 0x0bad_cafe_f00d_1234u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::cluster::xorshift(0x0bad_cafe_f00d_1234);
         let mut refused = 0;
         for _ in 0..200 {
             let d = OpDesc::new(

@@ -46,6 +46,18 @@ mod plan;
 mod reduce;
 mod step;
 
+/// The unit tests' random numbers: a xorshift generator from `seed` (deterministic, so a
+/// failure replays).
+#[cfg(test)]
+fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
+
 use std::sync::{
     atomic::{AtomicBool, Ordering},
     Arc, Mutex,
@@ -385,7 +397,7 @@ impl Cluster {
                 return Err(e);
             }
         };
-        issued.scheduled(ticket.clone());
+        issued.set_scheduled(ticket.clone());
         if send || in_place {
             return Ok(ClusterTicket::new([issued], [ticket]));
         }
@@ -570,7 +582,7 @@ impl Cluster {
             }
         }
         for op in &issued {
-            op.scheduled(ticket.clone());
+            op.set_scheduled(ticket.clone());
         }
         let mut tickets: SmallVec<[Ticket; 4]> = smallvec::smallvec![ticket];
         if !in_place {
@@ -690,7 +702,7 @@ impl Cluster {
             let issued = self.net.issue(desc, contributions);
             match routine.schedule() {
                 Ok(t) => {
-                    issued.scheduled(t);
+                    issued.set_scheduled(t);
                     ClusterTicket::new([issued], [])
                 }
                 Err(e) => {

@@ -363,7 +363,7 @@ impl Issued {
     }
 
     /// Sets the ticket of its routine, right after the routine was scheduled.
-    pub(crate) fn scheduled(&self, ticket: Ticket) {
+    pub(crate) fn set_scheduled(&self, ticket: Ticket) {
         let _ = self.scheduled.set(ticket);
     }
 

@@ -506,7 +506,7 @@ impl ClusterAllReduce {
                     return Err(e);
                 }
             };
-            issued.scheduled(ticket);
+            issued.set_scheduled(ticket);
             ops.push(issued);
             // In place, context 0 holds the result already (its routine's context shares
             // its buffer): the copies go to the others.
